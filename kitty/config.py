@@ -1,0 +1,110 @@
+"""What to quantize and how: ``KVQuantConfig`` and the named ``PRESETS`` (paper: arXiv 2511.18643)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+VALID_BITS = (2, 4, 16)  # 16 = kept in full precision (no quantization)
+CHANNEL_SELECTIONS = ("magnitude", "random")
+MAX_HEAD_DIM = 256  # boost_idx is uint8: one slot per channel
+
+
+@dataclass(frozen=True)
+class KVQuantConfig:
+    """Kitty KV-cache quantization settings.
+
+    Keys are quantized per channel over pages of ``group_size`` tokens; in each page the top
+    ``round(boost_fraction * head_dim)`` channels by mean |K| get ``boost_bits``, the rest ``key_bits``.
+    Values are quantized per token. The first ``sink_tokens`` tokens and the newest ``local_window`` values stay
+    in full precision.
+    """
+
+    key_bits: int = 2  # 2 or 4, or 16 for unquantized keys
+    value_bits: int = 2  # 2 or 4, or 16 for unquantized values
+    boost_bits: int = 4  # precision of boosted key channels (paper: INT4)
+    boost_fraction: float = 0.125  # share of key channels boosted per page (kitty 12.5%, kitty-pro 25%)
+    sink_tokens: int = 32  # S: first tokens kept in full precision for K and V (attention sinks)
+    group_size: int = 128  # G: tokens per quantization group = page size; multiple of 4 (4 codes per byte)
+    local_window: int = 128  # R: newest values kept in full precision
+    channel_selection: str = "magnitude"  # how boosted channels are chosen: see CHANNEL_SELECTIONS
+    seed: int = 0  # for channel_selection="random"
+    name: str = field(default="custom", compare=False)
+    description: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        for f in ("key_bits", "value_bits"):
+            if getattr(self, f) not in VALID_BITS:
+                raise ValueError(f"{f} must be one of {VALID_BITS}, got {getattr(self, f)!r}")
+        if self.boost_bits != 4:
+            raise ValueError(f"boost_bits must be 4 (a 2-bit low plane + a 2-bit high plane), got {self.boost_bits!r}")
+        if not isinstance(self.boost_fraction, (int, float)) or not 0.0 <= self.boost_fraction <= 1.0:
+            raise ValueError(f"boost_fraction must be in [0, 1], got {self.boost_fraction!r}")
+        if self.boost_fraction > 0 and self.key_bits != 2:
+            raise ValueError(f"boost_fraction > 0 needs key_bits=2 (boosting 2-bit channels to 4), got key_bits={self.key_bits}")
+        if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be an integer >= 0, got {self.sink_tokens!r}")
+        if not isinstance(self.group_size, int) or self.group_size <= 0 or self.group_size % 4:
+            raise ValueError(f"group_size must be a positive multiple of 4, got {self.group_size!r}")
+        if not isinstance(self.local_window, int) or self.local_window < 0:
+            raise ValueError(f"local_window must be an integer >= 0, got {self.local_window!r}")
+        if self.channel_selection not in CHANNEL_SELECTIONS:
+            raise ValueError(f"channel_selection must be one of {CHANNEL_SELECTIONS}, got {self.channel_selection!r}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def quantizes_keys(self) -> bool:
+        return self.key_bits != 16
+
+    @property
+    def quantizes_values(self) -> bool:
+        return self.value_bits != 16
+
+    def num_boosted(self, head_dim: int) -> int:
+        """Channels per key page stored with 4 bits: all of them for 4-bit keys, else ``round(fraction * D)``."""
+        if self.key_bits == 4:
+            return head_dim
+        if self.key_bits == 16:
+            return 0
+        return int(round(self.boost_fraction * head_dim))
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raise ``ValueError`` if pages of this config cannot hold heads of ``head_dim`` channels."""
+        if not isinstance(head_dim, int) or head_dim <= 0:
+            raise ValueError(f"head_dim must be a positive integer, got {head_dim!r}")
+        if head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"head_dim must be <= {MAX_HEAD_DIM} (uint8 boost_idx), got {head_dim}")
+        if self.quantizes_values and head_dim % 4:
+            raise ValueError(f"head_dim must be a multiple of 4 to pack 2-bit values along channels, got {head_dim}")
+
+    def with_(self, **changes) -> "KVQuantConfig":
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+
+def _preset(name: str, description: str, **kw) -> KVQuantConfig:
+    kw.setdefault("boost_fraction", 0.0)
+    return KVQuantConfig(name=name, description=description, **kw)
+
+
+PRESETS: dict[str, KVQuantConfig] = {
+    p.name: p
+    for p in (
+        _preset("fp16", "No quantization: every key and value in full precision (the reference).", key_bits=16, value_bits=16),
+        _preset("kivi-k2v2", "KIVI: 2-bit keys per channel, 2-bit values per token, no sink.", sink_tokens=0),
+        _preset("kivi-k2v2-sink", "KIVI-K2V2*: KIVI 2-bit keys and values, first 32 tokens kept in full precision."),
+        _preset("kivi-k2v4-sink", "K2V4*: 2-bit keys, 4-bit values, 32 sink tokens.", value_bits=4),
+        _preset("kivi-k4v2-sink", "K4V2*: 4-bit keys, 2-bit values, 32 sink tokens.", key_bits=4),
+        _preset("kivi-k4v4", "KIVI-K4V4: 4-bit keys and values, no sink.", key_bits=4, value_bits=4, sink_tokens=0),
+        _preset("kitty", "Kitty: 2-bit keys with the top 12.5% channels by mean |K| boosted to 4 bits, 2-bit values, sink.", boost_fraction=0.125),
+        _preset("kitty-pro", "Kitty-Pro: like Kitty with 25% of key channels boosted to 4 bits.", boost_fraction=0.25),
+        _preset("kitty-random", "Ablation: Kitty with 12.5% of key channels boosted at random instead of by magnitude.", boost_fraction=0.125, channel_selection="random"),
+    )
+}
+
+
+def get_preset(name: str) -> KVQuantConfig:
+    """Look up a preset by name, with a ``ValueError`` listing the choices."""
+    if name not in PRESETS:
+        raise ValueError(f"method must be one of {sorted(PRESETS)}, got {name!r}")
+    return PRESETS[name]

@@ -1,0 +1,154 @@
+"""What a Kitty cache costs: where each token lives, analytic bits per element, and the same measured from nbytes.
+
+Every token of a sequence is addressed by its absolute position ``p`` (0-based). With ``S`` sink tokens, page
+size ``G`` and value window ``R``, a sequence of ``n`` tokens is laid out as (``m = max(n - S, 0)``):
+
+    keys:   sink [0, min(n, S)) | key pages: m // G full pages | key qbuffer: m % G tokens
+    values: sink [0, min(n, S)) | value pages: mv // G | value qbuffer: mv % G | local: min(m, R) newest
+            where mv = max(m - R, 0)
+
+so the counts in every place follow from ``n`` alone (:func:`token_layout`). Full-precision buffers are slotted by
+position: key qbuffer slot ``(p - S) % G``, value qbuffer slot ``(p - S) % G``, local slot ``(p - S) % R``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, astuple, dataclass
+
+from .config import KVQuantConfig
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """How many tokens of one sequence sit in each place (see module docstring)."""
+
+    tokens: int
+    sink: int
+    key_pages: int  # number of full key pages
+    key_qbuffer: int
+    value_pages: int
+    value_qbuffer: int
+    local: int
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def token_layout(cfg: KVQuantConfig, n: int) -> TokenLayout:
+    """Where the ``n`` tokens of one sequence live under ``cfg``."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
+    m = max(n - S, 0)
+    mv = max(m - R, 0)
+    return TokenLayout(n, min(n, S), m // G, m % G, mv // G, mv % G, min(m, R))
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes held by a KV cache (all layers and KV heads, summed over batch rows)."""
+
+    tokens: int  # tokens cached per layer, summed over rows
+    fp16_bytes: int  # the same keys and values at 16 bits
+    payload_bytes: int  # quantized codes: low/high planes, value codes (and raw pages of 16-bit configs)
+    metadata_bytes: int  # scale, zero, boost_idx
+    full_precision_bytes: int  # sink, qbuffers, local window
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.payload_bytes + self.metadata_bytes + self.full_precision_bytes
+
+    @property
+    def bits_per_element(self) -> float:
+        elems = self.fp16_bytes / 2
+        return 8 * self.stored_bytes / elems if elems else 0.0
+
+    @property
+    def compression(self) -> float:
+        return self.fp16_bytes / self.stored_bytes if self.stored_bytes else 1.0
+
+    def __add__(self, other: "MemoryReport") -> "MemoryReport":
+        return MemoryReport(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+    def summary(self) -> str:
+        return (
+            f"{self.tokens} tokens: {self.stored_bytes / 2**20:.2f} MiB stored vs {self.fp16_bytes / 2**20:.2f} MiB fp16 "
+            f"({self.bits_per_element:.2f} bits/element, {self.compression:.2f}x)"
+        )
+
+
+def page_bytes(cfg: KVQuantConfig, head_dim: int, dtype_bytes: int = 2) -> dict[str, int]:
+    """Bytes of one key page and one value page of one KV head, split into payload and metadata.
+
+    ``dtype_bytes`` is the element size of the model dtype: full-precision buffers and scale/zero use it.
+    """
+    D, G = head_dim, cfg.group_size
+    cfg.check_head_dim(D)
+    nb = cfg.num_boosted(D)
+    if cfg.quantizes_keys:
+        key_payload = D * G // 4 + nb * G // 4  # low plane + compact high plane
+        key_meta = D + 2 * D * dtype_bytes  # boost_idx + scale + zero
+    else:
+        key_payload, key_meta = G * D * dtype_bytes, 0
+    if cfg.quantizes_values:
+        value_payload = G * D * cfg.value_bits // 8
+        value_meta = 2 * G * dtype_bytes
+    else:
+        value_payload, value_meta = G * D * dtype_bytes, 0
+    return {"key_payload": key_payload, "key_meta": key_meta, "value_payload": value_payload, "value_meta": value_meta}
+
+
+def analytic_report(
+    cfg: KVQuantConfig,
+    lengths: int | list[int],
+    head_dim: int,
+    num_kv_heads: int = 1,
+    num_layers: int = 1,
+    dtype_bytes: int = 2,
+) -> MemoryReport:
+    """Bytes a Kitty cache holds for sequences of ``lengths`` tokens, from the layout formula alone."""
+    lengths = [lengths] if isinstance(lengths, int) else list(lengths)
+    pb = page_bytes(cfg, head_dim, dtype_bytes)
+    payload = meta = full = 0
+    for n in lengths:
+        lay = token_layout(cfg, n)
+        payload += lay.key_pages * pb["key_payload"] + lay.value_pages * pb["value_payload"]
+        meta += lay.key_pages * pb["key_meta"] + lay.value_pages * pb["value_meta"]
+        full_tokens = 2 * lay.sink + lay.key_qbuffer + lay.value_qbuffer + lay.local
+        full += full_tokens * head_dim * dtype_bytes
+    scale = num_kv_heads * num_layers
+    n_total = sum(lengths)
+    return MemoryReport(n_total, 2 * n_total * head_dim * 2 * scale, payload * scale, meta * scale, full * scale)
+
+
+def asymptotic_bits(cfg: KVQuantConfig, head_dim: int, dtype_bytes: int = 2) -> dict[str, float]:
+    """Bits per element of pages alone (long-context limit), keys and values, split by component."""
+    G, D = cfg.group_size, head_dim
+    pb = page_bytes(cfg, D, dtype_bytes)
+    nb = cfg.num_boosted(D) if cfg.quantizes_keys else 0
+    per = 8 / (G * D)
+    out = {
+        "key_low": 2.0 if cfg.quantizes_keys else 0.0,
+        "key_high": 2.0 * nb / D,
+        "key_boost_idx": 8.0 / G if cfg.quantizes_keys else 0.0,
+        "key_scale_zero": 16.0 * dtype_bytes / G if cfg.quantizes_keys else 0.0,
+        "key_raw": 0.0 if cfg.quantizes_keys else 8.0 * dtype_bytes,
+        "value_codes": pb["value_payload"] * per,
+        "value_scale_zero": pb["value_meta"] * per,
+    }
+    out["key_total"] = (pb["key_payload"] + pb["key_meta"]) * per
+    out["value_total"] = (pb["value_payload"] + pb["value_meta"]) * per
+    out["total"] = (out["key_total"] + out["value_total"]) / 2
+    return out
+
+
+def measured_report(tokens: int, head_dim_elems_fp16: int, pages, buffers) -> MemoryReport:
+    """A report from real tensors: ``pages`` an iterable of KeyPage/ValuePage, ``buffers`` of filled tensors.
+
+    ``head_dim_elems_fp16``: key + value elements cached (``2 * tokens * D * heads * layers``), for the fp16 size.
+    """
+    pages = list(pages)
+    payload = sum(p.payload_nbytes for p in pages)
+    meta = sum(p.metadata_nbytes for p in pages)
+    full = sum(b.nbytes for b in buffers)
+    return MemoryReport(tokens, 2 * head_dim_elems_fp16, payload, meta, full)

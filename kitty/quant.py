@@ -1,0 +1,283 @@
+"""Torch reference quantizers: the math of one Kitty page (paper §3.2–3.3, §4.1, Algorithm 1).
+
+Read top to bottom: bit packing primitives, then asymmetric min-max quantization, then key pages (per-channel,
+with dynamic channel-wise precision boost and the dense/sparse decomposition), then value pages (per-token).
+
+Shapes: inputs are ``[..., G, D]`` (tokens x channels, the layout of a transformers cache ``[B, H, T, D]``);
+any leading dims are batched. A key page stores its planes channel-major, four tokens per byte (Algorithm 1):
+
+    low        uint8 [..., D,  G/4]   low 2 bits of every channel's code
+    high       uint8 [..., nb, G/4]   high 2 bits of the nb boosted channels only (compact)
+    boost_idx  uint8 [..., D]         slot of the channel in ``high``, or BOOST_SENTINEL if not boosted
+    scale/zero       [..., D]         per channel; x ~= code * scale + zero
+
+A value page stores ``codes`` uint8 ``[..., G, D*bits/8]`` (packed along channels) and per-token scale/zero.
+Scale/zero are kept in the input dtype (fp16/bf16: 16 bits; fp32 stays fp32), so they never overflow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from .config import KVQuantConfig
+
+BOOST_SENTINEL = 255  # boost_idx of an unboosted channel; always >= nb since head_dim <= 256
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# ----------------------------------------------------------------------------------------------- bit packing
+
+
+def pack_bits(codes: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
+    """Pack integer codes in ``[0, 2**bits)`` into uint8, ``8 // bits`` codes per byte along ``dim``.
+
+    Code ``j`` of each group lands at bit offset ``bits * (j % per_byte)`` (little-end first), as in Algorithm 1's
+    ``shifts = [0, 2, 4, 6]`` for 2 bits.
+    """
+    if bits not in (2, 4):
+        raise ValueError(f"bits must be 2 or 4, got {bits}")
+    per_byte = 8 // bits
+    dim = dim % codes.dim()
+    if codes.shape[dim] % per_byte:
+        raise ValueError(f"size of dim {dim} must be a multiple of {per_byte} to pack {bits}-bit codes, got {codes.shape[dim]}")
+    c = codes.to(torch.uint8).movedim(dim, -1)
+    c = c.reshape(*c.shape[:-1], c.shape[-1] // per_byte, per_byte)  # (..., n/per_byte, per_byte)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+    packed = (c << shifts).sum(-1, dtype=torch.uint8)  # disjoint bit fields: sum == bitwise or
+    return packed.movedim(-1, dim)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: uint8 ``[..., n/per_byte, ...]`` -> uint8 codes ``[..., n, ...]``."""
+    if bits not in (2, 4):
+        raise ValueError(f"bits must be 2 or 4, got {bits}")
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"packed must be uint8, got {packed.dtype}")
+    dim = dim % packed.dim()
+    p = packed.movedim(dim, -1)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    codes = (p.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # (..., n/per_byte, per_byte)
+    return codes.reshape(*p.shape[:-1], -1).movedim(-1, dim)
+
+
+def pack_2bit(codes: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Four 2-bit codes per byte along ``dim`` (Algorithm 1's layout)."""
+    return pack_bits(codes, 2, dim)
+
+
+def unpack_2bit(packed: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Inverse of :func:`pack_2bit`."""
+    return unpack_bits(packed, 2, dim)
+
+
+# ------------------------------------------------------------------------------------- min-max quantization
+
+
+def _check_input(x: torch.Tensor, name: str) -> None:
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} must be one of {FLOAT_DTYPES}, got {x.dtype}")
+    if not torch.isfinite(x).all():
+        raise ValueError(f"{name} holds NaN or Inf; Kitty quantizes only finite keys and values")
+
+
+def meta_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of stored scale/zero: the input's own (16-bit stays 16-bit; fp32 keeps fp32 so nothing overflows)."""
+    return dtype
+
+
+def minmax_params(x: torch.Tensor, levels: torch.Tensor | int, dim: int, dtype: torch.dtype):
+    """Asymmetric min-max parameters over ``dim``: ``(scale, zero)`` stored in ``dtype``.
+
+    ``zero`` is the minimum (exact in the input dtype). ``scale = (max - min) / levels`` is rounded *up* to the
+    next representable value of ``dtype`` so that every code fits in ``[0, levels]`` and the reconstruction error
+    stays within half a step. A zero range gives ``scale = 0`` and reconstructs exactly.
+    """
+    xf = x.float()
+    zero = xf.amin(dim)
+    scale = (xf.amax(dim) - zero) / levels
+    scale_q = scale.to(dtype)
+    if dtype != torch.float32:  # bump to the next 16-bit value where rounding went down
+        bump = (scale_q.float() < scale).to(torch.int16)
+        scale_q = (scale_q.view(torch.int16) + bump).view(dtype)
+    return scale_q, zero.to(dtype)
+
+
+def quantize_codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: torch.Tensor | int) -> torch.Tensor:
+    """``code = clamp(floor((x - zero) / scale + 1/2), 0, levels)`` in fp32 (0 where scale is 0), as uint8."""
+    s = scale.float()
+    q = torch.where(s > 0, (x.float() - zero.float()) / torch.where(s > 0, s, 1.0), 0.0)
+    return torch.minimum(torch.floor(q + 0.5).clamp_min(0), torch.as_tensor(levels, device=x.device)).to(torch.uint8)
+
+
+def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``codes * scale + zero`` in fp32, cast to ``dtype``."""
+    return (codes.float() * scale.float() + zero.float()).to(dtype)
+
+
+# ------------------------------------------------------------------------------------------------ key pages
+
+
+@dataclass
+class _Page:
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every stored tensor (payload + metadata)."""
+        return sum(t.nbytes for t in self.tensors().values())
+
+
+@dataclass
+class KeyPage(_Page):
+    """One page of keys (``G`` tokens x ``D`` channels, batched over leading dims), see the module docstring.
+
+    For unquantized keys (``key_bits=16``) only ``raw`` ``[..., G, D]`` holds data and the planes are empty.
+    """
+
+    low: torch.Tensor  # uint8 [..., D, G/4]
+    high: torch.Tensor  # uint8 [..., nb, G/4]
+    boost_idx: torch.Tensor  # uint8 [..., D]
+    scale: torch.Tensor  # [..., D]
+    zero: torch.Tensor  # [..., D]
+    raw: torch.Tensor  # [..., G, D] for key_bits=16, else empty
+    dtype: torch.dtype  # dtype dequantization returns
+
+    @property
+    def num_boosted(self) -> int:
+        return self.high.shape[-2]
+
+    @property
+    def payload_nbytes(self) -> int:
+        return self.low.nbytes + self.high.nbytes + self.raw.nbytes
+
+    @property
+    def metadata_nbytes(self) -> int:
+        return self.boost_idx.nbytes + self.scale.nbytes + self.zero.nbytes
+
+
+def channel_importance(k: torch.Tensor, cfg: KVQuantConfig, salt: int = 0) -> torch.Tensor:
+    """Score of each key channel, higher = boosted first. ``k``: ``[..., G, D]`` -> ``[..., D]`` fp32.
+
+    ``magnitude``: the paper's ``s_i = mean_t |K[t, i]|``. ``random``: a fixed random score per channel from
+    ``cfg.seed`` and ``salt`` (e.g. the layer index), the same for every page: the ablation baseline.
+    """
+    if cfg.channel_selection == "magnitude":
+        return k.float().abs().mean(-2)
+    if cfg.channel_selection == "random":
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + salt)
+        scores = torch.rand(k.shape[-1], generator=gen).to(k.device)
+        return scores.expand(*k.shape[:-2], k.shape[-1])
+    raise ValueError(f"channel_selection {cfg.channel_selection!r} has no importance rule")
+
+
+def select_boosted(importance: torch.Tensor, num_boosted: int) -> torch.Tensor:
+    """Boolean mask ``[..., D]`` of the top ``num_boosted`` channels by importance."""
+    mask = torch.zeros(importance.shape, dtype=torch.bool, device=importance.device)
+    if num_boosted:
+        mask.scatter_(-1, importance.topk(num_boosted, dim=-1).indices, True)
+    return mask
+
+
+def boost_slots(mask: torch.Tensor) -> torch.Tensor:
+    """``boost_idx`` from a boost mask: rank among boosted channels (by channel index), sentinel elsewhere."""
+    slot = mask.to(torch.int32).cumsum(-1) - 1
+    return torch.where(mask, slot, BOOST_SENTINEL).to(torch.uint8)
+
+
+def quantize_key_page(k: torch.Tensor, cfg: KVQuantConfig, salt: int = 0, boost_mask: torch.Tensor | None = None) -> KeyPage:
+    """Quantize keys ``[..., G, D]`` per channel into a :class:`KeyPage`.
+
+    Boosted channels (top ``cfg.num_boosted(D)`` by importance, or ``boost_mask`` if given) get 4-bit codes,
+    the rest 2-bit; each code is split into the dense low plane and, for boosted channels, the compact high plane.
+    """
+    _check_input(k, "k")
+    *lead, G, D = k.shape
+    cfg.check_head_dim(D)
+    if G % 4:
+        raise ValueError(f"a key page needs a token count that is a multiple of 4, got {G}")
+    empty = k.new_empty(0)
+    if not cfg.quantizes_keys:
+        u8 = torch.empty(0, dtype=torch.uint8, device=k.device)
+        return KeyPage(u8, u8, u8, empty, empty, k.clone(), k.dtype)
+    nb = cfg.num_boosted(D)
+    if boost_mask is None:
+        boost_mask = select_boosted(channel_importance(k, cfg, salt), nb)
+    levels = torch.where(boost_mask, 2**cfg.boost_bits - 1, 2**cfg.key_bits - 1)  # [..., D]
+    x = k.transpose(-1, -2)  # (..., D, G): one row per channel
+    scale, zero = minmax_params(x, levels, -1, meta_dtype(k.dtype))
+    codes = quantize_codes(x, scale[..., None], zero[..., None], levels[..., None])  # (..., D, G) uint8
+    low = pack_2bit(codes & 0x3)
+    boosted_channels = boost_mask.nonzero()[:, -1].reshape(*lead, nb)  # (..., nb) ascending channel index
+    high_codes = torch.gather(codes >> 2, -2, boosted_channels[..., None].expand(*lead, nb, G))
+    high = pack_2bit(high_codes)
+    return KeyPage(low, high, boost_slots(boost_mask), scale, zero, empty, k.dtype)
+
+
+def key_page_codes(page: KeyPage) -> torch.Tensor:
+    """Algorithm 1, lines 5–14: integer codes ``[..., D, G]`` from ``low | high << 2`` through ``boost_idx``."""
+    low = unpack_2bit(page.low)  # (..., D, G)
+    nb = page.num_boosted
+    if nb == 0:
+        return low
+    boost_mask = page.boost_idx.long() < nb  # (..., D)
+    slot = torch.where(boost_mask, page.boost_idx.long(), 0)
+    high = unpack_2bit(torch.gather(page.high, -2, slot[..., None].expand(*slot.shape, page.high.shape[-1])))
+    return low | ((high * boost_mask[..., None]) << 2)
+
+
+def dequantize_key_page(page: KeyPage) -> torch.Tensor:
+    """Reconstruct keys ``[..., G, D]`` in ``page.dtype`` (Algorithm 1, line 15: ``X * scale + zero``)."""
+    if page.raw.numel():
+        return page.raw
+    x = dequantize_codes(key_page_codes(page), page.scale[..., None], page.zero[..., None], page.dtype)
+    return x.transpose(-1, -2)
+
+
+# ---------------------------------------------------------------------------------------------- value pages
+
+
+@dataclass
+class ValuePage(_Page):
+    """One page of values (``G`` tokens x ``D`` channels), quantized per token.
+
+    ``codes``: uint8 ``[..., G, D * bits / 8]``; ``scale``/``zero``: ``[..., G]``. For ``value_bits=16`` only
+    ``raw`` ``[..., G, D]`` holds data.
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    raw: torch.Tensor
+    bits: int
+    dtype: torch.dtype
+
+    @property
+    def payload_nbytes(self) -> int:
+        return self.codes.nbytes + self.raw.nbytes
+
+    @property
+    def metadata_nbytes(self) -> int:
+        return self.scale.nbytes + self.zero.nbytes
+
+
+def quantize_value_page(v: torch.Tensor, cfg: KVQuantConfig) -> ValuePage:
+    """Quantize values ``[..., G, D]`` per token (min-max over channels) with ``cfg.value_bits``."""
+    _check_input(v, "v")
+    cfg.check_head_dim(v.shape[-1])
+    empty = v.new_empty(0)
+    if not cfg.quantizes_values:
+        return ValuePage(torch.empty(0, dtype=torch.uint8, device=v.device), empty, empty, v.clone(), 16, v.dtype)
+    levels = 2**cfg.value_bits - 1
+    scale, zero = minmax_params(v, levels, -1, meta_dtype(v.dtype))
+    codes = quantize_codes(v, scale[..., None], zero[..., None], levels)
+    return ValuePage(pack_bits(codes, cfg.value_bits), scale, zero, empty, cfg.value_bits, v.dtype)
+
+
+def dequantize_value_page(page: ValuePage) -> torch.Tensor:
+    """Reconstruct values ``[..., G, D]`` in ``page.dtype``."""
+    if page.raw.numel():
+        return page.raw
+    codes = unpack_bits(page.codes, page.bits)
+    return dequantize_codes(codes, page.scale[..., None], page.zero[..., None], page.dtype)
