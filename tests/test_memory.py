@@ -1,0 +1,53 @@
+"""Memory model: token layout, analytic bits per element, and agreement with measured nbytes."""
+
+import pytest
+import torch
+
+from kitty import PRESETS, analytic_report, token_layout
+from kitty.memory import asymptotic_bits, measured_report
+from kitty.quant import quantize_key_page, quantize_value_page
+
+
+@pytest.mark.parametrize("n", [0, 1, 31, 32, 33, 159, 160, 161, 288, 289, 1000, 4096])
+def test_token_layout_accounts_for_every_token(n):
+    cfg = PRESETS["kitty"]
+    lay = token_layout(cfg, n)
+    G = cfg.group_size
+    assert lay.sink + lay.key_pages * G + lay.key_qbuffer == n
+    assert lay.sink + lay.value_pages * G + lay.value_qbuffer + lay.local == n
+    assert lay.local <= cfg.local_window and lay.key_qbuffer < G and lay.value_qbuffer < G
+
+
+def test_design_card_bits_per_element():
+    """DESIGN.md: key pages 2.56 (kitty) / 2.81 (kitty-pro) bits at D=G=128, value pages 2.25 (D=128), 2.5 (D=64)."""
+    assert asymptotic_bits(PRESETS["kitty"], 128)["key_total"] == pytest.approx(2.5625)
+    assert asymptotic_bits(PRESETS["kitty-pro"], 128)["key_total"] == pytest.approx(2.8125)
+    assert asymptotic_bits(PRESETS["kitty"], 128)["value_total"] == pytest.approx(2.25)
+    assert asymptotic_bits(PRESETS["kitty"], 64)["value_total"] == pytest.approx(2.5)
+    assert asymptotic_bits(PRESETS["fp16"], 64)["total"] == pytest.approx(16)
+
+
+@pytest.mark.parametrize("preset", ["kitty", "kitty-pro", "kivi-k2v2", "kivi-k2v4-sink", "kivi-k4v4", "fp16"])
+@pytest.mark.parametrize("n", [20, 200, 700])
+def test_measured_bytes_equal_analytic(preset, n):
+    """Quantize a sequence's pages for real and sum nbytes of pages and filled buffers: equals the formula."""
+    cfg = PRESETS[preset]
+    H, D, G = 3, 64, cfg.group_size
+    lay = token_layout(cfg, n)
+    x = torch.randn(H, G, D, dtype=torch.bfloat16) + 0.5
+    pages = [quantize_key_page(x, cfg) for _ in range(lay.key_pages)]
+    pages += [quantize_value_page(x, cfg) for _ in range(lay.value_pages)]
+    full_tokens = 2 * lay.sink + lay.key_qbuffer + lay.value_qbuffer + lay.local
+    buffers = [torch.empty(H, full_tokens, D, dtype=torch.bfloat16)]
+    measured = measured_report(n, 2 * n * H * D, pages, buffers)
+    assert measured == analytic_report(cfg, n, D, num_kv_heads=H)
+
+
+def test_compression_grows_with_context_and_is_honest_for_short_ones():
+    cfg = PRESETS["kitty"]
+    short = analytic_report(cfg, 100, 64, 3, 30)
+    long = analytic_report(cfg, 8192, 64, 3, 30)
+    assert short.compression < 2.0  # mostly sink/qbuffer/local at 100 tokens
+    assert long.compression > short.compression
+    assert analytic_report(PRESETS["fp16"], 8192, 64, 3, 30).compression == pytest.approx(1.0)
+    assert (short + long).tokens == 8292

@@ -1,0 +1,258 @@
+"""Core quantizers: packing, key pages with channel boost, value pages, configs (random data, never zeros)."""
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from kitty import PRESETS, KVQuantConfig
+from kitty.quant import (
+    BOOST_SENTINEL,
+    dequantize_key_page,
+    dequantize_value_page,
+    key_page_codes,
+    pack_2bit,
+    pack_bits,
+    quantize_key_page,
+    quantize_value_page,
+    unpack_2bit,
+    unpack_bits,
+)
+
+settings.register_profile("ci", deadline=None, derandomize=True, max_examples=40)
+settings.load_profile("ci")
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+KITTY = PRESETS["kitty"]
+
+
+def planted_keys(shape, outliers, dtype=torch.float32, seed=0, gain=8.0):
+    """Random keys ``[..., G, D]`` whose ``outliers`` channels have ``gain``x larger magnitude."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(*shape, generator=g)
+    k[..., outliers] = k[..., outliers] * gain + gain
+    return k.to(dtype)
+
+
+# ------------------------------------------------------------------------------------------------ packing
+
+
+@given(st.integers(1, 6), st.integers(1, 8), st.sampled_from([2, 4]), st.integers(0, 2**31 - 1))
+def test_pack_unpack_roundtrip(rows, groups, bits, seed):
+    n = groups * (8 // bits)
+    codes = torch.randint(0, 2**bits, (rows, n, 3), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+    packed = pack_bits(codes, bits, dim=1)
+    assert packed.shape == (rows, n * bits // 8, 3) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_bits(packed, bits, dim=1), codes)
+
+
+def test_pack_2bit_bit_order():
+    """Token 4j+s sits at bits 2s of byte j (Algorithm 1's shifts = [0, 2, 4, 6])."""
+    codes = torch.tensor([[1, 2, 3, 0, 3, 3, 0, 1]], dtype=torch.uint8)
+    packed = pack_2bit(codes)
+    assert packed.tolist() == [[1 | 2 << 2 | 3 << 4, 3 | 3 << 2 | 0 << 4 | 1 << 6]]
+    assert torch.equal(unpack_2bit(packed), codes)
+
+
+def test_pack_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="multiple of 4"):
+        pack_2bit(torch.ones(3, 6, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="bits"):
+        pack_bits(torch.ones(8, dtype=torch.uint8), 3)
+
+
+# --------------------------------------------------------------------------------------------- key pages
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("preset", ["kitty", "kitty-pro", "kivi-k2v2", "kivi-k4v4"])
+def test_key_error_within_half_step(dtype, preset):
+    cfg = PRESETS[preset]
+    k = planted_keys((2, 3, 128, 64), [3, 17, 40], dtype)
+    page = quantize_key_page(k, cfg)
+    err = (dequantize_key_page(page).float() - k.float()).abs()  # (B, H, G, D)
+    step = page.scale.float()[..., None, :]  # per channel
+    out_ulp = k.float().abs().amax() * {torch.float32: 2**-23, torch.float16: 2**-10, torch.bfloat16: 2**-7}[dtype]
+    assert (err <= step / 2 + out_ulp).all()
+    assert dequantize_key_page(page).dtype == dtype
+
+
+@given(st.integers(0, 2**31 - 1), st.sampled_from([0.0, 0.125, 0.25, 0.5, 1.0]))
+@example(seed=1, fraction=0.125)
+def test_key_error_property(seed, fraction):
+    cfg = KITTY.with_(boost_fraction=fraction, group_size=16)
+    k = torch.randn(3, 16, 32, generator=torch.Generator().manual_seed(seed)) * 3
+    page = quantize_key_page(k, cfg)
+    err = (dequantize_key_page(page) - k).abs()
+    assert (err <= page.scale[..., None, :] / 2 + 1e-5).all()
+    # re-quantizing the reconstruction (same boosted channels) is idempotent
+    again = quantize_key_page(dequantize_key_page(page), cfg, boost_mask=page.boost_idx.long() < page.num_boosted)
+    assert torch.equal(key_page_codes(again), key_page_codes(page))
+
+
+@pytest.mark.parametrize("fraction,D", [(0.125, 64), (0.25, 128), (0.5, 128)])
+def test_boosted_channels_are_top_k_by_mean_abs(fraction, D):
+    """Planted outlier channels get boosted, and the boost set is exactly the top-k of mean |K| (>8 slots too)."""
+    cfg = KITTY.with_(boost_fraction=fraction)
+    nb = round(fraction * D)
+    outliers = torch.randperm(D, generator=torch.Generator().manual_seed(1))[:nb].tolist()
+    k = planted_keys((2, 128, D), outliers)
+    page = quantize_key_page(k, cfg)
+    boosted = page.boost_idx.long() < nb  # (2, D)
+    expected = torch.zeros_like(boosted)
+    expected[:, outliers] = True
+    assert torch.equal(boosted, expected)
+    top = k.abs().mean(-2).topk(nb).indices.sort().values
+    assert torch.equal(boosted.nonzero()[:, 1].reshape(2, nb), top)
+    # slots are 0..nb-1 in channel order, unboosted channels hold the sentinel
+    assert torch.equal(page.boost_idx[boosted].reshape(2, nb).long(), torch.arange(nb).expand(2, nb))
+    assert (page.boost_idx[~boosted] == BOOST_SENTINEL).all()
+    assert page.high.shape == (2, nb, 32) and page.low.shape == (2, D, 32)
+
+
+def test_decomposition_is_exactly_invertible():
+    """low | high << 2 through boost_idx gives back 4-bit codes on boosted channels, 2-bit elsewhere."""
+    k = planted_keys((4, 128, 128), [0, 9, 77, 100])
+    page = quantize_key_page(k, PRESETS["kitty-pro"])
+    codes = key_page_codes(page)  # (4, D, G)
+    boosted = page.boost_idx.long() < page.num_boosted
+    assert codes[boosted].max() > 3  # boosted channels really use 4 bits
+    assert codes[~boosted].max() <= 3
+    xq = codes.float() * page.scale.float()[..., None] + page.zero.float()[..., None]
+    assert torch.equal(xq.transpose(-1, -2), dequantize_key_page(page))
+
+
+def test_full_boost_equals_plain_4bit_keys():
+    k = planted_keys((2, 128, 64), [5])
+    boosted_all = quantize_key_page(k, KITTY.with_(boost_fraction=1.0))
+    four_bit = quantize_key_page(k, PRESETS["kivi-k4v4"])
+    assert torch.equal(dequantize_key_page(boosted_all), dequantize_key_page(four_bit))
+    assert torch.equal(key_page_codes(boosted_all), key_page_codes(four_bit))
+
+
+def test_fp16_preset_is_identity():
+    k = planted_keys((2, 3, 128, 64), [1], torch.bfloat16)
+    cfg = PRESETS["fp16"]
+    assert torch.equal(dequantize_key_page(quantize_key_page(k, cfg)), k)
+    assert torch.equal(dequantize_value_page(quantize_value_page(k, cfg)), k)
+
+
+def test_random_selection_differs_and_is_reproducible():
+    D, nb = 64, 8
+    outliers = list(range(0, 64, 8))
+    k = planted_keys((128, D), outliers)
+    mag = quantize_key_page(k, KITTY)
+    rnd = quantize_key_page(k, PRESETS["kitty-random"])
+    rnd_again = quantize_key_page(k, PRESETS["kitty-random"])
+    other_seed = quantize_key_page(k, PRESETS["kitty-random"].with_(seed=7))
+    sel = lambda p: set((p.boost_idx.long() < nb).nonzero().flatten().tolist())  # noqa: E731
+    assert sel(mag) == set(outliers)
+    assert sel(rnd) != set(outliers) and len(sel(rnd)) == nb
+    assert sel(rnd) == sel(rnd_again)
+    assert sel(rnd) != sel(other_seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_range_channels_and_tokens_are_exact(dtype):
+    k = planted_keys((128, 64), [2], dtype)
+    k[:, 5] = 1.5  # constant channel
+    k[:, 9] = 0.0
+    page = quantize_key_page(k, KITTY)
+    deq = dequantize_key_page(page)
+    assert torch.isfinite(deq).all()
+    assert torch.equal(deq[:, 5], k[:, 5]) and torch.equal(deq[:, 9], k[:, 9])
+    v = planted_keys((128, 64), [2], dtype)
+    v[7] = -2.25  # constant token
+    vp = dequantize_value_page(quantize_value_page(v, KITTY))
+    assert torch.isfinite(vp).all() and torch.equal(vp[7], v[7])
+
+
+def test_non_finite_input_raises():
+    k = torch.randn(128, 64)
+    k[3, 4] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        quantize_key_page(k, KITTY)
+    k[3, 4] = float("inf")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        quantize_value_page(k, KITTY)
+
+
+def test_large_fp16_values_do_not_overflow_scales():
+    """A range wider than fp16's max (60000 - (-60000)) still gives finite scales and a faithful page."""
+    k = planted_keys((128, 64), [1], torch.float16)
+    k[0, :] = 60000.0
+    k[1, :] = -60000.0
+    page = quantize_key_page(k, KITTY)
+    assert torch.isfinite(page.scale.float()).all() and torch.isfinite(page.zero.float()).all()
+    err = (dequantize_key_page(page).float() - k.float()).abs()
+    assert (err <= page.scale.float()[None, :] / 2 + 64).all()  # 64 = one fp16 ulp at 6e4
+
+
+# ------------------------------------------------------------------------------------------- value pages
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [2, 4])
+def test_value_error_within_half_step(dtype, bits):
+    cfg = KITTY.with_(value_bits=bits)
+    v = planted_keys((2, 3, 128, 64), [10], dtype, seed=3)
+    page = quantize_value_page(v, cfg)
+    assert page.codes.shape == (2, 3, 128, 64 * bits // 8) and page.scale.shape == (2, 3, 128)
+    err = (dequantize_value_page(page).float() - v.float()).abs()
+    out_ulp = v.float().abs().amax() * {torch.float32: 2**-23, torch.float16: 2**-10, torch.bfloat16: 2**-7}[dtype]
+    assert (err <= page.scale.float()[..., None] / 2 + out_ulp).all()
+
+
+def test_nbytes_counts_every_tensor():
+    k = planted_keys((3, 128, 64), [1], torch.bfloat16)
+    page = quantize_key_page(k, KITTY)
+    nb = KITTY.num_boosted(64)
+    assert page.nbytes == 3 * (64 * 32 + nb * 32 + 64 + 2 * 64 * 2)
+    assert page.nbytes == page.payload_nbytes + page.metadata_nbytes
+    vp = quantize_value_page(k, KITTY)
+    assert vp.nbytes == 3 * (128 * 16 + 2 * 128 * 2)
+
+
+# ---------------------------------------------------------------------------------------------- configs
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"key_bits": 3}, "key_bits"),
+        ({"value_bits": 8}, "value_bits"),
+        ({"boost_fraction": 1.5}, "boost_fraction"),
+        ({"boost_fraction": -0.1}, "boost_fraction"),
+        ({"group_size": 6}, "group_size"),
+        ({"group_size": 0}, "group_size"),
+        ({"sink_tokens": -1}, "sink_tokens"),
+        ({"local_window": -4}, "local_window"),
+        ({"channel_selection": "psychic"}, "channel_selection"),
+        ({"boost_bits": 8}, "boost_bits"),
+        ({"key_bits": 4, "boost_fraction": 0.25}, "boost_fraction"),
+    ],
+)
+def test_invalid_configs_raise_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        KVQuantConfig(**kwargs)
+
+
+def test_head_dim_checks():
+    with pytest.raises(ValueError, match="head_dim"):
+        KITTY.check_head_dim(62)
+    with pytest.raises(ValueError, match="head_dim"):
+        KITTY.check_head_dim(512)
+    with pytest.raises(ValueError, match="head_dim"):
+        quantize_value_page(torch.randn(128, 30), KITTY)
+
+
+def test_presets_match_the_paper():
+    p = PRESETS
+    assert set(p) >= {"fp16", "kivi-k2v2", "kivi-k2v2-sink", "kivi-k2v4-sink", "kivi-k4v2-sink", "kivi-k4v4", "kitty", "kitty-pro", "kitty-random"}
+    assert all(c.description for c in p.values())
+    assert p["kitty"].num_boosted(128) == 16 and p["kitty-pro"].num_boosted(128) == 32
+    assert p["kivi-k2v2"].sink_tokens == 0 and p["kivi-k2v2-sink"].sink_tokens == 32
+    assert (p["kivi-k4v2-sink"].key_bits, p["kivi-k4v2-sink"].value_bits) == (4, 2)
+    assert (p["kivi-k2v4-sink"].key_bits, p["kivi-k2v4-sink"].value_bits) == (2, 4)
+    assert p["kitty-random"].channel_selection == "random"
+    assert p["fp16"].key_bits == p["fp16"].value_bits == 16
