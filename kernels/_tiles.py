@@ -1,0 +1,110 @@
+"""Triton device functions shared by the dequantization and attention kernels: one page tile in registers.
+
+``_key_page_T`` is Algorithm 1 of the paper (Dequantize KeyCache Page) for one (page, KV head), returning the tile
+channel-major ``(D, G)`` as Algorithm 1 does (``K^T``, the operand of ``q @ K^T``). ``_value_page`` is the per-token
+counterpart for a value page, ``(G, D)``. Both return the model dtype, rounded exactly like the torch reference
+(``codes * scale + zero`` in fp32, then cast).
+
+Two ways to expand packed bytes (``UNPACK_RESHAPE``):
+  * ``False`` -- Algorithm 1 literally: ``shifts = [0, 2, 4, 6, 0, ...]``; every byte is loaded once per code it holds
+    (4 loads of the same address, served by L1).
+  * ``True``  -- each byte is loaded once as ``(rows, n/4)``, broadcast against the 4 shifts to ``(rows, n/4, 4)``
+    and reshaped to ``(rows, n)`` (code ``4j+s`` of a row sits at bits ``2s`` of byte ``j``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+# The interpreter (TRITON_INTERPRET=1, triton 3.9) truncates fp32 -> bf16 casts instead of rounding to nearest even;
+# under it, cast_to rounds by hand so that results stay bit-identical to torch. Compiled code casts natively.
+INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def cast_to(x, DTYPE: tl.constexpr):
+    """``x.to(DTYPE)`` with round-to-nearest-even, also for bf16 under the interpreter (finite fp32 ``x``)."""
+    if INTERPRET and DTYPE == tl.bfloat16:
+        u = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000  # rtne to the top 16 bits
+        return u.to(tl.float32, bitcast=True).to(DTYPE)
+    else:
+        return x.to(DTYPE)
+
+
+@triton.jit
+def _unpack_rows(ptr, row_off, mask_rows, ROWS: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr,
+                 UNPACK_RESHAPE: tl.constexpr):
+    """Codes ``(ROWS, N)`` int32 from packed bytes ``ptr + row_off[r] + byte``; rows where ``mask_rows`` is False
+    read as 0. ``BITS``-bit codes, ``8 // BITS`` per byte, code ``k`` of a row at bits ``BITS * (k % per_byte)``."""
+    PER: tl.constexpr = 8 // BITS
+    NB: tl.constexpr = N // PER
+    CODE_MASK: tl.constexpr = (1 << BITS) - 1
+    if UNPACK_RESHAPE:
+        jb = tl.arange(0, NB)
+        e = tl.arange(0, PER)
+        b = tl.load(ptr + row_off[:, None] + jb[None, :], mask=mask_rows[:, None], other=0).to(tl.int32)  # (ROWS, NB)
+        codes = (b[:, :, None] >> (BITS * e)[None, None, :]) & CODE_MASK  # (ROWS, NB, PER)
+        return tl.reshape(codes, (ROWS, N))
+    else:
+        k = tl.arange(0, N)
+        b = tl.load(ptr + row_off[:, None] + (k // PER)[None, :], mask=mask_rows[:, None], other=0).to(tl.int32)
+        return (b >> (BITS * (k % PER))[None, :]) & CODE_MASK
+
+
+@triton.jit
+def _key_page_T(
+    # pool pointers (docs/LAYOUT.md): k_low [P, Hkv, D, G/4], k_high [P, Hkv, NB, G/4], k_boost_idx/scale/zero [P, Hkv, D]
+    low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, raw_ptr,
+    # which (page, head): pbase = page * Hkv + head, int64
+    pbase,
+    # meta-parameters
+    G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, KEY_RAW: tl.constexpr, DTYPE: tl.constexpr,
+    UNPACK_RESHAPE: tl.constexpr,
+):
+    """Algorithm 1: the dequantized key page ``(D, G)`` in ``DTYPE`` (channel-major, ``K^T``)."""
+    G4: tl.constexpr = G // 4
+    d = tl.arange(0, D)
+    if KEY_RAW:  # key_bits=16: k_raw [P, Hkv, G, D]
+        t = tl.arange(0, G)
+        return tl.load(raw_ptr + pbase * (G * D) + t[None, :] * D + d[:, None])
+    # lines 4-5: metadata; cast boost_idx to int32 BEFORE address arithmetic (uint8 * row bytes wraps at 256)
+    scale = tl.load(scale_ptr + pbase * D + d).to(tl.float32)
+    zero = tl.load(zero_ptr + pbase * D + d).to(tl.float32)
+    # lines 8-9: low plane, every channel
+    ones = d >= 0
+    code = _unpack_rows(low_ptr + pbase * (D * G4), d * G4, ones, D, G, 2, UNPACK_RESHAPE)  # (D, G)
+    if NB > 0:
+        # line 6: boost mask from boost_idx (sentinel 255 >= NB)
+        idx = tl.load(idx_ptr + pbase * D + d).to(tl.int32)
+        boosted = idx < NB
+        slot = tl.where(boosted, idx, 0)
+        # lines 11-12: high plane rows of boosted channels through boost_idx, masked load (no branching)
+        high = _unpack_rows(high_ptr + pbase * (NB * G4), slot * G4, boosted, D, G, 2, UNPACK_RESHAPE)
+        # line 14: X = X_low | X_high << 2
+        code = code | (high << 2)
+    # line 15: X * scale + zero (fp32, then the model dtype, as kitty.quant.dequantize_codes)
+    return cast_to(code.to(tl.float32) * scale[:, None] + zero[:, None], DTYPE)
+
+
+@triton.jit
+def _value_page(
+    # pool pointers: v_codes [P, Hkv, G, D*VBITS/8], v_scale/v_zero [P, Hkv, G], v_raw [P, Hkv, G, D]
+    codes_ptr, scale_ptr, zero_ptr, raw_ptr,
+    pbase,
+    G: tl.constexpr, D: tl.constexpr, VBITS: tl.constexpr, VALUE_RAW: tl.constexpr, DTYPE: tl.constexpr,
+    UNPACK_RESHAPE: tl.constexpr,
+):
+    """The dequantized value page ``(G, D)`` in ``DTYPE`` (per-token scale/zero)."""
+    t = tl.arange(0, G)
+    if VALUE_RAW:
+        d = tl.arange(0, D)
+        return tl.load(raw_ptr + pbase * (G * D) + t[:, None] * D + d[None, :])
+    DB: tl.constexpr = D * VBITS // 8
+    scale = tl.load(scale_ptr + pbase * G + t).to(tl.float32)
+    zero = tl.load(zero_ptr + pbase * G + t).to(tl.float32)
+    code = _unpack_rows(codes_ptr + pbase * (G * DB), t * DB, t >= 0, G, D, VBITS, UNPACK_RESHAPE)  # (G, D)
+    return cast_to(code.to(tl.float32) * scale[:, None] + zero[:, None], DTYPE)

@@ -1,0 +1,121 @@
+"""Page dequantization in Triton: Algorithm 1 of the paper (Dequantize KeyCache Page), and its value-page twin.
+
+Torch references: ``kitty.quant.dequantize_key_page`` / ``dequantize_value_page`` (re-exported here as ``*_ref``).
+
+Algorithm 1, one program per (page, KV head) (see ``kernels/_tiles.py::_key_page_T`` for the line mapping):
+
+    scale, zero  = load per-channel metadata                         # (D,)
+    boost_idx    = load(boost_idx).to(int32)                         # cast BEFORE address arithmetic
+    boost_mask   = boost_idx < nb                                    # sentinel 255 -> not boosted
+    X_low        = (load(low)  >> shifts) & 3                        # (D, G)
+    X_high       = (load(high[boost_idx], mask=boost_mask) >> shifts) & 3   # masked rows read 0
+    X            = X_low | X_high << 2                               # no per-element branching
+    K^T          = X * scale + zero                                  # (D, G), stored transposed as (G, D)
+
+Used by notebooks and tests (the attention kernels call the same device functions on tiles in registers).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kitty.quant import KeyPage, ValuePage
+from kitty.quant import dequantize_key_page as dequantize_key_page_ref
+from kitty.quant import dequantize_value_page as dequantize_value_page_ref
+
+from ._tiles import _key_page_T, _value_page
+
+__all__ = ["dequantize_key_page_triton", "dequantize_value_page_triton", "dequantize_key_page_ref", "dequantize_value_page_ref"]
+
+_TLTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _dequant_key_kernel(
+    # pointers
+    low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, out_ptr,
+    # meta-parameters
+    G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)  # flattened (page, head)
+    kT = _key_page_T(low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, low_ptr, pid,
+                     G, D, NB, False, DTYPE, UNPACK_RESHAPE)  # (D, G)
+    d = tl.arange(0, D)
+    t = tl.arange(0, G)
+    tl.store(out_ptr + pid * (G * D) + t[None, :] * D + d[:, None], kT)
+
+
+@triton.jit
+def _dequant_value_kernel(
+    codes_ptr, scale_ptr, zero_ptr, out_ptr,
+    G: tl.constexpr, D: tl.constexpr, VBITS: tl.constexpr, DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    v = _value_page(codes_ptr, scale_ptr, zero_ptr, codes_ptr, pid, G, D, VBITS, False, DTYPE, UNPACK_RESHAPE)
+    t = tl.arange(0, G)
+    d = tl.arange(0, D)
+    tl.store(out_ptr + pid * (G * D) + t[:, None] * D + d[None, :], v)
+
+
+def _pow2(n: int, what: str) -> None:
+    if n < 4 or n & (n - 1):
+        raise ValueError(f"the Triton dequantization kernel needs a power-of-two {what} >= 4, got {n}")
+
+
+def dequantize_key_page_triton(page: KeyPage, unpack_reshape: bool = True) -> torch.Tensor:
+    """Reconstruct keys ``[..., G, D]`` in ``page.dtype`` from a :class:`kitty.quant.KeyPage` (Algorithm 1)."""
+    if page.raw.numel():
+        return page.raw
+    low, high, idx = page.low, page.high, page.boost_idx
+    if low.dtype != torch.uint8 or high.dtype != torch.uint8 or idx.dtype != torch.uint8:
+        raise ValueError("low, high and boost_idx must be uint8")
+    *lead, D, G4 = low.shape
+    G, nb = 4 * G4, high.shape[-2]
+    if tuple(high.shape) != (*lead, nb, G4) or tuple(idx.shape) != (*lead, D):
+        raise ValueError(f"inconsistent page: low {tuple(low.shape)}, high {tuple(high.shape)}, boost_idx {tuple(idx.shape)}")
+    if tuple(page.scale.shape) != (*lead, D) or tuple(page.zero.shape) != (*lead, D):
+        raise ValueError(f"scale/zero must be {(*lead, D)}, got {tuple(page.scale.shape)} / {tuple(page.zero.shape)}")
+    if page.dtype not in _TLTYPE:
+        raise ValueError(f"page dtype must be one of {tuple(_TLTYPE)}, got {page.dtype}")
+    _pow2(G, "group_size")
+    _pow2(D, "head_dim")
+    n = low.numel() // (D * G4)
+    out = torch.empty(*lead, G, D, dtype=page.dtype, device=low.device)
+    if n == 0:
+        return out
+    low, high, idx = low.contiguous(), high.contiguous(), idx.contiguous()
+    if nb == 0:
+        high = low  # never read (NB == 0); any valid pointer
+    _dequant_key_kernel[(n,)](
+        low, high, idx, page.scale.contiguous(), page.zero.contiguous(), out,
+        G=G, D=D, NB=nb, DTYPE=_TLTYPE[page.dtype], UNPACK_RESHAPE=unpack_reshape,
+    )
+    return out
+
+
+def dequantize_value_page_triton(page: ValuePage, unpack_reshape: bool = True) -> torch.Tensor:
+    """Reconstruct values ``[..., G, D]`` in ``page.dtype`` from a :class:`kitty.quant.ValuePage`."""
+    if page.raw.numel():
+        return page.raw
+    codes = page.codes
+    if codes.dtype != torch.uint8:
+        raise ValueError("codes must be uint8")
+    *lead, G, DB = codes.shape
+    D = DB * 8 // page.bits
+    if tuple(page.scale.shape) != (*lead, G) or tuple(page.zero.shape) != (*lead, G):
+        raise ValueError(f"scale/zero must be {(*lead, G)}, got {tuple(page.scale.shape)} / {tuple(page.zero.shape)}")
+    if page.dtype not in _TLTYPE:
+        raise ValueError(f"page dtype must be one of {tuple(_TLTYPE)}, got {page.dtype}")
+    _pow2(G, "group_size")
+    _pow2(D, "head_dim")
+    n = codes.numel() // (G * DB)
+    out = torch.empty(*lead, G, D, dtype=page.dtype, device=codes.device)
+    if n == 0:
+        return out
+    _dequant_value_kernel[(n,)](
+        codes.contiguous(), page.scale.contiguous(), page.zero.contiguous(), out,
+        G=G, D=D, VBITS=page.bits, DTYPE=_TLTYPE[page.dtype], UNPACK_RESHAPE=unpack_reshape,
+    )
+    return out

@@ -1,0 +1,308 @@
+"""Quantize + pack full qbuffers into Kitty pages in one launch (paper §4.2 "Step (3): quantization and packing").
+
+When a row's key (or value) qbuffer holds ``G`` tokens, the paper quantizes it with a Triton kernel and packs it into
+one page (Fig. 3). This kernel does that for every full qbuffer of a layer at once: all listed batch rows and all
+KV heads, keys and values, in a single launch. It is bit-identical to the torch reference in ``kitty.quant``:
+
+    key page   (per channel, §3.2–3.3):  ``quantize_key_page``    -> low / high / boost_idx / scale / zero
+    value page (per token, KIVI-style):  ``quantize_value_page``  -> codes / scale / zero
+
+Algorithm, one program per (page, KV head), keys or values (``IS_KEY`` picks the branch, no per-element branching):
+
+    x      = qbuf[row, head]                              # (G, D) tokens x channels, loaded as (G/4, 4, D)
+    # keys: importance and top-k boost selection (§3.3)
+    s[c]   = mean_t |x[t, c]|                              # channel importance
+    rank[c]= #{c' : s[c'] > s[c]} + #{c' < c : s[c'] == s[c]}   # ties -> lower channel index first
+    boost  = rank < nb ;  slot[c] = #{c' < c : boost[c']}  # compact high-plane slot, ascending channel index
+    levels = boost ? 15 : 3
+    # min-max over tokens, scale rounded UP to the next 16-bit value (kitty.quant.minmax_params)
+    zero   = min_t x ;  scale = roundup16((max_t x - zero) / levels)
+    code   = clamp(floor((x - zero) / scale + 1/2), 0, levels)
+    low[c, j]       = OR_s (code[4j+s, c] & 3) << 2s
+    high[slot[c], j]= OR_s (code[4j+s, c] >> 2) << 2s        (boosted c only)
+    boost_idx[c]    = boost ? slot : 255
+    # values: the same min-max per token (over channels), codes packed along channels, PER = 8 / bits per byte
+
+Selection by ``channel_selection="random"`` is computed by the torch reference's ``channel_importance`` and passed
+in as a ready boost mask (the scores are a fixed per-layer permutation, no data dependence); the rest runs here.
+Ties: ``torch.topk`` does not document which of equal scores it keeps; the kernel keeps the lower channel index.
+Random float data has no ties; the tests plant distinct outlier channels.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kitty.config import KVQuantConfig
+from kitty.quant import (
+    BOOST_SENTINEL,
+    KeyPage,
+    ValuePage,
+    channel_importance,
+    quantize_key_page,
+    quantize_value_page,
+    select_boosted,
+)
+
+__all__ = ["pack_pages", "pack_pages_ref"]
+
+
+@triton.jit
+def _roundup_to(scale, DTYPE: tl.constexpr, ITYPE: tl.constexpr):
+    """fp32 ``scale`` -> ``DTYPE`` rounded to nearest, then bumped one ulp up where that rounded down."""
+    s_q = scale.to(DTYPE)
+    bump = (s_q.to(tl.float32) < scale).to(ITYPE)
+    return (s_q.to(ITYPE, bitcast=True) + bump).to(DTYPE, bitcast=True)
+
+
+@triton.jit
+def _quantize(x, zero, scale, levels):
+    """``clamp(floor((x - zero) / scale + 1/2), 0, levels)`` in fp32 with IEEE division; 0 where scale == 0."""
+    pos = scale > 0
+    q = tl.div_rn(x - zero, tl.where(pos, scale, 1.0))
+    q = tl.where(pos, q, 0.0)
+    code = tl.minimum(tl.maximum(tl.floor(q + 0.5), 0.0), levels)
+    return code.to(tl.int32)
+
+
+@triton.jit
+def _pack_kernel(
+    # key side: qbuffer [*, Hkv, G, D], rows to pack, destination pages in the pool
+    kq_ptr, k_rows_ptr, k_pages_ptr, k_mask_ptr,
+    k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr,
+    # value side
+    vq_ptr, v_rows_ptr, v_pages_ptr,
+    v_codes_ptr, v_scale_ptr, v_zero_ptr,
+    # sizes
+    n_key_progs, Hkv,
+    # strides of the two qbuffers (row, head, token); channels are contiguous
+    skq_b, skq_h, skq_t, svq_b, svq_h, svq_t,
+    # meta-parameters
+    G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, KEY_LEVELS: tl.constexpr,
+    VBITS: tl.constexpr, USE_MASK: tl.constexpr,
+    DTYPE: tl.constexpr, ITYPE: tl.constexpr, ROUND_UP: tl.constexpr,
+):
+    G4: tl.constexpr = G // 4
+    pid = tl.program_id(0)
+    # ---- tile indices: x viewed as (G/4, 4, D) so that token 4j+s sits at [j, s, :]
+    j = tl.arange(0, G4)
+    s = tl.arange(0, 4)
+    c = tl.arange(0, D)
+    t3 = 4 * j[:, None, None] + s[None, :, None]  # (G4, 4, 1) token index
+    if pid < n_key_progs:
+        # ================================================================= key page: per channel, boosted
+        i = pid // Hkv
+        h = pid % Hkv
+        row = tl.load(k_rows_ptr + i).to(tl.int64)
+        page = tl.load(k_pages_ptr + i).to(tl.int64)
+        x = tl.load(kq_ptr + row * skq_b + h * skq_h + t3 * skq_t + c[None, None, :]).to(tl.float32)  # (G4, 4, D)
+        # -- importance and top-NB selection (rank by counting larger scores, ties -> lower index)
+        if USE_MASK:
+            boost = tl.load(k_mask_ptr + (i * Hkv + h) * D + c) != 0
+        else:
+            score = tl.sum(tl.sum(tl.abs(x), axis=1), axis=0) / G  # (D,)
+            sc = score[:, None]
+            so = score[None, :]
+            before = (so > sc) | ((so == sc) & (c[None, :] < c[:, None]))  # (D, D): channel c' ranks before c
+            rank = tl.sum(before.to(tl.int32), axis=1)
+            boost = rank < NB
+        slot = tl.sum(((c[None, :] < c[:, None]) & boost[None, :]).to(tl.int32), axis=1)  # boosted channels before c
+        levels = tl.where(boost, 15.0, KEY_LEVELS * 1.0)  # (D,)
+        # -- min-max per channel over tokens
+        mn = tl.min(tl.min(x, axis=1), axis=0)
+        mx = tl.max(tl.max(x, axis=1), axis=0)
+        if ROUND_UP:
+            scale_q = _roundup_to((mx - mn) / levels, DTYPE, ITYPE)
+        else:
+            scale_q = ((mx - mn) / levels).to(DTYPE)
+        zero_q = mn.to(DTYPE)
+        code = _quantize(x, zero_q.to(tl.float32)[None, None, :], scale_q.to(tl.float32)[None, None, :],
+                         levels[None, None, :])  # (G4, 4, D) int32
+        # -- pack: 4 tokens per byte, token 4j+s at bits 2s
+        shifts = 2 * s[None, :, None]
+        low = tl.sum((code & 3) << shifts, axis=1)  # (G4, D), disjoint bits: sum == or
+        pbase = page * Hkv + h
+        tl.store(k_low_ptr + pbase * (D * G4) + c[None, :] * G4 + j[:, None], low.to(tl.uint8))
+        if NB > 0:
+            high = tl.sum((code >> 2) << shifts, axis=1)
+            tl.store(k_high_ptr + pbase * (NB * G4) + slot[None, :] * G4 + j[:, None], high.to(tl.uint8),
+                     mask=boost[None, :])
+        tl.store(k_idx_ptr + pbase * D + c, tl.where(boost, slot, 255).to(tl.uint8))
+        tl.store(k_scale_ptr + pbase * D + c, scale_q)
+        tl.store(k_zero_ptr + pbase * D + c, zero_q)
+    else:
+        # ================================================================= value page: per token
+        PER: tl.constexpr = 8 // VBITS
+        DP: tl.constexpr = D // PER
+        i = (pid - n_key_progs) // Hkv
+        h = (pid - n_key_progs) % Hkv
+        row = tl.load(v_rows_ptr + i).to(tl.int64)
+        page = tl.load(v_pages_ptr + i).to(tl.int64)
+        t = tl.arange(0, G)
+        k = tl.arange(0, DP)
+        e = tl.arange(0, PER)
+        c3 = PER * k[None, :, None] + e[None, None, :]  # (1, DP, PER) channel index
+        x = tl.load(vq_ptr + row * svq_b + h * svq_h + t[:, None, None] * svq_t + c3).to(tl.float32)  # (G, DP, PER)
+        mn = tl.min(tl.min(x, axis=2), axis=1)  # (G,)
+        mx = tl.max(tl.max(x, axis=2), axis=1)
+        VLEVELS: tl.constexpr = (1 << VBITS) - 1
+        if ROUND_UP:
+            scale_q = _roundup_to((mx - mn) / VLEVELS, DTYPE, ITYPE)
+        else:
+            scale_q = ((mx - mn) / VLEVELS).to(DTYPE)
+        zero_q = mn.to(DTYPE)
+        code = _quantize(x, zero_q.to(tl.float32)[:, None, None], scale_q.to(tl.float32)[:, None, None], VLEVELS * 1.0)
+        packed = tl.sum(code << (VBITS * e[None, None, :]), axis=2)  # (G, DP)
+        pbase = page * Hkv + h
+        tl.store(v_codes_ptr + pbase * (G * DP) + t[:, None] * DP + k[None, :], packed.to(tl.uint8))
+        tl.store(v_scale_ptr + pbase * G + t, scale_q)
+        tl.store(v_zero_ptr + pbase * G + t, zero_q)
+
+
+_ITYPE = {torch.float16: tl.int16, torch.bfloat16: tl.int16, torch.float32: tl.int32}
+_TLTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+KEY_POOL = ("k_low", "k_high", "k_boost_idx", "k_scale", "k_zero")
+VALUE_POOL = ("v_codes", "v_scale", "v_zero")
+
+
+def _index(x: torch.Tensor | None, n: int, device, name: str) -> torch.Tensor:
+    if x is None:
+        return torch.arange(n, dtype=torch.int32, device=device)
+    x = torch.as_tensor(x, device=device).to(torch.int32).contiguous()
+    if x.shape != (n,):
+        raise ValueError(f"{name} must have shape ({n},), got {tuple(x.shape)}")
+    return x
+
+
+def pack_pages(
+    cfg: KVQuantConfig,
+    k_qbuf: torch.Tensor | None = None,
+    v_qbuf: torch.Tensor | None = None,
+    *,
+    k_rows=None,
+    v_rows=None,
+    pool: dict[str, torch.Tensor] | None = None,
+    k_pages=None,
+    v_pages=None,
+    salt: int = 0,
+):
+    """Quantize + pack full qbuffers into key and value pages with one kernel launch.
+
+    Args:
+        cfg: quantization config (key_bits 2 or 4, value_bits 2 or 4; 16-bit sides are plain copies, not handled here).
+        k_qbuf, v_qbuf: ``[B, Hkv, G, D]`` full-precision qbuffers (either may be ``None``); channels contiguous.
+        k_rows, v_rows: int ``[N]`` rows of the qbuffers to pack (default: all rows).
+        pool: if given, pages are written into these pool tensors (docs/LAYOUT.md names: ``k_low [P, Hkv, D, G/4]``,
+            ``k_high``, ``k_boost_idx``, ``k_scale``, ``k_zero``, ``v_codes``, ``v_scale``, ``v_zero``) at
+            ``k_pages`` / ``v_pages`` (int ``[N]`` pool indices) and ``None`` is returned.
+        salt: passed to ``channel_importance`` for ``channel_selection="random"``.
+
+    Returns:
+        without ``pool``: ``(KeyPage | None, ValuePage | None)`` with leading dims ``[N, Hkv]``, equal bit for bit to
+        ``kitty.quant.quantize_key_page`` / ``quantize_value_page`` of ``qbuf[rows]``.
+    """
+    # ---- checks
+    if k_qbuf is None and v_qbuf is None:
+        raise ValueError("pack_pages needs k_qbuf, v_qbuf or both")
+    ref = k_qbuf if k_qbuf is not None else v_qbuf
+    if ref.dim() != 4:
+        raise ValueError(f"qbuffers must be [B, Hkv, G, D], got shape {tuple(ref.shape)}")
+    _, Hkv, G, D = ref.shape
+    dtype, device = ref.dtype, ref.device
+    for name, x in (("k_qbuf", k_qbuf), ("v_qbuf", v_qbuf)):
+        if x is None:
+            continue
+        if x.shape[1:] != (Hkv, G, D) or x.dtype != dtype or x.device != device:
+            raise ValueError(f"{name} must be [B, {Hkv}, {G}, {D}] {dtype} on {device}, got {tuple(x.shape)} {x.dtype} {x.device}")
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} must have contiguous channels (stride(-1) == 1)")
+    if dtype not in _TLTYPE:
+        raise ValueError(f"qbuffer dtype must be one of {tuple(_TLTYPE)}, got {dtype}")
+    cfg.check_head_dim(D)
+    if G != cfg.group_size:
+        raise ValueError(f"qbuffer holds {G} tokens but cfg.group_size is {cfg.group_size}")
+    for n, what in ((G, "group_size"), (D, "head_dim")):
+        if n & (n - 1) or n < 4:
+            raise ValueError(f"the Triton pack kernel needs a power-of-two {what} >= 4, got {n}")
+    if k_qbuf is not None and cfg.key_bits not in (2, 4):
+        raise ValueError(f"pack_pages packs 2/4-bit keys, got key_bits={cfg.key_bits}")
+    if v_qbuf is not None and cfg.value_bits not in (2, 4):
+        raise ValueError(f"pack_pages packs 2/4-bit values, got value_bits={cfg.value_bits}")
+    nb = cfg.num_boosted(D)
+    G4 = G // 4
+    nk = 0 if k_qbuf is None else (k_qbuf.shape[0] if k_rows is None else len(k_rows))
+    nv = 0 if v_qbuf is None else (v_qbuf.shape[0] if v_rows is None else len(v_rows))
+    k_rows = _index(k_rows, nk, device, "k_rows")
+    v_rows = _index(v_rows, nv, device, "v_rows")
+    # ---- outputs
+    u8 = dict(dtype=torch.uint8, device=device)
+    if pool is None:
+        out = {
+            "k_low": torch.empty(nk, Hkv, D, G4, **u8), "k_high": torch.empty(nk, Hkv, nb, G4, **u8),
+            "k_boost_idx": torch.empty(nk, Hkv, D, **u8),
+            "k_scale": torch.empty(nk, Hkv, D, dtype=dtype, device=device),
+            "k_zero": torch.empty(nk, Hkv, D, dtype=dtype, device=device),
+            "v_codes": torch.empty(nv, Hkv, G, D * cfg.value_bits // 8, **u8),
+            "v_scale": torch.empty(nv, Hkv, G, dtype=dtype, device=device),
+            "v_zero": torch.empty(nv, Hkv, G, dtype=dtype, device=device),
+        }
+        k_pages, v_pages = k_rows.new_tensor(range(nk)), v_rows.new_tensor(range(nv))
+    else:
+        out = pool
+        need = (KEY_POOL if nk else ()) + (VALUE_POOL if nv else ())
+        shapes = {"k_low": (Hkv, D, G4), "k_high": (Hkv, nb, G4), "k_boost_idx": (Hkv, D), "k_scale": (Hkv, D),
+                  "k_zero": (Hkv, D), "v_codes": (Hkv, G, D * cfg.value_bits // 8), "v_scale": (Hkv, G), "v_zero": (Hkv, G)}
+        for name in need:
+            if name not in pool:
+                raise ValueError(f"pool is missing {name!r}; needs {need}")
+            t = pool[name]
+            if tuple(t.shape[1:]) != shapes[name] or not t.is_contiguous() or t.device != device:
+                raise ValueError(f"pool[{name!r}] must be contiguous [P, {', '.join(map(str, shapes[name]))}] on {device}, got {tuple(t.shape)}")
+        k_pages = _index(k_pages, nk, device, "k_pages")
+        v_pages = _index(v_pages, nv, device, "v_pages")
+    # ---- random selection: the torch reference picks the mask, the kernel packs with it
+    use_mask = nk > 0 and cfg.channel_selection != "magnitude" and cfg.key_bits == 2
+    k_mask = torch.empty(0, **u8)
+    if use_mask:
+        k_mask = select_boosted(channel_importance(k_qbuf[k_rows.long()], cfg, salt), nb).to(torch.uint8).contiguous()
+    dummy = torch.empty(1, dtype=dtype, device=device)
+    kq = k_qbuf if k_qbuf is not None else dummy.view(1, 1, 1, 1)
+    vq = v_qbuf if v_qbuf is not None else dummy.view(1, 1, 1, 1)
+    grid = ((nk + nv) * Hkv,)
+    if grid[0] == 0:
+        return None if pool is not None else (None, None)
+    _pack_kernel[grid](
+        kq, k_rows, k_pages, k_mask,
+        out.get("k_low", dummy), out.get("k_high", dummy), out.get("k_boost_idx", dummy),
+        out.get("k_scale", dummy), out.get("k_zero", dummy),
+        vq, v_rows, v_pages,
+        out.get("v_codes", dummy), out.get("v_scale", dummy), out.get("v_zero", dummy),
+        nk * Hkv, Hkv,
+        kq.stride(0), kq.stride(1), kq.stride(2), vq.stride(0), vq.stride(1), vq.stride(2),
+        G=G, D=D, NB=nb, KEY_LEVELS=(1 << cfg.key_bits) - 1, VBITS=cfg.value_bits, USE_MASK=use_mask,
+        DTYPE=_TLTYPE[dtype], ITYPE=_ITYPE[dtype], ROUND_UP=dtype != torch.float32,
+        num_warps=4,
+    )
+    if pool is not None:
+        return None
+    empty = torch.empty(0, dtype=dtype, device=device)
+    kp = None if not nk else KeyPage(out["k_low"], out["k_high"], out["k_boost_idx"], out["k_scale"], out["k_zero"], empty, dtype)
+    vp = None if not nv else ValuePage(out["v_codes"], out["v_scale"], out["v_zero"], empty, cfg.value_bits, dtype)
+    return kp, vp
+
+
+def pack_pages_ref(cfg: KVQuantConfig, k_qbuf=None, v_qbuf=None, *, k_rows=None, v_rows=None, salt: int = 0):
+    """Torch reference of :func:`pack_pages` (without ``pool``): ``kitty.quant`` on the selected rows."""
+    kp = vp = None
+    if k_qbuf is not None:
+        rows = slice(None) if k_rows is None else torch.as_tensor(k_rows, device=k_qbuf.device).long()
+        kp = quantize_key_page(k_qbuf[rows], cfg, salt)
+    if v_qbuf is not None:
+        rows = slice(None) if v_rows is None else torch.as_tensor(v_rows, device=v_qbuf.device).long()
+        vp = quantize_value_page(v_qbuf[rows], cfg)
+    return kp, vp
+
+
+assert BOOST_SENTINEL == 255  # the kernel writes 255 for unboosted channels
