@@ -1,0 +1,113 @@
+"""Build a :class:`KittyLayerState` from full-precision sequences, exactly as docs/LAYOUT.md stores them.
+
+Used by the kernel tests and benchmarks (no cache object needed): each row's ``n`` tokens are split by
+``kitty.memory.token_layout`` into sink, pages (quantized with ``kitty.quant`` or the Triton pack kernel, placed
+at shuffled pool indices so the page tables matter), key/value qbuffers and the value local ring. Unused slots are
+filled with ``fill`` (NaN by default) so that a kernel reading a slot it should not read produces NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kitty.config import KVQuantConfig
+from kitty.memory import token_layout
+from kitty.quant import quantize_key_page, quantize_value_page
+
+from .reference import KittyLayerState
+
+
+def planted_kv(B: int, Hkv: int, L: int, D: int, dtype: torch.dtype, device="cpu", seed: int = 0,
+               outliers: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random keys/values ``[B, Hkv, L, D]`` with ``outliers`` planted high-magnitude key channels per head."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    k = torch.randn(B, Hkv, L, D, generator=g)
+    chans = torch.stack([torch.randperm(D, generator=g)[:outliers] for _ in range(Hkv)])  # (Hkv, outliers)
+    boost = torch.ones(Hkv, D)
+    boost.scatter_(1, chans, torch.linspace(4.0, 10.0, outliers).expand(Hkv, outliers))  # distinct: no ties
+    k = k * boost[None, :, None, :] + 0.5 * boost[None, :, None, :]
+    v = torch.randn(B, Hkv, L, D, generator=g)
+    return k.to(dtype).to(device), v.to(dtype).to(device)
+
+
+def make_state(cfg: KVQuantConfig, k: torch.Tensor, v: torch.Tensor, lengths, *, seed: int = 0,
+               fill: float = float("nan"), extra_pages: int = 3, pack=None) -> KittyLayerState:
+    """Lay out ``k``/``v`` ``[B, Hkv, L, D]`` (row ``b`` holds ``lengths[b]`` valid tokens) as a Kitty layer.
+
+    ``pack``: ``None`` quantizes pages with ``kitty.quant``; ``"triton"`` with :func:`kernels.pack.pack_pages`.
+    """
+    B, Hkv, L, D = k.shape
+    dev, dt = k.device, k.dtype
+    S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
+    lengths = [int(x) for x in lengths]
+    if len(lengths) != B or max(lengths, default=0) > L:
+        raise ValueError(f"lengths must be {B} values <= {L}, got {lengths}")
+    lays = [token_layout(cfg, n) for n in lengths]
+    max_pages = max([lay.key_pages for lay in lays] + [1])
+    n_k, n_v = sum(lay.key_pages for lay in lays), sum(lay.value_pages for lay in lays)
+    P = max(n_k, n_v) + extra_pages
+    g = torch.Generator().manual_seed(seed)
+    kperm, vperm = torch.randperm(P, generator=g).tolist(), torch.randperm(P, generator=g).tolist()
+
+    def buf(T):
+        return torch.full((B, Hkv, T, D), fill, dtype=dt, device=dev)
+
+    sink_k, sink_v, k_qbuf, v_qbuf, v_local = buf(S), buf(S), buf(G), buf(G), buf(R)
+    k_pt = torch.full((B, max_pages), -1, dtype=torch.int32, device=dev)
+    v_pt = torch.full((B, max_pages), -1, dtype=torch.int32, device=dev)
+    k_pages, v_pages, k_ids, v_ids = [], [], [], []
+    for b, (n, lay) in enumerate(zip(lengths, lays)):
+        m = max(n - S, 0)
+        mv = max(m - R, 0)
+        sink_k[b, :, : lay.sink] = k[b, :, : lay.sink]
+        sink_v[b, :, : lay.sink] = v[b, :, : lay.sink]
+        for j in range(lay.key_pages):
+            k_pages.append(k[b, :, S + j * G : S + (j + 1) * G])
+            k_ids.append(kperm.pop())
+            k_pt[b, j] = k_ids[-1]
+        for j in range(lay.value_pages):
+            v_pages.append(v[b, :, S + j * G : S + (j + 1) * G])
+            v_ids.append(vperm.pop())
+            v_pt[b, j] = v_ids[-1]
+        k_qbuf[b, :, : lay.key_qbuffer] = k[b, :, S + lay.key_pages * G : n]
+        v_qbuf[b, :, : lay.value_qbuffer] = v[b, :, S + lay.value_pages * G : S + mv]
+        if R:
+            slots = torch.arange(mv, m, device=dev) % R
+            v_local[b][:, slots] = v[b, :, S + mv : n]
+    nb = cfg.num_boosted(D)
+    u8 = dict(dtype=torch.uint8, device=dev)
+    pool = dict(
+        k_low=torch.zeros(P, Hkv, D, G // 4, **u8), k_high=torch.zeros(P, Hkv, nb, G // 4, **u8),
+        k_boost_idx=torch.zeros(P, Hkv, D, **u8), k_scale=torch.zeros(P, Hkv, D, dtype=dt, device=dev),
+        k_zero=torch.zeros(P, Hkv, D, dtype=dt, device=dev),
+        v_codes=torch.zeros(P, Hkv, G, D * cfg.value_bits // 8, **u8),
+        v_scale=torch.zeros(P, Hkv, G, dtype=dt, device=dev), v_zero=torch.zeros(P, Hkv, G, dtype=dt, device=dev),
+    )
+    k_raw = v_raw = None
+    if not cfg.quantizes_keys:
+        k_raw = torch.zeros(P, Hkv, G, D, dtype=dt, device=dev)
+        if k_pages:
+            k_raw[k_ids] = torch.stack(k_pages)
+    if not cfg.quantizes_values:
+        v_raw = torch.zeros(P, Hkv, G, D, dtype=dt, device=dev)
+        if v_pages:
+            v_raw[v_ids] = torch.stack(v_pages)
+    kq = torch.stack(k_pages) if k_pages and cfg.quantizes_keys else None
+    vq = torch.stack(v_pages) if v_pages and cfg.quantizes_values else None
+    if pack == "triton" and (kq is not None or vq is not None):
+        from .pack import pack_pages
+
+        pack_pages(cfg, kq, vq, pool=pool, k_pages=k_ids if kq is not None else None,
+                   v_pages=v_ids if vq is not None else None)
+    else:
+        if kq is not None:
+            kp = quantize_key_page(kq, cfg)
+            for name, t in (("k_low", kp.low), ("k_high", kp.high), ("k_boost_idx", kp.boost_idx),
+                            ("k_scale", kp.scale), ("k_zero", kp.zero)):
+                pool[name][k_ids] = t
+        if vq is not None:
+            vp = quantize_value_page(vq, cfg)
+            for name, t in (("v_codes", vp.codes), ("v_scale", vp.scale), ("v_zero", vp.zero)):
+                pool[name][v_ids] = t
+    lens = torch.tensor(lengths, dtype=torch.int32, device=dev)
+    return KittyLayerState(lens, sink_k, sink_v, k_qbuf, v_qbuf, v_local, k_pt, v_pt, **pool, k_raw=k_raw, v_raw=v_raw)

@@ -1,0 +1,187 @@
+"""The paper's unfused decode path, for comparison: ``qk`` kernel -> torch softmax -> ``sv`` kernel (§4.3, step 2).
+
+    logits[b, hq, p] = q[b, hq] . K[b, hq // QH, p] * scaling      # qk kernel, written to memory (fp32)
+    probs            = torch.softmax(logits, -1)                   # torch, reads/writes the logits again
+    out[b, hq]       = sum_p probs[b, hq, p] * V[b, hq // QH, p]    # sv kernel, reads the probabilities back
+
+It reads the same storage as the fused kernel (``docs/LAYOUT.md``) with the same device functions, so the only
+difference measured is the fusion. Unlike the paper's kernels (one program per (batch, KV head) walking every page),
+both kernels here are split over the sequence like the fused one: this baseline is stronger than the paper's.
+Reference: :func:`kernels.decode_attention.decode_attention_ref`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kitty.config import KVQuantConfig
+
+from ._tiles import _key_page_T, _value_page
+from .decode_attention import _TLTYPE, KittyLayerState, _fp_values, _interpreting, check_state, default_num_splits
+
+__all__ = ["decode_attention_unfused"]
+
+
+@triton.jit
+def _qk_kernel(
+    # ---- pointers
+    q_ptr, logits_ptr,
+    len_ptr, sink_k_ptr, k_qbuf_ptr, k_pt_ptr,
+    k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, k_raw_ptr,
+    # ---- sizes and strides
+    Hkv, QH, NUM_SPLITS, scaling, L_CAP,
+    sq_b, sq_h, ssk_b, ssk_h, skq_b, skq_h, spk_b,
+    # ---- meta-parameters
+    S: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, KEY_RAW: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    UNPACK_RESHAPE: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid_bh // Hkv
+    h = pid_bh % Hkv
+    b64 = b.to(tl.int64)
+    n = tl.load(len_ptr + b)
+    m = tl.maximum(n - S, 0)
+    pk = m // G
+    nblk = tl.cdiv(m, G)
+    per = tl.cdiv(nblk, NUM_SPLITS)
+    start = split * per
+    end = tl.minimum(start + per, nblk)
+    r = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, D)
+    t = tl.arange(0, G)
+    q = tl.load(q_ptr + b64 * sq_b + (h * QH + r)[:, None] * sq_h + d[None, :], mask=(r < QH)[:, None], other=0.0)
+    q = q.to(DOT_DTYPE)
+    row_ptr = logits_ptr + (b64 * Hkv * QH + h * QH + r)[:, None] * L_CAP  # (BLOCK_H, 1)
+    rows = (r < QH)[:, None]
+    if S > 0:
+        if split == 0:
+            ps = tl.arange(0, BLOCK_S)
+            vs = (ps < S) & (ps < n)
+            kT = tl.load(sink_k_ptr + b64 * ssk_b + h * ssk_h + ps[None, :] * D + d[:, None], mask=vs[None, :], other=0.0)
+            s = tl.dot(q, kT.to(DOT_DTYPE)) * scaling
+            tl.store(row_ptr + ps[None, :], s, mask=rows & vs[None, :])
+    for j in range(start, tl.minimum(end, pk)):
+        kpage = tl.load(k_pt_ptr + b64 * spk_b + j).to(tl.int64) * Hkv + h
+        kT = _key_page_T(k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, k_raw_ptr, kpage,
+                         G, D, NB, KEY_RAW, DTYPE, UNPACK_RESHAPE)
+        s = tl.dot(q, kT.to(DOT_DTYPE)) * scaling
+        tl.store(row_ptr + (S + j * G + t)[None, :], s, mask=rows)
+    for j in range(tl.maximum(start, pk), end):
+        valid = j * G + t < m
+        kT = tl.load(k_qbuf_ptr + b64 * skq_b + h * skq_h + t[None, :] * D + d[:, None], mask=valid[None, :], other=0.0)
+        s = tl.dot(q, kT.to(DOT_DTYPE)) * scaling
+        tl.store(row_ptr + (S + j * G + t)[None, :], s, mask=rows & valid[None, :])
+
+
+@triton.jit
+def _sv_kernel(
+    # ---- pointers
+    probs_ptr, ws_ptr,
+    len_ptr, sink_v_ptr, v_qbuf_ptr, v_local_ptr, v_pt_ptr,
+    v_codes_ptr, v_scale_ptr, v_zero_ptr, v_raw_ptr,
+    # ---- sizes and strides
+    Hkv, QH, NUM_SPLITS, L_CAP,
+    ssv_b, ssv_h, svq_b, svq_h, svl_b, svl_h, spv_b,
+    # ---- meta-parameters
+    S: tl.constexpr, G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, VBITS: tl.constexpr,
+    VALUE_RAW: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid_bh // Hkv
+    h = pid_bh % Hkv
+    b64 = b.to(tl.int64)
+    n = tl.load(len_ptr + b)
+    m = tl.maximum(n - S, 0)
+    mv = tl.maximum(m - R, 0)
+    pv = mv // G
+    nblk = tl.cdiv(m, G)
+    per = tl.cdiv(nblk, NUM_SPLITS)
+    start = split * per
+    end = tl.minimum(start + per, nblk)
+    r = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, D)
+    t = tl.arange(0, G)
+    row_ptr = probs_ptr + (b64 * Hkv * QH + h * QH + r)[:, None] * L_CAP
+    rows = (r < QH)[:, None]
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    if S > 0:
+        if split == 0:
+            ps = tl.arange(0, BLOCK_S)
+            vs = (ps < S) & (ps < n)
+            p = tl.load(row_ptr + ps[None, :], mask=rows & vs[None, :], other=0.0)
+            v = tl.load(sink_v_ptr + b64 * ssv_b + h * ssv_h + ps[:, None] * D + d[None, :], mask=vs[:, None], other=0.0)
+            acc += tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE))
+    for j in range(start, tl.minimum(end, pv)):
+        vpage = tl.load(v_pt_ptr + b64 * spv_b + j).to(tl.int64) * Hkv + h
+        v = _value_page(v_codes_ptr, v_scale_ptr, v_zero_ptr, v_raw_ptr, vpage, G, D, VBITS, VALUE_RAW, DTYPE,
+                        UNPACK_RESHAPE)
+        p = tl.load(row_ptr + (S + j * G + t)[None, :], mask=rows, other=0.0)
+        acc += tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE))
+    for j in range(tl.maximum(start, pv), end):
+        rel = j * G + t
+        v = _fp_values(v_qbuf_ptr + b64 * svq_b + h * svq_h, v_local_ptr + b64 * svl_b + h * svl_h,
+                       rel, m, mv, t, d, D, R)
+        p = tl.load(row_ptr + (S + rel)[None, :], mask=rows & (rel < m)[None, :], other=0.0)
+        acc += tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE))
+    ws = (pid_bh * NUM_SPLITS + split) * BLOCK_H + r
+    tl.store(ws_ptr + ws[:, None] * D + d[None, :], acc)
+
+
+def decode_attention_unfused(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig,
+                             scaling: float | None = None, num_splits: int | None = None,
+                             unpack_reshape: bool = True, num_warps: int = 4) -> torch.Tensor:
+    """Decode attention as the paper runs it: qk kernel -> torch softmax -> sv kernel. ``[B, Hq, D]`` in/out."""
+    z = check_state(q, state, cfg)
+    B, Hq, Hkv, D, S, G, R, nb = (z[k] for k in ("B", "Hq", "Hkv", "D", "S", "G", "R", "nb"))
+    for size, what in ((G, "group_size"), (D, "head_dim")):
+        if size < 16 or size & (size - 1):
+            raise ValueError(f"the unfused kernels need a power-of-two {what} >= 16, got {size}")
+    scaling = 1.0 / math.sqrt(D) if scaling is None else float(scaling)
+    QH = Hq // Hkv
+    BLOCK_H = max(16, triton.next_power_of_2(QH))
+    BLOCK_S = max(16, triton.next_power_of_2(S))
+    max_blocks = state.k_page_table.shape[1] + 1
+    L_CAP = S + max_blocks * G
+    splits = num_splits or default_num_splits(B, Hkv, max_blocks, q.device)
+    dtype = _TLTYPE[q.dtype]
+    dot_dtype = tl.float32 if (_interpreting() or q.dtype == torch.float32) else dtype
+    q = q.contiguous()
+    st, dummy = state, state.k_qbuf
+    lengths = st.lengths.to(torch.int32)
+    grid = (B * Hkv, splits)
+    # 1) qk kernel: logits to memory
+    logits = torch.full((B, Hq, L_CAP), float("-inf"), dtype=torch.float32, device=q.device)
+    _qk_kernel[grid](
+        q, logits, lengths, st.sink_k, st.k_qbuf, st.k_page_table,
+        *((st.k_low, st.k_high if nb else dummy, st.k_boost_idx, st.k_scale, st.k_zero, dummy)
+          if cfg.quantizes_keys else (dummy,) * 5 + (st.k_raw,)),
+        Hkv, QH, splits, scaling, L_CAP,
+        q.stride(0), q.stride(1), st.sink_k.stride(0), st.sink_k.stride(1), st.k_qbuf.stride(0), st.k_qbuf.stride(1),
+        st.k_page_table.stride(0),
+        S=S, G=G, D=D, NB=nb, KEY_RAW=not cfg.quantizes_keys, BLOCK_H=BLOCK_H, BLOCK_S=BLOCK_S,
+        DTYPE=dtype, DOT_DTYPE=dot_dtype, UNPACK_RESHAPE=unpack_reshape, num_warps=num_warps,
+    )
+    # 2) softmax in torch (fp32); rows of length 0 are all -inf -> NaN, zeroed
+    probs = torch.softmax(logits, -1).nan_to_num_(0.0)
+    # 3) sv kernel: partial sums per split, summed in torch
+    ws = torch.empty(B * Hkv, splits, BLOCK_H, D, dtype=torch.float32, device=q.device)
+    _sv_kernel[grid](
+        probs, ws, lengths, st.sink_v, st.v_qbuf, st.v_local, st.v_page_table,
+        *((st.v_codes, st.v_scale, st.v_zero, dummy) if cfg.quantizes_values else (dummy,) * 3 + (st.v_raw,)),
+        Hkv, QH, splits, L_CAP,
+        st.sink_v.stride(0), st.sink_v.stride(1), st.v_qbuf.stride(0), st.v_qbuf.stride(1),
+        st.v_local.stride(0), st.v_local.stride(1), st.v_page_table.stride(0),
+        S=S, G=G, R=R, D=D, VBITS=cfg.value_bits if cfg.quantizes_values else 2, VALUE_RAW=not cfg.quantizes_values,
+        BLOCK_H=BLOCK_H, BLOCK_S=BLOCK_S, DTYPE=dtype, DOT_DTYPE=dot_dtype, UNPACK_RESHAPE=unpack_reshape,
+        num_warps=num_warps,
+    )
+    out = ws.sum(1)[:, :QH].reshape(B, Hq, D)  # (B*Hkv, QH, D) -> (B, Hq, D)
+    return out.to(q.dtype)
