@@ -1,0 +1,378 @@
+"""Kitty's Gradio demo: FP16 vs KIVI vs Kitty KV caches streaming side by side, with live KV-memory readouts.
+
+    python app.py [--model NAME] [--host 127.0.0.1] [--port 7860] [--share]     (or: make demo)
+
+The model loads once, when this module is imported (the default embedded SmolLM2-135M-Instruct, or ``--model`` /
+``$KITTY_MODEL``). Every request builds its own caches and frees them when it ends or is stopped. This file only
+lays out widgets and formats results; the generation and inspection logic lives in :mod:`kitty.demo`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import gradio as gr
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from kitty import PRESETS  # noqa: E402
+from kitty import demo as kd  # noqa: E402
+from kitty.memory import analytic_report, asymptotic_bits  # noqa: E402
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 7860
+CONCURRENCY_LIMIT = 2  # generations running at once; more queue up (2 CPU cores: each would only get slower)
+QUEUE_MAX_SIZE = 16
+PLOT_EVERY_S = 0.5  # the plot redraws at most this often while streaming (text and readouts update every step)
+METHODS = list(PRESETS)
+BOOST_METHODS = [m for m, c in PRESETS.items() if c.key_bits == 2]
+
+CSS = """
+.readout {font-size: 0.92em; line-height: 1.35;}
+.readout table {margin: 0;}
+#note {min-height: 1.5em;}
+"""
+LAUNCH_STYLE = {"css": CSS, "theme": gr.themes.Soft()}  # Gradio 6 takes these at launch(); tests reuse them
+
+
+# ---------------------------------------------------------------------------------------------- the model
+
+
+@dataclass(frozen=True)
+class Engine:
+    """The model and tokenizer, loaded once per process and shared read-only by every request."""
+
+    name: str
+    model: object
+    tokenizer: object
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.model.config.num_key_value_heads
+
+    @property
+    def head_dim(self) -> int:
+        c = self.model.config
+        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+
+@functools.lru_cache(maxsize=None)
+def get_engine(name: str | None = None) -> Engine:
+    """Load ``(model, tokenizer)`` for ``name`` (``None``: the default model) the first time; reuse it after."""
+    import torch
+
+    from kitty.models import DEFAULT_MODEL_NAME, load_model
+
+    model, tokenizer = load_model(name)  # bf16, never trust_remote_code
+    torch.set_grad_enabled(False)
+    return Engine(name or DEFAULT_MODEL_NAME, model, tokenizer)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line flags; ``--model`` defaults to ``$KITTY_MODEL`` (unset: the default embedded model)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=os.environ.get("KITTY_MODEL") or None, help="HF id or local path (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default=DEFAULT_HOST, help="interface to listen on (0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--share", action="store_true", help="also open a public gradio.live link")
+    p.add_argument("--max-prompt-tokens", type=int, default=kd.MAX_PROMPT_TOKENS, help="longer prompts keep their end")
+    p.add_argument("--concurrency", type=int, default=CONCURRENCY_LIMIT, help="generations running at once")
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------------------- formatting
+
+
+def format_readout(col: kd.Column) -> str:
+    """Markdown readout under one column: bytes, bits/element, compression, tokens, speed and token layout."""
+    r = col.readout
+    if r is None:
+        return f"<div class='readout'><i>{col.status}…</i></div>"
+    m = r.report
+    lay = r.layout
+    where = " · ".join(f"{k.replace('_', ' ')} {v}" for k, v in lay.items() if k != "tokens")
+    return (
+        "<div class='readout'>\n\n"
+        f"| | |\n|---|---|\n"
+        f"| KV stored | **{kd.fmt_bytes(m.stored_bytes)}** of {kd.fmt_bytes(m.fp16_bytes)} fp16-equivalent |\n"
+        f"| bits / element | **{m.bits_per_element:.2f}** |\n"
+        f"| compression | **{m.compression:.2f}×** |\n"
+        f"| tokens | **{m.tokens}** cached ({r.new_tokens} new) |\n"
+        f"| speed | **{r.tokens_per_s:.1f} tok/s** ({r.step_ms:.0f} ms/step own) |\n"
+        f"| tokens live in | {where} |\n"
+        f"| status | {col.status} |\n\n</div>"
+    )
+
+
+def empty_plot() -> pd.DataFrame:
+    return pd.DataFrame({"column": pd.Series(dtype=str), "tokens": pd.Series(dtype=int), "stored_KiB": pd.Series(dtype=float)})
+
+
+def bits_table(engine: Engine, prompt_tokens: int, new_tokens: int) -> pd.DataFrame:
+    """Bits per element of every preset: the long-context limit split by component, and at this length."""
+    rows = []
+    n = prompt_tokens + new_tokens
+    for name, cfg in PRESETS.items():
+        a = asymptotic_bits(cfg, engine.head_dim)
+        rep = analytic_report(cfg, n, engine.head_dim, engine.num_kv_heads, engine.num_layers)
+        rows.append({
+            "method": name,
+            "key low": a["key_low"], "key high (boost)": a["key_high"], "key boost_idx": a["key_boost_idx"],
+            "key scale+zero": a["key_scale_zero"], "key raw": a["key_raw"], "key pages": a["key_total"],
+            "value codes": a["value_codes"], "value scale+zero": a["value_scale_zero"], "value pages": a["value_total"],
+            "pages (K+V)/2": a["total"], f"whole cache at {n} tokens": rep.bits_per_element,
+            "compression there": rep.compression,
+        })
+    return pd.DataFrame(rows).round(3)
+
+
+def heatmap_figure(ins: kd.KeyInspection):
+    """|K| as channels x tokens, sink and page boundaries as lines, each page's boosted channels marked."""
+    T, D = ins.abs_keys.shape
+    fig, ax = plt.subplots(figsize=(12, 4.6), dpi=90)
+    img = ins.abs_keys.T.numpy()
+    vmax = float(ins.abs_keys.quantile(0.995)) if T * D < 2**24 else float(ins.abs_keys.max())
+    im = ax.imshow(img, aspect="auto", origin="lower", cmap="magma", vmin=0, vmax=vmax, interpolation="nearest",
+                   extent=(-0.5, T - 0.5, -0.5, D - 0.5))
+    fig.colorbar(im, ax=ax, pad=0.01, label="|K|")
+    if ins.sink:
+        ax.axvline(ins.sink - 0.5, color="white", lw=1.2)
+        ax.text(ins.sink / 2, D + 0.5, "sink", ha="center", va="bottom", fontsize=8)
+    for pg in ins.pages:
+        ax.axvline(pg.start - 0.5, color="white", lw=0.8, ls="--")
+        ys = pg.boosted
+        ax.hlines(ys, pg.start - 0.5, pg.end - 0.5, colors="#00e5ff", lw=1.4, linestyles="-" if pg.quantized else ":")
+        label = f"page {ins.pages.index(pg)}" if pg.quantized else "qbuffer"
+        ax.text((pg.start + pg.end) / 2, D + 0.5, label, ha="center", va="bottom", fontsize=8)
+    ax.set_xlim(-0.5, T - 0.5)
+    ax.set_ylim(-0.5, D + 3)
+    ax.set_xlabel("token position")
+    ax.set_ylabel("key channel")
+    ax.set_title(f"|K| post-RoPE, layer {ins.layer}, KV head {ins.head} — cyan: boosted channels under {ins.method} "
+                 "(solid: quantized page, dotted: qbuffer, if quantized now)", fontsize=9)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+# -------------------------------------------------------------------------------------------- handlers
+
+
+def make_generate(engine: Engine, max_prompt_tokens: int):
+    """The Generate handler: a generator yielding the whole output tuple after every decode step."""
+
+    def generate(
+        prompt: str, chat_template: bool, max_new_tokens: float, temperature: float, top_p: float, seed: float,
+        method_1: str, method_2: str, method_3: str,
+    ) -> Iterator[tuple]:
+        stop = kd.StopFlag()
+        idle = (gr.update(interactive=True), gr.update(interactive=False))
+        busy = (gr.update(interactive=False), gr.update(interactive=True))
+
+        def message(note: str) -> tuple:
+            return (note, "", "", "", "", "", "", empty_plot(), "", {}, None, *idle)
+
+        try:
+            prompt_ = kd.prepare_prompt(engine.tokenizer, prompt, bool(chat_template), max_prompt_tokens)
+            sampling = kd.Sampling(float(temperature), float(top_p), int(seed))
+            n = int(max(1, min(int(max_new_tokens), kd.MAX_NEW_TOKENS_CAP)))
+            methods = [method_1, method_2, method_3]
+            for m in methods:
+                kd.get_preset(m)
+        except (ValueError, TypeError) as e:  # PromptError included: a message, never a crash
+            yield message(str(e) if isinstance(e, kd.PromptError) else f"⚠️ {e}")
+            return
+        head = f"Prompt: {prompt_.tokens} tokens{' (chat template)' if chat_template else ''}, up to {n} new tokens per column."
+        note = head + (f"\n\n{prompt_.note}" if prompt_.note else "")
+        last_plot = 0.0
+        try:
+            for snap in kd.stream_side_by_side(engine.model, engine.tokenizer, prompt_, methods, n, sampling, stop):
+                final = snap.phase in ("done", "stopped")
+                now = time.perf_counter()
+                if final or now - last_plot >= PLOT_EVERY_S:
+                    plot = pd.DataFrame(snap.plot_rows()) if snap.plot_rows() else empty_plot()
+                    last_plot = now
+                else:
+                    plot = gr.skip()
+                cols = snap.columns
+                yield (
+                    note,
+                    *(c.text for c in cols),
+                    *(format_readout(c) for c in cols),
+                    plot,
+                    snap.summary if final else f"_{snap.phase}…_",
+                    {c.label: (c.readout.as_dict() if c.readout else None) for c in cols} if final else gr.skip(),
+                    stop,
+                    *(idle if final else busy),
+                )
+        except Exception as e:  # shown in the UI, buttons re-enabled; the generator's finally freed the caches
+            yield message(f"⚠️ Generation failed: {type(e).__name__}: {e}")
+
+    return generate
+
+
+def stop_generation(stop: kd.StopFlag | None) -> str:
+    """Set this session's stop flag; the running generation frees its caches and reports where it stopped."""
+    if stop is None:
+        return "Nothing is running."
+    stop.set()
+    return "Stopping… (caches are freed after the current step)"
+
+
+def make_inspect(engine: Engine, max_prompt_tokens: int):
+    """The "Inside the cache" handler: heatmap, per-page table and bits/element breakdown for the current prompt."""
+
+    def inspect(prompt: str, chat_template: bool, method: str, layer: float, head: float, max_new_tokens: float):
+        try:
+            prompt_ = kd.prepare_prompt(engine.tokenizer, prompt, bool(chat_template), max_prompt_tokens)
+            cfg = kd.get_preset(method)
+            layer, head = int(layer), int(head)
+            keys = kd.prompt_keys(engine.model, prompt_.ids)[layer][head]  # (T, D)
+            ins = kd.inspect_keys(keys, cfg, layer, head)
+        except (ValueError, TypeError, IndexError) as e:
+            return (str(e) if isinstance(e, kd.PromptError) else f"⚠️ {e}"), None, None, bits_table(engine, 0, 0)
+        pages = pd.DataFrame([
+            {"group": (f"page {i}" if p.quantized else "qbuffer (not yet a page)"), "tokens": f"{p.start}–{p.end - 1}",
+             "boosted channels": ", ".join(map(str, p.boosted)),
+             "key error, boosted": round(p.error_boosted, 4), "key error, all 2-bit": round(p.error_2bit, 4),
+             "error ratio": round(p.error_boosted / p.error_2bit, 3) if p.error_2bit else None}
+            for i, p in enumerate(ins.pages)
+        ])
+        full = sum(p.quantized for p in ins.pages)
+        note = (f"{prompt_.tokens} prompt tokens: {ins.sink} sink, {full} full page(s) of {ins.group_size}, "
+                f"{prompt_.tokens - ins.sink - full * ins.group_size} in the qbuffer. "
+                "Key error = ‖K − dequant(quant(K))‖ / ‖K‖ for this page.")
+        if full == 0:
+            note += f" No full page yet: pages start after {ins.sink + ins.group_size} tokens — try the long-document example."
+        if prompt_.note:
+            note += "\n\n" + prompt_.note
+        return note, heatmap_figure(ins), pages, bits_table(engine, prompt_.tokens, int(max_new_tokens))
+
+    return inspect
+
+
+# ---------------------------------------------------------------------------------------------- layout
+
+
+def build_controls() -> dict:
+    """Prompt box, settings and buttons."""
+    c: dict = {}
+    with gr.Row():
+        with gr.Column(scale=3):
+            c["prompt"] = gr.Textbox(label="Prompt", lines=5, max_lines=12, elem_id="prompt",
+                                     placeholder="Ask something, paste a document and a question, or pick an example below.")
+        with gr.Column(scale=1, min_width=240):
+            c["chat"] = gr.Checkbox(value=True, label="Use the chat template", elem_id="chat-template")
+            c["max_new"] = gr.Slider(1, kd.MAX_NEW_TOKENS_CAP, value=kd.DEFAULT_MAX_NEW_TOKENS, step=1,
+                                     label=f"Max new tokens per column (cap {kd.MAX_NEW_TOKENS_CAP})", elem_id="max-new")
+            with gr.Accordion("Sampling", open=False):
+                c["temperature"] = gr.Slider(0.0, 1.5, value=0.0, step=0.05, label="Temperature (0 = greedy)")
+                c["top_p"] = gr.Slider(0.05, 1.0, value=0.95, step=0.05, label="Top-p")
+                c["seed"] = gr.Number(value=0, precision=0, label="Seed (same in every column)")
+            with gr.Row():
+                c["generate"] = gr.Button("Generate", variant="primary", elem_id="generate")
+                c["stop"] = gr.Button("Stop", variant="stop", interactive=False, elem_id="stop")
+    c["note"] = gr.Markdown(elem_id="note")
+    return c
+
+
+def build_columns() -> dict:
+    """Three columns: method dropdown, streamed text, live readout."""
+    c: dict = {"methods": [], "outputs": [], "readouts": []}
+    with gr.Row(equal_height=False):
+        for i, default in enumerate(kd.DEFAULT_METHODS):
+            with gr.Column(min_width=280):
+                c["methods"].append(gr.Dropdown(METHODS, value=default, label=f"Column {i + 1}: cache method", elem_id=f"method-{i}"))
+                c["outputs"].append(gr.Textbox(label="Generated", lines=9, max_lines=9, autoscroll=True,
+                                               interactive=False, elem_id=f"out-{i}"))
+                c["readouts"].append(gr.Markdown("<div class='readout'><i>idle</i></div>", elem_id=f"readout-{i}"))
+    return c
+
+
+def build_generate_tab(engine: Engine, max_prompt_tokens: int) -> dict:
+    """The main tab: controls, examples, three columns, the memory plot and the summary."""
+    c = build_controls()
+    gr.Examples(
+        examples=[list(e) for e in kd.example_prompts()],
+        inputs=[c["prompt"], c["chat"], c["max_new"]],
+        example_labels=["Short chat question", "Long document + question (essay excerpt)", "Passkey in a haystack (plain)"],
+        label="Examples",
+    )
+    c.update(build_columns())
+    with gr.Row():
+        c["plot"] = gr.LinePlot(empty_plot(), x="tokens", y="stored_KiB", color="column", title="Stored KV bytes vs cached tokens",
+                                x_title="cached tokens", y_title="KV stored (KiB)", height=300, elem_id="memory-plot", scale=3)
+        c["summary"] = gr.Markdown(elem_id="summary")
+    with gr.Accordion("Raw readouts (JSON, final)", open=False):
+        c["json"] = gr.JSON(elem_id="readouts-json")
+    c["state"] = gr.State(None)  # this session's StopFlag: set by Stop, replaced by every Generate
+    outputs = [c["note"], *c["outputs"], *c["readouts"], c["plot"], c["summary"], c["json"], c["state"], c["generate"], c["stop"]]
+    inputs = [c["prompt"], c["chat"], c["max_new"], c["temperature"], c["top_p"], c["seed"], *c["methods"]]
+    gen = c["generate"].click(make_generate(engine, max_prompt_tokens), inputs, outputs, api_name="generate")
+    c["prompt"].submit(make_generate(engine, max_prompt_tokens), inputs, outputs, api_name=False)
+    c["stop"].click(stop_generation, [c["state"]], [c["note"]], api_name="stop", concurrency_limit=None)
+    c["gen_event"] = gen
+    return c
+
+
+def build_inside_tab(engine: Engine, max_prompt_tokens: int, controls: dict) -> None:
+    """The "Inside the cache" tab: what Kitty does to the keys of the current prompt."""
+    gr.Markdown(
+        "Keys of the **current prompt** after RoPE, as the cache receives them. Each page of "
+        f"{PRESETS['kitty'].group_size} tokens after the sink picks its own top channels by mean |K| and stores them "
+        "with 4 bits (2 planes); every other channel gets 2 bits."
+    )
+    with gr.Row():
+        method = gr.Dropdown(BOOST_METHODS, value="kitty", label="Method (2-bit keys)", elem_id="inside-method")
+        layer = gr.Slider(0, engine.num_layers - 1, value=min(engine.num_layers - 1, engine.num_layers // 2), step=1, label="Layer")
+        head = gr.Slider(0, engine.num_kv_heads - 1, value=0, step=1, label="KV head")
+        show = gr.Button("Look inside", variant="primary", elem_id="inside-show")
+    note = gr.Markdown(elem_id="inside-note")
+    heat = gr.Plot(label="|K| heatmap", elem_id="inside-heatmap")
+    pages = gr.Dataframe(label="Pages: boosted channels and key error", wrap=True, elem_id="inside-pages")
+    bits = gr.Dataframe(bits_table(engine, 0, 0), label=f"Bits per element (head_dim {engine.head_dim}): pages alone, and the "
+                        "whole cache (sink, qbuffers, local window included) at the current length", wrap=True, elem_id="inside-bits")
+    inputs = [controls["prompt"], controls["chat"], method, layer, head, controls["max_new"]]
+    handler = make_inspect(engine, max_prompt_tokens)
+    show.click(handler, inputs, [note, heat, pages, bits], api_name="inspect")
+    for w in (layer, head):
+        w.release(handler, inputs, [note, heat, pages, bits], api_name=False)
+    method.input(handler, inputs, [note, heat, pages, bits], api_name=False)
+
+
+def build_demo(engine: Engine, max_prompt_tokens: int = kd.MAX_PROMPT_TOKENS, concurrency: int = CONCURRENCY_LIMIT) -> gr.Blocks:
+    """The whole app, queued with a concurrency limit."""
+    with gr.Blocks(title="Kitty: 2-bit KV caches side by side") as demo:
+        gr.Markdown(
+            "# 🐱 Kitty — 2-bit KV caches, side by side\n"
+            f"Three KV caches generate from the same prompt with **{engine.name}** "
+            f"({engine.num_layers} layers, {engine.num_kv_heads} KV heads, head_dim {engine.head_dim}). "
+            "Watch the text and the memory: `fp16` keeps everything, `kivi-k2v2` stores 2-bit keys and values, "
+            "`kitty` boosts each key page's most important channels to 4 bits "
+            "([arXiv 2511.18643](https://arxiv.org/abs/2511.18643))."
+        )
+        with gr.Tab("Generate"):
+            controls = build_generate_tab(engine, max_prompt_tokens)
+        with gr.Tab("Inside the cache"):
+            build_inside_tab(engine, max_prompt_tokens, controls)
+    demo.queue(default_concurrency_limit=concurrency, max_size=QUEUE_MAX_SIZE)
+    return demo
+
+
+ARGS = parse_args(None if __name__ == "__main__" else [])  # flags only when run as a script; env otherwise
+demo = build_demo(get_engine(ARGS.model), ARGS.max_prompt_tokens, ARGS.concurrency)
+
+if __name__ == "__main__":
+    demo.launch(server_name=ARGS.host, server_port=ARGS.port, share=ARGS.share, **LAUNCH_STYLE)
