@@ -175,7 +175,8 @@ def _decode_reduce_kernel(
     l = tl.load(ws_l_ptr + ws, mask=ok, other=0.0)
     acc = tl.load(ws_acc_ptr + ws[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
     M = tl.max(m, 0)
-    w = tl.where(m > float("-inf"), tl.exp2(m - M), 0.0)  # empty splits (m = -inf) weigh 0
+    M = tl.where(M > float("-inf"), M, 0.0)  # every split empty (length 0): avoid -inf - -inf
+    w = tl.exp2(m - M)  # empty splits (m = -inf) weigh 0
     L = tl.sum(w * l, 0)
     o = tl.sum(w[:, None] * acc, 0) / tl.where(L > 0, L, 1.0)  # rows of length 0 give 0
     tl.store(out_ptr + b.to(tl.int64) * so_b + (h * QH + r) * so_h + d, cast_to(o, out_ptr.dtype.element_ty))

@@ -1,0 +1,247 @@
+"""Triton kernels against their torch references, on CPU under the Triton interpreter.
+
+Tolerances (flash-attention's rule, docs: EXAMPLES.md): ``ref`` = torch reference in fp32, ``pt`` = the same
+reference computed in the kernel dtype, both on the *same* 2-bit codes; a kernel passes when
+``max|out - ref| <= 2 * max|pt - ref| + FLOOR[dtype]`` (FLOOR: fp16 1e-4, bf16 1e-3, ~1/10 of an output ulp at
+|out| ~ 1). Pack and dequantization are exact: bit-identical to ``kitty.quant``.
+Sizes are small (G=16, a few pages) to keep the interpreter under CI's time budget.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / kernels are imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kitty.config import PRESETS  # noqa: E402
+from kitty.memory import token_layout  # noqa: E402
+from kitty.quant import dequantize_key_page, dequantize_value_page, quantize_key_page, quantize_value_page  # noqa: E402
+
+import kernels  # noqa: E402
+from kernels import (  # noqa: E402
+    KittyLayerState,
+    decode_attention,
+    decode_attention_ref,
+    decode_attention_unfused,
+    dequantize_key_page_triton,
+    dequantize_value_page_triton,
+    pack_pages,
+    pack_pages_ref,
+)
+from kernels.testing import make_state, planted_kv  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                                reason="needs CUDA or TRITON_INTERPRET=1")
+DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+FLOOR = {torch.float16: 1e-4, torch.bfloat16: 1e-3}
+KEY_FIELDS = ("low", "high", "boost_idx", "scale", "zero")
+VALUE_FIELDS = ("codes", "scale", "zero")
+
+
+def small(preset: str, **kw):
+    """A preset with interpreter-sized pages (G=16) and a local window longer than a page (R=24 > G)."""
+    kw = {"group_size": 16, "local_window": 24, "sink_tokens": 8, **kw}
+    if PRESETS[preset].sink_tokens == 0:
+        kw["sink_tokens"] = 0
+    return PRESETS[preset].with_(**kw)
+
+
+# ------------------------------------------------------------------------------------------------------ pack
+
+PACK_CASES = [  # (preset, D, dtype): >8 boosted channels (kitty-pro D=128 -> 32) catch uint8 slot overflow
+    ("kitty-pro", 128, torch.float16),
+    ("kitty", 64, torch.bfloat16),
+    ("kitty", 128, torch.bfloat16),
+    ("kivi-k4v4", 64, torch.float16),  # 4-bit keys: every channel "boosted"; 4-bit values
+    ("kivi-k2v4-sink", 128, torch.bfloat16),  # no boost, 4-bit values
+    ("kitty-random", 64, torch.float16),  # random selection: mask from torch, packing in the kernel
+]
+
+
+@pytest.mark.parametrize("preset,D,dtype", PACK_CASES)
+def test_pack_bit_identical(preset, D, dtype):
+    cfg = small(preset, group_size=32)
+    k, v = planted_kv(4, 2, 32, D, dtype, DEVICE, seed=D + len(preset))
+    k[0, 1, :, 3] = 0.25  # a constant channel: zero range -> scale 0, codes 0
+    rows = [3, 0, 2]  # a subset, out of order
+    kp, vp = pack_pages(cfg, k, v, k_rows=rows, v_rows=rows[:2], salt=5)
+    rk, rv = pack_pages_ref(cfg, k, v, k_rows=rows, v_rows=rows[:2], salt=5)
+    assert kp.high.shape[-2] == cfg.num_boosted(D)
+    for f in KEY_FIELDS:
+        assert torch.equal(getattr(kp, f), getattr(rk, f)), f"key {f} differs"
+    for f in VALUE_FIELDS:
+        assert torch.equal(getattr(vp, f), getattr(rv, f)), f"value {f} differs"
+    # the planted outlier channels are boosted (magnitude selection)
+    if cfg.channel_selection == "magnitude" and 0 < cfg.num_boosted(D) < D:
+        top = k[3].float().abs().mean(-2).argmax(-1)  # (Hkv,)
+        assert (kp.boost_idx[0].gather(-1, top[:, None].long()) < cfg.num_boosted(D)).all()
+
+
+def test_pack_into_pool_at_page_ids():
+    cfg = small("kitty-pro")
+    D, G, Hkv, P = 64, cfg.group_size, 2, 6
+    k, v = planted_kv(3, Hkv, G, D, torch.float16, DEVICE, seed=7)
+    nb = cfg.num_boosted(D)
+    u8 = dict(dtype=torch.uint8, device=DEVICE)
+    pool = dict(
+        k_low=torch.full((P, Hkv, D, G // 4), 0xAB, **u8), k_high=torch.full((P, Hkv, nb, G // 4), 0xAB, **u8),
+        k_boost_idx=torch.full((P, Hkv, D), 0xAB, **u8), k_scale=torch.full((P, Hkv, D), 7.0, dtype=torch.float16, device=DEVICE),
+        k_zero=torch.full((P, Hkv, D), 7.0, dtype=torch.float16, device=DEVICE),
+        v_codes=torch.full((P, Hkv, G, D // 4), 0xAB, **u8), v_scale=torch.full((P, Hkv, G), 7.0, dtype=torch.float16, device=DEVICE),
+        v_zero=torch.full((P, Hkv, G), 7.0, dtype=torch.float16, device=DEVICE),
+    )
+    before = {name: t.clone() for name, t in pool.items()}
+    assert pack_pages(cfg, k, v, k_rows=[1, 2], k_pages=[4, 0], v_rows=[0], v_pages=[5], pool=pool) is None
+    rk = quantize_key_page(k[[1, 2]], cfg)
+    rv = quantize_value_page(v[[0]], cfg)
+    for name, f in zip(("k_low", "k_high", "k_boost_idx", "k_scale", "k_zero"), KEY_FIELDS):
+        assert torch.equal(pool[name][[4, 0]], getattr(rk, f)), name
+        assert torch.equal(pool[name][[1, 2, 3, 5]], before[name][[1, 2, 3, 5]]), f"{name}: other pages touched"
+    for name, f in zip(("v_codes", "v_scale", "v_zero"), VALUE_FIELDS):
+        assert torch.equal(pool[name][[5]], getattr(rv, f)), name
+        assert torch.equal(pool[name][:5], before[name][:5]), f"{name}: other pages touched"
+
+
+def test_pack_ties_keep_lower_channel_index():
+    cfg = small("kitty")  # D=32 -> 4 boosted
+    k = torch.ones(1, 1, 16, 32, dtype=torch.float16, device=DEVICE)
+    k[..., ::2, :] = -1.0  # every channel has mean |K| = 1: all tied
+    kp, _ = pack_pages(cfg, k)
+    assert kp.boost_idx[0, 0, :4].tolist() == [0, 1, 2, 3]
+    assert (kp.boost_idx[0, 0, 4:] == 255).all()
+
+
+def test_pack_rejects_bad_shapes():
+    cfg = small("kitty")
+    with pytest.raises(ValueError, match="group_size"):
+        pack_pages(cfg, torch.zeros(1, 1, 32, 64, dtype=torch.float16, device=DEVICE))
+    with pytest.raises(ValueError, match="needs k_qbuf"):
+        pack_pages(cfg)
+
+
+# --------------------------------------------------------------------------------------------------- dequant
+
+
+@pytest.mark.parametrize("preset,D,dtype", [("kitty-pro", 128, torch.bfloat16), ("kitty", 64, torch.float16),
+                                            ("kivi-k4v4", 64, torch.bfloat16)])
+@pytest.mark.parametrize("unpack_reshape", [True, False])
+def test_dequantize_pages_bit_identical(preset, D, dtype, unpack_reshape):
+    G = 128 if D == 128 else 32  # G=128: high-plane row = 32 bytes, so slot 8 * 32 wraps a uint8 index
+    cfg = small(preset, group_size=G)
+    k, v = planted_kv(2, 3, G, D, dtype, DEVICE, seed=3)
+    kp, vp = quantize_key_page(k, cfg), quantize_value_page(v, cfg)
+    out = dequantize_key_page_triton(kp, unpack_reshape)
+    assert torch.equal(out, dequantize_key_page(kp))
+    assert torch.equal(dequantize_value_page_triton(vp, unpack_reshape), dequantize_value_page(vp))
+    # boosted channels in slots >= 8 really use their own high-plane rows (the paper kernel's uint8 overflow)
+    nb = kp.num_boosted
+    if 8 < nb < D:
+        late = (kp.boost_idx[0, 0] >= 8) & (kp.boost_idx[0, 0] < nb)
+        assert late.any()
+        err = (out[0, 0] - k[0, 0]).float().abs()[:, late]
+        step = kp.scale[0, 0, late].float()
+        assert (err <= step / 2 + 1e-2 * step + 1e-6).all()  # 4-bit error bound: a 2-bit-only decode breaks it
+
+
+# ---------------------------------------------------------------------------------------------- attention
+
+
+def _lengths(cfg, B):
+    """Ragged lengths hitting the edge cases: 1 token, inside the sink, sink exactly, page boundaries +-1,
+    values still all in the local window, several pages."""
+    S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
+    cands = [S + 3 * G + 5, 1, S + G, S + R + 2 * G, S + 2 * G + 1, S + R - 1, S + 4 * G - 1, max(S, 1)]
+    return cands[:B]
+
+
+def _check(out, q, state, cfg, scaling=None):
+    ref = decode_attention_ref(q, state, cfg, scaling, upcast=True)
+    pt = decode_attention_ref(q, state, cfg, scaling, upcast=False)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert torch.isfinite(out).all(), "NaN/Inf: a kernel read an unused (NaN-filled) slot"
+    err = (out.float() - ref.float()).abs().max().item()
+    tol = 2 * (pt.float() - ref.float()).abs().max().item() + FLOOR[q.dtype]
+    assert err <= tol, f"max|out-ref| = {err:.3g} > {tol:.3g}"
+    return err
+
+
+ATTN_CASES = [  # (preset, GQA ratio, D, dtype, sink): covers GQA 1/3/4/8, D 64/128, fp16/bf16, empty sink
+    ("kitty", 1, 64, torch.float16, 8),
+    ("kitty-pro", 4, 128, torch.bfloat16, 8),
+    ("kitty", 3, 64, torch.bfloat16, 0),
+    ("kitty-pro", 8, 64, torch.float16, 4),
+    ("kivi-k2v4-sink", 2, 64, torch.float16, 8),  # 4-bit values, no boost
+    ("fp16", 4, 64, torch.bfloat16, 8),  # 16-bit raw pages
+]
+
+
+@pytest.mark.parametrize("preset,gqa,D,dtype,sink", ATTN_CASES)
+def test_decode_attention_fused(preset, gqa, D, dtype, sink):
+    cfg = small(preset, sink_tokens=sink)
+    B, Hkv = 5, 2
+    lengths = _lengths(cfg, B)
+    k, v = planted_kv(B, Hkv, max(lengths), D, dtype, DEVICE, seed=gqa * D + sink)
+    state = make_state(cfg, k, v, lengths, seed=1)
+    q = torch.randn(B, Hkv * gqa, D, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
+    for splits in (1, 3):  # one program per row/head, and rows split across programs (incl. empty splits)
+        _check(decode_attention(q, state, cfg, num_splits=splits), q, state, cfg)
+
+
+def test_decode_attention_scaling_pack_and_empty_row():
+    """A custom scaling, pages packed by the Triton pack kernel, a row of length 0, odd B*Hkv."""
+    cfg = small("kitty-pro")
+    B, Hkv, D, dtype = 3, 1, 128, torch.float16
+    lengths = [cfg.sink_tokens + 2 * cfg.group_size + cfg.local_window + 3, 0, 2]
+    k, v = planted_kv(B, Hkv, max(lengths), D, dtype, DEVICE, seed=11)
+    state = make_state(cfg, k, v, lengths, seed=3, pack="triton")
+    q = torch.randn(B, 5 * Hkv, D, generator=torch.Generator().manual_seed(4)).to(dtype).to(DEVICE)
+    out = decode_attention(q, state, cfg, scaling=0.3)
+    _check(out, q, state, cfg, scaling=0.3)
+    assert (out[1] == 0).all()
+
+
+@pytest.mark.parametrize("preset,gqa,D,dtype,sink", [ATTN_CASES[1], ATTN_CASES[2]])
+def test_decode_attention_unfused(preset, gqa, D, dtype, sink):
+    cfg = small(preset, sink_tokens=sink)
+    B, Hkv = 4, 2
+    lengths = _lengths(cfg, B)
+    k, v = planted_kv(B, Hkv, max(lengths), D, dtype, DEVICE, seed=5)
+    state = make_state(cfg, k, v, lengths, seed=2)
+    q = torch.randn(B, Hkv * gqa, D, generator=torch.Generator().manual_seed(6)).to(dtype).to(DEVICE)
+    _check(decode_attention_unfused(q, state, cfg, num_splits=2), q, state, cfg)
+
+
+def test_reference_matches_plain_attention_on_unquantized_cache():
+    """The reference's position bookkeeping: with fp16 pages it is plain softmax attention over the sequence."""
+    cfg = small("fp16")
+    B, Hkv, D = 3, 2, 64
+    lengths = _lengths(cfg, B)
+    k, v = planted_kv(B, Hkv, max(lengths), D, torch.float32, DEVICE, seed=9)
+    state = make_state(cfg, k, v, lengths)
+    q = torch.randn(B, 2 * Hkv, D, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    out = decode_attention_ref(q, state, cfg)
+    for b, n in enumerate(lengths):
+        kk = k[b, :, :n].repeat_interleave(2, 0)
+        vv = v[b, :, :n].repeat_interleave(2, 0)
+        expect = torch.einsum("hn,hnd->hd", torch.softmax(torch.einsum("hd,hnd->hn", q[b], kk) / D**0.5, -1), vv)
+        torch.testing.assert_close(out[b], expect, rtol=1e-5, atol=1e-5)
+    lay = token_layout(cfg, lengths[0])
+    assert lay.key_pages > lay.value_pages > 0  # the lagging value side was exercised
+
+
+def test_dispatch_and_checks():
+    cfg = small("kitty")
+    k, v = planted_kv(2, 2, 40, 64, torch.float16, DEVICE)
+    state = make_state(cfg, k, v, [40, 17])
+    q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(0)).to(torch.float16).to(DEVICE)
+    torch.testing.assert_close(decode_attention(q, state, cfg, backend="torch"), decode_attention_ref(q, state, cfg))
+    with pytest.raises(ValueError, match="backend"):
+        decode_attention(q, state, cfg, backend="cuda")
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        decode_attention(torch.zeros(2, 3, 64, dtype=torch.float16, device=DEVICE), state, cfg)
+    bad = KittyLayerState(**{**state.tensors(), "v_local": state.v_local[:, :, :3]})
+    with pytest.raises(ValueError, match="v_local"):
+        decode_attention(q, bad, cfg)
+    assert {"decode_attention", "KittyLayerState", "pack_pages", "dequantize_key_page_triton",
+            "decode_attention_unfused", "decode_attention_ref"} <= set(kernels.__all__)
