@@ -3,5 +3,18 @@
 from .config import PRESETS, KVQuantConfig, get_preset
 from .memory import MemoryReport, analytic_report, token_layout
 
-__all__ = ["KVQuantConfig", "PRESETS", "get_preset", "MemoryReport", "analytic_report", "token_layout"]
+__all__ = ["KVQuantConfig", "PRESETS", "get_preset", "MemoryReport", "analytic_report", "token_layout", "KittyCache", "load_model"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Imported on first use: KittyCache pulls in transformers, which `import kitty` alone should not pay for.
+    if name == "KittyCache":
+        from .cache import KittyCache
+
+        return KittyCache
+    if name == "load_model":
+        from .models import load_model
+
+        return load_model
+    raise AttributeError(f"module 'kitty' has no attribute {name!r}")

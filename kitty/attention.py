@@ -1,0 +1,264 @@
+"""The ``"kitty"`` attention function and mask function for transformers, and the torch reference backend.
+
+Registered at import with ``transformers.AttentionInterface`` and ``AttentionMaskInterface`` under ``"kitty"``:
+
+- the mask function does not build a 4-D mask; it returns a :class:`KittyMask` carrying the 2-D padding mask
+  (``[B, past + T]``, True = real token), which transformers hands to every layer's attention call;
+- the attention function receives the :class:`kitty.cache.PendingKV` handle that ``KittyLayer.update`` returned
+  instead of key/value tensors, attends, then inserts the valid new tokens into the layer (paper §4.3 order:
+  insert, attend with the qbuffer in full precision, quantize a full qbuffer afterwards).
+
+With ordinary tensors (any other cache, or none) both fall back to transformers' SDPA, so a model whose config says
+``"kitty"`` keeps working without a KittyCache.
+
+Backends (``KittyCache(..., backend=)``, overridden by the environment variable ``KITTY_BACKEND``):
+
+- ``torch``: dequantize the layer's pages transiently (:func:`dequantize_cache`), then SDPA over
+  ``[cached tokens | new tokens]`` with a causal + padding mask. The prompt (prefill) is attended in full precision;
+  decode steps read the quantized cache. Nothing dequantized is kept.
+- ``triton``: decode steps (one new token per row) call ``kernels.decode_attention(query, storage, cfg, scale)``
+  after inserting the token, on the storage of ``docs/LAYOUT.md``; its reference is
+  :func:`paged_decode_attention_ref` with the same arguments. Steps whose token completes a page (1-2 of every G)
+  and multi-token chunks take the torch path, so both backends attend that page in full precision, as the paper.
+- ``auto``: ``triton`` for CUDA tensors, else ``torch``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .config import KVQuantConfig
+from .memory import token_layout
+from .quant import KeyPage, ValuePage, dequantize_key_page, dequantize_value_page
+
+ATTN_NAME = "kitty"
+BACKEND_ENV = "KITTY_BACKEND"
+
+# ------------------------------------------------------------------------------------------------------ the mask
+
+
+@dataclass
+class KittyMask:
+    """What the ``"kitty"`` mask function returns: the 2-D padding mask, plus how to build the SDPA mask instead.
+
+    ``padding_mask``: bool ``[B, past + T]`` (True = real token) or ``None`` (no padding).
+    """
+
+    padding_mask: torch.Tensor | None
+    sdpa_kwargs: dict[str, Any] = field(default_factory=dict, repr=False)
+    _sdpa: Any = field(default=None, repr=False)
+
+    def new_token_mask(self, batch_size: int, q_length: int, device: torch.device) -> torch.Tensor:
+        """bool ``[B, T]``: which of the ``T`` new columns are real tokens."""
+        if self.padding_mask is None:
+            return torch.ones(batch_size, q_length, dtype=torch.bool, device=device)
+        m = self.padding_mask
+        if m.dim() != 2 or m.shape[0] != batch_size or m.shape[1] < q_length:
+            raise ValueError(f"attention_mask must be 2-D [batch, past + new] with batch {batch_size} and >= {q_length} columns, got {tuple(m.shape)}")
+        return m[:, -q_length:].to(device=device, dtype=torch.bool)
+
+    def sdpa(self) -> torch.Tensor | None:
+        """The mask transformers' ``sdpa_mask`` would have built (computed once, shared by all layers)."""
+        if self._sdpa is None and self.sdpa_kwargs:
+            self._sdpa = (sdpa_mask(**self.sdpa_kwargs),)
+        return self._sdpa[0] if self._sdpa else None
+
+
+def kitty_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0, attention_mask: torch.Tensor | None = None, **kwargs) -> KittyMask:
+    """Mask function registered as ``"kitty"``: keep the 2-D padding mask (bool ``[B, kv_length]`` or ``None``)."""
+    sdpa_kwargs = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset, attention_mask=attention_mask, **kwargs)
+    return KittyMask(attention_mask, sdpa_kwargs)
+
+
+# ------------------------------------------------------------------------------- reading the cache (torch path)
+
+
+def dequantize_cache(storage: dict[str, torch.Tensor], cfg: KVQuantConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every cached token of one layer in position order: keys, values ``[B, H, L, D]`` and valid ``[B, L]``.
+
+    ``storage``: tensors named as in ``docs/LAYOUT.md`` plus ``lengths`` (e.g. ``KittyLayer.storage()``);
+    ``L = max(lengths)``; column ``p`` of row ``b`` holds position ``p`` for ``p < lengths[b]`` (zeros beyond).
+    Pages are dequantized with ``kitty.quant`` for all rows at once; the result is transient.
+    """
+    n = storage["lengths"].tolist()
+    sink_k = storage["sink_k"]
+    B, H, S, D = sink_k.shape
+    G, R = cfg.group_size, cfg.local_window
+    device, dtype = sink_k.device, sink_k.dtype
+    L = max(n, default=0)
+    lay = [token_layout(cfg, x) for x in n]
+    # one spare column L takes the writes of empty buffer slots
+    keys = torch.zeros(B, H, L + 1, D, dtype=dtype, device=device)
+    values = torch.zeros(B, H, L + 1, D, dtype=dtype, device=device)
+    s = min(S, L)
+    keys[:, :, :s] = sink_k[:, :, :s]
+    values[:, :, :s] = storage["sink_v"][:, :, :s]
+
+    # pages: page j of every row covers positions S + j*G .. S + (j+1)*G - 1 (rows with fewer pages read page 0
+    # there, finite data that their own qbuffer overwrites or the mask hides)
+    pk = max((x.key_pages for x in lay), default=0)
+    if pk:
+        ids = storage["k_page_table"][:, :pk].long().clamp_min(0)  # (B, pk)
+        k = dequantize_key_page(_key_page(storage, ids, cfg, dtype))  # (B, pk, H, G, D)
+        keys[:, :, S : S + pk * G] = k.permute(0, 2, 1, 3, 4).reshape(B, H, pk * G, D)
+    pv = max((x.value_pages for x in lay), default=0)
+    if pv:
+        ids = storage["v_page_table"][:, :pv].long().clamp_min(0)  # (B, pv)
+        v = dequantize_value_page(_value_page(storage, ids, cfg, dtype))  # (B, pv, H, G, D)
+        values[:, :, S : S + pv * G] = v.permute(0, 2, 1, 3, 4).reshape(B, H, pv * G, D)
+
+    def scatter(dst: torch.Tensor, src: torch.Tensor, pos: torch.Tensor, ok: torch.Tensor) -> None:
+        pos = torch.where(ok, pos, L)  # (B, slots); empty slots -> spare column
+        dst.scatter_(2, pos[:, None, :, None].expand(B, H, pos.shape[1], D), src)
+
+    slot = torch.arange(G, device=device)
+    t = lambda xs: torch.tensor(xs, device=device)[:, None]  # noqa: E731  (B, 1)
+    # key qbuffer: slot s holds position S + pk_b*G + s while s < key_qbuffer
+    scatter(keys, storage["k_qbuf"], S + t([x.key_pages * G for x in lay]) + slot, slot < t([x.key_qbuffer for x in lay]))
+    # value qbuffer: slot s holds position S + pv_b*G + s while s < value_qbuffer
+    scatter(values, storage["v_qbuf"], S + t([x.value_pages * G for x in lay]) + slot, slot < t([x.value_qbuffer for x in lay]))
+    if R:
+        # local ring: the newest `local` positions [n - local, n); position p sits in slot (p - S) % R
+        r = torch.arange(R, device=device)
+        first = t([x.tokens - x.local for x in lay])
+        offset = (r + S - first) % R  # (B, R): position = first + offset
+        scatter(values, storage["v_local"], first + offset, offset < t([x.local for x in lay]))
+    valid = torch.arange(L, device=device)[None, :] < storage["lengths"].to(device)[:, None]  # (B, L)
+    return keys[:, :, :L], values[:, :, :L], valid
+
+
+def _key_page(storage: dict[str, torch.Tensor], ids: torch.Tensor, cfg: KVQuantConfig, dtype: torch.dtype) -> KeyPage:
+    from .cache import key_page_from_storage
+
+    return key_page_from_storage(storage, ids, cfg, dtype)
+
+
+def _value_page(storage: dict[str, torch.Tensor], ids: torch.Tensor, cfg: KVQuantConfig, dtype: torch.dtype) -> ValuePage:
+    from .cache import value_page_from_storage
+
+    return value_page_from_storage(storage, ids, cfg, dtype)
+
+
+def paged_decode_attention_ref(query: torch.Tensor, storage: dict[str, torch.Tensor], cfg: KVQuantConfig, scale: float) -> torch.Tensor:
+    """Torch reference of ``kernels.decode_attention``: one query token per row over every cached token.
+
+    Args:
+        query: ``[B, Hq, 1, D]`` (the token at position ``lengths[b] - 1``, already inserted in ``storage``).
+        storage: one layer's tensors named as in ``docs/LAYOUT.md`` plus ``lengths`` (``KittyLayer.storage()``).
+        cfg: the cache's :class:`KVQuantConfig` (S, G, R, bits).
+        scale: softmax scale (usually ``1/sqrt(D)``).
+    Returns:
+        ``[B, Hq, 1, D]`` in the query's dtype. GQA: query head h reads KV head ``h // (Hq / Hkv)``.
+    """
+    keys, values, valid = dequantize_cache(storage, cfg)
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=query.shape[1] != keys.shape[1])
+
+
+def attend_torch(query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, valid: torch.Tensor, storage: dict[str, torch.Tensor], cfg: KVQuantConfig, scale: float) -> torch.Tensor:
+    """Attention of ``T`` new queries over the cached tokens (dequantized) and the new tokens (full precision).
+
+    ``query`` ``[B, Hq, T, D]``; ``key_states``/``value_states`` ``[B, Hkv, T, D]``; ``valid`` bool ``[B, T]``
+    marks real new tokens. New tokens attend causally to each other and to every cached token of their row.
+    Returns ``[B, Hq, T, D]``; padding query rows get finite values that nothing reads.
+    """
+    B, Hq, T, D = query.shape
+    if storage["lengths"].any():
+        past_k, past_v, past_valid = dequantize_cache(storage, cfg)
+        keys, values = torch.cat([past_k, key_states], dim=2), torch.cat([past_v, value_states], dim=2)  # (B, H, L+T, D)
+    else:
+        past_valid = valid.new_zeros(B, 0)
+        keys, values = key_states, value_states
+    L = past_valid.shape[1]
+    mask, is_causal = None, False
+    if bool(valid.all()) and bool(past_valid.all()):  # no padding, rows equally long: no explicit mask needed
+        is_causal = T > 1 and L == 0
+        needs_mask = T > 1 and L > 0
+    else:
+        needs_mask = True
+    if needs_mask:
+        i = torch.arange(T, device=query.device)
+        causal = i[:, None] >= i[None, :]  # (T, T)
+        new = (causal & valid[:, None, :]) | torch.eye(T, dtype=torch.bool, device=query.device)  # (B, T, T); a padding query sees itself
+        mask = torch.cat([past_valid[:, None, :].expand(B, T, L), new], dim=2)[:, None]  # (B, 1, T, L+T)
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=Hq != keys.shape[1])
+
+
+# ------------------------------------------------------------------------------------------- backend dispatch
+
+
+def resolve_backend(requested: str, device: torch.device) -> str:
+    """``"torch"`` or ``"triton"`` for tensors on ``device`` (``KITTY_BACKEND`` overrides ``requested``)."""
+    choice = os.environ.get(BACKEND_ENV) or requested
+    if choice not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend (or ${BACKEND_ENV}) must be one of ('auto', 'torch', 'triton'), got {choice!r}")
+    if choice == "auto":
+        return "triton" if device.type == "cuda" and _triton_decode_fn(required=False) is not None else "torch"
+    return choice
+
+
+def _triton_decode_fn(required: bool = True):
+    try:
+        from kernels import decode_attention
+    except ImportError as e:
+        if required:
+            raise NotImplementedError(
+                "backend='triton' needs kernels.decode_attention(query, storage, cfg, scale) (issue 4), which is not "
+                f"available yet ({e}); use backend='torch' or KITTY_BACKEND=torch"
+            ) from e
+        warnings.warn("kernels.decode_attention is not available: KittyCache(backend='auto') uses the torch backend", stacklevel=3)
+        return None
+    return decode_attention
+
+
+# -------------------------------------------------------------------------------------- the attention function
+
+
+def kitty_attention_forward(
+    module: torch.nn.Module | None,
+    query: torch.Tensor,
+    key: Any,
+    value: Any,
+    attention_mask: KittyMask | torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention registered as ``"kitty"``; returns ``([B, T, Hq, D], None)`` like transformers' functions.
+
+    ``key``/``value``: the :class:`kitty.cache.PendingKV` of a KittyCache layer (or plain tensors: SDPA fallback).
+    ``attention_mask``: the :class:`KittyMask` of :func:`kitty_mask` (or ``None``: no padding).
+    """
+    from .cache import PendingKV
+
+    if not isinstance(key, PendingKV):
+        mask = attention_mask.sdpa() if isinstance(attention_mask, KittyMask) else attention_mask
+        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+    if attention_mask is not None and not isinstance(attention_mask, KittyMask):
+        raise ValueError(f"KittyCache needs the 2-D padding mask (the 'kitty' mask function); got a {type(attention_mask).__name__} of shape {tuple(getattr(attention_mask, 'shape', ()))}")
+    layer = key.layer
+    B, Hq, T, D = query.shape
+    scale = D**-0.5 if scaling is None else scaling
+    valid = (attention_mask or KittyMask(None)).new_token_mask(B, T, query.device)  # (B, T)
+    layer.check_append(valid)  # errors before anything changes
+    backend = resolve_backend(layer.backend, query.device)
+    if backend == "triton" and T == 1 and not layer.append_fills_page(valid):
+        decode_attention = _triton_decode_fn(required=True)
+        layer.append(key.key_states, key.value_states, valid)
+        out = decode_attention(query, layer.storage(), layer.cfg, scale)  # (B, Hq, 1, D)
+    else:
+        out = attend_torch(query, key.key_states, key.value_states, valid, layer.storage(), layer.cfg, scale)
+        layer.append(key.key_states, key.value_states, valid)
+    return out.transpose(1, 2).contiguous(), None  # (B, T, Hq, D)
+
+
+AttentionInterface.register(ATTN_NAME, kitty_attention_forward)
+AttentionMaskInterface.register(ATTN_NAME, kitty_mask)
