@@ -30,9 +30,10 @@ def cast_to(x, DTYPE: tl.constexpr):
     if INTERPRET and DTYPE == tl.bfloat16:
         u = x.to(tl.float32).to(tl.uint32, bitcast=True)
         u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000  # rtne to the top 16 bits
-        return u.to(tl.float32, bitcast=True).to(DTYPE)
+        y = u.to(tl.float32, bitcast=True).to(DTYPE)
     else:
-        return x.to(DTYPE)
+        y = x.to(DTYPE)
+    return y
 
 
 @triton.jit
@@ -47,43 +48,55 @@ def _unpack_rows(ptr, row_off, mask_rows, ROWS: tl.constexpr, N: tl.constexpr, B
         jb = tl.arange(0, NB)
         e = tl.arange(0, PER)
         b = tl.load(ptr + row_off[:, None] + jb[None, :], mask=mask_rows[:, None], other=0).to(tl.int32)  # (ROWS, NB)
-        codes = (b[:, :, None] >> (BITS * e)[None, None, :]) & CODE_MASK  # (ROWS, NB, PER)
-        return tl.reshape(codes, (ROWS, N))
+        codes3 = (b[:, :, None] >> (BITS * e)[None, None, :]) & CODE_MASK  # (ROWS, NB, PER)
+        codes = tl.reshape(codes3, (ROWS, N))
     else:
         k = tl.arange(0, N)
-        b = tl.load(ptr + row_off[:, None] + (k // PER)[None, :], mask=mask_rows[:, None], other=0).to(tl.int32)
-        return (b >> (BITS * (k % PER))[None, :]) & CODE_MASK
+        b2 = tl.load(ptr + row_off[:, None] + (k // PER)[None, :], mask=mask_rows[:, None], other=0).to(tl.int32)
+        codes = (b2 >> (BITS * (k % PER))[None, :]) & CODE_MASK
+    return codes
 
 
 @triton.jit
 def _key_page_T(
     # pool pointers (docs/LAYOUT.md): k_low [P, Hkv, D, G/4], k_high [P, Hkv, NB, G/4], k_boost_idx/scale/zero [P, Hkv, D]
     low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, raw_ptr,
-    # which (page, head): pbase = page * Hkv + head, int64
-    pbase,
+    # which (page, head): pbase = page * Hkv + head, int64; tokens n0 .. n0 + BN - 1 of the page (n0 % 4 == 0)
+    pbase, n0,
     # meta-parameters
-    G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, KEY_RAW: tl.constexpr, DTYPE: tl.constexpr,
-    UNPACK_RESHAPE: tl.constexpr,
+    G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, KEY_RAW: tl.constexpr,
+    DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr,
 ):
-    """Algorithm 1: the dequantized key page ``(D, G)`` in ``DTYPE`` (channel-major, ``K^T``)."""
-    G4: tl.constexpr = G // 4
+    """Algorithm 1: the dequantized keys ``(D, BN)`` of one page in ``DTYPE`` (channel-major, ``K^T``)."""
     d = tl.arange(0, D)
     if KEY_RAW:  # key_bits=16: k_raw [P, Hkv, G, D]
-        t = tl.arange(0, G)
-        return tl.load(raw_ptr + pbase * (G * D) + t[None, :] * D + d[:, None])
+        t = n0 + tl.arange(0, BN)
+        kT = tl.load(raw_ptr + pbase * (G * D) + t[None, :] * D + d[:, None])
+    else:
+        kT = _dequant_key_T(low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, pbase, n0, G, BN, D, NB, DTYPE,
+                            UNPACK_RESHAPE)
+    return kT
+
+
+@triton.jit
+def _dequant_key_T(low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, pbase, n0, G: tl.constexpr, BN: tl.constexpr,
+                   D: tl.constexpr, NB: tl.constexpr, DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr):
+    G4: tl.constexpr = G // 4
+    d = tl.arange(0, D)
+    byte0 = n0 // 4  # first byte of the token block in each plane row
     # lines 4-5: metadata; cast boost_idx to int32 BEFORE address arithmetic (uint8 * row bytes wraps at 256)
     scale = tl.load(scale_ptr + pbase * D + d).to(tl.float32)
     zero = tl.load(zero_ptr + pbase * D + d).to(tl.float32)
     # lines 8-9: low plane, every channel
     ones = d >= 0
-    code = _unpack_rows(low_ptr + pbase * (D * G4), d * G4, ones, D, G, 2, UNPACK_RESHAPE)  # (D, G)
+    code = _unpack_rows(low_ptr + pbase * (D * G4) + byte0, d * G4, ones, D, BN, 2, UNPACK_RESHAPE)  # (D, BN)
     if NB > 0:
         # line 6: boost mask from boost_idx (sentinel 255 >= NB)
         idx = tl.load(idx_ptr + pbase * D + d).to(tl.int32)
         boosted = idx < NB
         slot = tl.where(boosted, idx, 0)
         # lines 11-12: high plane rows of boosted channels through boost_idx, masked load (no branching)
-        high = _unpack_rows(high_ptr + pbase * (NB * G4), slot * G4, boosted, D, G, 2, UNPACK_RESHAPE)
+        high = _unpack_rows(high_ptr + pbase * (NB * G4) + byte0, slot * G4, boosted, D, BN, 2, UNPACK_RESHAPE)
         # line 14: X = X_low | X_high << 2
         code = code | (high << 2)
     # line 15: X * scale + zero (fp32, then the model dtype, as kitty.quant.dequantize_codes)
@@ -94,17 +107,25 @@ def _key_page_T(
 def _value_page(
     # pool pointers: v_codes [P, Hkv, G, D*VBITS/8], v_scale/v_zero [P, Hkv, G], v_raw [P, Hkv, G, D]
     codes_ptr, scale_ptr, zero_ptr, raw_ptr,
-    pbase,
-    G: tl.constexpr, D: tl.constexpr, VBITS: tl.constexpr, VALUE_RAW: tl.constexpr, DTYPE: tl.constexpr,
-    UNPACK_RESHAPE: tl.constexpr,
+    pbase, n0,
+    G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, VBITS: tl.constexpr, VALUE_RAW: tl.constexpr,
+    DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr,
 ):
-    """The dequantized value page ``(G, D)`` in ``DTYPE`` (per-token scale/zero)."""
-    t = tl.arange(0, G)
+    """The dequantized values ``(BN, D)`` of tokens ``n0 ..`` of one page in ``DTYPE`` (per-token scale/zero)."""
+    t = n0 + tl.arange(0, BN)
     if VALUE_RAW:
         d = tl.arange(0, D)
-        return tl.load(raw_ptr + pbase * (G * D) + t[:, None] * D + d[None, :])
+        v = tl.load(raw_ptr + pbase * (G * D) + t[:, None] * D + d[None, :])
+    else:
+        v = _dequant_value(codes_ptr, scale_ptr, zero_ptr, pbase, t, G, BN, D, VBITS, DTYPE, UNPACK_RESHAPE)
+    return v
+
+
+@triton.jit
+def _dequant_value(codes_ptr, scale_ptr, zero_ptr, pbase, t, G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+                   VBITS: tl.constexpr, DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr):
     DB: tl.constexpr = D * VBITS // 8
     scale = tl.load(scale_ptr + pbase * G + t).to(tl.float32)
     zero = tl.load(zero_ptr + pbase * G + t).to(tl.float32)
-    code = _unpack_rows(codes_ptr + pbase * (G * DB), t * DB, t >= 0, G, D, VBITS, UNPACK_RESHAPE)  # (G, D)
+    code = _unpack_rows(codes_ptr + pbase * (G * DB), t * DB, t >= 0, BN, D, VBITS, UNPACK_RESHAPE)  # (BN, D)
     return cast_to(code.to(tl.float32) * scale[:, None] + zero[:, None], DTYPE)

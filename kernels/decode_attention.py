@@ -9,12 +9,14 @@ and value qbuffers and the value local window -- and never writes scores to memo
 Algorithm (program = (row b, KV head h, split); all QH = Hq/Hkv query heads of h share every load):
 
     n = lengths[b];  m = max(n - S, 0);  pk = m // G (key pages);  mv = max(m - R, 0);  pv = mv // G (value pages)
-    blocks j = 0 .. ceil(m / G) - 1 cover positions S + j*G + t, t < G; split s takes a contiguous run of them
+    token blocks jb = 0 .. ceil(m / BLOCK_N) - 1 (BLOCK_N divides G: page j = jb // (G/BLOCK_N), offset n0 in it)
+    cover positions S + jb*BLOCK_N + t; split s takes a contiguous run of them
     m_i = -inf; l_i = 0; acc = 0                                  # per query head, fp32
     if s == 0 and S > 0: attend(sink_k, sink_v, positions < min(n, S))
-    for j in run(s):                                             # three loops, no branch in the hot one
-        K^T = j < pk ? Algorithm1(k_pages[k_page_table[b, j]]) : k_qbuf[b, h]       (slot = p - S - j*G)
-        V   = j < pv ? dequant(v_pages[v_page_table[b, j]])    : p - S < mv ? v_qbuf[b, h] : v_local[b, h][(p-S) % R]
+    for jb in run(s):                                            # three loops, no branch in the hot one
+        K^T = j < pk ? Algorithm1(k_pages[k_page_table[b, j]], n0) : k_qbuf[b, h][(p - S) % G]
+        V   = j < pv ? dequant(v_pages[v_page_table[b, j]], n0)  : p - S < mv ? v_qbuf[b, h][(p - S) % G]
+                                                                  : v_local[b, h][(p - S) % R]
         s_  = q @ K^T * scaling / ln 2 ; masked where p >= n
         m_new = max(m_i, rowmax(s_)); p_ = 2^(s_ - m_new); alpha = 2^(m_i - m_new)
         l_i = alpha * l_i + rowsum(p_);  acc = alpha * acc + p_ @ V;  m_i = m_new
@@ -62,10 +64,11 @@ def _attend(q, kT, v, valid, m_i, l_i, acc, qk_scale, DOT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _fp_values(vq_ptr, vl_ptr, rel, m, mv, t, d, D: tl.constexpr, R: tl.constexpr):
-    """Values (G, D) of positions S + rel (rel = p - S): v_qbuf slot t where rel < mv, else v_local slot rel % R."""
+def _fp_values(vq_ptr, vl_ptr, rel, m, mv, d, G: tl.constexpr, D: tl.constexpr, R: tl.constexpr):
+    """Values (BN, D) of positions S + rel (rel = p - S): v_qbuf slot rel % G where rel < mv, else v_local slot
+    rel % R where rel < m; 0 elsewhere."""
     in_q = rel < mv
-    v = tl.load(vq_ptr + t[:, None] * D + d[None, :], mask=in_q[:, None], other=0.0)
+    v = tl.load(vq_ptr + (rel % G)[:, None] * D + d[None, :], mask=in_q[:, None], other=0.0)
     if R > 0:
         in_l = (rel >= mv) & (rel < m)
         v += tl.load(vl_ptr + (rel % R)[:, None] * D + d[None, :], mask=in_l[:, None], other=0.0)
@@ -88,10 +91,12 @@ def _decode_split_kernel(
     # ---- meta-parameters
     S: tl.constexpr, G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, VBITS: tl.constexpr,
     KEY_RAW: tl.constexpr, VALUE_RAW: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-    DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr,
+    BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr,
 ):
-    tl.static_assert(G >= 16 and BLOCK_H >= 16 and D >= 16, "tl.dot needs every dimension >= 16")
-    # ---- program id -> (row, KV head, split)
+    tl.static_assert(BLOCK_N >= 16 and BLOCK_H >= 16 and D >= 16, "tl.dot needs every dimension >= 16")
+    tl.static_assert(G % BLOCK_N == 0, "BLOCK_N must divide the page size")
+    NPB: tl.constexpr = G // BLOCK_N  # token blocks per page
+    # ---- program id -> (row, KV head, split); the split's run of token blocks
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bh // Hkv
@@ -99,17 +104,17 @@ def _decode_split_kernel(
     b64 = b.to(tl.int64)
     n = tl.load(len_ptr + b)
     m = tl.maximum(n - S, 0)
-    pk = m // G
     mv = tl.maximum(m - R, 0)
-    pv = mv // G
-    nblk = tl.cdiv(m, G)
+    kb = (m // G) * NPB  # token blocks inside full key pages
+    vb = (mv // G) * NPB  # token blocks inside full value pages (vb <= kb)
+    nblk = tl.cdiv(m, BLOCK_N)
     per = tl.cdiv(nblk, NUM_SPLITS)
     start = split * per
     end = tl.minimum(start + per, nblk)
     # ---- query tile: the QH query heads of KV head h, padded to BLOCK_H rows
     r = tl.arange(0, BLOCK_H)
     d = tl.arange(0, D)
-    t = tl.arange(0, G)
+    tn = tl.arange(0, BLOCK_N)
     q = tl.load(q_ptr + b64 * sq_b + (h * QH + r)[:, None] * sq_h + d[None, :], mask=(r < QH)[:, None], other=0.0)
     q = q.to(DOT_DTYPE)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -128,27 +133,31 @@ def _decode_split_kernel(
     vq_ptr = v_qbuf_ptr + b64 * svq_b + h * svq_h
     vl_ptr = v_local_ptr + b64 * svl_b + h * svl_h
     # ---- blocks with a key page and a value page (the hot loop: no branches)
-    for j in range(start, tl.minimum(end, pv)):
+    for jb in range(start, tl.minimum(end, vb)):
+        j = jb // NPB
+        n0 = (jb % NPB) * BLOCK_N
         kpage = tl.load(k_pt_ptr + b64 * spk_b + j).to(tl.int64) * Hkv + h
         vpage = tl.load(v_pt_ptr + b64 * spv_b + j).to(tl.int64) * Hkv + h
-        kT = _key_page_T(k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, k_raw_ptr, kpage,
-                         G, D, NB, KEY_RAW, DTYPE, UNPACK_RESHAPE)
-        v = _value_page(v_codes_ptr, v_scale_ptr, v_zero_ptr, v_raw_ptr, vpage, G, D, VBITS, VALUE_RAW, DTYPE,
-                        UNPACK_RESHAPE)
-        m_i, l_i, acc = _attend(q, kT, v, t >= 0, m_i, l_i, acc, qk_scale, DOT_DTYPE)
+        kT = _key_page_T(k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, k_raw_ptr, kpage, n0,
+                         G, BLOCK_N, D, NB, KEY_RAW, DTYPE, UNPACK_RESHAPE)
+        v = _value_page(v_codes_ptr, v_scale_ptr, v_zero_ptr, v_raw_ptr, vpage, n0, G, BLOCK_N, D, VBITS, VALUE_RAW,
+                        DTYPE, UNPACK_RESHAPE)
+        m_i, l_i, acc = _attend(q, kT, v, tn >= 0, m_i, l_i, acc, qk_scale, DOT_DTYPE)
     # ---- blocks with a key page, values in full precision (value qbuffer / local window)
-    for j in range(tl.maximum(start, pv), tl.minimum(end, pk)):
+    for jb in range(tl.maximum(start, vb), tl.minimum(end, kb)):
+        j = jb // NPB
+        n0 = (jb % NPB) * BLOCK_N
         kpage = tl.load(k_pt_ptr + b64 * spk_b + j).to(tl.int64) * Hkv + h
-        kT = _key_page_T(k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, k_raw_ptr, kpage,
-                         G, D, NB, KEY_RAW, DTYPE, UNPACK_RESHAPE)
-        v = _fp_values(vq_ptr, vl_ptr, j * G + t, m, mv, t, d, D, R)
-        m_i, l_i, acc = _attend(q, kT, v, t >= 0, m_i, l_i, acc, qk_scale, DOT_DTYPE)
-    # ---- the last, partial block: keys from the key qbuffer
-    for j in range(tl.maximum(start, pk), end):
-        rel = j * G + t
+        kT = _key_page_T(k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, k_raw_ptr, kpage, n0,
+                         G, BLOCK_N, D, NB, KEY_RAW, DTYPE, UNPACK_RESHAPE)
+        v = _fp_values(vq_ptr, vl_ptr, jb * BLOCK_N + tn, m, mv, d, G, D, R)
+        m_i, l_i, acc = _attend(q, kT, v, tn >= 0, m_i, l_i, acc, qk_scale, DOT_DTYPE)
+    # ---- the last, partial page: keys from the key qbuffer (slot = rel % G)
+    for jb in range(tl.maximum(start, kb), end):
+        rel = jb * BLOCK_N + tn
         valid = rel < m
-        kT = tl.load(kq_ptr + t[None, :] * D + d[:, None], mask=valid[None, :], other=0.0)
-        v = _fp_values(vq_ptr, vl_ptr, rel, m, mv, t, d, D, R)
+        kT = tl.load(kq_ptr + (rel % G)[None, :] * D + d[:, None], mask=valid[None, :], other=0.0)
+        v = _fp_values(vq_ptr, vl_ptr, rel, m, mv, d, G, D, R)
         m_i, l_i, acc = _attend(q, kT, v, valid, m_i, l_i, acc, qk_scale, DOT_DTYPE)
     # ---- write-back of this split's partial state
     ws = (pid_bh * NUM_SPLITS + split) * BLOCK_H + r
@@ -196,14 +205,14 @@ def _num_sms(device: torch.device) -> int:
 
 
 def default_num_splits(B: int, Hkv: int, max_blocks: int, device: torch.device, waves: int = 4) -> int:
-    """Splits so that B*Hkv*splits programs fill ~``waves`` per SM, never more than the blocks a row can have."""
+    """Splits so that B*Hkv*splits programs fill ~``waves`` per SM, never more than the token blocks of a row."""
     want = triton.cdiv(waves * _num_sms(device), max(B * Hkv, 1))
     return max(1, min(want, max_blocks, 256))
 
 
 def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig, scaling: float | None = None,
                             num_splits: int | None = None, unpack_reshape: bool = True, num_warps: int = 4,
-                            num_stages: int = 2) -> torch.Tensor:
+                            num_stages: int = 2, block_n: int = 64) -> torch.Tensor:
     """The fused Triton kernel (see module docstring). ``q``: ``[B, Hq, D]`` -> ``[B, Hq, D]`` in ``q.dtype``."""
     z = check_state(q, state, cfg)
     B, Hq, Hkv, D, S, G, R, nb = (z[k] for k in ("B", "Hq", "Hkv", "D", "S", "G", "R", "nb"))
@@ -216,7 +225,10 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
     QH = Hq // Hkv
     BLOCK_H = max(16, triton.next_power_of_2(QH))
     BLOCK_S = max(16, triton.next_power_of_2(S))
-    max_blocks = state.k_page_table.shape[1] + 1
+    BLOCK_N = min(block_n, G)
+    if BLOCK_N < 16 or G % BLOCK_N:
+        raise ValueError(f"block_n must be >= 16 and divide group_size={G}, got {block_n}")
+    max_blocks = (state.k_page_table.shape[1] + 1) * (G // BLOCK_N)
     splits = num_splits or default_num_splits(B, Hkv, max_blocks, q.device)
     dev, f32 = q.device, torch.float32
     ws_m = torch.empty(B * Hkv * splits * BLOCK_H, dtype=f32, device=dev)
@@ -243,7 +255,7 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
         st.v_local.stride(0), st.v_local.stride(1), st.k_page_table.stride(0), st.v_page_table.stride(0),
         S=S, G=G, R=R, D=D, NB=nb, VBITS=cfg.value_bits if cfg.quantizes_values else 2,
         KEY_RAW=not cfg.quantizes_keys, VALUE_RAW=not cfg.quantizes_values, BLOCK_H=BLOCK_H, BLOCK_S=BLOCK_S,
-        DTYPE=dtype, DOT_DTYPE=dot_dtype, UNPACK_RESHAPE=unpack_reshape,
+        BLOCK_N=BLOCK_N, DTYPE=dtype, DOT_DTYPE=dot_dtype, UNPACK_RESHAPE=unpack_reshape,
         num_warps=num_warps, num_stages=num_stages,
     )
     _decode_reduce_kernel[(B * Hkv, QH)](

@@ -40,8 +40,8 @@ def _dequant_key_kernel(
     G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)  # flattened (page, head)
-    kT = _key_page_T(low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, low_ptr, pid,
-                     G, D, NB, False, DTYPE, UNPACK_RESHAPE)  # (D, G)
+    kT = _key_page_T(low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, low_ptr, pid, 0,
+                     G, G, D, NB, False, DTYPE, UNPACK_RESHAPE)  # (D, G)
     d = tl.arange(0, D)
     t = tl.arange(0, G)
     tl.store(out_ptr + pid * (G * D) + t[None, :] * D + d[:, None], kT)
@@ -53,7 +53,7 @@ def _dequant_value_kernel(
     G: tl.constexpr, D: tl.constexpr, VBITS: tl.constexpr, DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
-    v = _value_page(codes_ptr, scale_ptr, zero_ptr, codes_ptr, pid, G, D, VBITS, False, DTYPE, UNPACK_RESHAPE)
+    v = _value_page(codes_ptr, scale_ptr, zero_ptr, codes_ptr, pid, 0, G, G, D, VBITS, False, DTYPE, UNPACK_RESHAPE)
     t = tl.arange(0, G)
     d = tl.arange(0, D)
     tl.store(out_ptr + pid * (G * D) + t[:, None] * D + d[None, :], v)

@@ -136,29 +136,29 @@ def _pack_kernel(
         # ================================================================= value page: per token
         PER: tl.constexpr = 8 // VBITS
         DP: tl.constexpr = D // PER
-        i = (pid - n_key_progs) // Hkv
-        h = (pid - n_key_progs) % Hkv
-        row = tl.load(v_rows_ptr + i).to(tl.int64)
-        page = tl.load(v_pages_ptr + i).to(tl.int64)
+        vi = (pid - n_key_progs) // Hkv
+        vh = (pid - n_key_progs) % Hkv
+        vrow = tl.load(v_rows_ptr + vi).to(tl.int64)
+        vpage = tl.load(v_pages_ptr + vi).to(tl.int64)
         t = tl.arange(0, G)
         k = tl.arange(0, DP)
         e = tl.arange(0, PER)
         c3 = PER * k[None, :, None] + e[None, None, :]  # (1, DP, PER) channel index
-        x = tl.load(vq_ptr + row * svq_b + h * svq_h + t[:, None, None] * svq_t + c3).to(tl.float32)  # (G, DP, PER)
-        mn = tl.min(tl.min(x, axis=2), axis=1)  # (G,)
-        mx = tl.max(tl.max(x, axis=2), axis=1)
+        vx = tl.load(vq_ptr + vrow * svq_b + vh * svq_h + t[:, None, None] * svq_t + c3).to(tl.float32)  # (G, DP, PER)
+        vmn = tl.min(tl.min(vx, axis=2), axis=1)  # (G,)
+        vmx = tl.max(tl.max(vx, axis=2), axis=1)
         VLEVELS: tl.constexpr = (1 << VBITS) - 1
         if ROUND_UP:
-            scale_q = _roundup_to((mx - mn) / VLEVELS, DTYPE, ITYPE)
+            vscale_q = _roundup_to((vmx - vmn) / VLEVELS, DTYPE, ITYPE)
         else:
-            scale_q = ((mx - mn) / VLEVELS).to(DTYPE)
-        zero_q = mn.to(DTYPE)
-        code = _quantize(x, zero_q.to(tl.float32)[:, None, None], scale_q.to(tl.float32)[:, None, None], VLEVELS * 1.0)
-        packed = tl.sum(code << (VBITS * e[None, None, :]), axis=2)  # (G, DP)
-        pbase = page * Hkv + h
-        tl.store(v_codes_ptr + pbase * (G * DP) + t[:, None] * DP + k[None, :], packed.to(tl.uint8))
-        tl.store(v_scale_ptr + pbase * G + t, scale_q)
-        tl.store(v_zero_ptr + pbase * G + t, zero_q)
+            vscale_q = ((vmx - vmn) / VLEVELS).to(DTYPE)
+        vzero_q = vmn.to(DTYPE)
+        vcode = _quantize(vx, vzero_q.to(tl.float32)[:, None, None], vscale_q.to(tl.float32)[:, None, None], VLEVELS * 1.0)
+        packed = tl.sum(vcode << (VBITS * e[None, None, :]), axis=2)  # (G, DP)
+        vbase = vpage * Hkv + vh
+        tl.store(v_codes_ptr + vbase * (G * DP) + t[:, None] * DP + k[None, :], packed.to(tl.uint8))
+        tl.store(v_scale_ptr + vbase * G + t, vscale_q)
+        tl.store(v_zero_ptr + vbase * G + t, vzero_q)
 
 
 _ITYPE = {torch.float16: tl.int16, torch.bfloat16: tl.int16, torch.float32: tl.int32}

@@ -37,9 +37,10 @@ def _qk_kernel(
     sq_b, sq_h, ssk_b, ssk_h, skq_b, skq_h, spk_b,
     # ---- meta-parameters
     S: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, KEY_RAW: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    UNPACK_RESHAPE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr,
 ):
+    NPB: tl.constexpr = G // BLOCK_N
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bh // Hkv
@@ -47,14 +48,14 @@ def _qk_kernel(
     b64 = b.to(tl.int64)
     n = tl.load(len_ptr + b)
     m = tl.maximum(n - S, 0)
-    pk = m // G
-    nblk = tl.cdiv(m, G)
+    kb = (m // G) * NPB
+    nblk = tl.cdiv(m, BLOCK_N)
     per = tl.cdiv(nblk, NUM_SPLITS)
     start = split * per
     end = tl.minimum(start + per, nblk)
     r = tl.arange(0, BLOCK_H)
     d = tl.arange(0, D)
-    t = tl.arange(0, G)
+    t = tl.arange(0, BLOCK_N)
     q = tl.load(q_ptr + b64 * sq_b + (h * QH + r)[:, None] * sq_h + d[None, :], mask=(r < QH)[:, None], other=0.0)
     q = q.to(DOT_DTYPE)
     row_ptr = logits_ptr + (b64 * Hkv * QH + h * QH + r)[:, None] * L_CAP  # (BLOCK_H, 1)
@@ -66,17 +67,18 @@ def _qk_kernel(
             kT = tl.load(sink_k_ptr + b64 * ssk_b + h * ssk_h + ps[None, :] * D + d[:, None], mask=vs[None, :], other=0.0)
             s = tl.dot(q, kT.to(DOT_DTYPE)) * scaling
             tl.store(row_ptr + ps[None, :], s, mask=rows & vs[None, :])
-    for j in range(start, tl.minimum(end, pk)):
-        kpage = tl.load(k_pt_ptr + b64 * spk_b + j).to(tl.int64) * Hkv + h
+    for jb in range(start, tl.minimum(end, kb)):
+        kpage = tl.load(k_pt_ptr + b64 * spk_b + jb // NPB).to(tl.int64) * Hkv + h
         kT = _key_page_T(k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, k_raw_ptr, kpage,
-                         G, D, NB, KEY_RAW, DTYPE, UNPACK_RESHAPE)
+                         (jb % NPB) * BLOCK_N, G, BLOCK_N, D, NB, KEY_RAW, DTYPE, UNPACK_RESHAPE)
         s = tl.dot(q, kT.to(DOT_DTYPE)) * scaling
-        tl.store(row_ptr + (S + j * G + t)[None, :], s, mask=rows)
-    for j in range(tl.maximum(start, pk), end):
-        valid = j * G + t < m
-        kT = tl.load(k_qbuf_ptr + b64 * skq_b + h * skq_h + t[None, :] * D + d[:, None], mask=valid[None, :], other=0.0)
+        tl.store(row_ptr + (S + jb * BLOCK_N + t)[None, :], s, mask=rows)
+    for jb in range(tl.maximum(start, kb), end):
+        rel = jb * BLOCK_N + t
+        valid = rel < m
+        kT = tl.load(k_qbuf_ptr + b64 * skq_b + h * skq_h + (rel % G)[None, :] * D + d[:, None], mask=valid[None, :], other=0.0)
         s = tl.dot(q, kT.to(DOT_DTYPE)) * scaling
-        tl.store(row_ptr + (S + j * G + t)[None, :], s, mask=rows & valid[None, :])
+        tl.store(row_ptr + (S + rel)[None, :], s, mask=rows & valid[None, :])
 
 
 @triton.jit
@@ -90,9 +92,10 @@ def _sv_kernel(
     ssv_b, ssv_h, svq_b, svq_h, svl_b, svl_h, spv_b,
     # ---- meta-parameters
     S: tl.constexpr, G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, VBITS: tl.constexpr,
-    VALUE_RAW: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, DTYPE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr,
+    VALUE_RAW: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr,
 ):
+    NPB: tl.constexpr = G // BLOCK_N
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bh // Hkv
@@ -101,14 +104,14 @@ def _sv_kernel(
     n = tl.load(len_ptr + b)
     m = tl.maximum(n - S, 0)
     mv = tl.maximum(m - R, 0)
-    pv = mv // G
-    nblk = tl.cdiv(m, G)
+    vb = (mv // G) * NPB
+    nblk = tl.cdiv(m, BLOCK_N)
     per = tl.cdiv(nblk, NUM_SPLITS)
     start = split * per
     end = tl.minimum(start + per, nblk)
     r = tl.arange(0, BLOCK_H)
     d = tl.arange(0, D)
-    t = tl.arange(0, G)
+    t = tl.arange(0, BLOCK_N)
     row_ptr = probs_ptr + (b64 * Hkv * QH + h * QH + r)[:, None] * L_CAP
     rows = (r < QH)[:, None]
     acc = tl.zeros([BLOCK_H, D], tl.float32)
@@ -119,16 +122,16 @@ def _sv_kernel(
             p = tl.load(row_ptr + ps[None, :], mask=rows & vs[None, :], other=0.0)
             v = tl.load(sink_v_ptr + b64 * ssv_b + h * ssv_h + ps[:, None] * D + d[None, :], mask=vs[:, None], other=0.0)
             acc += tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE))
-    for j in range(start, tl.minimum(end, pv)):
-        vpage = tl.load(v_pt_ptr + b64 * spv_b + j).to(tl.int64) * Hkv + h
-        v = _value_page(v_codes_ptr, v_scale_ptr, v_zero_ptr, v_raw_ptr, vpage, G, D, VBITS, VALUE_RAW, DTYPE,
-                        UNPACK_RESHAPE)
-        p = tl.load(row_ptr + (S + j * G + t)[None, :], mask=rows, other=0.0)
+    for jb in range(start, tl.minimum(end, vb)):
+        vpage = tl.load(v_pt_ptr + b64 * spv_b + jb // NPB).to(tl.int64) * Hkv + h
+        v = _value_page(v_codes_ptr, v_scale_ptr, v_zero_ptr, v_raw_ptr, vpage, (jb % NPB) * BLOCK_N, G, BLOCK_N, D,
+                        VBITS, VALUE_RAW, DTYPE, UNPACK_RESHAPE)
+        p = tl.load(row_ptr + (S + jb * BLOCK_N + t)[None, :], mask=rows, other=0.0)
         acc += tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE))
-    for j in range(tl.maximum(start, pv), end):
-        rel = j * G + t
+    for jb in range(tl.maximum(start, vb), end):
+        rel = jb * BLOCK_N + t
         v = _fp_values(v_qbuf_ptr + b64 * svq_b + h * svq_h, v_local_ptr + b64 * svl_b + h * svl_h,
-                       rel, m, mv, t, d, D, R)
+                       rel, m, mv, d, G, D, R)
         p = tl.load(row_ptr + (S + rel)[None, :], mask=rows & (rel < m)[None, :], other=0.0)
         acc += tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE))
     ws = (pid_bh * NUM_SPLITS + split) * BLOCK_H + r
@@ -137,7 +140,7 @@ def _sv_kernel(
 
 def decode_attention_unfused(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig,
                              scaling: float | None = None, num_splits: int | None = None,
-                             unpack_reshape: bool = True, num_warps: int = 4) -> torch.Tensor:
+                             unpack_reshape: bool = True, num_warps: int = 4, block_n: int = 64) -> torch.Tensor:
     """Decode attention as the paper runs it: qk kernel -> torch softmax -> sv kernel. ``[B, Hq, D]`` in/out."""
     z = check_state(q, state, cfg)
     B, Hq, Hkv, D, S, G, R, nb = (z[k] for k in ("B", "Hq", "Hkv", "D", "S", "G", "R", "nb"))
@@ -148,8 +151,11 @@ def decode_attention_unfused(q: torch.Tensor, state: KittyLayerState, cfg: KVQua
     QH = Hq // Hkv
     BLOCK_H = max(16, triton.next_power_of_2(QH))
     BLOCK_S = max(16, triton.next_power_of_2(S))
-    max_blocks = state.k_page_table.shape[1] + 1
-    L_CAP = S + max_blocks * G
+    BLOCK_N = min(block_n, G)
+    if BLOCK_N < 16 or G % BLOCK_N:
+        raise ValueError(f"block_n must be >= 16 and divide group_size={G}, got {block_n}")
+    L_CAP = S + (state.k_page_table.shape[1] + 1) * G
+    max_blocks = (L_CAP - S) // BLOCK_N
     splits = num_splits or default_num_splits(B, Hkv, max_blocks, q.device)
     dtype = _TLTYPE[q.dtype]
     dot_dtype = tl.float32 if (_interpreting() or q.dtype == torch.float32) else dtype
@@ -166,7 +172,7 @@ def decode_attention_unfused(q: torch.Tensor, state: KittyLayerState, cfg: KVQua
         Hkv, QH, splits, scaling, L_CAP,
         q.stride(0), q.stride(1), st.sink_k.stride(0), st.sink_k.stride(1), st.k_qbuf.stride(0), st.k_qbuf.stride(1),
         st.k_page_table.stride(0),
-        S=S, G=G, D=D, NB=nb, KEY_RAW=not cfg.quantizes_keys, BLOCK_H=BLOCK_H, BLOCK_S=BLOCK_S,
+        S=S, G=G, D=D, NB=nb, KEY_RAW=not cfg.quantizes_keys, BLOCK_H=BLOCK_H, BLOCK_S=BLOCK_S, BLOCK_N=BLOCK_N,
         DTYPE=dtype, DOT_DTYPE=dot_dtype, UNPACK_RESHAPE=unpack_reshape, num_warps=num_warps,
     )
     # 2) softmax in torch (fp32); rows of length 0 are all -inf -> NaN, zeroed
@@ -180,7 +186,8 @@ def decode_attention_unfused(q: torch.Tensor, state: KittyLayerState, cfg: KVQua
         st.sink_v.stride(0), st.sink_v.stride(1), st.v_qbuf.stride(0), st.v_qbuf.stride(1),
         st.v_local.stride(0), st.v_local.stride(1), st.v_page_table.stride(0),
         S=S, G=G, R=R, D=D, VBITS=cfg.value_bits if cfg.quantizes_values else 2, VALUE_RAW=not cfg.quantizes_values,
-        BLOCK_H=BLOCK_H, BLOCK_S=BLOCK_S, DTYPE=dtype, DOT_DTYPE=dot_dtype, UNPACK_RESHAPE=unpack_reshape,
+        BLOCK_H=BLOCK_H, BLOCK_S=BLOCK_S, BLOCK_N=BLOCK_N, DTYPE=dtype, DOT_DTYPE=dot_dtype,
+        UNPACK_RESHAPE=unpack_reshape,
         num_warps=num_warps,
     )
     out = ws.sum(1)[:, :QH].reshape(B, Hq, D)  # (B*Hkv, QH, D) -> (B, Hq, D)

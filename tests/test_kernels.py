@@ -166,26 +166,28 @@ def _check(out, q, state, cfg, scaling=None):
     return err
 
 
-ATTN_CASES = [  # (preset, GQA ratio, D, dtype, sink): covers GQA 1/3/4/8, D 64/128, fp16/bf16, empty sink
-    ("kitty", 1, 64, torch.float16, 8),
-    ("kitty-pro", 4, 128, torch.bfloat16, 8),
-    ("kitty", 3, 64, torch.bfloat16, 0),
-    ("kitty-pro", 8, 64, torch.float16, 4),
-    ("kivi-k2v4-sink", 2, 64, torch.float16, 8),  # 4-bit values, no boost
-    ("fp16", 4, 64, torch.bfloat16, 8),  # 16-bit raw pages
+ATTN_CASES = [  # (preset, GQA ratio, D, dtype, sink, G): GQA 1/3/4/8, D 64/128, fp16/bf16, empty sink, R < G and R > G
+    ("kitty", 1, 64, torch.float16, 8, 32),
+    ("kitty-pro", 4, 128, torch.bfloat16, 8, 16),
+    ("kitty", 3, 64, torch.bfloat16, 0, 32),
+    ("kitty-pro", 8, 64, torch.float16, 4, 16),
+    ("kivi-k2v4-sink", 2, 64, torch.float16, 8, 32),  # 4-bit values, no boost
+    ("fp16", 4, 64, torch.bfloat16, 8, 16),  # 16-bit raw pages
 ]
 
 
-@pytest.mark.parametrize("preset,gqa,D,dtype,sink", ATTN_CASES)
-def test_decode_attention_fused(preset, gqa, D, dtype, sink):
-    cfg = small(preset, sink_tokens=sink)
+@pytest.mark.parametrize("preset,gqa,D,dtype,sink,G", ATTN_CASES)
+def test_decode_attention_fused(preset, gqa, D, dtype, sink, G):
+    cfg = small(preset, sink_tokens=sink, group_size=G)
     B, Hkv = 5, 2
     lengths = _lengths(cfg, B)
     k, v = planted_kv(B, Hkv, max(lengths), D, dtype, DEVICE, seed=gqa * D + sink)
     state = make_state(cfg, k, v, lengths, seed=1)
     q = torch.randn(B, Hkv * gqa, D, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
-    for splits in (1, 3):  # one program per row/head, and rows split across programs (incl. empty splits)
-        _check(decode_attention(q, state, cfg, num_splits=splits), q, state, cfg)
+    # one program per row/head over whole pages; then rows split across programs (incl. empty splits) in
+    # 16-token blocks, several per page
+    for splits, block_n in ((1, G), (3, 16)):
+        _check(decode_attention(q, state, cfg, num_splits=splits, block_n=block_n), q, state, cfg)
 
 
 def test_decode_attention_scaling_pack_and_empty_row():
@@ -201,15 +203,15 @@ def test_decode_attention_scaling_pack_and_empty_row():
     assert (out[1] == 0).all()
 
 
-@pytest.mark.parametrize("preset,gqa,D,dtype,sink", [ATTN_CASES[1], ATTN_CASES[2]])
-def test_decode_attention_unfused(preset, gqa, D, dtype, sink):
-    cfg = small(preset, sink_tokens=sink)
+@pytest.mark.parametrize("preset,gqa,D,dtype,sink,G", [ATTN_CASES[1], ATTN_CASES[2]])
+def test_decode_attention_unfused(preset, gqa, D, dtype, sink, G):
+    cfg = small(preset, sink_tokens=sink, group_size=G)
     B, Hkv = 4, 2
     lengths = _lengths(cfg, B)
     k, v = planted_kv(B, Hkv, max(lengths), D, dtype, DEVICE, seed=5)
     state = make_state(cfg, k, v, lengths, seed=2)
     q = torch.randn(B, Hkv * gqa, D, generator=torch.Generator().manual_seed(6)).to(dtype).to(DEVICE)
-    _check(decode_attention_unfused(q, state, cfg, num_splits=2), q, state, cfg)
+    _check(decode_attention_unfused(q, state, cfg, num_splits=2, block_n=16), q, state, cfg)
 
 
 def test_reference_matches_plain_attention_on_unquantized_cache():
