@@ -37,24 +37,86 @@ def cast_to(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _unpack_rows(ptr, row_off, mask_rows, ROWS: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr,
+def _load_packed(ptr, row_off, mask_rows, ROWS: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr,
                  UNPACK_RESHAPE: tl.constexpr):
-    """Codes ``(ROWS, N)`` int32 from packed bytes ``ptr + row_off[r] + byte``; rows where ``mask_rows`` is False
-    read as 0. ``BITS``-bit codes, ``8 // BITS`` per byte, code ``k`` of a row at bits ``BITS * (k % per_byte)``."""
+    """Packed bytes of ``(ROWS, N)`` codes at ``ptr + row_off[r] + byte`` (rows where ``mask_rows`` is False read 0,
+    no memory traffic): ``(ROWS, N / per_byte)`` with ``UNPACK_RESHAPE``, else ``(ROWS, N)`` (each byte once per
+    code it holds, Algorithm 1's ``shifts = [0, 2, 4, 6, 0, ...]``)."""
     PER: tl.constexpr = 8 // BITS
-    NB: tl.constexpr = N // PER
+    if UNPACK_RESHAPE:
+        jb = tl.arange(0, N // PER)
+        b = tl.load(ptr + row_off[:, None] + jb[None, :], mask=mask_rows[:, None], other=0)
+    else:
+        k = tl.arange(0, N)
+        b = tl.load(ptr + row_off[:, None] + (k // PER)[None, :], mask=mask_rows[:, None], other=0)
+    return b
+
+
+@triton.jit
+def _expand_packed(b, ROWS: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr, UNPACK_RESHAPE: tl.constexpr):
+    """Codes ``(ROWS, N)`` int32 from :func:`_load_packed`'s bytes; code ``k`` of a row sits at bits
+    ``BITS * (k % per_byte)`` of byte ``k // per_byte``."""
+    PER: tl.constexpr = 8 // BITS
     CODE_MASK: tl.constexpr = (1 << BITS) - 1
     if UNPACK_RESHAPE:
-        jb = tl.arange(0, NB)
         e = tl.arange(0, PER)
-        b = tl.load(ptr + row_off[:, None] + jb[None, :], mask=mask_rows[:, None], other=0).to(tl.int32)  # (ROWS, NB)
-        codes3 = (b[:, :, None] >> (BITS * e)[None, None, :]) & CODE_MASK  # (ROWS, NB, PER)
+        codes3 = (b.to(tl.int32)[:, :, None] >> (BITS * e)[None, None, :]) & CODE_MASK  # (ROWS, N/PER, PER)
         codes = tl.reshape(codes3, (ROWS, N))
     else:
         k = tl.arange(0, N)
-        b2 = tl.load(ptr + row_off[:, None] + (k // PER)[None, :], mask=mask_rows[:, None], other=0).to(tl.int32)
-        codes = (b2 >> (BITS * (k % PER))[None, :]) & CODE_MASK
+        codes = (b.to(tl.int32) >> (BITS * (k % PER))[None, :]) & CODE_MASK
     return codes
+
+
+@triton.jit
+def _unpack_rows(ptr, row_off, mask_rows, ROWS: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr,
+                 UNPACK_RESHAPE: tl.constexpr):
+    """Codes ``(ROWS, N)`` int32 from packed bytes ``ptr + row_off[r] + byte``; rows where ``mask_rows`` is False
+    read as 0."""
+    b = _load_packed(ptr, row_off, mask_rows, ROWS, N, BITS, UNPACK_RESHAPE)
+    return _expand_packed(b, ROWS, N, BITS, UNPACK_RESHAPE)
+
+
+# ----------------------------------------------------------------------------------------------------- key pages
+
+
+@triton.jit
+def _load_key_raw(low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, pbase, n0, ok,
+                  G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
+                  UNPACK_RESHAPE: tl.constexpr):
+    """Algorithm 1, the loads (lines 4-12 before unpacking) of tokens ``n0 .. n0+BN-1`` of one key page:
+    ``(low bytes, high bytes, scale, zero)``. Nothing is read where the scalar ``ok`` is False."""
+    G4: tl.constexpr = G // 4
+    d = tl.arange(0, D)
+    byte0 = n0 // 4  # first byte of the token block in each plane row
+    okd = d < tl.where(ok, D, 0)  # all channels, or none where not ok
+    # lines 4-5: metadata
+    scale = tl.load(scale_ptr + pbase * D + d, mask=okd, other=0.0)
+    zero = tl.load(zero_ptr + pbase * D + d, mask=okd, other=0.0)
+    # lines 8: low plane, every channel
+    low = _load_packed(low_ptr + pbase * (D * G4) + byte0, d * G4, okd, D, BN, 2, UNPACK_RESHAPE)
+    if NB > 0:
+        # lines 5-6: boost mask from boost_idx (sentinel 255 >= NB); int32 BEFORE address arithmetic (uint8 * row
+        # bytes wraps at 256: slots 8+ alias slots 0-7 at G=128, as in the paper's own kernel)
+        idx = tl.load(idx_ptr + pbase * D + d, mask=okd, other=255).to(tl.int32)
+        boosted = idx < NB
+        slot = tl.where(boosted, idx, 0)
+        # line 11: high-plane rows of boosted channels through boost_idx, masked load (no branching)
+        high = _load_packed(high_ptr + pbase * (NB * G4) + byte0, slot * G4, boosted, D, BN, 2, UNPACK_RESHAPE)
+    else:
+        high = low
+    return low, high, scale, zero
+
+
+@triton.jit
+def _key_from_raw(low, high, scale, zero, BN: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, DTYPE: tl.constexpr,
+                  UNPACK_RESHAPE: tl.constexpr):
+    """Algorithm 1, lines 9, 12, 14, 15: unpack, ``X_low | X_high << 2``, ``X * scale + zero`` -> ``(D, BN)``."""
+    code = _expand_packed(low, D, BN, 2, UNPACK_RESHAPE)
+    if NB > 0:
+        code = code | (_expand_packed(high, D, BN, 2, UNPACK_RESHAPE) << 2)
+    # fp32, then the model dtype, as kitty.quant.dequantize_codes
+    return cast_to(code.to(tl.float32) * scale.to(tl.float32)[:, None] + zero.to(tl.float32)[:, None], DTYPE)
 
 
 @triton.jit
@@ -73,34 +135,33 @@ def _key_page_T(
         t = n0 + tl.arange(0, BN)
         kT = tl.load(raw_ptr + pbase * (G * D) + t[None, :] * D + d[:, None])
     else:
-        kT = _dequant_key_T(low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, pbase, n0, G, BN, D, NB, DTYPE,
-                            UNPACK_RESHAPE)
+        low, high, scale, zero = _load_key_raw(low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, pbase, n0, True,
+                                               G, BN, D, NB, UNPACK_RESHAPE)
+        kT = _key_from_raw(low, high, scale, zero, BN, D, NB, DTYPE, UNPACK_RESHAPE)
     return kT
 
 
+# --------------------------------------------------------------------------------------------------- value pages
+
+
 @triton.jit
-def _dequant_key_T(low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, pbase, n0, G: tl.constexpr, BN: tl.constexpr,
-                   D: tl.constexpr, NB: tl.constexpr, DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr):
-    G4: tl.constexpr = G // 4
-    d = tl.arange(0, D)
-    byte0 = n0 // 4  # first byte of the token block in each plane row
-    # lines 4-5: metadata; cast boost_idx to int32 BEFORE address arithmetic (uint8 * row bytes wraps at 256)
-    scale = tl.load(scale_ptr + pbase * D + d).to(tl.float32)
-    zero = tl.load(zero_ptr + pbase * D + d).to(tl.float32)
-    # lines 8-9: low plane, every channel
-    ones = d >= 0
-    code = _unpack_rows(low_ptr + pbase * (D * G4) + byte0, d * G4, ones, D, BN, 2, UNPACK_RESHAPE)  # (D, BN)
-    if NB > 0:
-        # line 6: boost mask from boost_idx (sentinel 255 >= NB)
-        idx = tl.load(idx_ptr + pbase * D + d).to(tl.int32)
-        boosted = idx < NB
-        slot = tl.where(boosted, idx, 0)
-        # lines 11-12: high plane rows of boosted channels through boost_idx, masked load (no branching)
-        high = _unpack_rows(high_ptr + pbase * (NB * G4) + byte0, slot * G4, boosted, D, BN, 2, UNPACK_RESHAPE)
-        # line 14: X = X_low | X_high << 2
-        code = code | (high << 2)
-    # line 15: X * scale + zero (fp32, then the model dtype, as kitty.quant.dequantize_codes)
-    return cast_to(code.to(tl.float32) * scale[:, None] + zero[:, None], DTYPE)
+def _load_value_raw(codes_ptr, scale_ptr, zero_ptr, pbase, n0, ok, G: tl.constexpr, BN: tl.constexpr,
+                    D: tl.constexpr, VBITS: tl.constexpr, UNPACK_RESHAPE: tl.constexpr):
+    """Loads of tokens ``n0 .. n0+BN-1`` of one value page: ``(code bytes, scale, zero)``; nothing if not ``ok``."""
+    DB: tl.constexpr = D * VBITS // 8
+    t = n0 + tl.arange(0, BN)
+    okt = t < tl.where(ok, G, 0)
+    scale = tl.load(scale_ptr + pbase * G + t, mask=okt, other=0.0)
+    zero = tl.load(zero_ptr + pbase * G + t, mask=okt, other=0.0)
+    codes = _load_packed(codes_ptr + pbase * (G * DB), t * DB, okt, BN, D, VBITS, UNPACK_RESHAPE)
+    return codes, scale, zero
+
+
+@triton.jit
+def _value_from_raw(codes, scale, zero, BN: tl.constexpr, D: tl.constexpr, VBITS: tl.constexpr, DTYPE: tl.constexpr,
+                    UNPACK_RESHAPE: tl.constexpr):
+    code = _expand_packed(codes, BN, D, VBITS, UNPACK_RESHAPE)  # (BN, D)
+    return cast_to(code.to(tl.float32) * scale.to(tl.float32)[:, None] + zero.to(tl.float32)[:, None], DTYPE)
 
 
 @triton.jit
@@ -112,20 +173,12 @@ def _value_page(
     DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr,
 ):
     """The dequantized values ``(BN, D)`` of tokens ``n0 ..`` of one page in ``DTYPE`` (per-token scale/zero)."""
-    t = n0 + tl.arange(0, BN)
     if VALUE_RAW:
+        t = n0 + tl.arange(0, BN)
         d = tl.arange(0, D)
         v = tl.load(raw_ptr + pbase * (G * D) + t[:, None] * D + d[None, :])
     else:
-        v = _dequant_value(codes_ptr, scale_ptr, zero_ptr, pbase, t, G, BN, D, VBITS, DTYPE, UNPACK_RESHAPE)
+        codes, scale, zero = _load_value_raw(codes_ptr, scale_ptr, zero_ptr, pbase, n0, True, G, BN, D, VBITS,
+                                             UNPACK_RESHAPE)
+        v = _value_from_raw(codes, scale, zero, BN, D, VBITS, DTYPE, UNPACK_RESHAPE)
     return v
-
-
-@triton.jit
-def _dequant_value(codes_ptr, scale_ptr, zero_ptr, pbase, t, G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-                   VBITS: tl.constexpr, DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr):
-    DB: tl.constexpr = D * VBITS // 8
-    scale = tl.load(scale_ptr + pbase * G + t).to(tl.float32)
-    zero = tl.load(zero_ptr + pbase * G + t).to(tl.float32)
-    code = _unpack_rows(codes_ptr + pbase * (G * DB), t * DB, t >= 0, BN, D, VBITS, UNPACK_RESHAPE)  # (BN, D)
-    return cast_to(code.to(tl.float32) * scale[:, None] + zero[:, None], DTYPE)

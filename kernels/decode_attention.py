@@ -38,7 +38,7 @@ import triton.language as tl
 
 from kitty.config import KVQuantConfig
 
-from ._tiles import _key_page_T, _value_page, cast_to
+from ._tiles import _key_from_raw, _key_page_T, _load_key_raw, _load_value_raw, _value_from_raw, _value_page, cast_to
 from .reference import KittyLayerState, check_state, decode_attention_ref  # noqa: F401 (re-exported)
 
 __all__ = ["KittyLayerState", "decode_attention", "decode_attention_ref", "decode_attention_triton"]
@@ -92,6 +92,7 @@ def _decode_split_kernel(
     S: tl.constexpr, G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, VBITS: tl.constexpr,
     KEY_RAW: tl.constexpr, VALUE_RAW: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     tl.static_assert(BLOCK_N >= 16 and BLOCK_H >= 16 and D >= 16, "tl.dot needs every dimension >= 16")
     tl.static_assert(G % BLOCK_N == 0, "BLOCK_N must divide the page size")
@@ -133,16 +134,45 @@ def _decode_split_kernel(
     vq_ptr = v_qbuf_ptr + b64 * svq_b + h * svq_h
     vl_ptr = v_local_ptr + b64 * svl_b + h * svl_h
     # ---- blocks with a key page and a value page (the hot loop: no branches)
-    for jb in range(start, tl.minimum(end, vb)):
-        j = jb // NPB
-        n0 = (jb % NPB) * BLOCK_N
-        kpage = tl.load(k_pt_ptr + b64 * spk_b + j).to(tl.int64) * Hkv + h
-        vpage = tl.load(v_pt_ptr + b64 * spv_b + j).to(tl.int64) * Hkv + h
-        kT = _key_page_T(k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, k_raw_ptr, kpage, n0,
-                         G, BLOCK_N, D, NB, KEY_RAW, DTYPE, UNPACK_RESHAPE)
-        v = _value_page(v_codes_ptr, v_scale_ptr, v_zero_ptr, v_raw_ptr, vpage, n0, G, BLOCK_N, D, VBITS, VALUE_RAW,
-                        DTYPE, UNPACK_RESHAPE)
-        m_i, l_i, acc = _attend(q, kT, v, tn >= 0, m_i, l_i, acc, qk_scale, DOT_DTYPE)
+    stop1 = tl.minimum(end, vb)
+    if PREFETCH and not KEY_RAW and not VALUE_RAW:
+        # software pipelining by hand: the packed bytes of block jb+1 are requested before block jb is unpacked
+        # and multiplied, so two blocks of loads are in flight per program (Triton's pipeliner does not take
+        # these indirect, unpacked loads)
+        ok = start < stop1
+        kpage = tl.load(k_pt_ptr + b64 * spk_b + start // NPB, mask=ok, other=0).to(tl.int64) * Hkv + h
+        vpage = tl.load(v_pt_ptr + b64 * spv_b + start // NPB, mask=ok, other=0).to(tl.int64) * Hkv + h
+        n0 = (start % NPB) * BLOCK_N
+        k_lo, k_hi, k_sc, k_ze = _load_key_raw(k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, kpage, n0, ok,
+                                               G, BLOCK_N, D, NB, UNPACK_RESHAPE)
+        v_co, v_sc, v_ze = _load_value_raw(v_codes_ptr, v_scale_ptr, v_zero_ptr, vpage, n0, ok, G, BLOCK_N, D, VBITS,
+                                           UNPACK_RESHAPE)
+        for jb in range(start, stop1):
+            nxt = jb + 1
+            ok = nxt < stop1
+            kpage = tl.load(k_pt_ptr + b64 * spk_b + nxt // NPB, mask=ok, other=0).to(tl.int64) * Hkv + h
+            vpage = tl.load(v_pt_ptr + b64 * spv_b + nxt // NPB, mask=ok, other=0).to(tl.int64) * Hkv + h
+            n0 = (nxt % NPB) * BLOCK_N
+            k_lo2, k_hi2, k_sc2, k_ze2 = _load_key_raw(k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, kpage,
+                                                       n0, ok, G, BLOCK_N, D, NB, UNPACK_RESHAPE)
+            v_co2, v_sc2, v_ze2 = _load_value_raw(v_codes_ptr, v_scale_ptr, v_zero_ptr, vpage, n0, ok, G, BLOCK_N, D,
+                                                  VBITS, UNPACK_RESHAPE)
+            kT = _key_from_raw(k_lo, k_hi, k_sc, k_ze, BLOCK_N, D, NB, DTYPE, UNPACK_RESHAPE)
+            v = _value_from_raw(v_co, v_sc, v_ze, BLOCK_N, D, VBITS, DTYPE, UNPACK_RESHAPE)
+            m_i, l_i, acc = _attend(q, kT, v, tn >= 0, m_i, l_i, acc, qk_scale, DOT_DTYPE)
+            k_lo, k_hi, k_sc, k_ze = k_lo2, k_hi2, k_sc2, k_ze2
+            v_co, v_sc, v_ze = v_co2, v_sc2, v_ze2
+    else:
+        for jb in range(start, stop1):
+            j = jb // NPB
+            n0 = (jb % NPB) * BLOCK_N
+            kpage = tl.load(k_pt_ptr + b64 * spk_b + j).to(tl.int64) * Hkv + h
+            vpage = tl.load(v_pt_ptr + b64 * spv_b + j).to(tl.int64) * Hkv + h
+            kT = _key_page_T(k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, k_raw_ptr, kpage, n0,
+                             G, BLOCK_N, D, NB, KEY_RAW, DTYPE, UNPACK_RESHAPE)
+            v = _value_page(v_codes_ptr, v_scale_ptr, v_zero_ptr, v_raw_ptr, vpage, n0, G, BLOCK_N, D, VBITS,
+                            VALUE_RAW, DTYPE, UNPACK_RESHAPE)
+            m_i, l_i, acc = _attend(q, kT, v, tn >= 0, m_i, l_i, acc, qk_scale, DOT_DTYPE)
     # ---- blocks with a key page, values in full precision (value qbuffer / local window)
     for jb in range(tl.maximum(start, vb), tl.minimum(end, kb)):
         j = jb // NPB
@@ -198,6 +228,11 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _reg_cap(maxnreg: int | None) -> dict:
+    """Launch option capping registers per thread (CUDA backend only; ignored by the interpreter)."""
+    return {} if (maxnreg is None or _interpreting()) else {"maxnreg": int(maxnreg)}
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -212,8 +247,15 @@ def default_num_splits(B: int, Hkv: int, max_blocks: int, device: torch.device, 
 
 def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig, scaling: float | None = None,
                             num_splits: int | None = None, unpack_reshape: bool = True, num_warps: int = 4,
-                            num_stages: int = 2, block_n: int = 64) -> torch.Tensor:
-    """The fused Triton kernel (see module docstring). ``q``: ``[B, Hq, D]`` -> ``[B, Hq, D]`` in ``q.dtype``."""
+                            num_stages: int = 1, block_n: int = 32, prefetch: bool = False,
+                            maxnreg: int | None = 128) -> torch.Tensor:
+    """The fused Triton kernel (see module docstring). ``q``: ``[B, Hq, D]`` -> ``[B, Hq, D]`` in ``q.dtype``.
+
+    Tuning knobs (defaults from the H200 sweep in benchmarks/RESULTS.md): ``num_splits`` programs per (row, KV head)
+    (default: enough to fill the GPU ~4 times), ``block_n`` tokens per step (divides the page), ``num_warps``,
+    ``maxnreg`` (register cap per thread: more programs resident per SM, more loads in flight), ``prefetch``
+    (request block i+1's bytes before computing block i), ``unpack_reshape`` (see kernels/_tiles.py).
+    """
     z = check_state(q, state, cfg)
     B, Hq, Hkv, D, S, G, R, nb = (z[k] for k in ("B", "Hq", "Hkv", "D", "S", "G", "R", "nb"))
     for size, what in ((G, "group_size"), (D, "head_dim")):
@@ -255,8 +297,8 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
         st.v_local.stride(0), st.v_local.stride(1), st.k_page_table.stride(0), st.v_page_table.stride(0),
         S=S, G=G, R=R, D=D, NB=nb, VBITS=cfg.value_bits if cfg.quantizes_values else 2,
         KEY_RAW=not cfg.quantizes_keys, VALUE_RAW=not cfg.quantizes_values, BLOCK_H=BLOCK_H, BLOCK_S=BLOCK_S,
-        BLOCK_N=BLOCK_N, DTYPE=dtype, DOT_DTYPE=dot_dtype, UNPACK_RESHAPE=unpack_reshape,
-        num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=BLOCK_N, DTYPE=dtype, DOT_DTYPE=dot_dtype, UNPACK_RESHAPE=unpack_reshape, PREFETCH=prefetch,
+        num_warps=num_warps, num_stages=num_stages, **_reg_cap(maxnreg),
     )
     _decode_reduce_kernel[(B * Hkv, QH)](
         ws_m, ws_l, ws_acc, out, Hkv, QH, splits, out.stride(0), out.stride(1),

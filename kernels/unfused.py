@@ -21,7 +21,7 @@ import triton.language as tl
 from kitty.config import KVQuantConfig
 
 from ._tiles import _key_page_T, _value_page
-from .decode_attention import _TLTYPE, KittyLayerState, _fp_values, _interpreting, check_state, default_num_splits
+from .decode_attention import _TLTYPE, KittyLayerState, _fp_values, _interpreting, _reg_cap, check_state, default_num_splits
 
 __all__ = ["decode_attention_unfused"]
 
@@ -140,7 +140,8 @@ def _sv_kernel(
 
 def decode_attention_unfused(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig,
                              scaling: float | None = None, num_splits: int | None = None,
-                             unpack_reshape: bool = True, num_warps: int = 4, block_n: int = 64) -> torch.Tensor:
+                             unpack_reshape: bool = True, num_warps: int = 4, block_n: int = 32,
+                             maxnreg: int | None = 128) -> torch.Tensor:
     """Decode attention as the paper runs it: qk kernel -> torch softmax -> sv kernel. ``[B, Hq, D]`` in/out."""
     z = check_state(q, state, cfg)
     B, Hq, Hkv, D, S, G, R, nb = (z[k] for k in ("B", "Hq", "Hkv", "D", "S", "G", "R", "nb"))
@@ -173,7 +174,7 @@ def decode_attention_unfused(q: torch.Tensor, state: KittyLayerState, cfg: KVQua
         q.stride(0), q.stride(1), st.sink_k.stride(0), st.sink_k.stride(1), st.k_qbuf.stride(0), st.k_qbuf.stride(1),
         st.k_page_table.stride(0),
         S=S, G=G, D=D, NB=nb, KEY_RAW=not cfg.quantizes_keys, BLOCK_H=BLOCK_H, BLOCK_S=BLOCK_S, BLOCK_N=BLOCK_N,
-        DTYPE=dtype, DOT_DTYPE=dot_dtype, UNPACK_RESHAPE=unpack_reshape, num_warps=num_warps,
+        DTYPE=dtype, DOT_DTYPE=dot_dtype, UNPACK_RESHAPE=unpack_reshape, num_warps=num_warps, **_reg_cap(maxnreg),
     )
     # 2) softmax in torch (fp32); rows of length 0 are all -inf -> NaN, zeroed
     probs = torch.softmax(logits, -1).nan_to_num_(0.0)
@@ -188,7 +189,7 @@ def decode_attention_unfused(q: torch.Tensor, state: KittyLayerState, cfg: KVQua
         S=S, G=G, R=R, D=D, VBITS=cfg.value_bits if cfg.quantizes_values else 2, VALUE_RAW=not cfg.quantizes_values,
         BLOCK_H=BLOCK_H, BLOCK_S=BLOCK_S, BLOCK_N=BLOCK_N, DTYPE=dtype, DOT_DTYPE=dot_dtype,
         UNPACK_RESHAPE=unpack_reshape,
-        num_warps=num_warps,
+        num_warps=num_warps, **_reg_cap(maxnreg),
     )
     out = ws.sum(1)[:, :QH].reshape(B, Hq, D)  # (B*Hkv, QH, D) -> (B, Hq, D)
     return out.to(q.dtype)

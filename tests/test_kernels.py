@@ -184,10 +184,11 @@ def test_decode_attention_fused(preset, gqa, D, dtype, sink, G):
     k, v = planted_kv(B, Hkv, max(lengths), D, dtype, DEVICE, seed=gqa * D + sink)
     state = make_state(cfg, k, v, lengths, seed=1)
     q = torch.randn(B, Hkv * gqa, D, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
-    # one program per row/head over whole pages; then rows split across programs (incl. empty splits) in
-    # 16-token blocks, several per page
-    for splits, block_n in ((1, G), (3, 16)):
-        _check(decode_attention(q, state, cfg, num_splits=splits, block_n=block_n), q, state, cfg)
+    # one program per row/head over whole pages, no prefetch; then rows split across programs (incl. empty
+    # splits) in 16-token blocks, several per page, with the next block's bytes prefetched
+    for splits, block_n, prefetch in ((1, G, False), (3, 16, True)):
+        out = decode_attention(q, state, cfg, num_splits=splits, block_n=block_n, prefetch=prefetch)
+        _check(out, q, state, cfg)
 
 
 def test_decode_attention_scaling_pack_and_empty_row():
