@@ -38,7 +38,17 @@ import triton.language as tl
 
 from kitty.config import KVQuantConfig
 
-from ._tiles import _key_from_raw, _key_page_T, _load_key_raw, _load_value_raw, _value_from_raw, _value_page, cast_to
+from ._tiles import (
+    _key_from_raw,
+    _key_page_T,
+    _key_scores_folded,
+    _load_key_raw,
+    _load_value_raw,
+    _pv_folded,
+    _value_from_raw,
+    _value_page,
+    cast_to,
+)
 from .reference import KittyLayerState, check_state, decode_attention_ref  # noqa: F401 (re-exported)
 
 __all__ = ["KittyLayerState", "decode_attention", "decode_attention_ref", "decode_attention_triton"]
@@ -51,16 +61,22 @@ _TLTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32
 
 
 @triton.jit
-def _attend(q, kT, v, valid, m_i, l_i, acc, qk_scale, DOT_DTYPE: tl.constexpr):
-    """One online-softmax step: scores ``q @ kT`` (BLOCK_H, N), masked by ``valid`` (N,), values ``v`` (N, D)."""
-    s = tl.dot(q, kT.to(DOT_DTYPE)) * qk_scale  # (BLOCK_H, N) fp32, base-2 logits
+def _softmax_step(s, valid, m_i, l_i):
+    """Online-softmax bookkeeping for base-2 scores ``s`` (BLOCK_H, N): returns (p, alpha, m_new, l_new)."""
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _attend(q, kT, v, valid, m_i, l_i, acc, qk_scale, DOT_DTYPE: tl.constexpr):
+    """One online-softmax step: scores ``q @ kT`` (BLOCK_H, N), masked by ``valid`` (N,), values ``v`` (N, D)."""
+    s = tl.dot(q, kT.to(DOT_DTYPE)) * qk_scale  # (BLOCK_H, N) fp32, base-2 logits
+    p, alpha, m_i, l_i = _softmax_step(s, valid, m_i, l_i)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE))
-    return m_new, l_i, acc
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -92,7 +108,7 @@ def _decode_split_kernel(
     S: tl.constexpr, G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, VBITS: tl.constexpr,
     KEY_RAW: tl.constexpr, VALUE_RAW: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, FOLD: tl.constexpr, NBP: tl.constexpr,
 ):
     tl.static_assert(BLOCK_N >= 16 and BLOCK_H >= 16 and D >= 16, "tl.dot needs every dimension >= 16")
     tl.static_assert(G % BLOCK_N == 0, "BLOCK_N must divide the page size")
@@ -117,6 +133,7 @@ def _decode_split_kernel(
     d = tl.arange(0, D)
     tn = tl.arange(0, BLOCK_N)
     q = tl.load(q_ptr + b64 * sq_b + (h * QH + r)[:, None] * sq_h + d[None, :], mask=(r < QH)[:, None], other=0.0)
+    q32 = q.to(tl.float32)
     q = q.to(DOT_DTYPE)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -135,7 +152,19 @@ def _decode_split_kernel(
     vl_ptr = v_local_ptr + b64 * svl_b + h * svl_h
     # ---- blocks with a key page and a value page (the hot loop: no branches)
     stop1 = tl.minimum(end, vb)
-    if PREFETCH and not KEY_RAW and not VALUE_RAW:
+    if FOLD and not KEY_RAW and not VALUE_RAW:
+        # scale/zero folded into q and p; codes multiplied as exact integers (kernels/_tiles.py)
+        for jb in range(start, stop1):
+            j = jb // NPB
+            n0 = (jb % NPB) * BLOCK_N
+            kpage = tl.load(k_pt_ptr + b64 * spk_b + j).to(tl.int64) * Hkv + h
+            vpage = tl.load(v_pt_ptr + b64 * spv_b + j).to(tl.int64) * Hkv + h
+            s = _key_scores_folded(q32, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, kpage, n0,
+                                   G, BLOCK_N, D, NB, NBP, DOT_DTYPE, UNPACK_RESHAPE) * qk_scale
+            p, alpha, m_i, l_i = _softmax_step(s, tn >= 0, m_i, l_i)
+            acc = acc * alpha[:, None] + _pv_folded(p, v_codes_ptr, v_scale_ptr, v_zero_ptr, vpage, n0, G, BLOCK_N, D,
+                                                    VBITS, DOT_DTYPE, UNPACK_RESHAPE)
+    elif PREFETCH and not KEY_RAW and not VALUE_RAW:
         # software pipelining by hand: the packed bytes of block jb+1 are requested before block jb is unpacked
         # and multiplied, so two blocks of loads are in flight per program (Triton's pipeliner does not take
         # these indirect, unpacked loads)
@@ -178,10 +207,16 @@ def _decode_split_kernel(
         j = jb // NPB
         n0 = (jb % NPB) * BLOCK_N
         kpage = tl.load(k_pt_ptr + b64 * spk_b + j).to(tl.int64) * Hkv + h
-        kT = _key_page_T(k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, k_raw_ptr, kpage, n0,
-                         G, BLOCK_N, D, NB, KEY_RAW, DTYPE, UNPACK_RESHAPE)
         v = _fp_values(vq_ptr, vl_ptr, jb * BLOCK_N + tn, m, mv, d, G, D, R)
-        m_i, l_i, acc = _attend(q, kT, v, tn >= 0, m_i, l_i, acc, qk_scale, DOT_DTYPE)
+        if FOLD and not KEY_RAW:
+            s = _key_scores_folded(q32, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, kpage, n0,
+                                   G, BLOCK_N, D, NB, NBP, DOT_DTYPE, UNPACK_RESHAPE) * qk_scale
+            p, alpha, m_i, l_i = _softmax_step(s, tn >= 0, m_i, l_i)
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE))
+        else:
+            kT = _key_page_T(k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, k_raw_ptr, kpage, n0,
+                             G, BLOCK_N, D, NB, KEY_RAW, DTYPE, UNPACK_RESHAPE)
+            m_i, l_i, acc = _attend(q, kT, v, tn >= 0, m_i, l_i, acc, qk_scale, DOT_DTYPE)
     # ---- the last, partial page: keys from the key qbuffer (slot = rel % G)
     for jb in range(tl.maximum(start, kb), end):
         rel = jb * BLOCK_N + tn
@@ -246,15 +281,16 @@ def default_num_splits(B: int, Hkv: int, max_blocks: int, device: torch.device, 
 
 
 def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig, scaling: float | None = None,
-                            num_splits: int | None = None, unpack_reshape: bool = True, num_warps: int = 4,
-                            num_stages: int = 1, block_n: int = 32, prefetch: bool = False,
-                            maxnreg: int | None = 128) -> torch.Tensor:
+                            num_splits: int | None = None, unpack_reshape: bool = True, num_warps: int | None = None,
+                            num_stages: int = 1, block_n: int = 64, prefetch: bool = False,
+                            maxnreg: int | None = None, fold: bool = True) -> torch.Tensor:
     """The fused Triton kernel (see module docstring). ``q``: ``[B, Hq, D]`` -> ``[B, Hq, D]`` in ``q.dtype``.
 
     Tuning knobs (defaults from the H200 sweep in benchmarks/RESULTS.md): ``num_splits`` programs per (row, KV head)
     (default: enough to fill the GPU ~4 times), ``block_n`` tokens per step (divides the page), ``num_warps``,
     ``maxnreg`` (register cap per thread: more programs resident per SM, more loads in flight), ``prefetch``
-    (request block i+1's bytes before computing block i), ``unpack_reshape`` (see kernels/_tiles.py).
+    (request block i+1's bytes before computing block i), ``unpack_reshape`` (see kernels/_tiles.py), ``fold``
+    (multiply the integer codes and fold scale/zero into q and p instead of dequantizing tiles; kernels/_tiles.py).
     """
     z = check_state(q, state, cfg)
     B, Hq, Hkv, D, S, G, R, nb = (z[k] for k in ("B", "Hq", "Hkv", "D", "S", "G", "R", "nb"))
@@ -271,6 +307,8 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
     if BLOCK_N < 16 or G % BLOCK_N:
         raise ValueError(f"block_n must be >= 16 and divide group_size={G}, got {block_n}")
     max_blocks = (state.k_page_table.shape[1] + 1) * (G // BLOCK_N)
+    if num_warps is None:
+        num_warps = 8 if BLOCK_N >= 64 else 4
     splits = num_splits or default_num_splits(B, Hkv, max_blocks, q.device)
     dev, f32 = q.device, torch.float32
     ws_m = torch.empty(B * Hkv * splits * BLOCK_H, dtype=f32, device=dev)
@@ -284,7 +322,7 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
     lengths = st.lengths.to(torch.int32)
     dtype = _TLTYPE[q.dtype]
     # the interpreter's tl.dot is wrong for bf16: feed it fp32 (exact for 16-bit inputs)
-    dot_dtype = tl.float32 if (_interpreting() or q.dtype == torch.float32) else dtype
+    dot_dtype = tl.float32 if ((_interpreting() and q.dtype == torch.bfloat16) or q.dtype == torch.float32) else dtype
     _decode_split_kernel[(B * Hkv, splits)](
         q, ws_m, ws_l, ws_acc,
         lengths, st.sink_k, st.sink_v, st.k_qbuf, st.v_qbuf, st.v_local, st.k_page_table, st.v_page_table,
@@ -298,7 +336,7 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
         S=S, G=G, R=R, D=D, NB=nb, VBITS=cfg.value_bits if cfg.quantizes_values else 2,
         KEY_RAW=not cfg.quantizes_keys, VALUE_RAW=not cfg.quantizes_values, BLOCK_H=BLOCK_H, BLOCK_S=BLOCK_S,
         BLOCK_N=BLOCK_N, DTYPE=dtype, DOT_DTYPE=dot_dtype, UNPACK_RESHAPE=unpack_reshape, PREFETCH=prefetch,
-        num_warps=num_warps, num_stages=num_stages, **_reg_cap(maxnreg),
+        FOLD=fold, NBP=max(16, triton.next_power_of_2(max(nb, 1))), num_warps=num_warps, num_stages=num_stages, **_reg_cap(maxnreg),
     )
     _decode_reduce_kernel[(B * Hkv, QH)](
         ws_m, ws_l, ws_acc, out, Hkv, QH, splits, out.stride(0), out.stride(1),

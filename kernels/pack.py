@@ -114,9 +114,9 @@ def _pack_kernel(
         mn = tl.min(tl.min(x, axis=1), axis=0)
         mx = tl.max(tl.max(x, axis=1), axis=0)
         if ROUND_UP:
-            scale_q = _roundup_to((mx - mn) / levels, DTYPE, ITYPE)
+            scale_q = _roundup_to(tl.div_rn(mx - mn, levels), DTYPE, ITYPE)
         else:
-            scale_q = ((mx - mn) / levels).to(DTYPE)
+            scale_q = tl.div_rn(mx - mn, levels).to(DTYPE)
         zero_q = mn.to(DTYPE)
         code = _quantize(x, zero_q.to(tl.float32)[None, None, :], scale_q.to(tl.float32)[None, None, :],
                          levels[None, None, :])  # (G4, 4, D) int32
@@ -149,9 +149,9 @@ def _pack_kernel(
         vmx = tl.max(tl.max(vx, axis=2), axis=1)
         VLEVELS: tl.constexpr = (1 << VBITS) - 1
         if ROUND_UP:
-            vscale_q = _roundup_to((vmx - vmn) / VLEVELS, DTYPE, ITYPE)
+            vscale_q = _roundup_to(tl.div_rn(vmx - vmn, tl.full(vmx.shape, VLEVELS, tl.float32)), DTYPE, ITYPE)
         else:
-            vscale_q = ((vmx - vmn) / VLEVELS).to(DTYPE)
+            vscale_q = tl.div_rn(vmx - vmn, tl.full(vmx.shape, VLEVELS, tl.float32)).to(DTYPE)
         vzero_q = vmn.to(DTYPE)
         vcode = _quantize(vx, vzero_q.to(tl.float32)[:, None, None], vscale_q.to(tl.float32)[:, None, None], VLEVELS * 1.0)
         packed = tl.sum(vcode << (VBITS * e[None, None, :]), axis=2)  # (G, DP)

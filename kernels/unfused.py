@@ -159,7 +159,7 @@ def decode_attention_unfused(q: torch.Tensor, state: KittyLayerState, cfg: KVQua
     max_blocks = (L_CAP - S) // BLOCK_N
     splits = num_splits or default_num_splits(B, Hkv, max_blocks, q.device)
     dtype = _TLTYPE[q.dtype]
-    dot_dtype = tl.float32 if (_interpreting() or q.dtype == torch.float32) else dtype
+    dot_dtype = tl.float32 if ((_interpreting() and q.dtype == torch.bfloat16) or q.dtype == torch.float32) else dtype
     q = q.contiguous()
     st, dummy = state, state.k_qbuf
     lengths = st.lengths.to(torch.int32)

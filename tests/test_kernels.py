@@ -34,7 +34,7 @@ from kernels.testing import make_state, planted_kv  # noqa: E402
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                 reason="needs CUDA or TRITON_INTERPRET=1")
 DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-FLOOR = {torch.float16: 1e-4, torch.bfloat16: 1e-3}
+FLOOR = {torch.float16: 1e-4, torch.bfloat16: 1e-3}  # interpreter: tl.dot runs bf16 inputs in fp32 (its bf16 dot is wrong)
 KEY_FIELDS = ("low", "high", "boost_idx", "scale", "zero")
 VALUE_FIELDS = ("codes", "scale", "zero")
 
@@ -184,11 +184,13 @@ def test_decode_attention_fused(preset, gqa, D, dtype, sink, G):
     k, v = planted_kv(B, Hkv, max(lengths), D, dtype, DEVICE, seed=gqa * D + sink)
     state = make_state(cfg, k, v, lengths, seed=1)
     q = torch.randn(B, Hkv * gqa, D, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
-    # one program per row/head over whole pages, no prefetch; then rows split across programs (incl. empty
-    # splits) in 16-token blocks, several per page, with the next block's bytes prefetched
-    for splits, block_n, prefetch in ((1, G, False), (3, 16, True)):
-        out = decode_attention(q, state, cfg, num_splits=splits, block_n=block_n, prefetch=prefetch)
-        _check(out, q, state, cfg)
+    # the folded path (integer codes, scale/zero folded into q and p) with one program per row/head over whole
+    # pages; then dequantized tiles with rows split across programs (incl. empty splits) in 16-token blocks,
+    # several per page, with and without prefetching the next block
+    variants = [dict(num_splits=1, block_n=G, fold=True), dict(num_splits=3, block_n=16, fold=False, prefetch=True),
+                dict(num_splits=2, block_n=16, fold=False, prefetch=False)]
+    for kw in variants:
+        _check(decode_attention(q, state, cfg, **kw), q, state, cfg)
 
 
 def test_decode_attention_scaling_pack_and_empty_row():
