@@ -17,6 +17,7 @@ gives per-column readouts and timing for free. Measured numbers are in the READM
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -260,11 +261,6 @@ class Column:
     step_times: list[float] = field(default_factory=list)
     readout: Readout | None = None
     history: list[tuple[int, int]] = field(default_factory=list)  # (cached tokens, stored bytes) after each step
-    logits: torch.Tensor | None = None
-
-    @property
-    def active(self) -> bool:
-        return self.status in ("prefill", "decoding")
 
 
 @dataclass
@@ -357,45 +353,24 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def stream_side_by_side(
-    model,
-    tokenizer,
-    prompt: PreparedPrompt,
-    methods: Sequence[str] = DEFAULT_METHODS,
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-    sampling: Sampling = Sampling(),
-    stop: StopFlag | None = None,
-    cache_factory=None,
-) -> Iterator[Snapshot]:
-    """Generate with one fresh cache per method, interleaved one token at a time; yield after every step.
+def _free(col: Column, status: str) -> None:
+    """Take the final readout, then reset and drop the column's cache."""
+    if col.cache is not None:
+        if col.ids:
+            col.readout = _readout(col)
+        col.cache.reset()
+        col.cache = None
+    col.status = status
 
-    Each column gets its own cache (from ``cache_factory(model, cfg)``) and its own sampling generator seeded with
-    ``sampling.seed``, so greedy columns are exactly what ``model.generate(..., past_key_values=cache)`` gives.
-    The caches are freed (``reset()`` and dropped) as soon as a column ends, when ``stop`` is set, or when the
-    consumer closes this generator; the readouts taken before that stay in the snapshot.
+
+def run_column(model, tokenizer, col: Column, prompt: PreparedPrompt, max_new_tokens: int, sampling: Sampling,
+               eos: set[int], stop: StopFlag) -> Iterator[Column]:
+    """One column's generation as a generator: prefill, then one decode step per ``next()``; yields after each token.
+
+    Ends (after freeing the cache) on EOS or ``max_new_tokens``; leaves the cache to the caller when ``stop`` is set.
     """
-    if not 1 <= max_new_tokens <= MAX_NEW_TOKENS_CAP:
-        raise ValueError(f"max_new_tokens must be in [1, {MAX_NEW_TOKENS_CAP}], got {max_new_tokens}")
-    cfgs = [get_preset(m) for m in methods]
-    stop = stop or StopFlag()
-    eos = eos_ids(model, tokenizer)
-    columns = [
-        Column(f"{i + 1} · {cfg.name}", cfg.name, (cache_factory or make_cache)(model, cfg), torch.Generator().manual_seed(sampling.seed))
-        for i, cfg in enumerate(cfgs)
-    ]
-    snap = Snapshot("prefill", prompt.tokens, columns)
 
-    def finish(col: Column, status: str) -> None:
-        if col.cache is not None:
-            if col.ids:
-                col.readout = _readout(col)
-            col.cache.reset()
-            col.cache = None
-        col.logits = None
-        col.status = status
-
-    def take(col: Column, logits: torch.Tensor) -> None:
-        """Sample the next token from ``logits``, record it, and end the column on EOS or the token cap."""
+    def take(logits: torch.Tensor) -> None:
         tok = sample_next(logits, sampling, col.generator)
         now = time.perf_counter()
         if not col.ids:
@@ -406,46 +381,142 @@ def stream_side_by_side(
         col.readout = _readout(col)
         col.history.append((col.readout.report.tokens, col.readout.report.stored_bytes))
         if tok in eos:
-            finish(col, "done (eos)")
+            _free(col, "done (eos)")
         elif len(col.ids) >= max_new_tokens:
-            finish(col, "done (max tokens)")
+            _free(col, "done (max tokens)")
         else:
-            col.logits = logits
             col.status = "decoding"
 
+    if stop.is_set():
+        return
+    col.status = "prefill"
+    t0 = time.perf_counter()
+    logits = prefill(model, prompt.ids, col.cache)
+    col.prefill_s = time.perf_counter() - t0
+    take(logits)
+    yield col
+    while col.status == "decoding" and not stop.is_set():
+        t0 = time.perf_counter()
+        logits = decode_one_token(model, col.cache, col.ids[-1])
+        col.step_times.append(time.perf_counter() - t0)
+        take(logits)
+        yield col
+
+
+SCHEDULES = ("threads", "interleave")
+
+
+def _interleave(runs: list[Iterator[Column]], stop: StopFlag) -> Iterator[Column]:
+    """Round robin in the calling thread: one step of each column in turn (prefills first, in column order)."""
+    active = list(runs)
+    while active and not stop.is_set():
+        for run in list(active):
+            try:
+                yield next(run)
+            except StopIteration:
+                active.remove(run)
+
+
+def _threads(runs: list[Iterator[Column]], stop: StopFlag, min_interval: float) -> Iterator[Column]:
+    """One worker thread per column; yields (at most every ``min_interval`` s) whenever some column stepped.
+
+    torch releases the GIL inside its kernels, so with one intra-op thread the columns share both cores.
+    Closing this generator sets ``stop`` and waits for the workers to finish their current step.
+    """
+    events: queue.Queue = queue.Queue()
+    done = object()
+
+    def work(run: Iterator[Column]) -> None:
+        try:
+            for col in run:
+                events.put(col)
+        except BaseException as e:  # re-raised in the consumer: the UI shows it
+            events.put(e)
+        finally:
+            events.put(done)
+
+    workers = [threading.Thread(target=work, args=(r,), daemon=True, name=f"kitty-column-{i}") for i, r in enumerate(runs)]
+    for w in workers:
+        w.start()
+    running, last = len(workers), 0.0
     try:
-        for col in columns:  # prefill every column first: all of them start streaming together
-            if stop.is_set():
-                break
-            col.status = "prefill"
+        while running:
+            items = [events.get()]
+            wait = last + min_interval - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            while True:  # coalesce what arrived meanwhile into one update
+                try:
+                    items.append(events.get_nowait())
+                except queue.Empty:
+                    break
+            running -= sum(it is done for it in items)
+            for it in items:
+                if isinstance(it, BaseException):
+                    raise it
+            stepped = [it for it in items if isinstance(it, Column)]
+            if stepped:
+                last = time.perf_counter()
+                yield stepped[-1]
+    finally:
+        stop.set() if running else None
+        for w in workers:
+            w.join()
+
+
+def stream_side_by_side(
+    model,
+    tokenizer,
+    prompt: PreparedPrompt,
+    methods: Sequence[str] = DEFAULT_METHODS,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    sampling: Sampling = Sampling(),
+    stop: StopFlag | None = None,
+    cache_factory=None,
+    schedule: str = "threads",
+    min_interval: float = 0.05,
+) -> Iterator[Snapshot]:
+    """Generate with one fresh cache per method and yield a :class:`Snapshot` as the columns advance.
+
+    ``schedule="threads"``: each column decodes in its own thread (fastest on a 2-core CPU, see the README);
+    ``"interleave"``: one step per column in turn in the calling thread. Either way each column gets its own cache
+    (``cache_factory(model, cfg)``, default :func:`make_cache`) and its own sampling generator seeded with
+    ``sampling.seed``, so a greedy column is exactly ``model.generate(..., cache=cache)``. Caches are freed
+    (``reset()`` and dropped) when a column ends, when ``stop`` is set, or when the consumer closes this
+    generator; the readouts taken before that stay in the snapshot.
+    """
+    if not 1 <= max_new_tokens <= MAX_NEW_TOKENS_CAP:
+        raise ValueError(f"max_new_tokens must be in [1, {MAX_NEW_TOKENS_CAP}], got {max_new_tokens}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    cfgs = [get_preset(m) for m in methods]
+    stop = stop or StopFlag()
+    eos = eos_ids(model, tokenizer)
+    factory = cache_factory or make_cache
+    columns = [
+        Column(f"{i + 1} · {cfg.name}", cfg.name, factory(model, cfg), torch.Generator().manual_seed(sampling.seed))
+        for i, cfg in enumerate(cfgs)
+    ]
+    snap = Snapshot("prefill", prompt.tokens, columns)
+    runs = [run_column(model, tokenizer, c, prompt, max_new_tokens, sampling, eos, stop) for c in columns]
+    steps = _threads(runs, stop, min_interval) if schedule == "threads" else _interleave(runs, stop)
+    try:
+        yield snap
+        for _ in steps:
+            snap.phase = "prefill" if any(c.status in ("waiting", "prefill") for c in columns) else "decode"
             yield snap
-            t0 = time.perf_counter()
-            logits = prefill(model, prompt.ids, col.cache)
-            col.prefill_s = time.perf_counter() - t0
-            take(col, logits)
-            yield snap
-        snap.phase = "decode"
-        while not stop.is_set() and any(c.status == "decoding" for c in columns):
-            for col in columns:
-                if col.status != "decoding" or stop.is_set():
-                    continue
-                t0 = time.perf_counter()
-                logits = decode_one_token(model, col.cache, col.ids[-1])
-                col.step_times.append(time.perf_counter() - t0)
-                take(col, logits)
-                yield snap
         stopped = stop.is_set()
         for col in columns:
-            finish(col, "stopped" if col.active or (stopped and col.status == "waiting") else col.status)
+            _free(col, "stopped" if stopped and col.status in ("waiting", "prefill", "decoding") else col.status)
         snap.phase = "stopped" if stopped else "done"
         snap.summary = summarize(columns, tokenizer, stopped)
         yield snap
-    finally:  # also runs when the UI closes the generator (client gone): never keep a cache alive
+    finally:  # also when the UI closes this generator (client gone, error): never keep a cache alive
+        steps.close()  # threads: sets stop for running workers and joins them
         for col in columns:
             if col.cache is not None:
                 col.cache.reset()
                 col.cache = None
-            col.logits = None
 
 
 # ------------------------------------------------------------------------------------------ inside the cache
@@ -521,3 +592,63 @@ def inspect_keys(keys: torch.Tensor, cfg: KVQuantConfig, layer: int = 0, head: i
 def all_methods() -> list[str]:
     """Preset names in the order they are declared."""
     return list(PRESETS)
+
+
+# ----------------------------------------------------------------------------------------------- benchmark
+
+
+def benchmark(model, tokenizer, prompt: str, new_tokens: int = 32, repeats: int = 3,
+              threads: Sequence[int] = (1, 2), methods: Sequence[str] = DEFAULT_METHODS) -> list[dict]:
+    """Per-column decode tokens/s of each schedule x torch thread count, repeats interleaved (load drifts).
+
+    Each row: schedule, torch threads, repeat, the slowest and mean column tokens/s and the prefill seconds.
+    """
+    p = prepare_prompt(tokenizer, prompt, True)
+    rows = []
+    saved = torch.get_num_threads()
+    try:
+        for rep in range(repeats):
+            for schedule in SCHEDULES:
+                for n in threads:
+                    torch.set_num_threads(n)
+                    t0 = time.perf_counter()
+                    for snap in stream_side_by_side(model, tokenizer, p, methods, new_tokens, Sampling(), schedule=schedule):
+                        pass
+                    rates = [c.readout.tokens_per_s for c in snap.columns]
+                    rows.append({"schedule": schedule, "torch_threads": n, "repeat": rep,
+                                 "min_tok_s": min(rates), "mean_tok_s": sum(rates) / len(rates),
+                                 "prefill_s": max(c.prefill_s for c in snap.columns),
+                                 "wall_s": time.perf_counter() - t0, "new_tokens": min(len(c.ids) for c in snap.columns)})
+    finally:
+        torch.set_num_threads(saved)
+    return rows
+
+
+def _main(argv: list[str] | None = None) -> None:
+    import argparse
+    import os
+    import statistics
+
+    from .models import load_model
+
+    ap = argparse.ArgumentParser(description="Measure the demo's per-column tokens/s for each schedule.")
+    ap.add_argument("--model", default=os.environ.get("KITTY_MODEL") or None)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompt", default=example_prompts()[0][0])
+    a = ap.parse_args(argv)
+    model, tok = load_model(a.model)
+    torch.set_grad_enabled(False)
+    rows = benchmark(model, tok, a.prompt, a.new_tokens, a.repeats)
+    print(f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}, load average {os.getloadavg()[0]:.1f}, "
+          f"{os.cpu_count()} CPUs, {a.new_tokens} new tokens per column, median of {a.repeats}")
+    print("| schedule | torch threads | slowest column tok/s | mean column tok/s | prefill s |\n|---|---:|---:|---:|---:|")
+    for schedule in SCHEDULES:
+        for n in sorted({r["torch_threads"] for r in rows}):
+            sel = [r for r in rows if r["schedule"] == schedule and r["torch_threads"] == n]
+            med = {k: statistics.median(r[k] for r in sel) for k in ("min_tok_s", "mean_tok_s", "prefill_s")}
+            print(f"| {schedule} | {n} | {med['min_tok_s']:.1f} | {med['mean_tok_s']:.1f} | {med['prefill_s']:.2f} |")
+
+
+if __name__ == "__main__":
+    _main()

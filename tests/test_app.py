@@ -1,0 +1,237 @@
+"""The Gradio demo, driven over HTTP with ``gradio_client`` as a user's browser would, plus its streaming logic.
+
+The app is launched in-process once for the module (the model loads once, at import of ``app``). Expected values
+come from the library itself: a :class:`kitty.KittyCache` of the same preset run through ``model.generate`` on the
+same prompt, greedy, for the same number of tokens.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import socket  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kitty import PRESETS  # noqa: E402
+from kitty import demo as kd  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+SHORT = "What is the capital of France?"
+OTHER = "Name two colors of the rainbow."
+NEW = 6  # small: each generation is 3 columns x NEW decode steps on a 2-core CPU
+METHODS = list(kd.DEFAULT_METHODS)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app_module():
+    import app
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def client(app_module):
+    from gradio_client import Client
+
+    port = free_port()
+    app_module.demo.launch(prevent_thread_lock=True, server_port=port, quiet=True, **app_module.LAUNCH_STYLE)
+    try:
+        yield Client(f"http://127.0.0.1:{port}/", verbose=False)
+    finally:
+        app_module.demo.close()
+
+
+def args(prompt: str, new: int = NEW, chat: bool = True, methods=METHODS) -> tuple:
+    """Positional inputs of the /generate endpoint: greedy sampling, seed 0."""
+    return (prompt, chat, new, 0.0, 1.0, 0, *methods)
+
+
+def library_run(engine, prompt: str, method: str, new: int):
+    """The same preset run through the library: ``model.generate`` with a fresh KittyCache, greedy."""
+    from kitty.cache import KittyCache
+
+    tok, model = engine.tokenizer, engine.model
+    ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt")
+    ids = ids["input_ids"] if not torch.is_tensor(ids) else ids
+    cache = KittyCache(model.config, PRESETS[method])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new, do_sample=False)
+    new_ids = out[0, ids.shape[1]:]
+    return tok.decode(new_ids, skip_special_tokens=True), cache.memory_report(), cache.token_counts(), ids.shape[1]
+
+
+# Output tuple of /generate (see app.build_generate_tab): note, 3 texts, 3 readouts, plot, summary, json, buttons.
+NOTE, TEXTS, READOUTS, PLOT, SUMMARY, JSON = 0, slice(1, 4), slice(4, 7), 7, 8, 9
+
+
+def check_against_library(engine, final, prompt: str, new: int) -> None:
+    readouts = final[JSON]
+    texts = final[TEXTS]
+    assert len(readouts) == 3
+    for i, (label, got) in enumerate(readouts.items()):
+        method = got["method"]
+        assert label == f"{i + 1} · {method}"
+        text, report, counts, prompt_tokens = library_run(engine, prompt, method, new)
+        assert texts[i] == text, f"{method}: app text {texts[i]!r} != library {text!r}"
+        assert got["new_tokens"] >= 1
+        assert got["tokens"] == report.tokens == prompt_tokens + got["new_tokens"] - 1
+        for k in ("fp16_bytes", "payload_bytes", "metadata_bytes", "full_precision_bytes", "stored_bytes"):
+            assert got[k] == getattr(report, k), (method, k)
+        assert got["bits_per_element"] == pytest.approx(report.bits_per_element)
+        assert got["compression"] == pytest.approx(report.compression)
+        assert got["layout"] == counts
+        # the readout under the column shows the same numbers
+        md = final[READOUTS][i]
+        assert f"**{report.bits_per_element:.2f}**" in md and f"**{report.compression:.2f}×**" in md
+        assert f"**{kd.fmt_bytes(report.stored_bytes)}** of {kd.fmt_bytes(report.fp16_bytes)}" in md
+        assert f"**{report.tokens}** cached" in md
+
+
+def test_streams_all_three_columns_and_matches_library(app_module, client):
+    job = client.submit(*args(SHORT), api_name="/generate")
+    outputs = list(job)  # every streamed update, in order
+    final = job.outputs()[-1]
+    assert "Done" in final[SUMMARY] and "reference" in final[SUMMARY]
+    for i in range(3):
+        texts = [o[TEXTS][i] for o in outputs if o[TEXTS][i]]
+        assert len(set(texts)) >= 2, f"column {i} did not stream: {texts}"
+        assert all(final[TEXTS][i].startswith(t) or t in final[TEXTS][i] for t in texts)
+        readouts = {o[READOUTS][i] for o in outputs if "cached" in o[READOUTS][i]}
+        assert len(readouts) >= 2, f"column {i} readout never updated while streaming"
+    # columns stream together: some update shows all three with text before the last one finished
+    assert any(all(o[TEXTS]) and "Done" not in (o[SUMMARY] or "") for o in outputs)
+    # the memory plot: one line per column, one point per generated token, ending at the final stored bytes
+    rows = final[PLOT]["data"]
+    for label, got in final[JSON].items():
+        points = [r for r in rows if r[0] == label]
+        assert len(points) == got["new_tokens"]
+        assert points[-1][1] == got["tokens"] and points[-1][2] == pytest.approx(got["stored_bytes"] / 1024)
+    check_against_library(app_module.get_engine(app_module.ARGS.model), final, SHORT, NEW)
+
+
+def test_empty_prompt_gives_friendly_message(client):
+    for prompt in ("", "   \n "):
+        out = client.predict(*args(prompt), api_name="/generate")
+        assert out[NOTE] == kd.EMPTY_PROMPT_MESSAGE
+        assert out[TEXTS] == ("", "", "") or list(out[TEXTS]) == ["", "", ""]
+
+
+def test_two_concurrent_requests_are_independent(app_module, client):
+    from gradio_client import Client
+
+    other = Client(client.src, verbose=False)  # a second user: its own session
+    runs = [(client, SHORT, 5), (other, OTHER, 7)]
+    spans: list[tuple[float, float]] = [(0.0, 0.0)] * 2
+    results: list = [None] * 2
+
+    def drive(k: int) -> None:
+        c, prompt, new = runs[k]
+        job = c.submit(*args(prompt, new), api_name="/generate")
+        start = None
+        for _ in job:
+            start = start or time.perf_counter()
+        spans[k] = (start, time.perf_counter())
+        results[k] = job.outputs()[-1]
+
+    threads = [threading.Thread(target=drive, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    assert all(r is not None for r in results)
+    (a0, a1), (b0, b1) = spans
+    assert a0 < b1 and b0 < a1, "the two requests did not run at the same time"
+    engine = app_module.get_engine(app_module.ARGS.model)
+    for (_, prompt, new), final in zip(runs, results):
+        check_against_library(engine, final, prompt, new)
+
+
+def test_stop_ends_generation_and_reports(client):
+    job = client.submit(*args(SHORT * 3, new=kd.MAX_NEW_TOKENS_CAP), api_name="/generate")
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        outs = job.outputs()
+        if outs and all(outs[-1][TEXTS]):
+            break
+        time.sleep(0.05)
+    msg = client.predict(api_name="/stop")
+    assert "Stopping" in msg
+    job.result(timeout=60)
+    final = job.outputs()[-1]
+    assert "Stopped" in final[SUMMARY]
+    assert all(r["new_tokens"] < kd.MAX_NEW_TOKENS_CAP for r in final[JSON].values())
+
+
+def test_inside_the_cache_marks_boosted_channels(app_module, client):
+    prompt = kd.example_prompts()[1][0]  # the long document: several full pages
+    layer, head = 3, 1
+    note, heat, pages, bits = client.predict(prompt, True, "kitty", layer, head, 8, api_name="/inspect")
+    assert heat is not None and "page" in note
+    engine = app_module.get_engine(app_module.ARGS.model)
+    # independent check: top mean-|K| channels of each full page, from a DynamicCache run of the same prompt
+    ids = kd.prepare_prompt(engine.tokenizer, prompt, True).ids
+    keys = kd.prompt_keys(engine.model, ids)[layer][head].float()  # (T, D)
+    cfg = PRESETS["kitty"]
+    S, G, nb = cfg.sink_tokens, cfg.group_size, cfg.num_boosted(keys.shape[-1])
+    rows = pages["data"]
+    full = [r for r in rows if r[0].startswith("page")]
+    assert len(full) == (keys.shape[0] - S) // G >= 2
+    for j, row in enumerate(full):
+        page = keys[S + j * G : S + (j + 1) * G]
+        expected = sorted(page.abs().mean(0).topk(nb).indices.tolist())
+        assert [int(c) for c in row[2].split(", ")] == expected
+        assert row[3] < row[4], "boosting the largest channels should lower this page's key error"
+    methods = [r[0] for r in bits["data"]]
+    assert methods == list(PRESETS)
+
+
+def test_prompt_caps_and_truncation_note(app_module):
+    tok = app_module.get_engine(app_module.ARGS.model).tokenizer
+    text = (kd.ASSETS / "essay.txt").read_text()
+    p = kd.prepare_prompt(tok, text + "\nQuestion: what is this essay about?", True, max_prompt_tokens=300)
+    assert p.tokens <= 300 and "Truncated" in p.note
+    assert tok.decode(p.ids[0]).rstrip().endswith("assistant")  # the template and the question survive the cut
+    assert "what is this essay about?" in tok.decode(p.ids[0])
+    short = kd.prepare_prompt(tok, SHORT, False)
+    assert short.note == "" and short.ids[0].tolist() == tok(SHORT).input_ids
+    huge = kd.prepare_prompt(tok, "x " * (kd.MAX_PROMPT_CHARS // 2 + 10), False)
+    assert "characters" in huge.note and huge.tokens <= kd.MAX_PROMPT_TOKENS
+    with pytest.raises(kd.PromptError):
+        kd.prepare_prompt(tok, "  ", True)
+
+
+@pytest.mark.parametrize("schedule", kd.SCHEDULES)
+def test_stop_frees_every_cache(app_module, schedule):
+    """Logic level: after Stop, every cache the run created is reset and released, readouts kept."""
+    engine = app_module.get_engine(app_module.ARGS.model)
+    made = []
+
+    def factory(model, cfg):
+        cache = kd.make_cache(model, cfg)
+        made.append(cache)
+        return cache
+
+    stop = kd.StopFlag()
+    prompt = kd.prepare_prompt(engine.tokenizer, SHORT, True)
+    gen = kd.stream_side_by_side(engine.model, engine.tokenizer, prompt, METHODS, 50, kd.Sampling(), stop, factory, schedule)
+    for snap in gen:
+        if snap.phase == "decode" and all(len(c.ids) >= 2 for c in snap.columns):
+            assert all(c.get_seq_length() > 0 for c in made)
+            stop.set()
+    assert snap.phase == "stopped" and "Stopped" in snap.summary
+    assert len(made) == 3 and all(c.get_seq_length() == 0 for c in made)
+    assert all(c.cache is None and c.readout is not None for c in snap.columns)
