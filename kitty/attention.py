@@ -16,10 +16,11 @@ Backends (``KittyCache(..., backend=)``, overridden by the environment variable 
 - ``torch``: dequantize the layer's pages transiently (:func:`dequantize_cache`), then SDPA over
   ``[cached tokens | new tokens]`` with a causal + padding mask. The prompt (prefill) is attended in full precision;
   decode steps read the quantized cache. Nothing dequantized is kept.
-- ``triton``: decode steps (one new token per row) call ``kernels.decode_attention(query, storage, cfg, scale)``
-  after inserting the token, on the storage of ``docs/LAYOUT.md``; its reference is
-  :func:`paged_decode_attention_ref` with the same arguments. Steps whose token completes a page (1-2 of every G)
-  and multi-token chunks take the torch path, so both backends attend that page in full precision, as the paper.
+- ``triton``: decode steps (one new token per row) insert the token, then call
+  ``kernels.decode_attention(q [B, Hq, D], kernels.KittyLayerState(**layer.storage()), cfg, scaling=scale,
+  backend="triton")`` on the storage of ``docs/LAYOUT.md`` (see :func:`triton_decode`). Steps whose token completes
+  a page (1-2 of every G) and multi-token chunks take the torch path, so both backends attend that page in full
+  precision, as the paper does.
 - ``auto``: ``triton`` for CUDA tensors, else ``torch``.
 """
 
@@ -82,58 +83,59 @@ def kitty_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0
 # ------------------------------------------------------------------------------- reading the cache (torch path)
 
 
-def dequantize_cache(storage: dict[str, torch.Tensor], cfg: KVQuantConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every cached token of one layer in position order: keys, values ``[B, H, L, D]`` and valid ``[B, L]``.
+def dequantize_cache(
+    storage: dict[str, torch.Tensor], cfg: KVQuantConfig, new_keys: torch.Tensor | None = None, new_values: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every cached token of one layer in position order: keys, values ``[B, H, L (+T), D]`` and valid ``[B, L]``.
 
     ``storage``: tensors named as in ``docs/LAYOUT.md`` plus ``lengths`` (e.g. ``KittyLayer.storage()``);
     ``L = max(lengths)``; column ``p`` of row ``b`` holds position ``p`` for ``p < lengths[b]`` (zeros beyond).
+    ``new_keys``/``new_values`` ``[B, H, T, D]``, if given, fill columns ``L .. L+T-1`` (saves a concatenation).
     Pages are dequantized with ``kitty.quant`` for all rows at once; the result is transient.
     """
     n = storage["lengths"].tolist()
-    sink_k = storage["sink_k"]
+    sink_k, sink_v = storage["sink_k"], storage["sink_v"]
     B, H, S, D = sink_k.shape
     G, R = cfg.group_size, cfg.local_window
-    device, dtype = sink_k.device, sink_k.dtype
     L = max(n, default=0)
+    T = 0 if new_keys is None else new_keys.shape[2]
     lay = [token_layout(cfg, x) for x in n]
-    # one spare column L takes the writes of empty buffer slots
-    keys = torch.zeros(B, H, L + 1, D, dtype=dtype, device=device)
-    values = torch.zeros(B, H, L + 1, D, dtype=dtype, device=device)
-    s = min(S, L)
-    keys[:, :, :s] = sink_k[:, :, :s]
-    values[:, :, :s] = storage["sink_v"][:, :, :s]
+    keys = sink_k.new_empty(B, H, L + T, D)
+    values = sink_v.new_empty(B, H, L + T, D)
+    if T:
+        keys[:, :, L:] = new_keys
+        values[:, :, L:] = new_values
 
-    # pages: page j of every row covers positions S + j*G .. S + (j+1)*G - 1 (rows with fewer pages read page 0
-    # there, finite data that their own qbuffer overwrites or the mask hides)
+    # pages: page j of every row covers positions S + j*G .. S + (j+1)*G - 1 (a row with fewer pages reads page 0
+    # there: finite data that its own buffers overwrite below, or that the zeroed tail replaces)
     pk = max((x.key_pages for x in lay), default=0)
     if pk:
         ids = storage["k_page_table"][:, :pk].long().clamp_min(0)  # (B, pk)
-        k = dequantize_key_page(_key_page(storage, ids, cfg, dtype))  # (B, pk, H, G, D)
+        k = dequantize_key_page(_key_page(storage, ids, cfg, sink_k.dtype))  # (B, pk, H, G, D)
         keys[:, :, S : S + pk * G] = k.permute(0, 2, 1, 3, 4).reshape(B, H, pk * G, D)
     pv = max((x.value_pages for x in lay), default=0)
     if pv:
         ids = storage["v_page_table"][:, :pv].long().clamp_min(0)  # (B, pv)
-        v = dequantize_value_page(_value_page(storage, ids, cfg, dtype))  # (B, pv, H, G, D)
+        v = dequantize_value_page(_value_page(storage, ids, cfg, sink_v.dtype))  # (B, pv, H, G, D)
         values[:, :, S : S + pv * G] = v.permute(0, 2, 1, 3, 4).reshape(B, H, pv * G, D)
 
-    def scatter(dst: torch.Tensor, src: torch.Tensor, pos: torch.Tensor, ok: torch.Tensor) -> None:
-        pos = torch.where(ok, pos, L)  # (B, slots); empty slots -> spare column
-        dst.scatter_(2, pos[:, None, :, None].expand(B, H, pos.shape[1], D), src)
-
-    slot = torch.arange(G, device=device)
-    t = lambda xs: torch.tensor(xs, device=device)[:, None]  # noqa: E731  (B, 1)
-    # key qbuffer: slot s holds position S + pk_b*G + s while s < key_qbuffer
-    scatter(keys, storage["k_qbuf"], S + t([x.key_pages * G for x in lay]) + slot, slot < t([x.key_qbuffer for x in lay]))
-    # value qbuffer: slot s holds position S + pv_b*G + s while s < value_qbuffer
-    scatter(values, storage["v_qbuf"], S + t([x.value_pages * G for x in lay]) + slot, slot < t([x.value_qbuffer for x in lay]))
-    if R:
-        # local ring: the newest `local` positions [n - local, n); position p sits in slot (p - S) % R
-        r = torch.arange(R, device=device)
-        first = t([x.tokens - x.local for x in lay])
-        offset = (r + S - first) % R  # (B, R): position = first + offset
-        scatter(values, storage["v_local"], first + offset, offset < t([x.local for x in lay]))
-    valid = torch.arange(L, device=device)[None, :] < storage["lengths"].to(device)[:, None]  # (B, L)
-    return keys[:, :, :L], values[:, :, :L], valid
+    for b, x in enumerate(lay):  # full-precision buffers: contiguous position ranges per row
+        keys[b, :, : x.sink] = sink_k[b, :, : x.sink]
+        values[b, :, : x.sink] = sink_v[b, :, : x.sink]
+        k0 = S + x.key_pages * G  # key qbuffer: slot s holds position k0 + s
+        keys[b, :, k0 : k0 + x.key_qbuffer] = storage["k_qbuf"][b, :, : x.key_qbuffer]
+        v0 = S + x.value_pages * G  # value qbuffer: slot s holds position v0 + s
+        values[b, :, v0 : v0 + x.value_qbuffer] = storage["v_qbuf"][b, :, : x.value_qbuffer]
+        if x.local:  # local ring: positions [n - local, n), position p in slot (p - S) % R; at most two pieces
+            first = x.tokens - x.local
+            slot = (first - S) % R
+            head = min(x.local, R - slot)
+            values[b, :, first : first + head] = storage["v_local"][b, :, slot : slot + head]
+            values[b, :, first + head : x.tokens] = storage["v_local"][b, :, : x.local - head]
+        keys[b, :, x.tokens : L] = 0  # columns past this row's length: masked, but must be finite
+        values[b, :, x.tokens : L] = 0
+    valid = torch.arange(L, device=sink_k.device)[None, :] < storage["lengths"].to(sink_k.device)[:, None]  # (B, L)
+    return keys, values, valid
 
 
 def _key_page(storage: dict[str, torch.Tensor], ids: torch.Tensor, cfg: KVQuantConfig, dtype: torch.dtype) -> KeyPage:
@@ -149,7 +151,7 @@ def _value_page(storage: dict[str, torch.Tensor], ids: torch.Tensor, cfg: KVQuan
 
 
 def paged_decode_attention_ref(query: torch.Tensor, storage: dict[str, torch.Tensor], cfg: KVQuantConfig, scale: float) -> torch.Tensor:
-    """Torch reference of ``kernels.decode_attention``: one query token per row over every cached token.
+    """One query token per row over every cached token (vectorized; ``kernels.decode_attention_ref`` loops rows).
 
     Args:
         query: ``[B, Hq, 1, D]`` (the token at position ``lengths[b] - 1``, already inserted in ``storage``).
@@ -171,12 +173,7 @@ def attend_torch(query: torch.Tensor, key_states: torch.Tensor, value_states: to
     Returns ``[B, Hq, T, D]``; padding query rows get finite values that nothing reads.
     """
     B, Hq, T, D = query.shape
-    if storage["lengths"].any():
-        past_k, past_v, past_valid = dequantize_cache(storage, cfg)
-        keys, values = torch.cat([past_k, key_states], dim=2), torch.cat([past_v, value_states], dim=2)  # (B, H, L+T, D)
-    else:
-        past_valid = valid.new_zeros(B, 0)
-        keys, values = key_states, value_states
+    keys, values, past_valid = dequantize_cache(storage, cfg, key_states, value_states)  # (B, H, L+T, D)
     L = past_valid.shape[1]
     mask, is_causal = None, False
     if bool(valid.all()) and bool(past_valid.all()):  # no padding, rows equally long: no explicit mask needed
@@ -207,16 +204,31 @@ def resolve_backend(requested: str, device: torch.device) -> str:
 
 def _triton_decode_fn(required: bool = True):
     try:
-        from kernels import decode_attention
+        from kernels import KittyLayerState, decode_attention
     except ImportError as e:
         if required:
             raise NotImplementedError(
-                "backend='triton' needs kernels.decode_attention(query, storage, cfg, scale) (issue 4), which is not "
-                f"available yet ({e}); use backend='torch' or KITTY_BACKEND=torch"
+                "backend='triton' needs kernels.decode_attention(q, KittyLayerState, cfg, scaling) (issue 4), which is "
+                f"not available ({e}); use backend='torch' or KITTY_BACKEND=torch"
             ) from e
         warnings.warn("kernels.decode_attention is not available: KittyCache(backend='auto') uses the torch backend", stacklevel=3)
         return None
-    return decode_attention
+    return decode_attention, KittyLayerState
+
+
+def triton_decode(query: torch.Tensor, storage: dict[str, torch.Tensor], cfg: KVQuantConfig, scale: float) -> torch.Tensor:
+    """The Triton seam: ``query`` ``[B, Hq, 1, D]`` over one layer's storage (new token already inserted).
+
+    Calls ``kernels.decode_attention(q [B, Hq, D], KittyLayerState, cfg, scaling=scale, backend="triton")``.
+    Pool tensors of a 16-bit side are passed empty (the kernel reads ``k_raw``/``v_raw`` then).
+    """
+    decode_attention, KittyLayerState = _triton_decode_fn(required=True)
+    empty_u8 = torch.empty(0, dtype=torch.uint8, device=query.device)
+    empty = torch.empty(0, dtype=query.dtype, device=query.device)
+    fields = dict(k_low=empty_u8, k_high=empty_u8, k_boost_idx=empty_u8, k_scale=empty, k_zero=empty, v_codes=empty_u8, v_scale=empty, v_zero=empty)
+    fields.update(storage)
+    out = decode_attention(query[:, :, 0], KittyLayerState(**fields), cfg, scaling=scale, backend="triton")  # (B, Hq, D)
+    return out[:, :, None]  # (B, Hq, 1, D)
 
 
 # -------------------------------------------------------------------------------------- the attention function
@@ -251,9 +263,9 @@ def kitty_attention_forward(
     layer.check_append(valid)  # errors before anything changes
     backend = resolve_backend(layer.backend, query.device)
     if backend == "triton" and T == 1 and not layer.append_fills_page(valid):
-        decode_attention = _triton_decode_fn(required=True)
+        _triton_decode_fn(required=True)  # fail before inserting if the kernels are missing
         layer.append(key.key_states, key.value_states, valid)
-        out = decode_attention(query, layer.storage(), layer.cfg, scale)  # (B, Hq, 1, D)
+        out = triton_decode(query, layer.storage(), layer.cfg, scale)  # (B, Hq, 1, D)
     else:
         out = attend_torch(query, key.key_states, key.value_states, valid, layer.storage(), layer.cfg, scale)
         layer.append(key.key_states, key.value_states, valid)

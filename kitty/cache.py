@@ -225,6 +225,9 @@ class KittyLayer(CacheLayerMixin):
         return self.seen_tokens
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` for the mask; the first place a forward shows the cache its new tokens."""
+        if query_length == 0:  # fail here, before the model reshapes an empty tensor
+            raise ValueError("got 0 new tokens: a prompt needs at least one token")
         return self.seen_tokens + query_length, 0
 
     def get_max_length(self) -> int:
