@@ -1,0 +1,146 @@
+"""Command line: generate through a Kitty cache and print what the cache holds, or compare presets.
+
+    python -m kitty "What is a KV cache?" --method kitty --max-new-tokens 64 --chat
+    python -m kitty "What is a KV cache?" --compare --methods fp16,kivi-k2v2,kitty,kitty-pro
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .config import PRESETS, get_preset
+from .memory import MemoryReport
+
+DEFAULT_COMPARE = "fp16,kivi-k2v2,kitty,kitty-pro"
+
+
+@dataclass
+class Result:
+    """One generation through a KittyCache."""
+
+    method: str
+    text: str
+    new_tokens: int
+    seconds: float
+    report: MemoryReport
+    counts: dict[str, int]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+
+def encode(tokenizer, prompt: str, chat: bool) -> dict[str, torch.Tensor]:
+    """Token ids of ``prompt`` (wrapped in the chat template with ``chat``), batch of one."""
+    if chat:
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    return tokenizer([prompt], return_tensors="pt")
+
+
+def generate(model, tokenizer, prompt: str, method: str, max_new_tokens: int = 64, chat: bool = False, streamer=None,
+             do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, backend: str = "auto") -> Result:
+    """Generate from ``prompt`` with the preset ``method``; return the text, speed and the cache's memory report."""
+    from .cache import KittyCache
+
+    cfg = get_preset(method)
+    enc = encode(tokenizer, prompt, chat).to(model.device)
+    cache = KittyCache(model.config, cfg, backend=backend)
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if do_sample else dict(do_sample=False)
+    torch.manual_seed(seed)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(**enc, cache=cache, max_new_tokens=max_new_tokens, streamer=streamer, pad_token_id=tokenizer.pad_token_id, **sampling)
+    seconds = time.perf_counter() - start
+    new = out[0, enc["input_ids"].shape[1] :]
+    text = tokenizer.decode(new, skip_special_tokens=True)
+    return Result(method, text, len(new), seconds, cache.memory_report(), cache.token_counts())
+
+
+def describe(result: Result) -> str:
+    """Memory report and token placement of one run, for the terminal."""
+    c = result.counts
+    r = result.report
+    return "\n".join([
+        f"[{result.method}] {result.new_tokens} new tokens in {result.seconds:.1f} s ({result.tokens_per_second:.1f} tokens/s)",
+        f"KV cache: {r.summary()}",
+        f"  quantized payload {r.payload_bytes / 2**10:.1f} KiB | metadata {r.metadata_bytes / 2**10:.1f} KiB | "
+        f"full precision {r.full_precision_bytes / 2**10:.1f} KiB",
+        f"  tokens per layer: sink {c['sink']} | key pages {c['key_pages']} | key qbuffer {c['key_qbuffer']} | "
+        f"value pages {c['value_pages']} | value qbuffer {c['value_qbuffer']} | local {c['local']}",
+    ])
+
+
+def table(results: list[Result], width: int = 60) -> str:
+    """A Markdown table: method, bits/element, compression, tokens/s, text (one line, cut to ``width``)."""
+    lines = ["| method | bits/element | compression | tokens/s | text |", "|---|---:|---:|---:|---|"]
+    for r in results:
+        text = " ".join(r.text.split())
+        text = text if len(text) <= width else text[: width - 1] + "…"
+        lines.append(f"| {r.method} | {r.report.bits_per_element:.2f} | {r.report.compression:.2f}x | {r.tokens_per_second:.1f} | {text.replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m kitty", description="Generate with a 2-bit Kitty KV cache (arXiv 2511.18643).")
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--method", default="kitty", choices=sorted(PRESETS), help="cache preset (default: kitty)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--model", default=None, help="hub id or local path (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--compare", action="store_true", help="run several presets on the same prompt and print a table")
+    p.add_argument("--methods", default=DEFAULT_COMPARE, help=f"presets for --compare, comma-separated (default: {DEFAULT_COMPARE})")
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not args.prompt.strip():
+        print("error: the prompt is empty", file=sys.stderr)
+        return 2
+    if args.max_new_tokens < 1:
+        print(f"error: --max-new-tokens must be >= 1, got {args.max_new_tokens}", file=sys.stderr)
+        return 2
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.compare else [args.method]
+    unknown = [m for m in methods if m not in PRESETS]
+    if unknown:
+        print(f"error: unknown method(s) {unknown}; choose from {sorted(PRESETS)}", file=sys.stderr)
+        return 2
+
+    from transformers import TextStreamer
+
+    from .models import load_model
+
+    model, tokenizer = load_model(args.model)
+    options = dict(max_new_tokens=args.max_new_tokens, chat=args.chat, do_sample=args.sample, temperature=args.temperature,
+                   top_p=args.top_p, seed=args.seed, backend=args.backend)
+    if not args.compare:
+        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        result = generate(model, tokenizer, args.prompt, args.method, streamer=streamer, **options)
+        print()
+        print(describe(result))
+        return 0
+
+    from tqdm import tqdm
+
+    results = []
+    for method in tqdm(methods, desc="presets", unit="preset"):
+        results.append(generate(model, tokenizer, args.prompt, method, **options))
+    print(table(results))
+    print()
+    for r in results:
+        print(describe(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
