@@ -278,8 +278,8 @@ def test_padded_batch_rows_equal_prompts_alone(default_model_fp32, name):
     sink) that noise flipped one greedy token after 13 steps; in float32 the rows match exactly for every preset.
     """
     model, tok = default_model_fp32
-    prompts = ["Hi", "The capital of France is", "List three fruits: apple, banana and"]
-    n = 18  # crosses S + G + R = 20 for every prompt
+    prompts = ["Once upon a time", "The capital of France is", "List three fruits: apple, banana and"]  # 4, 5, 8 tokens
+    n = 18  # every row ends past S + G + R = 20 cached tokens
     cfg = SMALL[name]
     alone = [greedy(model, tok([p], return_tensors="pt"), KittyCache(model.config, cfg), n)[0] for p in prompts]
     enc = tok(prompts, return_tensors="pt", padding=True)

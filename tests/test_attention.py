@@ -1,0 +1,235 @@
+"""The registered "kitty" attention/mask functions: SDPA fallback, masks, references, backend dispatch, Triton seam."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from kitty import PRESETS, KittyCache, token_layout
+from kitty.attention import (
+    ATTN_NAME,
+    KittyMask,
+    attend_torch,
+    dequantize_cache,
+    kitty_attention_forward,
+    paged_decode_attention_ref,
+    resolve_backend,
+)
+
+S, G, R = 4, 8, 8
+HKV, HQ, D = 2, 6, 16  # GQA ratio 3
+CFG = {name: PRESETS[name].with_(sink_tokens=S, group_size=G, local_window=R) for name in ("fp16", "kitty", "kitty-pro")}
+
+
+def config(**kw) -> LlamaConfig:
+    args = dict(hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=HQ, num_key_value_heads=HKV,
+                head_dim=D, vocab_size=128)
+    args.update(kw)
+    return LlamaConfig(**args)
+
+
+def feed(cache, k, v, valid=None, q=None):
+    B, _, T, _ = k.shape
+    q = torch.randn(B, HQ, T, D) if q is None else q
+    mask = None if valid is None else KittyMask(torch.cat([torch.ones(B, cache.get_seq_length(), dtype=torch.bool), valid], 1))
+    return kitty_attention_forward(None, q, *cache.update(k, v, 0), mask, scaling=D**-0.5)[0]  # (B, T, Hq, D)
+
+
+def test_registered_under_kitty():
+    assert ALL_ATTENTION_FUNCTIONS[ATTN_NAME] is kitty_attention_forward
+    assert ATTN_NAME in ALL_MASK_ATTENTION_FUNCTIONS
+    model = LlamaForCausalLM(config())
+    KittyCache(model.config, "kitty")
+    assert model.config._attn_implementation == ATTN_NAME
+
+
+def test_plain_tensors_fall_back_to_sdpa_exactly():
+    """With config "kitty" but a DynamicCache (or none), logits equal transformers' SDPA bit for bit, padding included."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config()).eval()
+    ids = torch.randint(3, 128, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    outs = {}
+    for impl in ("sdpa", ATTN_NAME):
+        model.config._attn_implementation = impl
+        with torch.no_grad():
+            cache = DynamicCache(config=model.config)
+            first = model(input_ids=ids, attention_mask=mask, cache=cache).logits
+            step = model(input_ids=ids[:, :1], attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1), cache=cache).logits
+            no_cache = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        outs[impl] = (first, step, no_cache)
+    for a, b in zip(outs["sdpa"], outs[ATTN_NAME]):
+        assert torch.equal(a, b)
+
+
+def test_chunk_attention_matches_dense_reference():
+    """T new queries (left-padded) over a ragged cache: each valid query equals softmax over its row's cached tokens
+    (dequantized) and the valid new tokens up to itself, in float32."""
+    torch.manual_seed(1)
+    cfg = CFG["kitty"]
+    cache = KittyCache(config(), cfg)
+    lens = [S + 2 * G + 3, S + 1, 2]
+    T0 = max(lens)
+    valid0 = torch.arange(T0)[None, :] >= (T0 - torch.tensor(lens))[:, None]
+    feed(cache, torch.randn(3, HKV, T0, D), torch.randn(3, HKV, T0, D), valid0)
+    past_k, past_v, past_ok = dequantize_cache(cache.layers[0].storage(), cfg)
+    T = 5
+    k, v, q = torch.randn(3, HKV, T, D), torch.randn(3, HKV, T, D), torch.randn(3, HQ, T, D)
+    valid = torch.ones(3, T, dtype=torch.bool)
+    valid[2, :2] = False  # a padded chunk for row 2
+    out = feed(cache, k, v, valid, q)  # (B, T, Hq, D)
+    for b in range(3):
+        n = lens[b]
+        for i in range(T):
+            if not valid[b, i]:
+                continue
+            cols = [j for j in range(i + 1) if valid[b, j]]
+            keys = torch.cat([past_k[b, :, :n], k[b][:, cols]], 1).repeat_interleave(HQ // HKV, 0)  # (Hq, n + c, D)
+            vals = torch.cat([past_v[b, :, :n], v[b][:, cols]], 1).repeat_interleave(HQ // HKV, 0)
+            p = torch.softmax(torch.einsum("hd,hnd->hn", q[b, :, i], keys) * D**-0.5, -1)
+            ref = torch.einsum("hn,hnd->hd", p, vals)
+            torch.testing.assert_close(out[b, i], ref, atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(out).all()
+    assert cache.lengths == [n + int(c) for n, c in zip(lens, valid.sum(1))]
+
+
+@pytest.mark.parametrize("name", ["fp16", "kitty", "kitty-pro"])
+def test_decode_steps_match_kernels_reference(name):
+    """Cross-check with the kernel team's reference (kernels.decode_attention_ref, one row at a time) on our storage.
+
+    A step that completes no page equals it on the state after insertion; a step that fills a page attends that page
+    in full precision (paper order: attend, then quantize), i.e. equals the reference on the state before.
+    """
+    kernels = pytest.importorskip("kernels")
+    torch.manual_seed(2)
+    cfg = CFG[name]
+    cache = KittyCache(config(), cfg)
+    lens = [S + G + 5, S + 2 * G + R + 1, 3]
+    T0 = max(lens)
+    valid0 = torch.arange(T0)[None, :] >= (T0 - torch.tensor(lens))[:, None]
+    feed(cache, torch.randn(3, HKV, T0, D), torch.randn(3, HKV, T0, D), valid0)
+    layer = cache.layers[0]
+    checked = {"after": 0, "fills": 0}
+    for _ in range(G + 2):
+        k, v, q = torch.randn(3, HKV, 1, D), torch.randn(3, HKV, 1, D), torch.randn(3, HQ, 1, D)
+        fills = layer.append_fills_page(torch.ones(3, 1, dtype=torch.bool))
+        out = feed(cache, k, v, torch.ones(3, 1, dtype=torch.bool), q)[:, 0]  # (B, Hq, D)
+        state = kernels.KittyLayerState(**_state_fields(layer.storage()))
+        ref = kernels.decode_attention_ref(q[:, :, 0], state, cfg, D**-0.5)
+        mine = paged_decode_attention_ref(q, layer.storage(), cfg, D**-0.5)[:, :, 0]
+        torch.testing.assert_close(mine, ref, atol=1e-5, rtol=1e-5)  # two references, one storage
+        if not fills:
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+            checked["after"] += 1
+        else:
+            checked["fills"] += 1
+    assert checked["after"] >= G - 2 and checked["fills"] >= 1  # both kinds of step were exercised
+
+
+def _state_fields(storage):
+    empty_u8, empty = torch.empty(0, dtype=torch.uint8), torch.empty(0)
+    fields = dict(k_low=empty_u8, k_high=empty_u8, k_boost_idx=empty_u8, k_scale=empty, k_zero=empty, v_codes=empty_u8, v_scale=empty, v_zero=empty)
+    fields.update(storage)
+    return fields
+
+
+def test_page_filling_step_attends_that_page_in_full_precision():
+    """At the step whose token fills the key qbuffer, attention sees the G tokens unquantized, then they are paged."""
+    torch.manual_seed(3)
+    cfg = CFG["kitty"]
+    cache = KittyCache(config(), cfg)
+    n0 = S + G - 1
+    k0, v0 = torch.randn(1, HKV, n0, D), torch.randn(1, HKV, n0, D)
+    feed(cache, k0, v0)
+    k, v, q = torch.randn(1, HKV, 1, D), torch.randn(1, HKV, 1, D), torch.randn(1, HQ, 1, D)
+    out = feed(cache, k, v, None, q)[:, 0]
+    full = torch.nn.functional.scaled_dot_product_attention(q, torch.cat([k0, k], 2), torch.cat([v0, v], 2), enable_gqa=True)[:, :, 0]
+    torch.testing.assert_close(out, full, atol=1e-5, rtol=1e-5)
+    assert cache.token_counts()["key_pages"] == G  # and now the page exists
+
+
+def test_backend_dispatch(monkeypatch):
+    monkeypatch.delenv("KITTY_BACKEND", raising=False)
+    assert resolve_backend("auto", torch.device("cpu")) == "torch"
+    assert resolve_backend("triton", torch.device("cpu")) == "triton"
+    monkeypatch.setenv("KITTY_BACKEND", "torch")
+    assert resolve_backend("triton", torch.device("cpu")) == "torch"
+    monkeypatch.setenv("KITTY_BACKEND", "fast")
+    with pytest.raises(ValueError, match="KITTY_BACKEND"):
+        resolve_backend("auto", torch.device("cpu"))
+
+
+def test_triton_backend_without_kernels_raises_not_implemented(monkeypatch):
+    monkeypatch.delenv("KITTY_BACKEND", raising=False)
+    monkeypatch.setitem(sys.modules, "kernels", types.ModuleType("kernels"))  # a kernels package without the kernel
+    cache = KittyCache(config(), CFG["kitty"], backend="triton")
+    feed(cache, torch.randn(1, HKV, 3, D), torch.randn(1, HKV, 3, D))  # prefill: torch path by design
+    with pytest.raises(NotImplementedError, match="decode_attention"):
+        feed(cache, torch.randn(1, HKV, 1, D), torch.randn(1, HKV, 1, D))
+    assert cache.lengths == [3]  # nothing inserted
+
+
+def test_first_prefill_is_exactly_causal_sdpa():
+    """An empty cache and no padding: the prompt's attention is plain causal SDPA in full precision, bit for bit."""
+    torch.manual_seed(4)
+    cfg = CFG["kitty"]
+    k, v = torch.randn(2, HKV, 30, D), torch.randn(2, HKV, 30, D)
+    q = torch.randn(2, HQ, 30, D)
+    out = attend_torch(q, k, v, torch.ones(2, 30, dtype=torch.bool), _empty_storage(2), cfg, D**-0.5)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert torch.equal(out, ref)
+
+
+def _empty_storage(B):
+    layer = KittyCache(config(), CFG["kitty"]).layers[0]
+    layer.lazy_initialization(torch.zeros(B, HKV, 0, D), torch.zeros(B, HKV, 0, D))
+    return layer.storage()
+
+
+TRITON_SCRIPT = textwrap.dedent(
+    """
+    import torch, kernels
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from kitty import KittyCache, PRESETS
+    calls = [0]
+    fused = kernels.decode_attention
+    def counting(*a, **k):
+        calls[0] += 1
+        return fused(*a, **k)
+    kernels.decode_attention = counting
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=16, vocab_size=128)).eval()
+    ids = torch.randint(3, 128, (2, 9)); mask = torch.ones_like(ids); mask[1, :3] = 0
+    cfg = PRESETS["kitty"].with_(sink_tokens=4, group_size=16, local_window=16)
+    out = {}
+    for backend in ("torch", "triton"):
+        with torch.no_grad():
+            out[backend] = model.generate(input_ids=ids, attention_mask=mask, cache=KittyCache(model.config, cfg, backend=backend),
+                                          max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=0)
+    assert calls[0] >= 20, calls
+    assert torch.equal(out["torch"], out["triton"])
+    print("OK", calls[0])
+    """
+)
+
+
+def test_triton_seam_end_to_end_under_interpreter():
+    """backend="triton" through generate (kernels under TRITON_INTERPRET=1, in a subprocess so the flag is set before
+    triton is imported): the fused kernel runs the decode steps and the tokens equal the torch backend's."""
+    pytest.importorskip("triton")
+    pytest.importorskip("kernels")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env.pop("KITTY_BACKEND", None)
+    r = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr[-3000:]
