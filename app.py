@@ -45,8 +45,10 @@ METHODS = list(PRESETS)
 BOOST_METHODS = [m for m, c in PRESETS.items() if c.key_bits == 2]
 
 CSS = """
-.readout {font-size: 0.92em; line-height: 1.35;}
-.readout table {margin: 0;}
+.readout {font-size: 0.9em; line-height: 1.35; padding: 0 4px;}
+.readout table {width: 100%; border-collapse: collapse; margin: 0;}
+.readout td {padding: 3px 6px; border: none; border-bottom: 1px solid var(--border-color-primary); vertical-align: top;}
+.readout td:first-child {white-space: nowrap; width: 1%; color: var(--body-text-color-subdued);}
 #note {min-height: 1.5em;}
 """
 LAUNCH_STYLE = {"css": CSS, "theme": gr.themes.Soft()}  # Gradio 6 takes these at launch(); tests reuse them
@@ -105,28 +107,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def format_readout(col: kd.Column) -> str:
-    """Markdown readout under one column: bytes, bits/element, compression, tokens, speed and token layout."""
+    """HTML readout under one column: bytes, bits/element, compression, tokens, speed and where tokens live."""
     r = col.readout
     if r is None:
         return f"<div class='readout'><i>{col.status}…</i></div>"
-    m = r.report
-    lay = r.layout
-    where = " · ".join(f"{k.replace('_', ' ')} {v}" for k, v in lay.items() if k != "tokens")
-    return (
-        "<div class='readout'>\n\n"
-        f"| | |\n|---|---|\n"
-        f"| KV stored | **{kd.fmt_bytes(m.stored_bytes)}** of {kd.fmt_bytes(m.fp16_bytes)} fp16-equivalent |\n"
-        f"| bits / element | **{m.bits_per_element:.2f}** |\n"
-        f"| compression | **{m.compression:.2f}×** |\n"
-        f"| tokens | **{m.tokens}** cached ({r.new_tokens} new) |\n"
-        f"| speed | **{r.tokens_per_s:.1f} tok/s** ({r.step_ms:.0f} ms/step own) |\n"
-        f"| tokens live in | {where} |\n"
-        f"| status | {col.status} |\n\n</div>"
-    )
-
-
-def empty_plot() -> pd.DataFrame:
-    return pd.DataFrame({"column": pd.Series(dtype=str), "tokens": pd.Series(dtype=int), "stored_KiB": pd.Series(dtype=float)})
+    m, lay = r.report, r.layout
+    keys = f"sink {lay['sink']} · pages {lay['key_pages']} · qbuffer {lay['key_qbuffer']}"
+    values = f"sink {lay['sink']} · pages {lay['value_pages']} · qbuffer {lay['value_qbuffer']} · local {lay['local']}"
+    rows = [
+        ("KV stored", f"<b>{kd.fmt_bytes(m.stored_bytes)}</b> of {kd.fmt_bytes(m.fp16_bytes)} fp16-equivalent"),
+        ("bits / element", f"<b>{m.bits_per_element:.2f}</b>"),
+        ("compression", f"<b>{m.compression:.2f}×</b>"),
+        ("tokens", f"<b>{m.tokens}</b> cached ({r.new_tokens} new)"),
+        ("speed", f"<b>{r.tokens_per_s:.1f} tok/s</b> ({r.step_ms:.0f} ms/step own)"),
+        ("tokens live in", f"K: {keys}<br>V: {values}"),
+        ("status", col.status),
+    ]
+    body = "".join(f"<tr><td>{k}</td><td>{v}</td></tr>" for k, v in rows)
+    return f"<div class='readout'><table>{body}</table></div>"
 
 
 def bits_table(engine: Engine, prompt_tokens: int, new_tokens: int) -> pd.DataFrame:
@@ -192,7 +190,7 @@ def make_generate(engine: Engine, max_prompt_tokens: int, schedule: str = SCHEDU
         busy = (gr.update(interactive=False), gr.update(interactive=True))
 
         def message(note: str) -> tuple:
-            return (note, "", "", "", "", "", "", empty_plot(), "", {}, None, *idle)
+            return (note, "", "", "", "", "", "", gr.skip(), "", {}, None, *idle)
 
         try:
             prompt_ = kd.prepare_prompt(engine.tokenizer, prompt, bool(chat_template), max_prompt_tokens)
@@ -212,8 +210,9 @@ def make_generate(engine: Engine, max_prompt_tokens: int, schedule: str = SCHEDU
                                                schedule=schedule):
                 final = snap.phase in ("done", "stopped")
                 now = time.perf_counter()
-                if final or now - last_plot >= PLOT_EVERY_S:
-                    plot = pd.DataFrame(snap.plot_rows()) if snap.plot_rows() else empty_plot()
+                # Gradio fixes the plot's colors at its first value: send one only when all 3 lines have a point
+                if (final or now - last_plot >= PLOT_EVERY_S) and all(c.history for c in snap.columns):
+                    plot = pd.DataFrame(snap.plot_rows())
                     last_plot = now
                 else:
                     plot = gr.skip()
@@ -308,7 +307,7 @@ def build_columns() -> dict:
                 c["methods"].append(gr.Dropdown(METHODS, value=default, label=f"Column {i + 1}: cache method", elem_id=f"method-{i}"))
                 c["outputs"].append(gr.Textbox(label="Generated", lines=9, max_lines=9, autoscroll=True,
                                                interactive=False, elem_id=f"out-{i}"))
-                c["readouts"].append(gr.Markdown("<div class='readout'><i>idle</i></div>", elem_id=f"readout-{i}"))
+                c["readouts"].append(gr.HTML("<div class='readout'><i>idle</i></div>", elem_id=f"readout-{i}"))
     return c
 
 
@@ -322,10 +321,9 @@ def build_generate_tab(engine: Engine, max_prompt_tokens: int, schedule: str = S
         label="Examples",
     )
     c.update(build_columns())
-    with gr.Row():
-        c["plot"] = gr.LinePlot(empty_plot(), x="tokens", y="stored_KiB", color="column", title="Stored KV bytes vs cached tokens",
-                                x_title="cached tokens", y_title="KV stored (KiB)", height=300, elem_id="memory-plot", scale=3)
-        c["summary"] = gr.Markdown(elem_id="summary")
+    c["summary"] = gr.Markdown(elem_id="summary")
+    c["plot"] = gr.LinePlot(None, x="tokens", y="stored_KiB", color="column", title="Stored KV bytes vs cached tokens",
+                            x_title="cached tokens", y_title="KV stored (KiB)", height=280, elem_id="memory-plot")
     with gr.Accordion("Raw readouts (JSON, final)", open=False):
         c["json"] = gr.JSON(elem_id="readouts-json")
     c["state"] = gr.State(None)  # this session's StopFlag: set by Stop, replaced by every Generate

@@ -273,10 +273,10 @@ class Snapshot:
     summary: str = ""
 
     def plot_rows(self) -> list[dict]:
-        """Long-form rows for a line plot of stored KV bytes against cached tokens."""
+        """Long-form rows for a line plot of stored KV bytes against cached tokens (series "column 1", ...)."""
         return [
-            {"column": c.label, "tokens": t, "stored_KiB": b / 1024}
-            for c in self.columns
+            {"column": f"column {i + 1}", "tokens": t, "stored_KiB": b / 1024}
+            for i, c in enumerate(self.columns)
             for t, b in c.history
         ]
 

@@ -96,9 +96,10 @@ def check_against_library(engine, final, prompt: str, new: int) -> None:
         assert got["layout"] == counts
         # the readout under the column shows the same numbers
         md = final[READOUTS][i]
-        assert f"**{report.bits_per_element:.2f}**" in md and f"**{report.compression:.2f}×**" in md
-        assert f"**{kd.fmt_bytes(report.stored_bytes)}** of {kd.fmt_bytes(report.fp16_bytes)}" in md
-        assert f"**{report.tokens}** cached" in md
+        assert f"<b>{report.bits_per_element:.2f}</b>" in md and f"<b>{report.compression:.2f}×</b>" in md
+        assert f"<b>{kd.fmt_bytes(report.stored_bytes)}</b> of {kd.fmt_bytes(report.fp16_bytes)}" in md
+        assert f"<b>{report.tokens}</b> cached" in md
+        assert f"qbuffer {counts['key_qbuffer']}" in md and f"local {counts['local']}" in md
 
 
 def test_streams_all_three_columns_and_matches_library(app_module, client):
@@ -116,8 +117,8 @@ def test_streams_all_three_columns_and_matches_library(app_module, client):
     assert any(all(o[TEXTS]) and "Done" not in (o[SUMMARY] or "") for o in outputs)
     # the memory plot: one line per column, one point per generated token, ending at the final stored bytes
     rows = final[PLOT]["data"]
-    for label, got in final[JSON].items():
-        points = [r for r in rows if r[0] == label]
+    for i, got in enumerate(final[JSON].values()):
+        points = [r for r in rows if r[0] == f"column {i + 1}"]
         assert len(points) == got["new_tokens"]
         assert points[-1][1] == got["tokens"] and points[-1][2] == pytest.approx(got["stored_bytes"] / 1024)
     check_against_library(app_module.get_engine(app_module.ARGS.model), final, SHORT, NEW)
@@ -158,6 +159,7 @@ def test_two_concurrent_requests_are_independent(app_module, client):
     engine = app_module.get_engine(app_module.ARGS.model)
     for (_, prompt, new), final in zip(runs, results):
         check_against_library(engine, final, prompt, new)
+    assert app_module.get_engine.cache_info().misses == 1, "the model was loaded more than once"
 
 
 def test_stop_ends_generation_and_reports(client):
