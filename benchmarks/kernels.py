@@ -56,16 +56,16 @@ TARGET_SHAPES = [(8, 32768), (64, 8192)]
 L2_BYTES = 60 * 2**20
 DEV = "cuda"
 LOG = []
-# fused-kernel configurations swept at every shape. Run 1 (dequantized tiles, no fold) was instruction-bound at
-# ~12% of copy bandwidth; fold=True multiplies integer codes and folds scale/zero into q and p (kernels/_tiles.py).
-# Registers per thread from ptxas (sm_90, triton 3.9, D=128, fp16): fold 32/4w: 254; 64/8w: 222; 128/8w: 241.
+# fused-kernel configurations swept at every shape. Run 1 (byte loads, dequantized tiles) was instruction-bound:
+# ~21 thread-instructions per cached element in the hot loop (SASS of the sm_90 build), ~12% of copy bandwidth.
+# Run 2 added fold=True (integer codes, scale/zero folded into q and p): no faster (reductions and shuffles moved
+# the cost). Run 3 (this code): planes read as 32-bit words (17 instructions/element for block_n=32, 4 warps).
 FUSED_CONFIGS = [
-    dict(block_n=64, num_warps=8, maxnreg=None, fold=True),
-    dict(block_n=32, num_warps=4, maxnreg=None, fold=True),
-    dict(block_n=128, num_warps=8, maxnreg=None, fold=True),
+    dict(block_n=32, num_warps=4, maxnreg=128, fold=False),
+    dict(block_n=64, num_warps=4, maxnreg=None, fold=False),
+    dict(block_n=64, num_warps=8, maxnreg=None, fold=False),
+    dict(block_n=32, num_warps=4, maxnreg=128, fold=True),
     dict(block_n=64, num_warps=4, maxnreg=None, fold=True),
-    dict(block_n=64, num_warps=8, maxnreg=None, fold=True, unpack_reshape=False),
-    dict(block_n=32, num_warps=4, maxnreg=128, fold=False),  # run 1's best
 ]
 UNFUSED_CONFIGS = [dict(block_n=32, num_warps=4, maxnreg=128), dict(block_n=64, num_warps=8, maxnreg=None)]  # run 1: first wins
 

@@ -5,11 +5,14 @@ channel-major ``(D, G)`` as Algorithm 1 does (``K^T``, the operand of ``q @ K^T`
 counterpart for a value page, ``(G, D)``. Both return the model dtype, rounded exactly like the torch reference
 (``codes * scale + zero`` in fp32, then cast).
 
-Two ways to expand packed bytes (``UNPACK_RESHAPE``):
+Two ways to expand packed codes (``UNPACK_RESHAPE``):
   * ``False`` -- Algorithm 1 literally: ``shifts = [0, 2, 4, 6, 0, ...]``; every byte is loaded once per code it holds
     (4 loads of the same address, served by L1).
-  * ``True``  -- each byte is loaded once as ``(rows, n/4)``, broadcast against the 4 shifts to ``(rows, n/4, 4)``
-    and reshaped to ``(rows, n)`` (code ``4j+s`` of a row sits at bits ``2s`` of byte ``j``).
+  * ``True``  -- the plane is read as little-endian 32-bit words ``(rows, n/16)`` (2-bit codes: code ``k`` of a row
+    at bits ``2 (k % 16)`` of word ``k // 16``, the same bits as byte ``k // 4``, bits ``2 (k % 4)``), broadcast
+    against the 16 shifts to ``(rows, n/16, 16)`` and reshaped to ``(rows, n)``. Rows must start 4-byte aligned
+    (G % 16 == 0 for key planes, D * bits % 32 == 0 for value codes). Word loads cut the load/address instructions
+    ~4x against byte loads (measured on the H200, benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -39,14 +42,18 @@ def cast_to(x, DTYPE: tl.constexpr):
 @triton.jit
 def _load_packed(ptr, row_off, mask_rows, ROWS: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr,
                  UNPACK_RESHAPE: tl.constexpr):
-    """Packed bytes of ``(ROWS, N)`` codes at ``ptr + row_off[r] + byte`` (rows where ``mask_rows`` is False read 0,
-    no memory traffic): ``(ROWS, N / per_byte)`` with ``UNPACK_RESHAPE``, else ``(ROWS, N)`` (each byte once per
-    code it holds, Algorithm 1's ``shifts = [0, 2, 4, 6, 0, ...]``)."""
-    PER: tl.constexpr = 8 // BITS
+    """Packed codes of a ``(ROWS, N)`` tile at ``ptr + row_off[r] + byte`` (rows where ``mask_rows`` is False read
+    0, no memory traffic). With ``UNPACK_RESHAPE`` the bytes are read as little-endian 32-bit words,
+    ``(ROWS, N / codes_per_word)`` (code ``k`` of a row at bits ``BITS * (k % codes_per_word)`` of word
+    ``k // codes_per_word``; needs 4-byte aligned rows); else ``(ROWS, N)`` bytes, each loaded once per code it
+    holds (Algorithm 1's ``shifts = [0, 2, 4, 6, 0, ...]``)."""
     if UNPACK_RESHAPE:
-        jb = tl.arange(0, N // PER)
-        b = tl.load(ptr + row_off[:, None] + jb[None, :], mask=mask_rows[:, None], other=0)
+        PERW: tl.constexpr = 32 // BITS
+        jw = tl.arange(0, N // PERW)
+        wptr = ptr.to(tl.pointer_type(tl.int32))
+        b = tl.load(wptr + (row_off // 4)[:, None] + jw[None, :], mask=mask_rows[:, None], other=0)
     else:
+        PER: tl.constexpr = 8 // BITS
         k = tl.arange(0, N)
         b = tl.load(ptr + row_off[:, None] + (k // PER)[None, :], mask=mask_rows[:, None], other=0)
     return b
@@ -54,15 +61,15 @@ def _load_packed(ptr, row_off, mask_rows, ROWS: tl.constexpr, N: tl.constexpr, B
 
 @triton.jit
 def _expand_packed(b, ROWS: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr, UNPACK_RESHAPE: tl.constexpr):
-    """Codes ``(ROWS, N)`` int32 from :func:`_load_packed`'s bytes; code ``k`` of a row sits at bits
-    ``BITS * (k % per_byte)`` of byte ``k // per_byte``."""
-    PER: tl.constexpr = 8 // BITS
+    """Codes ``(ROWS, N)`` int32 from :func:`_load_packed`'s words / bytes."""
     CODE_MASK: tl.constexpr = (1 << BITS) - 1
     if UNPACK_RESHAPE:
-        e = tl.arange(0, PER)
-        codes3 = (b.to(tl.int32)[:, :, None] >> (BITS * e)[None, None, :]) & CODE_MASK  # (ROWS, N/PER, PER)
+        PERW: tl.constexpr = 32 // BITS
+        e = tl.arange(0, PERW)
+        codes3 = (b[:, :, None] >> (BITS * e)[None, None, :]) & CODE_MASK  # (ROWS, N/PERW, PERW)
         codes = tl.reshape(codes3, (ROWS, N))
     else:
+        PER: tl.constexpr = 8 // BITS
         k = tl.arange(0, N)
         codes = (b.to(tl.int32) >> (BITS * (k % PER))[None, :]) & CODE_MASK
     return codes

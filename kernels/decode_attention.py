@@ -282,8 +282,8 @@ def default_num_splits(B: int, Hkv: int, max_blocks: int, device: torch.device, 
 
 def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig, scaling: float | None = None,
                             num_splits: int | None = None, unpack_reshape: bool = True, num_warps: int | None = None,
-                            num_stages: int = 1, block_n: int = 64, prefetch: bool = False,
-                            maxnreg: int | None = None, fold: bool = True) -> torch.Tensor:
+                            num_stages: int = 1, block_n: int = 32, prefetch: bool = False,
+                            maxnreg: int | None = 128, fold: bool = False) -> torch.Tensor:
     """The fused Triton kernel (see module docstring). ``q``: ``[B, Hq, D]`` -> ``[B, Hq, D]`` in ``q.dtype``.
 
     Tuning knobs (defaults from the H200 sweep in benchmarks/RESULTS.md): ``num_splits`` programs per (row, KV head)

@@ -90,7 +90,7 @@ def dequantize_key_page_triton(page: KeyPage, unpack_reshape: bool = True) -> to
         high = low  # never read (NB == 0); any valid pointer
     _dequant_key_kernel[(n,)](
         low, high, idx, page.scale.contiguous(), page.zero.contiguous(), out,
-        G=G, D=D, NB=nb, DTYPE=_TLTYPE[page.dtype], UNPACK_RESHAPE=unpack_reshape,
+        G=G, D=D, NB=nb, DTYPE=_TLTYPE[page.dtype], UNPACK_RESHAPE=unpack_reshape and G % 16 == 0,  # word loads
     )
     return out
 
@@ -116,6 +116,6 @@ def dequantize_value_page_triton(page: ValuePage, unpack_reshape: bool = True) -
         return out
     _dequant_value_kernel[(n,)](
         codes.contiguous(), page.scale.contiguous(), page.zero.contiguous(), out,
-        G=G, D=D, VBITS=page.bits, DTYPE=_TLTYPE[page.dtype], UNPACK_RESHAPE=unpack_reshape,
+        G=G, D=D, VBITS=page.bits, DTYPE=_TLTYPE[page.dtype], UNPACK_RESHAPE=unpack_reshape and D * page.bits % 32 == 0,
     )
     return out

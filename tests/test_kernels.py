@@ -186,9 +186,9 @@ def test_decode_attention_fused(preset, gqa, D, dtype, sink, G):
     q = torch.randn(B, Hkv * gqa, D, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
     # the folded path (integer codes, scale/zero folded into q and p) with one program per row/head over whole
     # pages; then dequantized tiles with rows split across programs (incl. empty splits) in 16-token blocks,
-    # several per page, with and without prefetching the next block
+    # several per page: word loads with the next block prefetched, and Algorithm 1's per-code byte loads
     variants = [dict(num_splits=1, block_n=G, fold=True), dict(num_splits=3, block_n=16, fold=False, prefetch=True),
-                dict(num_splits=2, block_n=16, fold=False, prefetch=False)]
+                dict(num_splits=2, block_n=16, fold=False, unpack_reshape=False)]
     for kw in variants:
         _check(decode_attention(q, state, cfg, **kw), q, state, cfg)
 
