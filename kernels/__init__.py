@@ -21,12 +21,15 @@ except ImportError:  # e.g. macOS: no Triton wheels
     HAS_TRITON = False
 
 if HAS_TRITON:
-    from .decode_attention import BACKENDS, decode_attention, decode_attention_triton
+    from .decode_attention import BACKENDS, decode_attention, decode_attention_triton, triton_supports
     from .dequant import dequantize_key_page_triton, dequantize_value_page_triton
     from .pack import pack_pages, pack_pages_ref
     from .unfused import decode_attention_unfused
 else:
     BACKENDS = ("auto", "torch")
+
+    def triton_supports(cfg, head_dim) -> bool:
+        return False
 
     def decode_attention(q, state, cfg, scaling=None, backend="auto", **kernel_options):
         """Torch reference only (Triton is not installed)."""
@@ -35,7 +38,7 @@ else:
         check_state(q, state, cfg)
         return decode_attention_ref(q, state, cfg, scaling)
 
-__all__ = ["HAS_TRITON", "KittyLayerState", "decode_attention", "decode_attention_ref", "check_state"]
+__all__ = ["HAS_TRITON", "KittyLayerState", "decode_attention", "decode_attention_ref", "check_state", "triton_supports"]
 if HAS_TRITON:
     __all__ += ["decode_attention_triton", "decode_attention_unfused", "pack_pages", "pack_pages_ref",
                 "dequantize_key_page_triton", "dequantize_value_page_triton"]

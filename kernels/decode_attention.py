@@ -51,7 +51,7 @@ from ._tiles import (
 )
 from .reference import KittyLayerState, check_state, decode_attention_ref  # noqa: F401 (re-exported)
 
-__all__ = ["KittyLayerState", "decode_attention", "decode_attention_ref", "decode_attention_triton"]
+__all__ = ["KittyLayerState", "decode_attention", "decode_attention_ref", "decode_attention_triton", "triton_supports"]
 
 LOG2E = 1.4426950408889634  # 1 / ln 2: softmax in base 2
 _TLTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -348,17 +348,27 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
 BACKENDS = ("auto", "triton", "torch")
 
 
+def triton_supports(cfg: KVQuantConfig, head_dim: int) -> bool:
+    """Whether the fused kernel handles pages of ``cfg`` with ``head_dim`` channels: power-of-two group size and
+    head_dim >= 16 (``tl.dot`` tiles, 4-byte aligned plane rows), 2/4/16-bit keys and values."""
+    pow2 = lambda n: n >= 16 and not n & (n - 1)  # noqa: E731
+    return pow2(cfg.group_size) and pow2(head_dim) and cfg.key_bits in (2, 4, 16) and cfg.value_bits in (2, 4, 16)
+
+
 def decode_attention(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig, scaling: float | None = None,
                      backend: str = "auto", **kernel_options) -> torch.Tensor:
     """Decode attention of one new query token per row over a Kitty layer: ``[B, Hq, D]`` -> ``[B, Hq, D]``.
 
-    ``backend="auto"`` runs the fused Triton kernel on CUDA tensors or under ``TRITON_INTERPRET=1``, else the torch
-    reference; ``"triton"`` / ``"torch"`` force one. ``scaling`` defaults to ``1/sqrt(D)``.
+    ``backend="auto"`` runs the fused Triton kernel on CUDA tensors or under ``TRITON_INTERPRET=1`` when
+    :func:`triton_supports` the config, else the torch reference; ``"triton"`` / ``"torch"`` force one (``"triton"``
+    raises ``ValueError`` for an unsupported config). ``scaling`` defaults to ``1/sqrt(D)``. ``kernel_options``:
+    tuning knobs of :func:`decode_attention_triton`.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        backend = "triton" if (q.is_cuda or _interpreting()) else "torch"
+        ok = (q.is_cuda or _interpreting()) and q.dim() == 3 and triton_supports(cfg, q.shape[-1])
+        backend = "triton" if ok else "torch"
     if backend == "torch":
         check_state(q, state, cfg)
         return decode_attention_ref(q, state, cfg, scaling)

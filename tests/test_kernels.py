@@ -248,5 +248,12 @@ def test_dispatch_and_checks():
     bad = KittyLayerState(**{**state.tensors(), "v_local": state.v_local[:, :, :3]})
     with pytest.raises(ValueError, match="v_local"):
         decode_attention(q, bad, cfg)
+    # auto falls back to the reference where the kernel cannot run (group size 8); forcing triton says why
+    cfg8 = small("kitty", group_size=8)
+    state8 = make_state(cfg8, k, v, [40, 17])
+    assert not kernels.triton_supports(cfg8, 64) and kernels.triton_supports(cfg, 64)
+    torch.testing.assert_close(decode_attention(q, state8, cfg8), decode_attention_ref(q, state8, cfg8))
+    with pytest.raises(ValueError, match="group_size"):
+        decode_attention(q, state8, cfg8, backend="triton")
     assert {"decode_attention", "KittyLayerState", "pack_pages", "dequantize_key_page_triton",
             "decode_attention_unfused", "decode_attention_ref"} <= set(kernels.__all__)
