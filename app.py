@@ -38,7 +38,7 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 7860
 CONCURRENCY_LIMIT = 2  # generations running at once; more queue up (2 CPU cores: each would only get slower)
 QUEUE_MAX_SIZE = 16
-TORCH_THREADS = None  # torch intra-op threads; None: torch's default (one per core)
+TORCH_THREADS = 1  # torch intra-op threads: the columns already run in parallel threads (README: measured)
 SCHEDULE = "threads"  # one thread per column (measured fastest, README); "interleave": one step each in turn
 PLOT_EVERY_S = 0.5  # the plot redraws at most this often while streaming (text and readouts update every step)
 METHODS = list(PRESETS)
@@ -99,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-prompt-tokens", type=int, default=kd.MAX_PROMPT_TOKENS, help="longer prompts keep their end")
     p.add_argument("--concurrency", type=int, default=CONCURRENCY_LIMIT, help="generations running at once")
     p.add_argument("--schedule", choices=kd.SCHEDULES, default=SCHEDULE, help="how the three columns share the CPU")
-    p.add_argument("--torch-threads", type=int, default=TORCH_THREADS, help="torch intra-op threads (default: one per core)")
+    p.add_argument("--torch-threads", type=int, default=TORCH_THREADS, help="torch intra-op threads per column")
     return p.parse_args(argv)
 
 
@@ -383,9 +383,8 @@ def build_demo(
 
 
 ARGS = parse_args(None if __name__ == "__main__" else [])  # flags only when run as a script; env otherwise
-if ARGS.torch_threads:
-    torch.set_num_threads(ARGS.torch_threads)
 demo = build_demo(get_engine(ARGS.model), ARGS.max_prompt_tokens, ARGS.concurrency, ARGS.schedule)
 
 if __name__ == "__main__":
+    torch.set_num_threads(ARGS.torch_threads)  # here only: importing app (tests) leaves torch's setting alone
     demo.launch(server_name=ARGS.host, server_port=ARGS.port, share=ARGS.share, **LAUNCH_STYLE)

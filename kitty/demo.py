@@ -332,7 +332,7 @@ def summarize(columns: Sequence[Column], tokenizer, stopped: bool) -> str:
             d = divergence(ref.ids, c.ids)
             if d is None:
                 same = min(len(ref.ids), len(c.ids))
-                vs = f"identical ({same} tokens)" if len(ref.ids) == len(c.ids) else f"identical for {same} tokens, then one column ended"
+                vs = f"identical ({same} tokens)" if len(ref.ids) == len(c.ids) else f"identical over the {same} tokens both have"
             else:
                 ctx = tokenizer.decode(ref.ids[max(0, d - 4) : d]).replace("\n", " ").replace("|", "\\|")
                 vs = f"diverges at token {d + 1} (after “…{ctx}”)"

@@ -237,3 +237,24 @@ def test_stop_frees_every_cache(app_module, schedule):
     assert snap.phase == "stopped" and "Stopped" in snap.summary
     assert len(made) == 3 and all(c.get_seq_length() == 0 for c in made)
     assert all(c.cache is None and c.readout is not None for c in snap.columns)
+
+
+def test_sampling_settings():
+    """Greedy is the argmax; top-p keeps the nucleus; the same seed gives the same draws (one per column)."""
+    logits = torch.randn(500, generator=torch.Generator().manual_seed(0)) * 3
+    top = int(logits.argmax())
+    assert kd.sample_next(logits, kd.Sampling()) == top
+    tiny_nucleus = kd.Sampling(temperature=1.0, top_p=1e-6)
+    assert {kd.sample_next(logits, tiny_nucleus, torch.Generator().manual_seed(s)) for s in range(20)} == {top}
+
+    def draws(seed: int, top_p: float) -> list[int]:
+        g = torch.Generator().manual_seed(seed)
+        return [kd.sample_next(logits, kd.Sampling(temperature=1.5, top_p=top_p), g) for _ in range(50)]
+
+    assert draws(7, 1.0) == draws(7, 1.0) and len(set(draws(7, 1.0))) > 5
+    probs = torch.softmax(logits / 1.5, -1)
+    order = probs.argsort(descending=True)
+    nucleus = set(order[: int((probs[order].cumsum(0) < 0.5).sum()) + 1].tolist())
+    assert set(draws(3, 0.5)) <= nucleus
+    with pytest.raises(ValueError):
+        kd.Sampling(temperature=-1)
