@@ -21,7 +21,8 @@ Backends (``KittyCache(..., backend=)``, overridden by the environment variable 
   backend="triton")`` on the storage of ``docs/LAYOUT.md`` (see :func:`triton_decode`). Steps whose token completes
   a page (1-2 of every G) and multi-token chunks take the torch path, so both backends attend that page in full
   precision, as the paper does.
-- ``auto``: ``triton`` for CUDA tensors, else ``torch``.
+- ``auto``: ``triton`` for CUDA tensors when ``kernels`` is present and ``kernels.triton_supports(cfg, head_dim)``,
+  else ``torch``. A forced ``triton`` without ``kernels.decode_attention`` raises ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -192,20 +193,35 @@ def attend_torch(query: torch.Tensor, key_states: torch.Tensor, value_states: to
 # ------------------------------------------------------------------------------------------- backend dispatch
 
 
-def resolve_backend(requested: str, device: torch.device) -> str:
-    """``"torch"`` or ``"triton"`` for tensors on ``device`` (``KITTY_BACKEND`` overrides ``requested``)."""
+def resolve_backend(requested: str, device: torch.device, cfg: KVQuantConfig | None = None, head_dim: int | None = None) -> str:
+    """``"torch"`` or ``"triton"`` for tensors on ``device`` (``KITTY_BACKEND`` overrides ``requested``).
+
+    ``"auto"`` picks Triton only for CUDA tensors, when ``kernels`` provides ``decode_attention`` and (if it says
+    so through ``kernels.triton_supports``) the fused kernel handles ``cfg`` at ``head_dim``.
+    """
     choice = os.environ.get(BACKEND_ENV) or requested
     if choice not in ("auto", "torch", "triton"):
         raise ValueError(f"backend (or ${BACKEND_ENV}) must be one of ('auto', 'torch', 'triton'), got {choice!r}")
-    if choice == "auto":
-        return "triton" if device.type == "cuda" and _triton_decode_fn(required=False) is not None else "torch"
-    return choice
+    if choice != "auto":
+        return choice
+    if device.type != "cuda":
+        return "torch"
+    kernels = _kernels(required=False)
+    if kernels is None:
+        return "torch"
+    supports = getattr(kernels, "triton_supports", None)
+    if cfg is not None and supports is not None and not supports(cfg, head_dim):
+        return "torch"
+    return "triton"
 
 
-def _triton_decode_fn(required: bool = True):
+def _kernels(required: bool = True):
+    """The ``kernels`` package if it provides ``decode_attention`` and ``KittyLayerState`` (issue 4)."""
     try:
-        from kernels import KittyLayerState, decode_attention
-    except ImportError as e:
+        import kernels
+
+        kernels.decode_attention, kernels.KittyLayerState  # noqa: B018  (both must exist)
+    except (ImportError, AttributeError) as e:
         if required:
             raise NotImplementedError(
                 "backend='triton' needs kernels.decode_attention(q, KittyLayerState, cfg, scaling) (issue 4), which is "
@@ -213,7 +229,7 @@ def _triton_decode_fn(required: bool = True):
             ) from e
         warnings.warn("kernels.decode_attention is not available: KittyCache(backend='auto') uses the torch backend", stacklevel=3)
         return None
-    return decode_attention, KittyLayerState
+    return kernels
 
 
 def triton_decode(query: torch.Tensor, storage: dict[str, torch.Tensor], cfg: KVQuantConfig, scale: float) -> torch.Tensor:
@@ -222,12 +238,12 @@ def triton_decode(query: torch.Tensor, storage: dict[str, torch.Tensor], cfg: KV
     Calls ``kernels.decode_attention(q [B, Hq, D], KittyLayerState, cfg, scaling=scale, backend="triton")``.
     Pool tensors of a 16-bit side are passed empty (the kernel reads ``k_raw``/``v_raw`` then).
     """
-    decode_attention, KittyLayerState = _triton_decode_fn(required=True)
+    kernels = _kernels(required=True)
     empty_u8 = torch.empty(0, dtype=torch.uint8, device=query.device)
     empty = torch.empty(0, dtype=query.dtype, device=query.device)
     fields = dict(k_low=empty_u8, k_high=empty_u8, k_boost_idx=empty_u8, k_scale=empty, k_zero=empty, v_codes=empty_u8, v_scale=empty, v_zero=empty)
     fields.update(storage)
-    out = decode_attention(query[:, :, 0], KittyLayerState(**fields), cfg, scaling=scale, backend="triton")  # (B, Hq, D)
+    out = kernels.decode_attention(query[:, :, 0], kernels.KittyLayerState(**fields), cfg, scaling=scale, backend="triton")  # (B, Hq, D)
     return out[:, :, None]  # (B, Hq, 1, D)
 
 
@@ -261,9 +277,9 @@ def kitty_attention_forward(
     scale = D**-0.5 if scaling is None else scaling
     valid = (attention_mask or KittyMask(None)).new_token_mask(B, T, query.device)  # (B, T)
     layer.check_append(valid)  # errors before anything changes
-    backend = resolve_backend(layer.backend, query.device)
+    backend = resolve_backend(layer.backend, query.device, layer.cfg, D)
     if backend == "triton" and T == 1 and not layer.append_fills_page(valid):
-        _triton_decode_fn(required=True)  # fail before inserting if the kernels are missing
+        _kernels(required=True)  # fail before inserting if the kernels are missing
         layer.append(key.key_states, key.value_states, valid)
         out = triton_decode(query, layer.storage(), layer.cfg, scale)  # (B, Hq, 1, D)
     else:
