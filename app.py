@@ -85,7 +85,6 @@ def get_engine(name: str | None = None) -> Engine:
     from kitty.models import DEFAULT_MODEL_NAME, load_model
 
     model, tokenizer = load_model(name)  # bf16, never trust_remote_code
-    torch.set_grad_enabled(False)
     return Engine(name or DEFAULT_MODEL_NAME, model, tokenizer)
 
 
@@ -330,8 +329,9 @@ def build_generate_tab(engine: Engine, max_prompt_tokens: int, schedule: str = S
     outputs = [c["note"], *c["outputs"], *c["readouts"], c["plot"], c["summary"], c["json"], c["state"], c["generate"], c["stop"]]
     inputs = [c["prompt"], c["chat"], c["max_new"], c["temperature"], c["top_p"], c["seed"], *c["methods"]]
     handler = make_generate(engine, max_prompt_tokens, schedule)
-    c["generate"].click(handler, inputs, outputs, api_name="generate")
-    c["prompt"].submit(handler, inputs, outputs, api_name=False)
+    # one concurrency group: the button and Enter in the prompt box share the limit set in demo.queue()
+    c["generate"].click(handler, inputs, outputs, api_name="generate", concurrency_id="generate")
+    c["prompt"].submit(handler, inputs, outputs, api_name=False, concurrency_id="generate")
     c["stop"].click(stop_generation, [c["state"]], [c["note"]], api_name="stop", concurrency_limit=None)
     return c
 
@@ -355,10 +355,11 @@ def build_inside_tab(engine: Engine, max_prompt_tokens: int, controls: dict) -> 
                         "whole cache (sink, qbuffers, local window included) at the current length", wrap=True, elem_id="inside-bits")
     inputs = [controls["prompt"], controls["chat"], method, layer, head, controls["max_new"]]
     handler = make_inspect(engine, max_prompt_tokens)
-    show.click(handler, inputs, [note, heat, pages, bits], api_name="inspect")
+    outputs = [note, heat, pages, bits]
+    show.click(handler, inputs, outputs, api_name="inspect", concurrency_id="inspect")
     for w in (layer, head):
-        w.release(handler, inputs, [note, heat, pages, bits], api_name=False)
-    method.input(handler, inputs, [note, heat, pages, bits], api_name=False)
+        w.release(handler, inputs, outputs, api_name=False, concurrency_id="inspect")
+    method.input(handler, inputs, outputs, api_name=False, concurrency_id="inspect")
 
 
 def build_demo(
