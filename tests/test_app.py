@@ -128,7 +128,17 @@ def test_empty_prompt_gives_friendly_message(client):
     for prompt in ("", "   \n "):
         out = client.predict(*args(prompt), api_name="/generate")
         assert out[NOTE] == kd.EMPTY_PROMPT_MESSAGE
-        assert out[TEXTS] == ("", "", "") or list(out[TEXTS]) == ["", "", ""]
+        assert list(out[TEXTS]) == ["", "", ""]
+    note, heat, pages, _ = client.predict("", True, "kitty", 0, 0, 8, api_name="/inspect")
+    assert note == kd.EMPTY_PROMPT_MESSAGE and heat is None
+
+
+def test_over_long_prompt_is_truncated_with_a_visible_note(app_module, client):
+    text = (kd.ASSETS / "essay.txt").read_text() + "\n\nQuestion: what is this essay about?"
+    out = client.predict(*args(text, new=1), api_name="/generate")
+    cap = app_module.ARGS.max_prompt_tokens
+    assert "Truncated" in out[NOTE] and f"Prompt: {cap} tokens" in out[NOTE]
+    assert all(r["tokens"] == cap for r in out[JSON].values())  # 1 new token: the cache holds the prompt only
 
 
 def test_two_concurrent_requests_are_independent(app_module, client):
