@@ -5,15 +5,16 @@
 1. limits and example prompts,
 2. :func:`prepare_prompt` — empty/over-long prompts, chat template, truncation with a note,
 3. one decode step (:func:`prefill`, :func:`decode_one_token`, :func:`sample_next`), gpt-fast style,
-4. :func:`stream_side_by_side` — prefill each column's cache, then one step per column in turn; yields a
-   :class:`Snapshot` (texts + readouts) after every step, so every column streams and Stop acts within one step,
+4. :func:`run_column` — one column as a generator (prefill, then one token per ``next()``), and
+   :func:`stream_side_by_side` — runs the columns (one thread each, or interleaved) and yields a :class:`Snapshot`
+   (texts + readouts) as they advance, so every column streams and Stop acts within one step,
 5. :func:`inspect_keys` — the "Inside the cache" tab: post-RoPE keys of the prompt, the boosted channels of each
-   page, and the key error of the page with and without the boost.
+   page, and the key error of the page with and without the boost,
+6. :func:`benchmark` — ``python -m kitty.demo`` measures tokens/s per column for each schedule.
 
-Why interleave instead of batching the three caches into one batch: the three columns use different cache
-objects (different quantizers), and a transformers forward takes one cache; interleaving single-row steps also
-gives per-column readouts and timing for free. Measured numbers are in the README's demo section.
-"""
+Why not batch the three caches into one forward: the columns use different cache objects (different quantizers)
+and a transformers forward takes one cache. Stepping single rows also gives per-column readouts and timing for
+free. Measured numbers are in the README's demo section."""
 
 from __future__ import annotations
 
