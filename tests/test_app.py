@@ -268,3 +268,30 @@ def test_sampling_settings():
     assert set(draws(3, 0.5)) <= nucleus
     with pytest.raises(ValueError):
         kd.Sampling(temperature=-1)
+
+
+def test_cancelled_request_stops_workers_and_frees_caches(client, monkeypatch):
+    """A client that goes away mid-generation: its column threads end and its caches are emptied."""
+    made = []
+    real = kd.make_cache
+
+    def recording(model, cfg):
+        made.append(real(model, cfg))
+        return made[-1]
+
+    monkeypatch.setattr(kd, "make_cache", recording)
+    job = client.submit(*args("Tell me a long story about a cat.", new=kd.MAX_NEW_TOKENS_CAP), api_name="/generate")
+    deadline = time.time() + 120
+    while len(job.outputs()) < 6 and time.time() < deadline:
+        time.sleep(0.05)
+    assert len(made) == 3 and any(c.get_seq_length() > 0 for c in made)
+    assert job.cancel()
+
+    def workers_alive() -> bool:
+        return any(t.name.startswith("kitty-column") for t in threading.enumerate())
+
+    deadline = time.time() + 30
+    while (workers_alive() or any(c.get_seq_length() for c in made)) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not workers_alive()
+    assert all(c.get_seq_length() == 0 for c in made)
