@@ -26,6 +26,7 @@ pytestmark = pytest.mark.timeout(300)
 
 SHORT = "What is the capital of France?"
 OTHER = "Name two colors of the rainbow."
+STORY = "Write a long story about a cat who learns to sail."  # runs far past the moment Stop is pressed
 NEW = 6  # small: each generation is 3 columns x NEW decode steps on a 2-core CPU
 METHODS = list(kd.DEFAULT_METHODS)
 
@@ -173,7 +174,7 @@ def test_two_concurrent_requests_are_independent(app_module, client):
 
 
 def test_stop_ends_generation_and_reports(client):
-    job = client.submit(*args(SHORT * 3, new=kd.MAX_NEW_TOKENS_CAP), api_name="/generate")
+    job = client.submit(*args(STORY, new=kd.MAX_NEW_TOKENS_CAP), api_name="/generate")
     deadline = time.time() + 120
     while time.time() < deadline:
         outs = job.outputs()
@@ -238,7 +239,7 @@ def test_stop_frees_every_cache(app_module, schedule):
         return cache
 
     stop = kd.StopFlag()
-    prompt = kd.prepare_prompt(engine.tokenizer, SHORT, True)
+    prompt = kd.prepare_prompt(engine.tokenizer, STORY, True)
     gen = kd.stream_side_by_side(engine.model, engine.tokenizer, prompt, METHODS, 50, kd.Sampling(), stop, factory, schedule)
     for snap in gen:
         if snap.phase == "decode" and all(len(c.ids) >= 2 for c in snap.columns):
@@ -280,7 +281,7 @@ def test_cancelled_request_stops_workers_and_frees_caches(client, monkeypatch):
         return made[-1]
 
     monkeypatch.setattr(kd, "make_cache", recording)
-    job = client.submit(*args("Tell me a long story about a cat.", new=kd.MAX_NEW_TOKENS_CAP), api_name="/generate")
+    job = client.submit(*args(STORY, new=kd.MAX_NEW_TOKENS_CAP), api_name="/generate")
     deadline = time.time() + 120
     while len(job.outputs()) < 6 and time.time() < deadline:
         time.sleep(0.05)
