@@ -1,0 +1,323 @@
+"""Evaluation harness: decode perplexity, greedy agreement with fp16 and passkey retrieval per preset.
+
+``python -m kitty.eval [--model NAME] [--methods a,b,...] [--quick]`` writes a markdown table, a CSV and plots
+into ``assets/`` (or ``--out``). Every number is measured through :class:`kitty.KittyCache` exactly as generation
+uses it: the prompt (prefill) is attended in full precision, every later token reads the quantized cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from .config import PRESETS, KVQuantConfig, get_preset
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+TEXTS = ("essay.txt", "python_reference.txt")
+
+
+def _cache(model, cfg: KVQuantConfig):
+    from .cache import KittyCache
+
+    return KittyCache(model.config, cfg)
+
+
+# ------------------------------------------------------------------------------------- decode perplexity
+
+
+@torch.no_grad()
+def decode_nll(model, ids: torch.Tensor, cfg: KVQuantConfig, prefill: int) -> torch.Tensor:
+    """Teacher-forced NLL of ``ids[prefill:]``, scored one decode step at a time through a Kitty cache.
+
+    ``ids``: ``[T]`` token ids. Returns ``[T - prefill]`` per-token NLL (nats): token ``prefill`` is scored from
+    the prefill's last logits, every later token from a single-token decode step that reads the quantized cache.
+    """
+    if not 0 < prefill < ids.numel():
+        raise ValueError(f"prefill must be in (0, {ids.numel()}), got {prefill}")
+    ids = ids.to(model.device)
+    cache = _cache(model, cfg)
+    logits = model(ids[None, :prefill], past_key_values=cache, use_cache=True).logits[0, -1]
+    nll = []
+    for t in range(prefill, ids.numel()):
+        nll.append(F.cross_entropy(logits.float()[None], ids[t : t + 1]))
+        if t + 1 < ids.numel():
+            logits = model(ids[None, t : t + 1], past_key_values=cache, use_cache=True).logits[0, -1]
+    return torch.stack(nll)
+
+
+def text_windows(tokenizer, names=TEXTS, prefill: int = 1024, scored: int = 256, per_text: int = 2) -> list[torch.Tensor]:
+    """Non-overlapping windows of ``prefill + scored`` tokens from texts shipped in ``assets/``."""
+    windows = []
+    for name in names:
+        ids = tokenizer((ASSETS / name).read_text(), return_tensors="pt").input_ids[0]
+        size = prefill + scored
+        n = min(per_text, ids.numel() // size)
+        if n == 0:
+            raise ValueError(f"{name} has {ids.numel()} tokens, fewer than prefill + scored = {size}")
+        windows += [ids[i * size : (i + 1) * size] for i in range(n)]
+    return windows
+
+
+@dataclass
+class PerplexityResult:
+    method: str
+    nll: float
+    ppl: float
+    ppl_change: float  # relative to fp16, e.g. 0.10 = +10%
+    bits_per_element: float  # of the cache after the run, one window (includes full-precision parts)
+    tokens_scored: int
+
+
+def perplexity_table(model, tokenizer, methods, prefill=1024, scored=256, per_text=2, names=TEXTS) -> list[PerplexityResult]:
+    """Decode-mode perplexity of each preset on the shipped texts, with the change against ``fp16``."""
+    windows = text_windows(tokenizer, names, prefill, scored, per_text)
+    methods = ["fp16"] + [m for m in methods if m != "fp16"]
+    results = []
+    for m in tqdm(methods, desc="perplexity"):
+        cfg = get_preset(m) if isinstance(m, str) else m
+        nll = torch.cat([decode_nll(model, w, cfg, prefill) for w in windows]).mean().item()
+        bits = _bits_after(model, cfg, prefill + scored)
+        results.append(PerplexityResult(cfg.name, nll, math.exp(nll), 0.0, bits, len(windows) * scored))
+    base = results[0].ppl
+    for r in results:
+        r.ppl_change = r.ppl / base - 1
+    return results
+
+
+def _bits_after(model, cfg, n_tokens: int) -> float:
+    from .memory import analytic_report
+
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    rep = analytic_report(cfg, n_tokens, head_dim, c.num_key_value_heads, c.num_hidden_layers, model.dtype.itemsize)
+    return rep.bits_per_element
+
+
+# -------------------------------------------------------------------------------------- greedy agreement
+
+PROMPTS = (
+    "Explain why the sky is blue in three sentences.",
+    "Write a short poem about a cat who learns to read.",
+    "What are the main differences between a list and a tuple in Python?",
+    "Give three tips for staying focused while studying.",
+    "Summarize the plot of a story about a lighthouse keeper and a storm.",
+    "How does a refrigerator keep food cold?",
+)
+
+
+@torch.no_grad()
+def greedy(model, tokenizer, prompt: str, cfg: KVQuantConfig, max_new_tokens: int, chat: bool = True) -> list[int]:
+    """Greedy continuation of ``prompt`` (chat template by default) through a Kitty cache."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True) if chat else prompt
+    enc = tokenizer(text, return_tensors="pt").to(model.device)
+    out = model.generate(**enc, past_key_values=_cache(model, cfg), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, enc.input_ids.shape[1] :].tolist()
+
+
+@dataclass
+class AgreementResult:
+    method: str
+    mean_identical_prefix: float  # tokens before the first difference from fp16
+    match_rate: float  # share of positions with the same token as fp16
+
+
+def agreement_table(model, tokenizer, methods, prompts=PROMPTS, max_new_tokens: int = 64) -> list[AgreementResult]:
+    """Greedy agreement of each preset with ``fp16`` over a prompt set."""
+    ref = [greedy(model, tokenizer, p, PRESETS["fp16"], max_new_tokens) for p in tqdm(prompts, desc="agreement fp16")]
+    results = []
+    for m in tqdm(methods, desc="agreement"):
+        cfg = get_preset(m)
+        prefixes, matches = [], []
+        for p, r in zip(prompts, ref):
+            out = greedy(model, tokenizer, p, cfg, max_new_tokens)
+            same = [a == b for a, b in zip(out, r)]
+            prefixes.append(same.index(False) if False in same else len(same))
+            matches.append(sum(same) / len(same))
+        results.append(AgreementResult(cfg.name, sum(prefixes) / len(prefixes), sum(matches) / len(matches)))
+    return results
+
+
+# ---------------------------------------------------------------------------------------------- passkey
+
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+
+
+def passkey_prompt(tokenizer, n_tokens: int, depth: float, key: int) -> str:
+    """A plain-form passkey prompt of about ``n_tokens`` tokens with the key at relative ``depth``.
+
+    Ends with "The pass key is" (the plain form the default model can solve; a chat form mostly fails).
+    """
+    head = "There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it.\n"
+    needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
+    tail = "\nWhat is the pass key? The pass key is"
+    per_filler = len(tokenizer(FILLER).input_ids)
+    budget = n_tokens - len(tokenizer(head + needle + tail).input_ids)
+    n_fill = max(budget // per_filler, 0)
+    before = round(n_fill * depth)
+    return head + FILLER * before + needle + FILLER * (n_fill - before) + tail
+
+
+@torch.no_grad()
+def passkey_answer(model, tokenizer, prompt: str, cfg: KVQuantConfig, max_new_tokens: int = 8) -> str:
+    enc = tokenizer(prompt, return_tensors="pt").to(model.device)
+    out = model.generate(**enc, past_key_values=_cache(model, cfg), max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer.decode(out[0, enc.input_ids.shape[1] :], skip_special_tokens=True)
+
+
+@dataclass
+class PasskeyResult:
+    method: str
+    length: int
+    depth: float
+    solved: int  # prompts answered correctly, among those fp16 solves
+    total: int  # prompts fp16 solves
+
+
+def passkey_table(model, tokenizer, methods, lengths=(1024, 2048, 4096), depths=(0.1, 0.3, 0.5, 0.7, 0.9), trials=2, seed=0) -> list[PasskeyResult]:
+    """Passkey accuracy per (length, depth) on the prompts that ``fp16`` solves."""
+    rng = random.Random(seed)
+    cases = [(n, d, rng.randint(10000, 99999)) for n in lengths for d in depths for _ in range(trials)]
+    prompts = {c: passkey_prompt(tokenizer, c[0], c[1], c[2]) for c in cases}
+    fp16_ok = [c for c in tqdm(cases, desc="passkey fp16") if str(c[2]) in passkey_answer(model, tokenizer, prompts[c], PRESETS["fp16"])]
+    results = []
+    for m in tqdm(methods, desc="passkey"):
+        cfg = get_preset(m)
+        ok = {c: str(c[2]) in passkey_answer(model, tokenizer, prompts[c], cfg) for c in fp16_ok}
+        for n in lengths:
+            for d in depths:
+                cs = [c for c in fp16_ok if c[0] == n and c[1] == d]
+                results.append(PasskeyResult(cfg.name, n, d, sum(ok[c] for c in cs), len(cs)))
+    return results
+
+
+# -------------------------------------------------------------------------------------------------- output
+
+
+def markdown_table(rows: list, floatfmt: str = ".3f") -> str:
+    """A markdown table from a list of dataclass rows."""
+    if not rows:
+        return ""
+    d = [asdict(r) for r in rows]
+    head = list(d[0])
+    fmt = lambda v: format(v, floatfmt) if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(fmt(r[k]) for k in head) + " |" for r in d]
+    return "\n".join(lines)
+
+
+def write_csv(rows: list, path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
+        w.writeheader()
+        w.writerows(asdict(r) for r in rows)
+
+
+def plot_pareto(ppl: list[PerplexityResult], path: Path) -> None:
+    """Perplexity change against bits per element, one point per preset."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in ppl:
+        ax.scatter(r.bits_per_element, 100 * r.ppl_change)
+        ax.annotate(r.method, (r.bits_per_element, 100 * r.ppl_change), fontsize=8, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("KV bits per element (whole cache, incl. full-precision parts)")
+    ax.set_ylabel("decode perplexity change vs fp16 (%)")
+    ax.set_xscale("log", base=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_passkey(results: list[PasskeyResult], path: Path) -> None:
+    """One heatmap of accuracy per (length, depth) for each preset."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    methods = list(dict.fromkeys(r.method for r in results))
+    lengths = sorted({r.length for r in results})
+    depths = sorted({r.depth for r in results})
+    fig, axes = plt.subplots(1, len(methods), figsize=(2.2 * len(methods) + 1, 2.8), squeeze=False)
+    for ax, m in zip(axes[0], methods):
+        grid = [[next((r.solved / r.total if r.total else float("nan")) for r in results if r.method == m and r.length == n and r.depth == d) for n in lengths] for d in depths]
+        sns.heatmap(grid, ax=ax, vmin=0, vmax=1, cmap="viridis", cbar=False, annot=True, fmt=".1f", xticklabels=lengths, yticklabels=depths)
+        ax.set_title(m, fontsize=9)
+        ax.set_xlabel("context")
+    axes[0][0].set_ylabel("depth")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m kitty.eval", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="hub id or local path (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--methods", default=",".join(PRESETS), help="comma-separated presets")
+    p.add_argument("--out", default=str(ASSETS), help="folder for results (markdown, CSV, plots)")
+    p.add_argument("--prefill", type=int, default=1024)
+    p.add_argument("--scored", type=int, default=256)
+    p.add_argument("--windows-per-text", type=int, default=2)
+    p.add_argument("--passkey-lengths", default="1024,2048,4096")
+    p.add_argument("--quick", action="store_true", help="tiny run for CI: short windows, few prompts")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: ppl,agreement,passkey")
+    a = p.parse_args(argv)
+    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    for m in methods:
+        get_preset(m)  # ValueError naming the choices
+    skip = set(a.skip.split(",")) - {""}
+    from .models import load_model
+
+    model, tokenizer = load_model(a.model)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = "quick" if a.quick else "full"
+    if a.quick:
+        a.prefill, a.scored, a.windows_per_text = 160, 32, 1
+    t0 = time.time()
+    report = [f"# Kitty evaluation ({tag})\n", f"model: {a.model or 'SmolLM2-135M-Instruct (embedded)'}\n"]
+    if "ppl" not in skip:
+        ppl = perplexity_table(model, tokenizer, methods, a.prefill, a.scored, a.windows_per_text)
+        write_csv(ppl, out / f"eval_ppl_{tag}.csv")
+        plot_pareto(ppl, out / f"eval_pareto_{tag}.png")
+        report += [f"## Decode perplexity (prefill {a.prefill}, {a.scored} scored tokens per window, {a.windows_per_text} windows per text)\n", markdown_table(ppl), ""]
+    if "agreement" not in skip:
+        prompts, n_new = (PROMPTS[:2], 16) if a.quick else (PROMPTS, 64)
+        agr = agreement_table(model, tokenizer, [m for m in methods if m != "fp16"], prompts, n_new)
+        write_csv(agr, out / f"eval_agreement_{tag}.csv")
+        report += [f"## Greedy agreement with fp16 ({len(prompts)} chat prompts, {n_new} new tokens)\n", markdown_table(agr), ""]
+    if "passkey" not in skip:
+        lengths = (256,) if a.quick else tuple(int(x) for x in a.passkey_lengths.split(","))
+        depths = (0.5,) if a.quick else (0.1, 0.3, 0.5, 0.7, 0.9)
+        trials = 1 if a.quick else 2
+        pk = passkey_table(model, tokenizer, [m for m in methods if m != "fp16"], lengths, depths, trials)
+        write_csv(pk, out / f"eval_passkey_{tag}.csv")
+        plot_passkey(pk, out / f"eval_passkey_{tag}.png")
+        totals = {}
+        for r in pk:
+            s, t = totals.get(r.method, (0, 0))
+            totals[r.method] = (s + r.solved, t + r.total)
+        report += ["## Passkey (plain form, prompts fp16 solves)\n", "| method | solved |", "|---|---|"]
+        report += [f"| {m} | {s}/{t} |" for m, (s, t) in totals.items()] + [""]
+    report.append(f"_{time.time() - t0:.0f} s on {torch.get_num_threads()} CPU threads_\n")
+    text = "\n".join(report)
+    (out / f"eval_{tag}.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
