@@ -315,6 +315,7 @@ def test_nll_direction_kitty_closer_to_fp16_than_kivi(default_model):
     assert gap["kitty"] < gap["kivi-k2v2"] and gap["kitty-pro"] < gap["kivi-k2v2"], nll
 
 
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")  # the old name is used on purpose: both are accepted
 def test_sampling_reset_kwargs_and_beam_search(default_model):
     model, tok = default_model
     enc = tok(["Tell me a story about a cat."], return_tensors="pt")
