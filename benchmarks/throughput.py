@@ -1,0 +1,235 @@
+"""End-to-end decode throughput at one KV-memory budget (paper Fig. 5 / Table 4 analogue), for an NVIDIA H200.
+
+A model with the Qwen3-8B architecture and random bf16 weights (throughput does not depend on weight values) decodes
+at a fixed context (8K by default). For every method the same KV-memory budget decides the largest batch that fits;
+we then measure steady-state decode tokens/s (CUDA-event timed steps after warm-up) and peak GPU memory at several
+batch sizes up to that maximum. Caches are filled with random keys/values through their real insertion path
+(``DynamicCache.update``, ``StaticCache.update``, ``KittyLayer.append``, which quantizes pages), so no prefill
+compute is spent on an 8B model.
+
+    python benchmarks/throughput.py --budget-gib 20 --context 8192 --out $OUT
+
+Writes ``throughput.json``, ``throughput.md`` (appended to ``benchmarks/RESULTS.md`` by hand) and
+``throughput.png`` (memory and tokens/s against batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kitty import PRESETS, KittyCache  # noqa: E402
+from kitty.memory import analytic_report  # noqa: E402
+
+
+DEVICE = "cuda"
+
+
+def qwen3_8b_config(num_layers: int | None = None, smoke: bool = False):
+    """Qwen3-8B's architecture (36 layers, 32 query / 8 KV heads, head_dim 128); ``smoke``: a tiny one for CPU checks."""
+    from transformers import Qwen3Config
+
+    if smoke:
+        return Qwen3Config(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
+    return Qwen3Config(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=num_layers or 36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    )
+
+
+def build_model(num_layers: int | None, smoke: bool = False):
+    from transformers import AutoModelForCausalLM
+
+    config = qwen3_8b_config(num_layers, smoke)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    for p in model.parameters():  # small random weights keep activations finite over 36 layers
+        p.data.normal_(0, 0.02)
+    return model.eval()
+
+
+def kv_bytes_per_seq(method: str, config, context: int) -> int:
+    """KV bytes one sequence of ``context`` tokens holds under ``method`` (analytic, equals the cache's report)."""
+    D, H, L = config.head_dim, config.num_key_value_heads, config.num_hidden_layers
+    if method.startswith("fp16"):
+        return 2 * context * H * D * L * 2
+    return analytic_report(PRESETS[method], context, D, H, L, 2).stored_bytes
+
+
+def fill_cache(method: str, model, batch: int, context: int, extra: int):
+    """A cache holding ``context`` random tokens per row, ready for ``extra`` decode steps."""
+    from transformers import DynamicCache, StaticCache
+
+    c = model.config
+    H, D = c.num_key_value_heads, c.head_dim
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    chunk = 1024
+
+    def rand(t):
+        return torch.randn(batch, H, t, D, device=DEVICE, dtype=torch.bfloat16, generator=g)
+
+    if method == "fp16-dynamic":
+        cache = DynamicCache(config=c)
+        for i in range(c.num_hidden_layers):
+            cache.update(rand(context), rand(context), i)
+        return cache
+    if method == "fp16-static":
+        cache = StaticCache(config=c, max_cache_len=context + extra)
+        pos = torch.arange(context, device=DEVICE)
+        for i in range(c.num_hidden_layers):
+            cache.update(rand(context), rand(context), i, {"cache_position": pos})
+        return cache
+    cache = KittyCache(c, PRESETS[method], backend="triton" if DEVICE == "cuda" else "torch")
+    for layer in cache.layers:
+        for start in range(0, context, chunk):
+            t = min(chunk, context - start)
+            layer.append(rand(t), rand(t))
+    return cache
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def decode_rate(model, cache, batch: int, context: int, steps: int, warmup: int, static: bool) -> float:
+    """Decode tokens/s over ``steps`` timed single-token steps for all rows."""
+    ids = torch.randint(0, model.config.vocab_size, (batch, 1), device=DEVICE)
+    times = []
+    for i in range(warmup + steps):
+        pos = context + i
+        kw = {"cache_position": torch.tensor([pos], device=DEVICE)} if static else {}
+        sync()
+        t = time.perf_counter()
+        logits = model(ids, past_key_values=cache, use_cache=True, **kw).logits
+        ids = logits[:, -1:].argmax(-1)
+        sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    times.sort()
+    return batch / times[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--budget-gib", type=float, default=20.0, help="KV-memory budget shared by every method")
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=None, help="fewer layers for a smoke run")
+    ap.add_argument("--methods", default="fp16-dynamic,fp16-static,quantized-hf,kitty,kitty-pro")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the plumbing, measures nothing useful")
+    a = ap.parse_args()
+    global DEVICE
+    if a.smoke:
+        DEVICE = "cpu"
+        a.methods = ",".join(m for m in a.methods.split(",") if m != "fp16-static")
+    elif not torch.cuda.is_available():
+        raise SystemExit("benchmarks/throughput.py needs a CUDA GPU (or --smoke)")
+    mem = (lambda: torch.cuda.memory_allocated()) if DEVICE == "cuda" else (lambda: 0)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    model = build_model(a.layers, a.smoke)
+    weights = mem()
+    budget = int(a.budget_gib * 2**30)
+    rows, notes = [], []
+    for method in a.methods.split(","):
+        if method == "quantized-hf":
+            try:
+                from transformers import QuantizedCache  # noqa: F401
+                import optimum.quanto  # noqa: F401
+            except Exception as e:  # noqa: BLE001
+                notes.append(f"transformers' QuantizedCache: not run ({type(e).__name__}: {e}); it needs optimum-quanto or hqq, absent on the device")
+                continue
+        per_seq = kv_bytes_per_seq(method, model.config, a.context + a.warmup + a.steps)
+        max_batch = budget // per_seq
+        if max_batch < 1:
+            notes.append(f"{method}: one sequence ({per_seq / 2**30:.2f} GiB) exceeds the budget")
+            continue
+        batches = sorted({b for b in (1, 4, 16, 32, 64, 128, 256) if b < max_batch} | {max_batch})
+        for b in batches:
+            gc.collect()
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                cache = fill_cache(method, model, b, a.context, a.warmup + a.steps)
+                kv = mem() - weights
+                rate = decode_rate(model, cache, b, a.context, a.steps, a.warmup, method == "fp16-static")
+                peak = torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0
+                rows.append(dict(method=method, context=a.context, batch=b, max_batch=max_batch, kv_gib=kv / 2**30, peak_gib=peak / 2**30, tokens_per_s=rate))
+                print(rows[-1], flush=True)
+            except torch.cuda.OutOfMemoryError as e:
+                notes.append(f"{method} batch {b}: out of memory ({e})")
+            finally:
+                cache = None
+    best = {}
+    for r in rows:
+        if r["batch"] == r["max_batch"]:
+            best[r["method"]] = r
+    base = best.get("fp16-dynamic") or best.get("fp16-static")
+    lines = [
+        f"## End-to-end decode throughput at one KV budget ({a.budget_gib:g} GiB), context {a.context}",
+        "",
+        f"`benchmarks/throughput.py` on {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'CPU (smoke)'}, torch {torch.__version__}, "
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Qwen3-8B architecture, random bf16 weights "
+        f"({weights / 2**30:.1f} GiB), {model.config.num_hidden_layers} layers; tokens/s = batch / median wall time (synchronized) of {a.steps} steps after {a.warmup} warm-up.",
+        "",
+        "| method | max batch | batch vs fp16 | KV GiB | peak GiB | tokens/s | vs fp16 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for m, r in best.items():
+        rel_b = r["batch"] / base["batch"] if base else float("nan")
+        rel_t = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
+        lines.append(f"| {m} | {r['batch']} | {rel_b:.1f}x | {r['kv_gib']:.2f} | {r['peak_gib']:.2f} | {r['tokens_per_s']:.0f} | {rel_t:.2f}x |")
+    lines += ["", "All points (batch sweep):", "", "| method | batch | KV GiB | peak GiB | tokens/s |", "|---|---|---|---|---|"]
+    lines += [f"| {r['method']} | {r['batch']} | {r['kv_gib']:.2f} | {r['peak_gib']:.2f} | {r['tokens_per_s']:.0f} |" for r in rows]
+    lines += [""] + [f"- {n}" for n in notes] + [f"", f"_run took {time.time() - t0:.0f} s_", ""]
+    (out / "throughput.md").write_text("\n".join(lines))
+    (out / "throughput.json").write_text(json.dumps(dict(rows=rows, notes=notes), indent=1))
+    plot(rows, out / "throughput.png", a.budget_gib)
+    print("\n".join(lines))
+
+
+def plot(rows, path, budget_gib) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for m in dict.fromkeys(r["method"] for r in rows):
+        rs = [r for r in rows if r["method"] == m]
+        ax1.plot([r["batch"] for r in rs], [r["peak_gib"] for r in rs], "o-", label=m)
+        ax2.plot([r["batch"] for r in rs], [r["tokens_per_s"] for r in rs], "o-", label=m)
+    ax1.set_xlabel("batch")
+    ax1.set_ylabel("peak GPU memory (GiB)")
+    ax1.set_xscale("log", base=2)
+    ax2.set_xlabel("batch")
+    ax2.set_ylabel("decode tokens/s")
+    ax2.set_xscale("log", base=2)
+    ax2.legend(fontsize=8)
+    fig.suptitle(f"Decode at {rows[0]['context'] if rows else 8192} context, KV budget {budget_gib:g} GiB (H200)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
