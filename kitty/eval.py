@@ -273,6 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--scored", type=int, default=256)
     p.add_argument("--windows-per-text", type=int, default=2)
     p.add_argument("--passkey-lengths", default="1024,2048,4096")
+    p.add_argument("--passkey-trials", type=int, default=2, help="prompts per (length, depth)")
     p.add_argument("--quick", action="store_true", help="tiny run for CI: short windows, few prompts")
     p.add_argument("--skip", default="", help="comma-separated parts to skip: ppl,agreement,passkey")
     a = p.parse_args(argv)
@@ -303,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
     if "passkey" not in skip:
         lengths = (256,) if a.quick else tuple(int(x) for x in a.passkey_lengths.split(","))
         depths = (0.5,) if a.quick else (0.1, 0.3, 0.5, 0.7, 0.9)
-        trials = 1 if a.quick else 2
+        trials = 1 if a.quick else a.passkey_trials
         pk = passkey_table(model, tokenizer, [m for m in methods if m != "fp16"], lengths, depths, trials)
         write_csv(pk, out / f"eval_passkey_{tag}.csv")
         plot_passkey(pk, out / f"eval_passkey_{tag}.png")
