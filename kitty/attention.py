@@ -58,15 +58,22 @@ class KittyMask:
     padding_mask: torch.Tensor | None
     sdpa_kwargs: dict[str, Any] = field(default_factory=dict, repr=False)
     _sdpa: Any = field(default=None, repr=False)
+    _new_cpu: Any = field(default=None, repr=False)
 
-    def new_token_mask(self, batch_size: int, q_length: int, device: torch.device) -> torch.Tensor:
-        """bool ``[B, T]``: which of the ``T`` new columns are real tokens."""
+    def new_token_mask(self, batch_size: int, q_length: int, device: torch.device | str) -> torch.Tensor:
+        """bool ``[B, T]``: which of the ``T`` new columns are real tokens.
+
+        The mask is brought to the CPU once per forward (the object is shared by every layer), so the cache's
+        bookkeeping costs one device synchronization per step, not one per layer.
+        """
         if self.padding_mask is None:
             return torch.ones(batch_size, q_length, dtype=torch.bool, device=device)
         m = self.padding_mask
         if m.dim() != 2 or m.shape[0] != batch_size or m.shape[1] < q_length:
             raise ValueError(f"attention_mask must be 2-D [batch, past + new] with batch {batch_size} and >= {q_length} columns, got {tuple(m.shape)}")
-        return m[:, -q_length:].to(device=device, dtype=torch.bool)
+        if self._new_cpu is None or self._new_cpu.shape[1] != q_length:
+            self._new_cpu = m[:, -q_length:].to(device="cpu", dtype=torch.bool)
+        return self._new_cpu.to(device)
 
     def sdpa(self) -> torch.Tensor | None:
         """The mask transformers' ``sdpa_mask`` would have built (computed once, shared by all layers)."""
@@ -275,7 +282,7 @@ def kitty_attention_forward(
     layer = key.layer
     B, Hq, T, D = query.shape
     scale = D**-0.5 if scaling is None else scaling
-    valid = (attention_mask or KittyMask(None)).new_token_mask(B, T, query.device)  # (B, T)
+    valid = (attention_mask or KittyMask(None)).new_token_mask(B, T, "cpu")  # (B, T) on the CPU: bookkeeping only
     layer.check_append(valid)  # errors before anything changes
     backend = resolve_backend(layer.backend, query.device, layer.cfg, D)
     if backend == "triton" and T == 1 and not layer.append_fills_page(valid):
@@ -283,7 +290,7 @@ def kitty_attention_forward(
         layer.append(key.key_states, key.value_states, valid)
         out = triton_decode(query, layer.storage(), layer.cfg, scale)  # (B, Hq, 1, D)
     else:
-        out = attend_torch(query, key.key_states, key.value_states, valid, layer.storage(), layer.cfg, scale)
+        out = attend_torch(query, key.key_states, key.value_states, valid.to(query.device), layer.storage(), layer.cfg, scale)
         layer.append(key.key_states, key.value_states, valid)
     return out.transpose(1, 2).contiguous(), None  # (B, T, Hq, D)
 

@@ -300,8 +300,12 @@ class KittyLayer(CacheLayerMixin):
         self._prepare(key_states)
         B, H, T, D = key_states.shape
         if valid is None:
-            valid = torch.ones(B, T, dtype=torch.bool, device=key_states.device)
-        valid = valid.to(device=key_states.device, dtype=torch.bool)
+            valid = torch.ones(B, T, dtype=torch.bool)
+        valid = valid.to(dtype=torch.bool)
+        if T == 1 and B == len(self._n) and bool(valid.all()):  # a decode step: one token per row, vectorized
+            self._append_one(key_states, value_states)
+            return
+        valid = valid.to(device=key_states.device)
         n0, n1 = self.check_append(valid)
         cfg = self.cfg
         S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
@@ -355,6 +359,55 @@ class KittyLayer(CacheLayerMixin):
         self.lengths = torch.tensor(n1, dtype=torch.int32, device=self.device)
         self.seen_tokens += T
 
+    def _append_one(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Decode step: insert one new token ``[B, H, 1, D]`` in every row with batched writes (no per-row loop).
+
+        Slots follow ``docs/LAYOUT.md``: sink slot ``p``; key qbuffer slot ``(p - S) % G``; local ring slot
+        ``(p - S) % R``, whose previous value (position ``p - R``) first moves to value qbuffer slot ``(p - R - S) % G``.
+        Rows whose qbuffer this token fills are quantized together into new pages (stage 3).
+        """
+        cfg, dev = self.cfg, self.device
+        S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
+        n0 = self._n
+        n1 = [n + 1 for n in n0]
+        k, v = key_states[:, :, 0], value_states[:, :, 0]  # (B, H, D)
+        key_rows = [b for b, n in enumerate(n1) if n > S and (n - S) % G == 0]  # key qbuffer completes a page
+        value_rows = [b for b, n in enumerate(n1) if n - S - R > 0 and (n - S - R) % G == 0]  # value qbuffer does
+        self.key_pool.check(len(key_rows))
+        self.value_pool.check(len(value_rows))
+
+        def index(xs: list[int]) -> torch.Tensor:
+            return torch.tensor(xs, dtype=torch.long).to(dev, non_blocking=True)
+
+        sink = [b for b, n in enumerate(n0) if n < S]
+        if sink:
+            rows, pos = index(sink), index([n0[b] for b in sink])
+            self.sink_k[rows, :, pos] = k[rows]
+            self.sink_v[rows, :, pos] = v[rows]
+        rest = [b for b, n in enumerate(n0) if n >= S]
+        if rest:
+            m0 = [n0[b] - S for b in rest]  # tokens past the sink before this one
+            rows = index(rest)
+            self.k_qbuf[rows, :, index([m % G for m in m0])] = k[rows]
+            if R:
+                moving = [i for i, m in enumerate(m0) if m >= R]  # the local window is full: its oldest value leaves
+                if moving:
+                    mrows = rows[index(moving)]
+                    self.v_qbuf[mrows, :, index([(m0[i] - R) % G for i in moving])] = self.v_local[mrows, :, index([m0[i] % R for i in moving])]
+                self.v_local[rows, :, index([m % R for m in m0])] = v[rows]
+            else:
+                self.v_qbuf[rows, :, index([m % G for m in m0])] = v[rows]
+        self._grow_page_tables(token_layout(cfg, max(n1)).key_pages, token_layout(cfg, max(n1)).value_pages)
+        if key_rows:
+            page = quantize_key_page(self.k_qbuf[index(key_rows)], cfg, salt=self.layer_idx)  # (r, H, ...)
+            self._store(self.key_pool, self.k_page_table, [(b, token_layout(cfg, n1[b]).key_pages - 1, 1) for b in key_rows], _key_fields(page))
+        if value_rows:
+            page = quantize_value_page(self.v_qbuf[index(value_rows)], cfg)
+            self._store(self.value_pool, self.v_page_table, [(b, token_layout(cfg, n1[b]).value_pages - 1, 1) for b in value_rows], _value_fields(page))
+        self._n = n1
+        self.lengths = self.lengths + 1  # a new tensor: storage() snapshots taken earlier stay as they were
+        self.seen_tokens += 1
+
     def _store(self, pool: PagePool, table: torch.Tensor, dest: list[tuple[int, int, int]], fields: dict[str, torch.Tensor]) -> None:
         ids = pool.allocate(sum(n for *_, n in dest))
         pool.write(ids, fields)
@@ -381,8 +434,8 @@ class KittyLayer(CacheLayerMixin):
 
         Pool tensors are cut to the pages in use; page tables to the widest row.
         """
-        pk = max((token_layout(self.cfg, n).key_pages for n in self._n), default=0)
-        pv = max((token_layout(self.cfg, n).value_pages for n in self._n), default=0)
+        widest = token_layout(self.cfg, max(self._n, default=0))  # page counts grow with length
+        pk, pv = widest.key_pages, widest.value_pages
         out = {
             "lengths": self.lengths,
             "sink_k": self.sink_k,
