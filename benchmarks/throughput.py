@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kitty import PRESETS, KittyCache  # noqa: E402
-from kitty.memory import analytic_report  # noqa: E402
+from kitty.memory import analytic_report, token_layout  # noqa: E402
 
 
 DEVICE = "cuda"
@@ -63,11 +63,23 @@ def build_model(num_layers: int | None, smoke: bool = False):
 
 
 def kv_bytes_per_seq(method: str, config, context: int) -> int:
-    """KV bytes one sequence of ``context`` tokens holds under ``method`` (analytic, equals the cache's report)."""
+    """KV bytes one sequence of ``context`` tokens takes under ``method``, as allocated (what the budget limits).
+
+    Kitty: its pages (analytic, equal to the cache's report) plus the full-precision buffers at their allocated
+    capacity (sink, both qbuffers and the local window exist for every row whether filled or not).
+    """
     D, H, L = config.head_dim, config.num_key_value_heads, config.num_hidden_layers
     if method.startswith("fp16"):
         return 2 * context * H * D * L * 2
-    return analytic_report(PRESETS[method], context, D, H, L, 2).stored_bytes
+    cfg = PRESETS[method]
+    rep = analytic_report(cfg, context, D, H, L, 2)
+    buffer_slots = 2 * cfg.sink_tokens + 2 * cfg.group_size + cfg.local_window
+    return rep.payload_bytes + rep.metadata_bytes + buffer_slots * H * D * 2 * L
+
+
+def pages_per_row(method: str, context: int) -> int:
+    lay = token_layout(PRESETS[method], context)
+    return max(lay.key_pages, lay.value_pages)
 
 
 def fill_cache(method: str, model, batch: int, context: int, extra: int):
@@ -93,7 +105,8 @@ def fill_cache(method: str, model, batch: int, context: int, extra: int):
         for i in range(c.num_hidden_layers):
             cache.update(rand(context), rand(context), i, {"cache_position": pos})
         return cache
-    cache = KittyCache(c, PRESETS[method], backend="triton" if DEVICE == "cuda" else "torch")
+    # pools sized exactly (no doubling slack), so the allocated KV memory is what the budget allowed
+    cache = KittyCache(c, PRESETS[method], backend="triton" if DEVICE == "cuda" else "torch", max_pages=batch * pages_per_row(method, context + extra))
     for layer in cache.layers:
         for start in range(0, context, chunk):
             t = min(chunk, context - start)
@@ -191,6 +204,8 @@ def main() -> None:
         f"`benchmarks/throughput.py` on {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'CPU (smoke)'}, torch {torch.__version__}, "
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Qwen3-8B architecture, random bf16 weights "
         f"({weights / 2**30:.1f} GiB), {model.config.num_hidden_layers} layers; tokens/s = batch / median wall time (synchronized) of {a.steps} steps after {a.warmup} warm-up.",
+        "",
+        "KV GiB: GPU memory held by the filled cache (allocated, including empty buffer slots and pool capacity).",
         "",
         "| method | max batch | batch vs fp16 | KV GiB | peak GiB | tokens/s | vs fp16 |",
         "|---|---|---|---|---|---|---|",
