@@ -487,13 +487,14 @@ def _value_fields(page: ValuePage) -> dict[str, torch.Tensor]:
     return {"v_codes": page.codes, "v_scale": page.scale, "v_zero": page.zero}
 
 
+def _page_getter(storage: dict[str, torch.Tensor], ids: torch.Tensor | None):
+    """``name -> storage[name][ids]`` (the whole pool when ``ids`` is None)."""
+    return lambda name: storage[name] if ids is None else storage[name][ids]
+
+
 def key_page_from_storage(storage: dict[str, torch.Tensor], ids: torch.Tensor | None, cfg: KVQuantConfig, dtype: torch.dtype) -> KeyPage:
     """A :class:`KeyPage` over pool pages ``ids`` (any shape; ``None``: the whole pool) of a LAYOUT storage dict."""
-
-    def get(name: str) -> torch.Tensor:
-        t = storage[name]
-        return t if ids is None else t[ids]
-
+    get = _page_getter(storage, ids)
     u8 = torch.empty(0, dtype=torch.uint8)
     if not cfg.quantizes_keys:
         return KeyPage(u8, u8, u8, u8.to(dtype), u8.to(dtype), get("k_raw"), dtype)
@@ -502,11 +503,7 @@ def key_page_from_storage(storage: dict[str, torch.Tensor], ids: torch.Tensor | 
 
 def value_page_from_storage(storage: dict[str, torch.Tensor], ids: torch.Tensor | None, cfg: KVQuantConfig, dtype: torch.dtype) -> ValuePage:
     """A :class:`ValuePage` over pool pages ``ids`` (any shape; ``None``: the whole pool) of a LAYOUT storage dict."""
-
-    def get(name: str) -> torch.Tensor:
-        t = storage[name]
-        return t if ids is None else t[ids]
-
+    get = _page_getter(storage, ids)
     u8 = torch.empty(0, dtype=torch.uint8)
     if not cfg.quantizes_values:
         return ValuePage(u8, u8.to(dtype), u8.to(dtype), get("v_raw"), 16, dtype)
