@@ -104,19 +104,26 @@ def _bits_after(model, cfg, n_tokens: int) -> float:
 
 # -------------------------------------------------------------------------------------- greedy agreement
 
-PROMPTS = (
-    "Explain why the sky is blue in three sentences.",
-    "Write a short poem about a cat who learns to read.",
-    "What are the main differences between a list and a tuple in Python?",
-    "Give three tips for staying focused while studying.",
-    "Summarize the plot of a story about a lighthouse keeper and a storm.",
-    "How does a refrigerator keep food cold?",
-)
+def agreement_prompts(tokenizer, n: int = 6, length: int = 512, names=TEXTS) -> list[str]:
+    """``n`` plain-text prompts of about ``length`` tokens cut from the texts in ``assets/`` (alternating texts).
+
+    Long enough that decode steps read quantized pages (a short chat question never leaves the full-precision
+    sink, qbuffer and local window, so it would agree with fp16 trivially).
+    """
+    streams = [tokenizer((ASSETS / name).read_text()).input_ids for name in names]
+    prompts = []
+    for i in range(n):
+        ids = streams[i % len(streams)]
+        start = (i // len(streams)) * length
+        if start + length > len(ids):
+            raise ValueError(f"{names[i % len(names)]} is too short for {n} prompts of {length} tokens")
+        prompts.append(tokenizer.decode(ids[start : start + length]))
+    return prompts
 
 
 @torch.no_grad()
-def greedy(model, tokenizer, prompt: str, cfg: KVQuantConfig, max_new_tokens: int, chat: bool = True) -> list[int]:
-    """Greedy continuation of ``prompt`` (chat template by default) through a Kitty cache."""
+def greedy(model, tokenizer, prompt: str, cfg: KVQuantConfig, max_new_tokens: int, chat: bool = False) -> list[int]:
+    """Greedy continuation of ``prompt`` (plain text, or wrapped in the chat template) through a Kitty cache."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True) if chat else prompt
     enc = tokenizer(text, return_tensors="pt").to(model.device)
     out = model.generate(**enc, past_key_values=_cache(model, cfg), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
@@ -130,8 +137,8 @@ class AgreementResult:
     match_rate: float  # share of positions with the same token as fp16
 
 
-def agreement_table(model, tokenizer, methods, prompts=PROMPTS, max_new_tokens: int = 64) -> list[AgreementResult]:
-    """Greedy agreement of each preset with ``fp16`` over a prompt set."""
+def agreement_table(model, tokenizer, methods, prompts: list[str], max_new_tokens: int = 64) -> list[AgreementResult]:
+    """Greedy agreement of each preset with ``fp16`` over a prompt set (see :func:`agreement_prompts`)."""
     ref = [greedy(model, tokenizer, p, PRESETS["fp16"], max_new_tokens) for p in tqdm(prompts, desc="agreement fp16")]
     results = []
     for m in tqdm(methods, desc="agreement"):
@@ -297,10 +304,11 @@ def main(argv: list[str] | None = None) -> None:
         plot_pareto(ppl, out / f"eval_pareto_{tag}.png")
         report += [f"## Decode perplexity (prefill {a.prefill}, {a.scored} scored tokens per window, {a.windows_per_text} windows per text)\n", markdown_table(ppl), ""]
     if "agreement" not in skip:
-        prompts, n_new = (PROMPTS[:2], 16) if a.quick else (PROMPTS, 64)
+        n_prompts, length, n_new = (2, 200, 16) if a.quick else (6, 512, 64)
+        prompts = agreement_prompts(tokenizer, n_prompts, length)
         agr = agreement_table(model, tokenizer, [m for m in methods if m != "fp16"], prompts, n_new)
         write_csv(agr, out / f"eval_agreement_{tag}.csv")
-        report += [f"## Greedy agreement with fp16 ({len(prompts)} chat prompts, {n_new} new tokens)\n", markdown_table(agr), ""]
+        report += [f"## Greedy agreement with fp16 ({n_prompts} plain-text prompts of {length} tokens from assets/, {n_new} new tokens)\n", markdown_table(agr), ""]
     if "passkey" not in skip:
         lengths = (256,) if a.quick else tuple(int(x) for x in a.passkey_lengths.split(","))
         depths = (0.5,) if a.quick else (0.1, 0.3, 0.5, 0.7, 0.9)
