@@ -280,6 +280,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--scored", type=int, default=256)
     p.add_argument("--windows-per-text", type=int, default=2)
     p.add_argument("--passkey-lengths", default="1024,2048,4096")
+    p.add_argument("--agreement-prompts", type=int, default=6)
+    p.add_argument("--agreement-tokens", type=int, default=64)
     p.add_argument("--passkey-trials", type=int, default=2, help="prompts per (length, depth)")
     p.add_argument("--quick", action="store_true", help="tiny run for CI: short windows, few prompts")
     p.add_argument("--skip", default="", help="comma-separated parts to skip: ppl,agreement,passkey")
@@ -304,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
         plot_pareto(ppl, out / f"eval_pareto_{tag}.png")
         report += [f"## Decode perplexity (prefill {a.prefill}, {a.scored} scored tokens per window, {a.windows_per_text} windows per text)\n", markdown_table(ppl), ""]
     if "agreement" not in skip:
-        n_prompts, length, n_new = (2, 200, 16) if a.quick else (6, 512, 64)
+        n_prompts, length, n_new = (2, 200, 16) if a.quick else (a.agreement_prompts, 512, a.agreement_tokens)
         prompts = agreement_prompts(tokenizer, n_prompts, length)
         agr = agreement_table(model, tokenizer, [m for m in methods if m != "fp16"], prompts, n_new)
         write_csv(agr, out / f"eval_agreement_{tag}.csv")
