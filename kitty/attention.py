@@ -284,6 +284,7 @@ def kitty_attention_forward(
     scale = D**-0.5 if scaling is None else scaling
     valid = (attention_mask or KittyMask(None)).new_token_mask(B, T, "cpu")  # (B, T) on the CPU: bookkeeping only
     layer.check_append(valid)  # errors before anything changes
+    layer.observe_queries(query, valid)  # channel_selection="query" ranks the channels of pages packed below
     backend = resolve_backend(layer.backend, query.device, layer.cfg, D)
     if backend == "triton" and T == 1 and not layer.append_fills_page(valid):
         _kernels(required=True)  # fail before inserting if the kernels are missing

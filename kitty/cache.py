@@ -194,6 +194,9 @@ class KittyLayer(CacheLayerMixin):
         self.value_pool = PagePool(value_fields, device, self.max_pages, "value")
         self.k_page_table = torch.full((B, 0), -1, dtype=torch.int32, device=device)
         self.v_page_table = torch.full((B, 0), -1, dtype=torch.int32, device=device)
+        # channel_selection="query": running sum of |q| per (row, KV head, channel) over the GQA group, and its count
+        self.q_abs_sum = torch.zeros(B, H, D, dtype=torch.float32, device=device)
+        self.q_count = torch.zeros(B, 1, 1, dtype=torch.float32, device=device)
         self.seen_tokens = 0
         self.is_initialized = True
 
@@ -242,6 +245,8 @@ class KittyLayer(CacheLayerMixin):
             self.v_page_table = self.v_page_table[:, :0]
             self.key_pool.reset()
             self.value_pool.reset()
+            self.q_abs_sum.zero_()
+            self.q_count.zero_()
         self.seen_tokens = 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -314,6 +319,7 @@ class KittyLayer(CacheLayerMixin):
         self._grow_page_tables(max(l.key_pages for l in lay1), max(l.value_pages for l in lay1))
 
         key_groups, value_groups = [], []  # full qbuffers to quantize, each (pages, H, G, D)
+        key_rows = []  # the row of every key page, in order
         key_dest, value_dest = [], []  # (row, first page index, number of pages)
         for b in range(B):
             a, z = n0[b], n1[b]
@@ -336,6 +342,7 @@ class KittyLayer(CacheLayerMixin):
             if full:
                 key_groups.append(k_stream[:, :full].reshape(H, -1, G, D).transpose(0, 1))  # (pages, H, G, D)
                 key_dest.append((b, l0.key_pages, l1.key_pages - l0.key_pages))
+                key_rows.extend([b] * (l1.key_pages - l0.key_pages))
             self.k_qbuf[b, :, : l1.key_qbuffer] = k_stream[:, full:]
             # values past the last value page: old qbuffer, old local window (oldest first), new tokens
             old_local = (torch.arange(a - l0.local, a, device=self.device) - S) % max(R, 1)  # ring slots, oldest first
@@ -350,7 +357,7 @@ class KittyLayer(CacheLayerMixin):
                 self.v_local[b][:, new_local] = v_stream[:, full + l1.value_qbuffer :]
 
         if key_groups:
-            page = quantize_key_page(torch.cat(key_groups), cfg, salt=self.layer_idx)
+            page = quantize_key_page(torch.cat(key_groups), cfg, salt=self.layer_idx, query_scale=self.query_scale(key_rows))
             self._store(self.key_pool, self.k_page_table, key_dest, _key_fields(page))
         if value_groups:
             page = quantize_value_page(torch.cat(value_groups), cfg)
@@ -399,7 +406,7 @@ class KittyLayer(CacheLayerMixin):
                 self.v_qbuf[rows, :, index([m % G for m in m0])] = v[rows]
         self._grow_page_tables(token_layout(cfg, max(n1)).key_pages, token_layout(cfg, max(n1)).value_pages)
         if key_rows:
-            page = quantize_key_page(self.k_qbuf[index(key_rows)], cfg, salt=self.layer_idx)  # (r, H, ...)
+            page = quantize_key_page(self.k_qbuf[index(key_rows)], cfg, salt=self.layer_idx, query_scale=self.query_scale(index(key_rows)))  # (r, H, ...)
             self._store(self.key_pool, self.k_page_table, [(b, token_layout(cfg, n1[b]).key_pages - 1, 1) for b in key_rows], _key_fields(page))
         if value_rows:
             page = quantize_value_page(self.v_qbuf[index(value_rows)], cfg)
@@ -407,6 +414,25 @@ class KittyLayer(CacheLayerMixin):
         self._n = n1
         self.lengths = self.lengths + 1  # a new tensor: storage() snapshots taken earlier stay as they were
         self.seen_tokens += 1
+
+    def observe_queries(self, query: torch.Tensor, valid: torch.Tensor) -> None:
+        """Add the new queries ``[B, Hq, T, D]`` (real tokens per ``valid`` ``[B, T]``) to the running mean of |q|
+        per KV head that ``channel_selection="query"`` ranks key channels with (no-op for other selections)."""
+        if self.cfg.channel_selection != "query":
+            return
+        B, Hq, T, D = query.shape
+        H = self.num_kv_heads
+        w = valid.to(device=query.device, dtype=torch.float32)  # (B, T)
+        a = query.float().abs().view(B, H, Hq // H, T, D)  # (B, Hkv, group, T, D)
+        self.q_abs_sum += (a * w[:, None, None, :, None]).sum((2, 3))
+        self.q_count += (w.sum(1) * (Hq // H))[:, None, None]
+
+    def query_scale(self, rows: torch.Tensor | list[int] | None = None) -> torch.Tensor | None:
+        """Mean |q| ``[rows, Hkv, D]`` seen so far (``None`` unless ``channel_selection="query"``)."""
+        if self.cfg.channel_selection != "query":
+            return None
+        mean = self.q_abs_sum / self.q_count.clamp_min(1)
+        return mean if rows is None else mean[rows]
 
     def _store(self, pool: PagePool, table: torch.Tensor, dest: list[tuple[int, int, int]], fields: dict[str, torch.Tensor]) -> None:
         ids = pool.allocate(sum(n for *_, n in dest))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 VALID_BITS = (2, 4, 16)  # 16 = kept in full precision (no quantization)
-CHANNEL_SELECTIONS = ("magnitude", "random")
+CHANNEL_SELECTIONS = ("magnitude", "random", "range", "query")
 MAX_HEAD_DIM = 256  # boost_idx is uint8: one slot per channel
 
 
@@ -99,6 +99,9 @@ PRESETS: dict[str, KVQuantConfig] = {
         _preset("kitty", "Kitty: 2-bit keys with the top 12.5% channels by mean |K| boosted to 4 bits, 2-bit values, sink.", boost_fraction=0.125),
         _preset("kitty-pro", "Kitty-Pro: like Kitty with 25% of key channels boosted to 4 bits.", boost_fraction=0.25),
         _preset("kitty-random", "Ablation: Kitty with 12.5% of key channels boosted at random instead of by magnitude.", boost_fraction=0.125, channel_selection="random"),
+        _preset("kitty-range", "Beyond the paper (negative result): Kitty boosting the 12.5% of key channels with the widest range (max - min).", boost_fraction=0.125, channel_selection="range"),
+        _preset("kitty-query", "Beyond the paper: Kitty boosting the 12.5% of key channels with the largest mean |q| x range (query-aware).", boost_fraction=0.125, channel_selection="query"),
+        _preset("kitty-pro-query", "Beyond the paper: Kitty-Pro (25% boosted) with query-aware channel selection.", boost_fraction=0.25, channel_selection="query"),
     )
 }
 

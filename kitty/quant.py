@@ -157,19 +157,33 @@ class KeyPage(_Page):
         return self.boost_idx.nbytes + self.scale.nbytes + self.zero.nbytes
 
 
-def channel_importance(k: torch.Tensor, cfg: KVQuantConfig, salt: int = 0) -> torch.Tensor:
+def channel_importance(k: torch.Tensor, cfg: KVQuantConfig, salt: int = 0, query_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Score of each key channel, higher = boosted first. ``k``: ``[..., G, D]`` -> ``[..., D]`` fp32.
 
-    ``magnitude``: the paper's ``s_i = mean_t |K[t, i]|``. ``random``: a fixed random score per channel from
-    ``cfg.seed`` and ``salt`` (e.g. the layer index), the same for every page: the ablation baseline.
+    - ``magnitude``: the paper's ``s_i = mean_t |K[t, i]|``.
+    - ``random``: a fixed random score per channel from ``cfg.seed`` and ``salt`` (e.g. the layer index), the same
+      for every page: the ablation baseline.
+    - ``range``: ``max_t K[t, i] - min_t K[t, i]``, the range 2-bit quantization divides into steps.
+    - ``query``: ``query_scale_i * range_i``: a channel's contribution to the logit error ``q . (k - k_hat)`` grows
+      with ``|q_i|`` times its quantization step; ``query_scale`` ``[..., D]`` is the mean ``|q|`` of the queries
+      of the KV head's GQA group (``KittyCache`` keeps it per row and head).
     """
-    if cfg.channel_selection == "magnitude":
+    sel = cfg.channel_selection
+    if sel == "magnitude":
         return k.float().abs().mean(-2)
-    if cfg.channel_selection == "random":
+    if sel == "random":
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + salt)
         scores = torch.rand(k.shape[-1], generator=gen).to(k.device)
         return scores.expand(*k.shape[:-2], k.shape[-1])
-    raise ValueError(f"channel_selection {cfg.channel_selection!r} has no importance rule")
+    kf = k.float()
+    spread = kf.amax(-2) - kf.amin(-2)  # [..., D]
+    if sel == "range":
+        return spread
+    if sel == "query":
+        if query_scale is None:
+            raise ValueError("channel_selection='query' needs query_scale [..., D] (mean |q| per channel of the GQA group)")
+        return query_scale.float().to(k.device).expand_as(spread) * spread
+    raise ValueError(f"channel_selection {sel!r} has no importance rule")
 
 
 def select_boosted(importance: torch.Tensor, num_boosted: int) -> torch.Tensor:
@@ -186,11 +200,13 @@ def boost_slots(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, slot, BOOST_SENTINEL).to(torch.uint8)
 
 
-def quantize_key_page(k: torch.Tensor, cfg: KVQuantConfig, salt: int = 0, boost_mask: torch.Tensor | None = None) -> KeyPage:
+def quantize_key_page(
+    k: torch.Tensor, cfg: KVQuantConfig, salt: int = 0, boost_mask: torch.Tensor | None = None, query_scale: torch.Tensor | None = None
+) -> KeyPage:
     """Quantize keys ``[..., G, D]`` per channel into a :class:`KeyPage`.
 
-    Boosted channels (top ``cfg.num_boosted(D)`` by importance, or ``boost_mask`` if given) get 4-bit codes,
-    the rest 2-bit; each code is split into the dense low plane and, for boosted channels, the compact high plane.
+    Boosted channels (top ``cfg.num_boosted(D)`` by :func:`channel_importance`, or ``boost_mask`` if given) get
+    4-bit codes, the rest 2-bit (``query_scale``: for ``channel_selection="query"``); each code is split into the dense low plane and, for boosted channels, the compact high plane.
     """
     _check_input(k, "k")
     *lead, G, D = k.shape
@@ -203,7 +219,7 @@ def quantize_key_page(k: torch.Tensor, cfg: KVQuantConfig, salt: int = 0, boost_
         return KeyPage(u8, u8, u8, empty, empty, k.clone(), k.dtype)
     nb = cfg.num_boosted(D)
     if boost_mask is None:
-        boost_mask = select_boosted(channel_importance(k, cfg, salt), nb)
+        boost_mask = select_boosted(channel_importance(k, cfg, salt, query_scale), nb)
     levels = torch.where(boost_mask, 2**cfg.boost_bits - 1, 2**cfg.key_bits - 1)  # [..., D]
     x = k.transpose(-1, -2)  # (..., D, G): one row per channel
     scale, zero = minmax_params(x, levels, -1, meta_dtype(k.dtype))

@@ -351,3 +351,32 @@ def test_zero_token_prompt_and_empty_row_raise_and_cache_stays_usable(default_mo
     enc = tok(["Hello there"], return_tensors="pt")
     ref = greedy(model, enc, KittyCache(model.config, SMALL["kitty"]), 6)
     assert torch.equal(greedy(model, enc, cache, 6), ref)
+
+
+# ---------------------------------------------------------------------- query-aware selection (issue 8)
+
+
+def test_query_selection_tracks_mean_abs_query_and_boosts_the_channel_queries_use():
+    """The cache's running mean |q| per KV head ranks channels at pack time; equal bits to kitty (memory_report)."""
+    torch.manual_seed(7)
+    cfg = SMALL["kitty"].with_(channel_selection="query", boost_fraction=1 / D)  # one boosted channel per page
+    cache = KittyCache(tiny_llama_config(), cfg)
+    B, T = 2, cfg.sink_tokens + cfg.group_size  # exactly one key page per row
+    k = torch.randn(B, HKV, T, D)
+    k[..., 3] *= 4  # widest channel: what magnitude/range would pick
+    v = torch.randn(B, HKV, T, D)
+    q = torch.randn(B, HQ, T, D) * 0.1
+    q[..., 9] = 5.0  # every query leans on channel 9
+    layer = cache.layers[0]
+    kitty_attention_forward(None, q, *cache.update(k, v, 0), None, scaling=D**-0.5)
+    expected = q.abs().view(B, HKV, HQ // HKV, T, D).mean((2, 3))
+    torch.testing.assert_close(layer.query_scale(), expected)
+    page = layer.key_page(0, 0)
+    boosted = (page.boost_idx.long() < page.num_boosted).nonzero()[:, -1].tolist()
+    assert boosted == [9] * HKV
+    # the same tokens under plain kitty cost exactly the same bytes
+    plain = KittyCache(tiny_llama_config(), SMALL["kitty"].with_(boost_fraction=1 / D))
+    kitty_attention_forward(None, q, *plain.update(k, v, 0), None, scaling=D**-0.5)
+    assert plain.layers[0].memory_report() == layer.memory_report()
+    cache.reset()
+    assert layer.query_scale().abs().sum() == 0

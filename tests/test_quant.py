@@ -256,3 +256,42 @@ def test_presets_match_the_paper():
     assert (p["kivi-k2v4-sink"].key_bits, p["kivi-k2v4-sink"].value_bits) == (2, 4)
     assert p["kitty-random"].channel_selection == "random"
     assert p["fp16"].key_bits == p["fp16"].value_bits == 16
+
+
+# ------------------------------------------------------------------------- selection beyond the paper (issue 8)
+
+
+def test_range_selection_picks_wide_channels_not_offset_ones():
+    """A channel with a big constant offset has large mean |K| but a tiny range: magnitude boosts it, range does not."""
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(128, 64, generator=g) * 0.5
+    k[:, 7] = 20.0 + 0.01 * torch.randn(128, generator=g)  # offset channel: mean |K| 20, range ~0.05
+    k[:, 11] = 6.0 * torch.randn(128, generator=g)  # wide channel: mean |K| ~4.8, range ~30
+    cfg = KITTY.with_(boost_fraction=1 / 64)  # one boosted channel
+    boosted = lambda c: (quantize_key_page(k, c).boost_idx.long() < 1).nonzero().flatten().tolist()  # noqa: E731
+    assert boosted(cfg) == [7]
+    assert boosted(cfg.with_(channel_selection="range")) == [11]
+
+
+def test_query_selection_weights_channels_by_mean_abs_query():
+    """Two equally wide channels: query-aware selection boosts the one the queries use, magnitude cannot tell."""
+    g = torch.Generator().manual_seed(4)
+    k = torch.randn(2, 128, 64, generator=g)
+    k[..., 20] *= 5
+    k[..., 40] *= 5.5  # slightly wider: magnitude and range both prefer it
+    q_scale = torch.ones(2, 64)
+    q_scale[:, 20] = 10.0  # the queries lean on channel 20
+    cfg = PRESETS["kitty-query"].with_(boost_fraction=1 / 64)
+    mask = quantize_key_page(k, cfg, query_scale=q_scale).boost_idx.long() < 1
+    assert mask[:, 20].all() and mask.sum() == 2
+    assert (quantize_key_page(k, KITTY.with_(boost_fraction=1 / 64)).boost_idx.long() < 1)[:, 40].all()
+    with pytest.raises(ValueError, match="query_scale"):
+        quantize_key_page(k, cfg)
+
+
+def test_new_presets_cost_the_same_bits_as_the_paper_presets():
+    from kitty import analytic_report
+
+    for new, old in [("kitty-range", "kitty"), ("kitty-query", "kitty"), ("kitty-pro-query", "kitty-pro")]:
+        assert PRESETS[new].num_boosted(128) == PRESETS[old].num_boosted(128)
+        assert analytic_report(PRESETS[new], 4096, 64, 3, 30) == analytic_report(PRESETS[old], 4096, 64, 3, 30)
