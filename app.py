@@ -75,8 +75,9 @@ class Engine:
 
     @property
     def head_dim(self) -> int:
-        c = self.model.config
-        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        from kitty.models import kv_dims
+
+        return kv_dims(self.model.config)[2]
 
 
 @functools.lru_cache(maxsize=None)

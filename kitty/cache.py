@@ -37,6 +37,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and
 from . import attention as kattention
 from .config import KVQuantConfig, get_preset
 from .memory import MemoryReport, token_layout
+from .models import kv_dims
 from .quant import KeyPage, ValuePage, quantize_key_page, quantize_value_page
 
 BACKENDS = ("auto", "torch", "triton")
@@ -275,26 +276,29 @@ class KittyLayer(CacheLayerMixin):
             raise ValueError("got 0 new tokens: a prompt needs at least one token")
         if B != len(self._n):
             raise ValueError(f"valid must have {len(self._n)} rows, got {B}")
-        counts = valid.sum(1).tolist()
-        n0 = list(self._n)
-        n1 = [a + c for a, c in zip(n0, counts)]
+        n0, n1, new_key_pages, new_value_pages = self._growth(valid)
         empty = [b for b, n in enumerate(n1) if n == 0]
         if empty:
             raise ValueError(f"row(s) {empty} of the batch hold no tokens (attention_mask is all zeros): every prompt needs at least one token")
+        self.key_pool.check(sum(new_key_pages))
+        self.value_pool.check(sum(new_value_pages))
+        return n0, n1
+
+    def _growth(self, valid: torch.Tensor) -> tuple[list[int], list[int], list[int], list[int]]:
+        """Old and new lengths per row, and the key/value pages each row completes, for inserting ``valid``."""
+        counts = valid.sum(1).tolist()
+        n0 = list(self._n)
+        n1 = [a + c for a, c in zip(n0, counts)]
         lay0 = [token_layout(self.cfg, n) for n in n0]
         lay1 = [token_layout(self.cfg, n) for n in n1]
-        self.key_pool.check(sum(b.key_pages - a.key_pages for a, b in zip(lay0, lay1)))
-        self.value_pool.check(sum(b.value_pages - a.value_pages for a, b in zip(lay0, lay1)))
-        return n0, n1
+        new_key_pages = [b.key_pages - a.key_pages for a, b in zip(lay0, lay1)]
+        new_value_pages = [b.value_pages - a.value_pages for a, b in zip(lay0, lay1)]
+        return n0, n1, new_key_pages, new_value_pages
 
     def append_fills_page(self, valid: torch.Tensor) -> bool:
         """Whether inserting these tokens completes a key or value page in some row (stage 3 would run)."""
-        counts = valid.sum(1).tolist()
-        for a, c in zip(self._n, counts):
-            l0, l1 = token_layout(self.cfg, a), token_layout(self.cfg, a + c)
-            if (l0.key_pages, l0.value_pages) != (l1.key_pages, l1.value_pages):
-                return True
-        return False
+        _, _, new_key_pages, new_value_pages = self._growth(valid)
+        return any(new_key_pages) or any(new_value_pages)
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Insert the valid new tokens of every row (stage 1) and quantize every qbuffer that fills (stage 3).
@@ -404,7 +408,8 @@ class KittyLayer(CacheLayerMixin):
                 self.v_local[rows, :, index([m % R for m in m0])] = v[rows]
             else:
                 self.v_qbuf[rows, :, index([m % G for m in m0])] = v[rows]
-        self._grow_page_tables(token_layout(cfg, max(n1)).key_pages, token_layout(cfg, max(n1)).value_pages)
+        widest = token_layout(cfg, max(n1))
+        self._grow_page_tables(widest.key_pages, widest.value_pages)
         if key_rows:
             page = quantize_key_page(self.k_qbuf[index(key_rows)], cfg, salt=self.layer_idx, query_scale=self.query_scale(index(key_rows)))  # (r, H, ...)
             self._store(self.key_pool, self.k_page_table, [(b, token_layout(cfg, n1[b]).key_pages - 1, 1) for b in key_rows], _key_fields(page))
@@ -569,12 +574,11 @@ class KittyCache(Cache):
                 f"KittyCache supports full-attention layers only, config has layer types {sorted(set(layer_types))} "
                 "(for a sliding-window model used within its window, set config.sliding_window = None)"
             )
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        num_layers, num_kv_heads, head_dim = kv_dims(text)
         cfg.check_head_dim(head_dim)
         self.cfg, self.backend, self.max_pages = cfg, backend, max_pages
-        self.head_dim, self.num_kv_heads, self.num_layers = head_dim, num_kv_heads, text.num_hidden_layers
-        layers = [KittyLayer(cfg, num_kv_heads, head_dim, i, backend, max_pages) for i in range(text.num_hidden_layers)]
+        self.head_dim, self.num_kv_heads, self.num_layers = head_dim, num_kv_heads, num_layers
+        layers = [KittyLayer(cfg, num_kv_heads, head_dim, i, backend, max_pages) for i in range(num_layers)]
         super().__init__(layers=layers)
         config._attn_implementation = kattention.ATTN_NAME
 

@@ -95,10 +95,10 @@ def perplexity_table(model, tokenizer, methods, prefill=1024, scored=256, per_te
 
 def _bits_after(model, cfg, n_tokens: int) -> float:
     from .memory import analytic_report
+    from .models import kv_dims
 
-    c = model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    rep = analytic_report(cfg, n_tokens, head_dim, c.num_key_value_heads, c.num_hidden_layers, model.dtype.itemsize)
+    num_layers, num_kv_heads, head_dim = kv_dims(model.config)
+    rep = analytic_report(cfg, n_tokens, head_dim, num_kv_heads, num_layers, model.dtype.itemsize)
     return rep.bits_per_element
 
 

