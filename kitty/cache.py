@@ -41,6 +41,7 @@ from .models import kv_dims
 from .quant import KeyPage, ValuePage, quantize_key_page, quantize_value_page
 
 BACKENDS = ("auto", "torch", "triton")
+QUERY_SELECTIONS = ("query", "oracle")  # channel selections that rank channels with running query statistics
 _BEAM_MESSAGE = (
     "KittyCache does not support beam search or other cache reordering (num_beams > 1, contrastive search, "
     "assisted decoding): pages are shared storage indexed per row. Use greedy decoding or sampling (num_beams=1)."
@@ -195,8 +196,10 @@ class KittyLayer(CacheLayerMixin):
         self.value_pool = PagePool(value_fields, device, self.max_pages, "value")
         self.k_page_table = torch.full((B, 0), -1, dtype=torch.int32, device=device)
         self.v_page_table = torch.full((B, 0), -1, dtype=torch.int32, device=device)
-        # channel_selection="query": running sum of |q| per (row, KV head, channel) over the GQA group, and its count
+        # channel_selection="query"/"oracle": running sums of |q| and q^2 per (row, KV head, channel) over the GQA
+        # group, and their count
         self.q_abs_sum = torch.zeros(B, H, D, dtype=torch.float32, device=device)
+        self.q_sq_sum = torch.zeros(B, H, D, dtype=torch.float32, device=device)
         self.q_count = torch.zeros(B, 1, 1, dtype=torch.float32, device=device)
         self.seen_tokens = 0
         self.is_initialized = True
@@ -247,6 +250,7 @@ class KittyLayer(CacheLayerMixin):
             self.key_pool.reset()
             self.value_pool.reset()
             self.q_abs_sum.zero_()
+            self.q_sq_sum.zero_()
             self.q_count.zero_()
         self.seen_tokens = 0
 
@@ -421,23 +425,27 @@ class KittyLayer(CacheLayerMixin):
         self.seen_tokens += 1
 
     def observe_queries(self, query: torch.Tensor, valid: torch.Tensor) -> None:
-        """Add the new queries ``[B, Hq, T, D]`` (real tokens per ``valid`` ``[B, T]``) to the running mean of |q|
-        per KV head that ``channel_selection="query"`` ranks key channels with (no-op for other selections)."""
-        if self.cfg.channel_selection != "query":
+        """Add the new queries ``[B, Hq, T, D]`` (real tokens per ``valid`` ``[B, T]``) to the running statistics of
+        ``q`` per KV head that ``channel_selection="query"``/``"oracle"`` rank key channels with (else a no-op)."""
+        if self.cfg.channel_selection not in QUERY_SELECTIONS:
             return
         B, Hq, T, D = query.shape
         H = self.num_kv_heads
-        w = valid.to(device=query.device, dtype=torch.float32)  # (B, T)
+        w = valid.to(device=query.device, dtype=torch.float32)[:, None, None, :, None]  # (B, 1, 1, T, 1)
         a = query.float().abs().view(B, H, Hq // H, T, D)  # (B, Hkv, group, T, D)
-        self.q_abs_sum += (a * w[:, None, None, :, None]).sum((2, 3))
-        self.q_count += (w.sum(1) * (Hq // H))[:, None, None]
+        self.q_abs_sum += (a * w).sum((2, 3))
+        self.q_sq_sum += (a.square() * w).sum((2, 3))
+        self.q_count += (w.sum((1, 2, 3, 4)) * (Hq // H))[:, None, None]
 
     def query_scale(self, rows: torch.Tensor | list[int] | None = None) -> torch.Tensor | None:
-        """Mean |q| ``[rows, Hkv, D]`` seen so far (``None`` unless ``channel_selection="query"``)."""
-        if self.cfg.channel_selection != "query":
+        """Per-channel query magnitude ``[rows, Hkv, D]`` seen so far: mean ``|q|`` for ``channel_selection="query"``,
+        root mean square of ``q`` for ``"oracle"``, ``None`` for other selections."""
+        sel = self.cfg.channel_selection
+        if sel not in QUERY_SELECTIONS:
             return None
-        mean = self.q_abs_sum / self.q_count.clamp_min(1)
-        return mean if rows is None else mean[rows]
+        count = self.q_count.clamp_min(1)
+        scale = self.q_abs_sum / count if sel == "query" else (self.q_sq_sum / count).sqrt()
+        return scale if rows is None else scale[rows]
 
     def _store(self, pool: PagePool, table: torch.Tensor, dest: list[tuple[int, int, int]], fields: dict[str, torch.Tensor]) -> None:
         ids = pool.allocate(sum(n for *_, n in dest))
@@ -578,7 +586,7 @@ class KittyCache(Cache):
         cfg.check_head_dim(head_dim)
         self.cfg, self.backend, self.max_pages = cfg, backend, max_pages
         self.head_dim, self.num_kv_heads, self.num_layers = head_dim, num_kv_heads, num_layers
-        layers = [KittyLayer(cfg, num_kv_heads, head_dim, i, backend, max_pages) for i in range(num_layers)]
+        layers = [KittyLayer(cfg.for_layer(i, num_layers), num_kv_heads, head_dim, i, backend, max_pages) for i in range(num_layers)]
         super().__init__(layers=layers)
         config._attn_implementation = kattention.ATTN_NAME
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 VALID_BITS = (2, 4, 16)  # 16 = kept in full precision (no quantization)
-CHANNEL_SELECTIONS = ("magnitude", "random", "range", "query")
+CHANNEL_SELECTIONS = ("magnitude", "random", "range", "query", "oracle")
+RANGE_FITS = ("minmax", "fit")  # how a quantization group's [lo, hi] is chosen: min-max, or a clipping search
 MAX_HEAD_DIM = 256  # boost_idx is uint8: one slot per channel
 
 
@@ -28,6 +29,9 @@ class KVQuantConfig:
     local_window: int = 128  # R: newest values kept in full precision
     channel_selection: str = "magnitude"  # how boosted channels are chosen: see CHANNEL_SELECTIONS
     seed: int = 0  # for channel_selection="random"
+    key_range: str = "minmax"  # "fit": per-channel clipping search minimizing reconstruction error at pack time
+    value_range: str = "minmax"  # "fit": the same per token for values
+    boost_profile: tuple[float, ...] | None = None  # per-layer boost fractions (mean = boost_fraction), or uniform
     name: str = field(default="custom", compare=False)
     description: str = field(default="", compare=False)
 
@@ -51,6 +55,20 @@ class KVQuantConfig:
             raise ValueError(f"channel_selection must be one of {CHANNEL_SELECTIONS}, got {self.channel_selection!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for f in ("key_range", "value_range"):
+            if getattr(self, f) not in RANGE_FITS:
+                raise ValueError(f"{f} must be one of {RANGE_FITS}, got {getattr(self, f)!r}")
+        if self.boost_profile is not None:
+            prof = self.boost_profile
+            if not isinstance(prof, tuple) or not prof or not all(isinstance(f, (int, float)) and 0.0 <= f <= 1.0 for f in prof):
+                raise ValueError(f"boost_profile must be a non-empty tuple of fractions in [0, 1] (one per layer), got {prof!r}")
+            if self.key_bits != 2:
+                raise ValueError(f"boost_profile needs key_bits=2, got key_bits={self.key_bits}")
+            if abs(sum(prof) / len(prof) - self.boost_fraction) > 1e-6:
+                raise ValueError(
+                    f"boost_profile must average to boost_fraction={self.boost_fraction} (the same total of boosted "
+                    f"channels as uniform allocation), its mean is {sum(prof) / len(prof):.6f}"
+                )
 
     @property
     def quantizes_keys(self) -> bool:
@@ -76,6 +94,23 @@ class KVQuantConfig:
             raise ValueError(f"head_dim must be <= {MAX_HEAD_DIM} (uint8 boost_idx), got {head_dim}")
         if self.quantizes_values and head_dim % 4:
             raise ValueError(f"head_dim must be a multiple of 4 to pack 2-bit values along channels, got {head_dim}")
+
+    def for_layer(self, layer_idx: int, num_layers: int | None = None) -> "KVQuantConfig":
+        """The config layer ``layer_idx`` uses: its ``boost_profile`` entry as ``boost_fraction`` (else ``self``).
+
+        ``num_layers`` (the model's) is checked against the profile's length with a ``ValueError``.
+        """
+        if self.boost_profile is None:
+            return self
+        n = len(self.boost_profile)
+        if num_layers is not None and num_layers != n:
+            raise ValueError(
+                f"boost_profile has {n} layers but the model has {num_layers}; calibrate a profile for this model "
+                "with `python -m kitty.calibrate --model ...` (kitty.calibrate.calibrate_profile)"
+            )
+        if not 0 <= layer_idx < n:
+            raise ValueError(f"layer_idx must be in [0, {n}), got {layer_idx}")
+        return replace(self, boost_fraction=float(self.boost_profile[layer_idx]), boost_profile=None)
 
     def with_(self, **changes) -> "KVQuantConfig":
         """A copy with some fields changed (validated again)."""

@@ -13,7 +13,7 @@ position: key qbuffer slot ``(p - S) % G``, value qbuffer slot ``(p - S) % G``, 
 
 from __future__ import annotations
 
-from dataclasses import asdict, astuple, dataclass
+from dataclasses import asdict, astuple, dataclass, replace
 
 from .config import KVQuantConfig
 
@@ -106,8 +106,14 @@ def analytic_report(
     num_layers: int = 1,
     dtype_bytes: int = 2,
 ) -> MemoryReport:
-    """Bytes a Kitty cache holds for sequences of ``lengths`` tokens, from the layout formula alone."""
+    """Bytes a Kitty cache holds for sequences of ``lengths`` tokens, from the layout formula alone.
+
+    With a ``cfg.boost_profile`` the layers are summed one by one (``num_layers`` must match the profile).
+    """
     lengths = [lengths] if isinstance(lengths, int) else list(lengths)
+    if cfg.boost_profile is not None:  # layer-adaptive boost: each layer's pages hold its own number of high planes
+        layers = [analytic_report(cfg.for_layer(i, num_layers), lengths, head_dim, num_kv_heads, 1, dtype_bytes) for i in range(num_layers)]
+        return replace(sum(layers[1:], layers[0]), tokens=sum(lengths))
     pb = page_bytes(cfg, head_dim, dtype_bytes)
     payload = meta = full = 0
     for n in lengths:

@@ -98,6 +98,54 @@ def minmax_params(x: torch.Tensor, levels: torch.Tensor | int, dim: int, dtype: 
     return scale_q, zero.to(dtype)
 
 
+CLIP_GRID = tuple(i / 32 for i in range(11))  # share of the range cut off below / above: 0 .. 0.3125
+
+
+def fitted_params(x: torch.Tensor, levels: torch.Tensor | int, dtype: torch.dtype, grid: tuple[float, ...] = CLIP_GRID):
+    """Clipped asymmetric parameters over the last dim: the ``(scale, zero)`` with the least squared error.
+
+    Searches ``lo = min + a * range``, ``hi = max - b * range`` for every ``a, b`` in ``grid`` (min-max itself is the
+    first candidate, so the result is never worse than :func:`minmax_params`); codes clamp to ``[0, levels]``. For
+    keys (per channel) the error weight of a channel in the attention logits is a constant ``q_i^2``, and for values
+    (per token) the weight of a token in the output is its attention probability, so the least-squares fit of each
+    group is also its least logit (output) error fit. Cost: ``len(grid)**2`` quantizations of the group.
+    """
+    xf = x.float()
+    levels = torch.as_tensor(levels, device=x.device)
+    best_scale, best_zero = minmax_params(x, levels, -1, dtype)
+    best_err = _sq_error(xf, best_scale, best_zero, levels)
+    lo0, hi0 = xf.amin(-1), xf.amax(-1)
+    span = hi0 - lo0
+    for a in grid:
+        for b in grid:
+            if a + b == 0 or a + b >= 0.9:
+                continue
+            lo, hi = lo0 + a * span, hi0 - b * span
+            scale, zero = ((hi - lo) / levels).to(dtype), lo.to(dtype)
+            err = _sq_error(xf, scale, zero, levels)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_scale = torch.where(better, scale, best_scale)
+            best_zero = torch.where(better, zero, best_zero)
+    return best_scale, best_zero
+
+
+def _sq_error(xf: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: torch.Tensor | int) -> torch.Tensor:
+    """Squared reconstruction error summed over the last dim, for per-row ``scale``/``zero`` ``[...]``."""
+    lv = torch.as_tensor(levels, device=xf.device)
+    codes = quantize_codes(xf, scale[..., None], zero[..., None], lv[..., None] if lv.dim() else lv)
+    return (dequantize_codes(codes, scale[..., None], zero[..., None], torch.float32) - xf).square().sum(-1)
+
+
+def range_params(x: torch.Tensor, levels: torch.Tensor | int, dtype: torch.dtype, method: str):
+    """``(scale, zero)`` over the last dim by ``method``: ``"minmax"`` or ``"fit"`` (:func:`fitted_params`)."""
+    if method == "minmax":
+        return minmax_params(x, levels, -1, dtype)
+    if method == "fit":
+        return fitted_params(x, levels, dtype)
+    raise ValueError(f"range method must be 'minmax' or 'fit', got {method!r}")
+
+
 def quantize_codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: torch.Tensor | int) -> torch.Tensor:
     """``code = clamp(floor((x - zero) / scale + 1/2), 0, levels)`` in fp32 (0 where scale is 0), as uint8."""
     s = scale.float()
@@ -162,6 +210,11 @@ def channel_importance(k: torch.Tensor, cfg: KVQuantConfig, salt: int = 0, query
     - ``query``: ``query_scale_i * range_i``: a channel's contribution to the logit error ``q . (k - k_hat)`` grows
       with ``|q_i|`` times its quantization step; ``query_scale`` ``[..., D]`` is the mean ``|q|`` of the queries
       of the KV head's GQA group (``KittyCache`` keeps it per row and head).
+    - ``oracle``: the attention-logit squared error boosting channel ``i`` removes on this page,
+      ``query_scale_i**2 * (err_2bit_i - err_4bit_i)`` with ``err`` the squared reconstruction error of the channel
+      quantized both ways (with ``cfg.key_range``) and ``query_scale`` the root mean square of ``q_i`` (so
+      ``query_scale**2 = E[q_i^2]``). Under uncorrelated rounding errors this is exactly each channel's share of
+      the expected logit MSE, so the top-``nb`` choice is the per-page optimum (expensive: two quantizations).
     """
     sel = cfg.channel_selection
     if sel == "magnitude":
@@ -171,13 +224,20 @@ def channel_importance(k: torch.Tensor, cfg: KVQuantConfig, salt: int = 0, query
         scores = torch.rand(k.shape[-1], generator=gen).to(k.device)
         return scores.expand(*k.shape[:-2], k.shape[-1])
     kf = k.float()
-    spread = kf.amax(-2) - kf.amin(-2)  # [..., D]
     if sel == "range":
-        return spread
+        return kf.amax(-2) - kf.amin(-2)
+    if query_scale is None:
+        raise ValueError(f"channel_selection={sel!r} needs query_scale [..., D] (per-channel query magnitude of the GQA group)")
+    qs = query_scale.float().to(k.device)
     if sel == "query":
-        if query_scale is None:
-            raise ValueError("channel_selection='query' needs query_scale [..., D] (mean |q| per channel of the GQA group)")
-        return query_scale.float().to(k.device).expand_as(spread) * spread
+        return qs.expand(kf.shape[:-2] + kf.shape[-1:]) * (kf.amax(-2) - kf.amin(-2))
+    if sel == "oracle":
+        x = k.transpose(-1, -2)  # (..., D, G)
+        gain = 0.0
+        for levels, sign in ((2**cfg.key_bits - 1, 1.0), (2**cfg.boost_bits - 1, -1.0)):
+            scale, zero = range_params(x, levels, k.dtype, cfg.key_range)
+            gain = gain + sign * _sq_error(x.float(), scale, zero, levels)
+        return qs.square() * gain
     raise ValueError(f"channel_selection {sel!r} has no importance rule")
 
 
@@ -201,7 +261,9 @@ def quantize_key_page(
     """Quantize keys ``[..., G, D]`` per channel into a :class:`KeyPage`.
 
     Boosted channels (top ``cfg.num_boosted(D)`` by :func:`channel_importance`, or ``boost_mask`` if given) get
-    4-bit codes, the rest 2-bit (``query_scale``: for ``channel_selection="query"``); each code is split into the dense low plane and, for boosted channels, the compact high plane.
+    4-bit codes, the rest 2-bit (``query_scale``: for ``channel_selection="query"``/``"oracle"``); each channel's
+    ``[lo, hi]`` comes from ``cfg.key_range``; each code is split into the dense low plane and, for boosted
+    channels, the compact high plane.
     """
     _check_input(k, "k")
     *lead, G, D = k.shape
@@ -213,11 +275,13 @@ def quantize_key_page(
         u8 = torch.empty(0, dtype=torch.uint8, device=k.device)
         return KeyPage(u8, u8, u8, empty, empty, k.clone(), k.dtype)
     nb = cfg.num_boosted(D)
-    if boost_mask is None:
+    if boost_mask is None and nb in (0, D):  # nothing to choose
+        boost_mask = torch.full((*lead, D), nb == D, dtype=torch.bool, device=k.device)
+    elif boost_mask is None:
         boost_mask = select_boosted(channel_importance(k, cfg, salt, query_scale), nb)
     levels = torch.where(boost_mask, 2**cfg.boost_bits - 1, 2**cfg.key_bits - 1)  # [..., D]
     x = k.transpose(-1, -2)  # (..., D, G): one row per channel
-    scale, zero = minmax_params(x, levels, -1, k.dtype)  # scale/zero in the input dtype
+    scale, zero = range_params(x, levels, k.dtype, cfg.key_range)  # scale/zero in the input dtype
     codes = quantize_codes(x, scale[..., None], zero[..., None], levels[..., None])  # (..., D, G) uint8
     low = pack_2bit(codes & 0x3)
     boosted_channels = boost_mask.nonzero()[:, -1].reshape(*lead, nb)  # (..., nb) ascending channel index
@@ -281,7 +345,7 @@ def quantize_value_page(v: torch.Tensor, cfg: KVQuantConfig) -> ValuePage:
     if not cfg.quantizes_values:
         return ValuePage(torch.empty(0, dtype=torch.uint8, device=v.device), empty, empty, v.clone(), 16, v.dtype)
     levels = 2**cfg.value_bits - 1
-    scale, zero = minmax_params(v, levels, -1, v.dtype)
+    scale, zero = range_params(v, levels, v.dtype, cfg.value_range)
     codes = quantize_codes(v, scale[..., None], zero[..., None], levels)
     return ValuePage(pack_bits(codes, cfg.value_bits), scale, zero, empty, cfg.value_bits, v.dtype)
 

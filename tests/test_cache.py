@@ -380,3 +380,42 @@ def test_query_selection_tracks_mean_abs_query_and_boosts_the_channel_queries_us
     assert plain.layers[0].memory_report() == layer.memory_report()
     cache.reset()
     assert layer.query_scale().abs().sum() == 0
+
+
+def test_oracle_selection_keeps_query_second_moments():
+    """``"oracle"`` ranks channels with the root mean square of the GQA group's queries, kept per row and KV head."""
+    torch.manual_seed(8)
+    cfg = SMALL["kitty"].with_(channel_selection="oracle", boost_fraction=1 / D)
+    cache = KittyCache(tiny_llama_config(), cfg)
+    B, T = 2, cfg.sink_tokens + cfg.group_size
+    k, v = torch.randn(B, HKV, T, D), torch.randn(B, HKV, T, D)
+    q = torch.randn(B, HQ, T, D) * 0.1
+    q[..., 12] = 4.0
+    kitty_attention_forward(None, q, *cache.update(k, v, 0), None, scaling=D**-0.5)
+    layer = cache.layers[0]
+    torch.testing.assert_close(layer.query_scale(), q.square().view(B, HKV, HQ // HKV, T, D).mean((2, 3)).sqrt())
+    page = layer.key_page(1, 0)
+    assert (page.boost_idx.long() < 1).nonzero()[:, -1].tolist() == [12] * HKV
+    cache.reset()
+    assert layer.q_sq_sum.abs().sum() == 0
+
+
+def test_layer_adaptive_profile_moves_boost_between_layers_at_equal_bits():
+    """Each layer packs its profile's number of high planes; the total (and memory_report) equals uniform kitty."""
+    torch.manual_seed(9)
+    uniform = SMALL["kitty"].with_(boost_fraction=2 / D)
+    adaptive = uniform.with_(boost_profile=(4 / D, 0.0))
+    config = tiny_llama_config()
+    caches = [KittyCache(config, c) for c in (uniform, adaptive)]
+    B, T = 2, 29  # sink 4, 3 key pages of 8, 1 in the qbuffer
+    k, v = torch.randn(B, HKV, T, D), torch.randn(B, HKV, T, D)
+    for cache in caches:
+        for layer_idx in range(2):
+            feed(cache, k, v, layer_idx=layer_idx)
+    assert [l.key_page(0, 1).num_boosted for l in caches[1].layers] == [4, 0]
+    assert [l.key_page(0, 1).num_boosted for l in caches[0].layers] == [2, 2]
+    reports = [c.memory_report() for c in caches]
+    assert reports[0] == reports[1]
+    assert reports[1] == analytic_report(adaptive, caches[1].lengths, D, HKV, 2, 4)
+    with pytest.raises(ValueError, match="boost_profile"):
+        KittyCache(tiny_llama_config(num_hidden_layers=3), adaptive)

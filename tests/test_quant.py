@@ -295,3 +295,81 @@ def test_new_presets_cost_the_same_bits_as_the_paper_presets():
     for new, old in [("kitty-range", "kitty"), ("kitty-query", "kitty"), ("kitty-pro-query", "kitty-pro")]:
         assert PRESETS[new].num_boosted(128) == PRESETS[old].num_boosted(128)
         assert analytic_report(PRESETS[new], 4096, 64, 3, 30) == analytic_report(PRESETS[old], 4096, 64, 3, 30)
+
+
+def test_oracle_selection_boosts_where_boosting_removes_logit_error():
+    """A two-level channel is exact at 2 bits however wide it is: range boosts it, the oracle does not.
+
+    The oracle scores ``E[q_i^2] * (err_2bit - err_4bit)``: of two equally spread continuous channels it picks the
+    one the queries use, and it never spends the boost on a channel 2 bits already store exactly.
+    """
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(2, 128, 64, generator=g) * 0.5
+    k[..., 5] = torch.where(torch.rand(2, 128, generator=g) < 0.5, -12.0, 12.0)  # widest, but only two values
+    k[..., 30] = 4 * torch.randn(2, 128, generator=g)
+    k[..., 31] = 4 * torch.randn(2, 128, generator=g)
+    q_rms = torch.ones(2, 64)
+    q_rms[:, 31] = 3.0
+    one = KITTY.with_(boost_fraction=1 / 64)
+    boosted = lambda c, **kw: (quantize_key_page(k, c, **kw).boost_idx.long() < 1).nonzero()[:, -1].tolist()  # noqa: E731
+    assert boosted(one.with_(channel_selection="range")) == [5, 5]
+    assert boosted(one.with_(channel_selection="oracle"), query_scale=q_rms) == [31, 31]
+    assert boosted(one.with_(channel_selection="oracle", key_range="fit"), query_scale=q_rms) == [31, 31]
+    with pytest.raises(ValueError, match="query_scale"):
+        quantize_key_page(k, one.with_(channel_selection="oracle"))
+
+
+def test_oracle_score_is_the_logit_error_boosting_removes():
+    """For one channel, the oracle score equals the measured drop of ``sum_t (q_i * (k - k_hat))^2`` at fixed q_i."""
+    from kitty.quant import channel_importance
+
+    g = torch.Generator().manual_seed(6)
+    k = torch.randn(128, 16, generator=g) * torch.linspace(0.5, 3, 16)
+    q = torch.rand(16, generator=g) + 0.5
+    cfg = KITTY.with_(channel_selection="oracle", boost_fraction=0.0)
+    score = channel_importance(k, cfg, query_scale=q)
+    err2 = (dequantize_key_page(quantize_key_page(k, cfg.with_(boost_fraction=0.0))) - k).square().sum(0)
+    err4 = (dequantize_key_page(quantize_key_page(k, cfg.with_(boost_fraction=1.0))) - k).square().sum(0)
+    torch.testing.assert_close(score, q.square() * (err2 - err4), rtol=1e-4, atol=1e-4)
+
+
+@given(st.integers(0, 2**31 - 1), st.sampled_from([2, 4]), st.sampled_from(DTYPES))
+def test_fitted_ranges_never_lose_to_minmax(seed, bits, dtype):
+    """Property: per group, the clipping search's squared error is at most min-max's (min-max is a candidate)."""
+    from kitty.quant import _sq_error, fitted_params, minmax_params
+
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(6, 64, generator=g) * torch.rand(6, 1, generator=g) * 4 + torch.randn(6, 1, generator=g)).to(dtype)
+    levels = 2**bits - 1
+    e_fit = _sq_error(x.float(), *fitted_params(x, levels, dtype), levels)
+    e_mm = _sq_error(x.float(), *minmax_params(x, levels, -1, dtype), levels)
+    assert (e_fit <= e_mm * (1 + 1e-6)).all()
+
+
+def test_fitted_ranges_clip_outliers_and_halve_gaussian_error():
+    """Gaussian groups with one outlier: min-max spends its 4 levels on the outlier, the fit clips it."""
+    g = torch.Generator().manual_seed(8)
+    k = torch.randn(128, 64, generator=g)
+    k[3] = 9.0  # one outlier token in every channel
+    fit = KITTY.with_(boost_fraction=0.0, key_range="fit")
+    err = lambda c: (dequantize_key_page(quantize_key_page(k, c)) - k).square().mean().item()  # noqa: E731
+    assert err(fit) < 0.5 * err(fit.with_(key_range="minmax"))
+    v = k.T.contiguous()  # per-token values: the outlier channel 3 sits in every token
+    verr = lambda c: (dequantize_value_page(quantize_value_page(v, c)) - v).square().mean().item()  # noqa: E731
+    assert verr(KITTY.with_(value_range="fit")) < 0.5 * verr(KITTY)
+    assert quantize_key_page(k, fit).nbytes == quantize_key_page(k, fit.with_(key_range="minmax")).nbytes
+
+
+def test_boost_profile_validation_and_layers():
+    prof = (0.25, 0.0, 0.125, 0.125)  # mean 0.125
+    cfg = KITTY.with_(boost_profile=prof)
+    assert [cfg.for_layer(i).num_boosted(64) for i in range(4)] == [16, 0, 8, 8]
+    assert cfg.for_layer(0).boost_profile is None and KITTY.for_layer(3) is KITTY
+    with pytest.raises(ValueError, match="boost_profile"):
+        KITTY.with_(boost_profile=(0.25, 0.25))  # mean 0.25 != boost_fraction 0.125
+    with pytest.raises(ValueError, match="boost_profile"):
+        KITTY.with_(boost_profile=(1.5, -1.25))
+    with pytest.raises(ValueError, match="boost_profile"):
+        cfg.for_layer(0, num_layers=30)
+    with pytest.raises(ValueError, match="key_range"):
+        KITTY.with_(key_range="percentile")
