@@ -226,6 +226,10 @@ def pack_pages(
     for n, what in ((G, "group_size"), (D, "head_dim")):
         if n & (n - 1) or n < 4:
             raise ValueError(f"the Triton pack kernel needs a power-of-two {what} >= 4, got {n}")
+    if cfg.key_range != "minmax" or cfg.value_range != "minmax":
+        raise ValueError(f"pack_pages implements min-max ranges; fitted ranges (key_range={cfg.key_range!r}, value_range={cfg.value_range!r}) pack with kitty.quant")
+    if cfg.boost_profile is not None:
+        raise ValueError("cfg has a per-layer boost_profile: pass the layer's config, cfg.for_layer(layer_idx)")
     if k_qbuf is not None and cfg.key_bits not in (2, 4):
         raise ValueError(f"pack_pages packs 2/4-bit keys, got key_bits={cfg.key_bits}")
     if v_qbuf is not None and cfg.value_bits not in (2, 4):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import json
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 
 VALID_BITS = (2, 4, 16)  # 16 = kept in full precision (no quantization)
 CHANNEL_SELECTIONS = ("magnitude", "random", "range", "query", "oracle")
@@ -117,6 +119,21 @@ class KVQuantConfig:
         return replace(self, **changes)
 
 
+PROFILES_DIR = Path(__file__).resolve().parent / "profiles"  # layer-adaptive boost profiles (kitty.calibrate)
+DEFAULT_PROFILE = "SmolLM2-135M-Instruct"
+
+
+def load_boost_profile(name: str, fraction: float) -> tuple[float, ...]:
+    """Per-layer boost fractions averaging ``fraction`` from ``kitty/profiles/<name>.json`` (``kitty.calibrate``)."""
+    path = PROFILES_DIR / f"{name}.json"
+    if not path.exists():
+        raise ValueError(f"no boost profile {name!r}: {path} is missing (make one with python -m kitty.calibrate)")
+    profiles = json.loads(path.read_text())["profiles"]
+    if str(fraction) not in profiles:
+        raise ValueError(f"boost profile {name!r} holds fractions {sorted(profiles)}, not {fraction}")
+    return tuple(float(f) for f in profiles[str(fraction)])
+
+
 def _preset(name: str, description: str, **kw) -> KVQuantConfig:
     kw.setdefault("boost_fraction", 0.0)
     return KVQuantConfig(name=name, description=description, **kw)
@@ -142,7 +159,28 @@ PRESETS: dict[str, KVQuantConfig] = {
 
 
 def get_preset(name: str) -> KVQuantConfig:
-    """Look up a preset by name, with a ``ValueError`` listing the choices."""
-    if name not in PRESETS:
-        raise ValueError(f"method must be one of {sorted(PRESETS)}, got {name!r}")
-    return PRESETS[name]
+    """Look up a preset by name, with a ``ValueError`` listing the choices.
+
+    ``name`` may add field overrides after ``+``: ``"kitty+key_range=fit+channel_selection=oracle"`` is ``kitty``
+    with those fields changed (named by the full string); numbers are parsed as numbers.
+    """
+    base, *changes = name.split("+")
+    if base not in PRESETS:
+        raise ValueError(f"method must be one of {sorted(PRESETS)} (optionally +field=value...), got {name!r}")
+    if not changes:
+        return PRESETS[base]
+    kw: dict[str, object] = {}
+    names = {f.name for f in fields(KVQuantConfig)} - {"name", "description", "boost_profile"}
+    for change in changes:
+        key, eq, value = change.partition("=")
+        if not eq or key not in names:
+            raise ValueError(f"method override must be field=value with a field in {sorted(names)}, got {change!r} in {name!r}")
+        try:
+            kw[key] = int(value)
+        except ValueError:
+            try:
+                kw[key] = float(value)
+            except ValueError:
+                kw[key] = value
+    description = f"{PRESETS[base].description} Changed: {', '.join(changes)}."
+    return PRESETS[base].with_(name=name, description=description, **kw)

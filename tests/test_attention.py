@@ -208,17 +208,20 @@ TRITON_SCRIPT = textwrap.dedent(
         return fused(*a, **k)
     kernels.decode_attention = counting
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                          num_key_value_heads=2, head_dim=16, vocab_size=128)).eval()
     ids = torch.randint(3, 128, (2, 9)); mask = torch.ones_like(ids); mask[1, :3] = 0
     cfg = PRESETS["kitty"].with_(sink_tokens=4, group_size=16, local_window=16)
-    out = {}
-    for backend in ("torch", "triton"):
-        with torch.no_grad():
-            out[backend] = model.generate(input_ids=ids, attention_mask=mask, cache=KittyCache(model.config, cfg, backend=backend),
-                                          max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=0)
-    assert calls[0] >= 20, calls
-    assert torch.equal(out["torch"], out["triton"])
+    # beyond the paper: oracle selection, fitted ranges, 4 boosted channels in layer 0 and none in layer 1
+    plus = cfg.with_(channel_selection="oracle", key_range="fit", value_range="fit", boost_profile=(0.25, 0.0))
+    for c in (cfg, plus):
+        out = {}
+        for backend in ("torch", "triton"):
+            with torch.no_grad():
+                out[backend] = model.generate(input_ids=ids, attention_mask=mask, cache=KittyCache(model.config, c, backend=backend),
+                                              max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=0)
+        assert torch.equal(out["torch"], out["triton"])
+    assert calls[0] >= 80, calls
     print("OK", calls[0])
     """
 )

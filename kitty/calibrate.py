@@ -1,0 +1,204 @@
+"""Layer-adaptive boost: spend the same number of 4-bit key channels as uniform Kitty, where the model needs them.
+
+Uniform Kitty boosts ``round(boost_fraction * D)`` channels in every layer. Layers are not equally sensitive to 2-bit
+keys, so a one-off calibration on a shipped text measures, for every layer ``l`` and boosted-channel count ``c``,
+the damage ``KL(fp16 || model with only layer l's keys quantized with c boosted channels)`` averaged over the
+tokens that read quantized pages, then picks the counts ``c_l`` minimizing ``sum_l KL_l(c_l)`` under
+``sum_l c_l = L * round(boost_fraction * D)`` (exact dynamic programming). Same total, so the same bits per element
+(``memory_report`` shows it); the result is a per-layer ``boost_profile`` of fractions ``c_l / D`` stored as JSON
+in ``kitty/profiles/``.
+
+The measurement is teacher-forced: one forward pass over the calibration text with the layer's keys past the sink
+replaced by their quantize -> dequantize round trip page by page (values and other layers exact), through an
+attention function registered as ``"kitty-calibrate"``. Query statistics for ``"query"``/``"oracle"`` selection
+come from the same pass.
+
+``python -m kitty.calibrate [--model M] [--base kitty-fit] [--out kitty/profiles/NAME.json]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .config import PROFILES_DIR, KVQuantConfig, get_preset
+from .quant import dequantize_key_page, quantize_key_page
+
+CALIB_ATTN = "kitty-calibrate"
+DEFAULT_COUNTS = (0, 4, 8, 12, 16, 24, 32, 48)
+CALIB_TEXT = "python_reference.txt"
+CALIB_OFFSET = 20_000  # first calibration token: past the evaluation windows (kitty.eval reads the first ~2.6K tokens)
+
+
+class _Target:
+    """Which layer the calibration attention function quantizes, and how (``layer = -1``: none)."""
+
+    layer: int = -1
+    cfg: KVQuantConfig | None = None
+
+
+def fake_quantize_keys(key: torch.Tensor, query: torch.Tensor, cfg: KVQuantConfig, salt: int = 0) -> torch.Tensor:
+    """Keys ``[B, Hkv, T, D]`` with every full page past the sink replaced by its quantize -> dequantize round trip.
+
+    ``query`` ``[B, Hq, T, D]`` gives the per-channel query statistics of ``"query"``/``"oracle"`` selection.
+    """
+    B, H, T, D = key.shape
+    S, G = cfg.sink_tokens, cfg.group_size
+    pages = max(T - S, 0) // G
+    if pages == 0 or not cfg.quantizes_keys:
+        return key
+    body = key[:, :, S : S + pages * G].reshape(B, H, pages, G, D).transpose(1, 2)  # (B, pages, H, G, D)
+    q = query.float().view(B, H, -1, T, D)
+    qs = q.abs().mean((2, 3)) if cfg.channel_selection == "query" else q.square().mean((2, 3)).sqrt()  # (B, H, D)
+    page = quantize_key_page(body, cfg, salt=salt, query_scale=qs[:, None])
+    body_hat = dequantize_key_page(page).transpose(1, 2).reshape(B, H, pages * G, D)
+    return torch.cat([key[:, :, :S], body_hat, key[:, :, S + pages * G :]], dim=2)
+
+
+def _calibration_attention(module, query, key, value, attention_mask, **kwargs):
+    """SDPA, with the target layer's keys fake-quantized (see :func:`fake_quantize_keys`)."""
+    if _Target.cfg is not None and getattr(module, "layer_idx", None) == _Target.layer:
+        key = fake_quantize_keys(key, query, _Target.cfg, salt=_Target.layer)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register(CALIB_ATTN, _calibration_attention)
+AttentionMaskInterface.register(CALIB_ATTN, sdpa_mask)
+
+
+@torch.no_grad()
+def layer_sensitivity(
+    model, ids: torch.Tensor, cfg: KVQuantConfig, counts: tuple[int, ...] = DEFAULT_COUNTS, progress: bool = True
+) -> torch.Tensor:
+    """``KL[l, j]``: mean KL divergence (nats/token) from fp16 when only layer ``l``'s keys are quantized by ``cfg``
+    with ``counts[j]`` boosted channels; scored on tokens past the first page. ``ids``: ``[T]`` token ids."""
+    from .models import kv_dims
+
+    num_layers, _, head_dim = kv_dims(model.config)
+    if any(not 0 <= c <= head_dim for c in counts):
+        raise ValueError(f"counts must lie in [0, head_dim={head_dim}], got {counts}")
+    first = cfg.sink_tokens + cfg.group_size  # tokens before this never read a quantized key
+    if ids.numel() <= first:
+        raise ValueError(f"ids must hold more than sink_tokens + group_size = {first} tokens, got {ids.numel()}")
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = CALIB_ATTN
+    try:
+        _Target.layer, _Target.cfg = -1, None
+        x = ids[None].to(model.device)
+        ref = F.log_softmax(model(x).logits[0, first:].float(), -1)
+        kl = torch.zeros(num_layers, len(counts))
+        todo = [(l, j) for l in range(num_layers) for j in range(len(counts))]
+        for l, j in tqdm(todo, desc="calibrating layers", disable=not progress):
+            _Target.layer, _Target.cfg = l, cfg.with_(boost_fraction=counts[j] / head_dim, boost_profile=None)
+            logp = F.log_softmax(model(x).logits[0, first:].float(), -1)
+            kl[l, j] = F.kl_div(logp, ref, log_target=True, reduction="batchmean").item()
+    finally:
+        _Target.layer, _Target.cfg = -1, None
+        model.config._attn_implementation = previous
+    return kl
+
+
+def allocate(kl: torch.Tensor, counts: tuple[int, ...], total: int) -> list[int]:
+    """Counts ``c_l`` (one of ``counts`` per layer) with ``sum c_l == total`` minimizing ``sum_l kl[l, c_l]`` (exact DP)."""
+    step = math.gcd(*counts) if any(counts) else 1
+    if total % step:
+        raise ValueError(f"total must be a multiple of {step} (the gcd of counts), got {total}")
+    units = [c // step for c in counts]
+    budget = total // step
+    L = kl.shape[0]
+    inf = float("inf")
+    best = [[inf] * (budget + 1) for _ in range(L + 1)]
+    choice = [[-1] * (budget + 1) for _ in range(L + 1)]
+    best[0][0] = 0.0
+    for l in range(L):
+        for b in range(budget + 1):
+            if best[l][b] == inf:
+                continue
+            for j, u in enumerate(units):
+                nb = b + u
+                if nb <= budget and best[l][b] + kl[l, j].item() < best[l + 1][nb]:
+                    best[l + 1][nb], choice[l + 1][nb] = best[l][b] + kl[l, j].item(), j
+    if best[L][budget] == inf:
+        raise ValueError(f"no choice of counts {counts} per layer sums to total={total}")
+    out, b = [], budget
+    for l in range(L, 0, -1):
+        j = choice[l][b]
+        out.append(counts[j])
+        b -= units[j]
+    return out[::-1]
+
+
+def calibration_ids(tokenizer, n_tokens: int = 1024, text: str = CALIB_TEXT, offset: int = CALIB_OFFSET) -> torch.Tensor:
+    """``n_tokens`` token ids of a shipped text from ``assets/``, starting at token ``offset``."""
+    from .eval import ASSETS
+
+    ids = tokenizer((ASSETS / text).read_text(), return_tensors="pt").input_ids[0]
+    if ids.numel() < offset + n_tokens:
+        raise ValueError(f"{text} has {ids.numel()} tokens, fewer than offset + n_tokens = {offset + n_tokens}")
+    return ids[offset : offset + n_tokens]
+
+
+def calibrate_profile(
+    model, tokenizer, base: KVQuantConfig, fractions: tuple[float, ...] = (0.125, 0.25), counts=DEFAULT_COUNTS,
+    n_tokens: int = 1024, progress: bool = True,
+) -> dict:
+    """Measure :func:`layer_sensitivity` once and allocate a profile for each average boost fraction.
+
+    Returns a JSON-ready dict: ``profiles[str(fraction)]`` is the per-layer tuple of boost fractions.
+    """
+    from .models import kv_dims
+
+    num_layers, _, head_dim = kv_dims(model.config)
+    t0 = time.time()
+    kl = layer_sensitivity(model, calibration_ids(tokenizer, n_tokens), base, counts, progress)
+    profiles = {}
+    for f in fractions:
+        per_layer = round(f * head_dim)
+        alloc = allocate(kl, counts, per_layer * num_layers)
+        profiles[str(f)] = [c / head_dim for c in alloc]
+    return {
+        "model": getattr(model.config, "_name_or_path", ""),
+        "num_layers": num_layers,
+        "head_dim": head_dim,
+        "text": f"assets/{CALIB_TEXT}, tokens {CALIB_OFFSET}..{CALIB_OFFSET + n_tokens}",
+        "base": {"channel_selection": base.channel_selection, "key_range": base.key_range, "sink_tokens": base.sink_tokens, "group_size": base.group_size},
+        "counts": list(counts),
+        "kl": [[round(v, 6) for v in row] for row in kl.tolist()],
+        "profiles": profiles,
+        "seconds": round(time.time() - t0, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m kitty.calibrate", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="hub id or local path (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--base", default="kitty-query+key_range=fit", help="method (preset[+field=value...]) whose selection and key ranges are calibrated")
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--out", default=None, help="JSON path (default: kitty/profiles/<model name>.json)")
+    a = p.parse_args(argv)
+    from .models import DEFAULT_MODEL_NAME, load_model
+
+    base = get_preset(a.base)
+    model, tokenizer = load_model(a.model)
+    data = calibrate_profile(model, tokenizer, base, n_tokens=a.tokens)
+    name = Path(a.model).name if a.model else DEFAULT_MODEL_NAME
+    out = Path(a.out) if a.out else PROFILES_DIR / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    for f, prof in data["profiles"].items():
+        print(f"boost {f}: channels per layer {[round(x * data['head_dim']) for x in prof]}")
+    print(f"wrote {out} ({data['seconds']} s)")
+
+
+if __name__ == "__main__":
+    main()
