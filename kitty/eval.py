@@ -54,8 +54,11 @@ def decode_nll(model, ids: torch.Tensor, cfg: KVQuantConfig, prefill: int) -> to
     return torch.stack(nll)
 
 
-def text_windows(tokenizer, names=TEXTS, prefill: int = 1024, scored: int = 256, per_text: int = 2) -> list[torch.Tensor]:
-    """Non-overlapping windows of ``prefill + scored`` tokens from texts shipped in ``assets/``."""
+def text_windows(tokenizer, names=TEXTS, prefill: int = 1024, scored: int = 256, per_text: int = 2, with_names: bool = False) -> list:
+    """Non-overlapping windows of ``prefill + scored`` tokens from texts shipped in ``assets/``.
+
+    Returns ``[T]`` id tensors, or ``(text name, ids)`` pairs with ``with_names``.
+    """
     windows = []
     for name in names:
         ids = tokenizer((ASSETS / name).read_text(), return_tensors="pt").input_ids[0]
@@ -63,8 +66,8 @@ def text_windows(tokenizer, names=TEXTS, prefill: int = 1024, scored: int = 256,
         n = min(per_text, ids.numel() // size)
         if n == 0:
             raise ValueError(f"{name} has {ids.numel()} tokens, fewer than prefill + scored = {size}")
-        windows += [ids[i * size : (i + 1) * size] for i in range(n)]
-    return windows
+        windows += [(name, ids[i * size : (i + 1) * size]) for i in range(n)]
+    return windows if with_names else [w for _, w in windows]
 
 
 @dataclass
@@ -72,25 +75,114 @@ class PerplexityResult:
     method: str
     nll: float
     ppl: float
-    ppl_change: float  # relative to fp16, e.g. 0.10 = +10%
+    ppl_change: float  # relative to fp16 on the same text(s), e.g. 0.10 = +10%
     bits_per_element: float  # of the cache after the run, one window (includes full-precision parts)
     tokens_scored: int
+    text: str = "all"  # "all" or the shipped text the windows came from
 
 
-def perplexity_table(model, tokenizer, methods, prefill=1024, scored=256, per_text=2, names=TEXTS) -> list[PerplexityResult]:
-    """Decode-mode perplexity of each preset on the shipped texts, with the change against ``fp16``."""
-    windows = text_windows(tokenizer, names, prefill, scored, per_text)
-    methods = ["fp16"] + [m for m in methods if m != "fp16"]
+_WORKER: dict = {}
+
+
+def _worker_init(model_name: str | None) -> None:
+    torch.set_num_threads(1)
+    from .models import load_model
+
+    _WORKER["model"] = load_model(model_name)[0]
+
+
+def _worker_nll(cfg: KVQuantConfig, windows: list[torch.Tensor], prefill: int) -> list[torch.Tensor]:
+    return [decode_nll(_WORKER["model"], w, cfg, prefill) for w in windows]
+
+
+def perplexity_table(
+    model, tokenizer, methods, prefill=1024, scored=256, per_text=2, names=TEXTS, by_text: bool = False, jobs: int = 1
+) -> list[PerplexityResult]:
+    """Decode-mode perplexity of each method (preset name or :class:`KVQuantConfig`) on the shipped texts, with the
+    change against ``fp16``; ``fp16`` is always evaluated first.
+
+    ``by_text``: after the ``text="all"`` rows, one row per (text, method), its change against fp16 on that text.
+    ``jobs > 1``: methods run in that many worker processes (each loads the model from
+    ``model.config._name_or_path`` with one torch thread; set ``OMP_WAIT_POLICY=PASSIVE`` on small CPUs).
+    """
+    if not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
+    named = text_windows(tokenizer, names, prefill, scored, per_text, with_names=True)
+    windows = [w for _, w in named]
+    cfgs = [get_preset(m) if isinstance(m, str) else m for m in methods]
+    cfgs = [get_preset("fp16")] + [c for c in cfgs if c.name != "fp16"]
+    if jobs == 1:
+        nlls = [[decode_nll(model, w, c, prefill) for w in windows] for c in tqdm(cfgs, desc="perplexity")]
+    else:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        ctx = mp.get_context("spawn")
+        with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=(model.config._name_or_path,)) as pool:
+            futures = [pool.submit(_worker_nll, c, windows, prefill) for c in cfgs]
+            nlls = [f.result() for f in tqdm(futures, desc=f"perplexity ({jobs} processes)")]
+    groups = [("all", list(range(len(windows))))]
+    if by_text:
+        groups += [(Path(t).stem, [i for i, (n, _) in enumerate(named) if n == t]) for t in names]
     results = []
-    for m in tqdm(methods, desc="perplexity"):
-        cfg = get_preset(m) if isinstance(m, str) else m
-        nll = torch.cat([decode_nll(model, w, cfg, prefill) for w in windows]).mean().item()
-        bits = _bits_after(model, cfg, prefill + scored)
-        results.append(PerplexityResult(cfg.name, nll, math.exp(nll), 0.0, bits, len(windows) * scored))
-    base = results[0].ppl
-    for r in results:
-        r.ppl_change = r.ppl / base - 1
+    for text, idx in groups:
+        rows = []
+        for c, per_window in zip(cfgs, nlls):
+            nll = torch.cat([per_window[i] for i in idx]).mean().item()
+            rows.append(PerplexityResult(c.name, nll, math.exp(nll), 0.0, _bits_after(model, c, prefill + scored), len(idx) * scored, text))
+        for r in rows:
+            r.ppl_change = r.ppl / rows[0].ppl - 1
+        results += rows
     return results
+
+
+# ------------------------------------------------------------------------------------------- pack-time cost
+
+
+@dataclass
+class PackCost:
+    method: str
+    channel_selection: str
+    key_range: str
+    value_range: str
+    us_per_key_page: float  # one page of G tokens x D channels, one KV head (median, torch on this CPU)
+    us_per_value_page: float
+    vs_paper_rule: float  # (key + value page time) / the same with magnitude selection and min-max ranges
+
+
+def pack_cost_table(methods, head_dim: int = 64, heads: int = 3, pages: int = 8, repeats: int = 7, dtype=torch.bfloat16) -> list[PackCost]:
+    """Time to pack ``pages x heads`` pages per call with the torch quantizers, per page, for each method.
+
+    Decode attention never sees the difference (it reads the same page layout); this is the one-off cost of
+    choosing channels and ranges when a qbuffer fills, once per ``G`` tokens.
+    """
+    from .quant import quantize_key_page, quantize_value_page
+
+    g = torch.Generator().manual_seed(0)
+    cfgs = [get_preset(m) if isinstance(m, str) else m for m in methods]
+    G = cfgs[0].group_size
+    k = (torch.randn(pages, heads, G, head_dim, generator=g) * torch.linspace(0.2, 4, head_dim)).to(dtype)
+    v = torch.randn(pages, heads, G, head_dim, generator=g).to(dtype)
+    q = torch.rand(pages, heads, head_dim, generator=g) + 0.5
+
+    def median_us(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return 1e6 * sorted(times)[len(times) // 2] / (pages * heads)
+
+    rows = []
+    for c in tqdm(cfgs, desc="pack cost"):
+        c = c.for_layer(0) if c.boost_profile else c
+        tk = median_us(lambda: quantize_key_page(k, c, query_scale=q))
+        tv = median_us(lambda: quantize_value_page(v, c))
+        plain = c.with_(channel_selection="magnitude", key_range="minmax", value_range="minmax")
+        base = median_us(lambda: quantize_key_page(k, plain)) + median_us(lambda: quantize_value_page(v, plain))
+        rows.append(PackCost(c.name, c.channel_selection, c.key_range, c.value_range, tk, tv, (tk + tv) / base))
+    return rows
 
 
 def _bits_after(model, cfg, n_tokens: int) -> float:
@@ -221,6 +313,18 @@ def markdown_table(rows: list, floatfmt: str = ".3f") -> str:
     return "\n".join(lines)
 
 
+def ppl_markdown(rows: list[PerplexityResult]) -> str:
+    """Perplexity rows as one markdown table: bits, ppl and change over all windows, then the change per text."""
+    texts = list(dict.fromkeys(r.text for r in rows if r.text != "all"))
+    by = {(r.method, r.text): r for r in rows}
+    lines = ["| method | bits/element | ppl | change | " + " | ".join(f"change ({t})" for t in texts) + " |", "|---" * (4 + len(texts)) + "|"]
+    for r in rows:
+        if r.text == "all":
+            per = " | ".join(f"{100 * by[(r.method, t)].ppl_change:+.1f}%" for t in texts)
+            lines.append(f"| {r.method} | {r.bits_per_element:.3f} | {r.ppl:.2f} | {100 * r.ppl_change:+.1f}% | {per} |")
+    return "\n".join(lines)
+
+
 def write_csv(rows: list, path: Path) -> None:
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
@@ -284,7 +388,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--agreement-tokens", type=int, default=64)
     p.add_argument("--passkey-trials", type=int, default=2, help="prompts per (length, depth)")
     p.add_argument("--quick", action="store_true", help="tiny run for CI: short windows, few prompts")
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: ppl,agreement,passkey")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: ppl,agreement,passkey,pack")
+    p.add_argument("--jobs", type=int, default=1, help="worker processes for perplexity (one torch thread each)")
+    p.add_argument("--tag", default=None, help="suffix of the output files (default: full, or quick with --quick)")
     a = p.parse_args(argv)
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     for m in methods:
@@ -295,16 +401,16 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer = load_model(a.model)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = "quick" if a.quick else "full"
+    tag = a.tag or ("quick" if a.quick else "full")
     if a.quick:
         a.prefill, a.scored, a.windows_per_text = 160, 32, 1
     t0 = time.time()
     report = [f"# Kitty evaluation ({tag})\n", f"model: {a.model or 'SmolLM2-135M-Instruct (embedded)'}\n"]
     if "ppl" not in skip:
-        ppl = perplexity_table(model, tokenizer, methods, a.prefill, a.scored, a.windows_per_text)
+        ppl = perplexity_table(model, tokenizer, methods, a.prefill, a.scored, a.windows_per_text, by_text=True, jobs=a.jobs)
         write_csv(ppl, out / f"eval_ppl_{tag}.csv")
-        plot_pareto(ppl, out / f"eval_pareto_{tag}.png")
-        report += [f"## Decode perplexity (prefill {a.prefill}, {a.scored} scored tokens per window, {a.windows_per_text} windows per text)\n", markdown_table(ppl), ""]
+        plot_pareto([r for r in ppl if r.text == "all"], out / f"eval_pareto_{tag}.png")
+        report += [f"## Decode perplexity (prefill {a.prefill}, {a.scored} scored tokens per window, {a.windows_per_text} windows per text)\n", ppl_markdown(ppl), ""]
     if "agreement" not in skip:
         n_prompts, length, n_new = (2, 200, 16) if a.quick else (a.agreement_prompts, 512, a.agreement_tokens)
         prompts = agreement_prompts(tokenizer, n_prompts, length)
@@ -324,6 +430,11 @@ def main(argv: list[str] | None = None) -> None:
             totals[r.method] = (s + r.solved, t + r.total)
         report += ["## Passkey (plain form, prompts fp16 solves)\n", "| method | solved |", "|---|---|"]
         report += [f"| {m} | {s}/{t} |" for m, (s, t) in totals.items()] + [""]
+    pack_methods = [m for m in methods if get_preset(m).quantizes_keys]
+    if "pack" not in skip and pack_methods:
+        pack = pack_cost_table(pack_methods, repeats=3 if a.quick else 7)
+        write_csv(pack, out / f"eval_pack_{tag}.csv")
+        report += ["## Pack-time cost per page (torch quantizers on this CPU; decode attention is unchanged)\n", markdown_table(pack, ".1f"), ""]
     report.append(f"_{time.time() - t0:.0f} s on {torch.get_num_threads()} CPU threads_\n")
     text = "\n".join(report)
     (out / f"eval_{tag}.md").write_text(text)
