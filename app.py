@@ -250,7 +250,8 @@ def make_inspect(engine: Engine, max_prompt_tokens: int):
             cfg = kd.get_preset(method)
             layer, head = int(layer), int(head)
             keys = kd.prompt_keys(engine.model, prompt_.ids)[layer][head]  # (T, D)
-            ins = kd.inspect_keys(keys, cfg, layer, head)
+            query_scale = kd.prompt_query_scale(engine.model, prompt_.ids, cfg, layer, head)  # query-aware selections
+            ins = kd.inspect_keys(keys, cfg, layer, head, query_scale)
         except (ValueError, TypeError, IndexError) as e:
             return (str(e) if isinstance(e, kd.PromptError) else f"⚠️ {e}"), None, None, bits_table(engine, 0, 0)
         pages = pd.DataFrame([

@@ -45,6 +45,7 @@ class _Target:
 
     layer: int = -1
     cfg: KVQuantConfig | None = None
+    context: KVQuantConfig | None = None  # config of every other layer (None: exact keys)
 
 
 def fake_quantize_keys(key: torch.Tensor, query: torch.Tensor, cfg: KVQuantConfig, salt: int = 0) -> torch.Tensor:
@@ -67,8 +68,10 @@ def fake_quantize_keys(key: torch.Tensor, query: torch.Tensor, cfg: KVQuantConfi
 
 def _calibration_attention(module, query, key, value, attention_mask, **kwargs):
     """SDPA, with the target layer's keys fake-quantized (see :func:`fake_quantize_keys`)."""
-    if _Target.cfg is not None and getattr(module, "layer_idx", None) == _Target.layer:
-        key = fake_quantize_keys(key, query, _Target.cfg, salt=_Target.layer)
+    layer = getattr(module, "layer_idx", None)
+    cfg = _Target.cfg if layer == _Target.layer else _Target.context
+    if cfg is not None:
+        key = fake_quantize_keys(key, query, cfg, salt=layer)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -78,10 +81,12 @@ AttentionMaskInterface.register(CALIB_ATTN, sdpa_mask)
 
 @torch.no_grad()
 def layer_sensitivity(
-    model, ids: torch.Tensor, cfg: KVQuantConfig, counts: tuple[int, ...] = DEFAULT_COUNTS, progress: bool = True
+    model, ids: torch.Tensor, cfg: KVQuantConfig, counts: tuple[int, ...] = DEFAULT_COUNTS, progress: bool = True,
+    context: KVQuantConfig | None = None,
 ) -> torch.Tensor:
-    """``KL[l, j]``: mean KL divergence (nats/token) from fp16 when only layer ``l``'s keys are quantized by ``cfg``
-    with ``counts[j]`` boosted channels; scored on tokens past the first page. ``ids``: ``[T]`` token ids."""
+    """``KL[l, j]``: mean KL divergence (nats/token) from fp16 when layer ``l``'s keys are quantized by ``cfg`` with
+    ``counts[j]`` boosted channels and every other layer's keys by ``context`` (``None``: exact); scored on tokens
+    past the first page. ``ids``: ``[T]`` token ids."""
     from .models import kv_dims
 
     num_layers, _, head_dim = kv_dims(model.config)
@@ -93,17 +98,18 @@ def layer_sensitivity(
     previous = model.config._attn_implementation
     model.config._attn_implementation = CALIB_ATTN
     try:
-        _Target.layer, _Target.cfg = -1, None
+        _Target.layer, _Target.cfg, _Target.context = -1, None, None
         x = ids[None].to(model.device)
         ref = F.log_softmax(model(x).logits[0, first:].float(), -1)
         kl = torch.zeros(num_layers, len(counts))
+        _Target.context = context
         todo = [(l, j) for l in range(num_layers) for j in range(len(counts))]
         for l, j in tqdm(todo, desc="calibrating layers", disable=not progress):
             _Target.layer, _Target.cfg = l, cfg.with_(boost_fraction=counts[j] / head_dim, boost_profile=None)
             logp = F.log_softmax(model(x).logits[0, first:].float(), -1)
             kl[l, j] = F.kl_div(logp, ref, log_target=True, reduction="batchmean").item()
     finally:
-        _Target.layer, _Target.cfg = -1, None
+        _Target.layer, _Target.cfg, _Target.context = -1, None, None
         model.config._attn_implementation = previous
     return kl
 
@@ -150,30 +156,36 @@ def calibration_ids(tokenizer, n_tokens: int = 1024, text: str = CALIB_TEXT, off
 
 def calibrate_profile(
     model, tokenizer, base: KVQuantConfig, fractions: tuple[float, ...] = (0.125, 0.25), counts=DEFAULT_COUNTS,
-    n_tokens: int = 1024, progress: bool = True,
+    n_tokens: int = 1024, in_context: bool = True, progress: bool = True,
 ) -> dict:
-    """Measure :func:`layer_sensitivity` once and allocate a profile for each average boost fraction.
+    """Measure :func:`layer_sensitivity` and allocate a profile for each average boost fraction.
 
-    Returns a JSON-ready dict: ``profiles[str(fraction)]`` is the per-layer tuple of boost fractions.
+    ``in_context``: measure each layer with every other layer quantized at the uniform ``fraction`` (one
+    measurement per fraction), else with the other layers exact (one measurement shared by all fractions).
+    Returns a JSON-ready dict: ``profiles[str(fraction)]`` is the per-layer list of boost fractions.
     """
     from .models import kv_dims
 
     num_layers, _, head_dim = kv_dims(model.config)
     t0 = time.time()
-    kl = layer_sensitivity(model, calibration_ids(tokenizer, n_tokens), base, counts, progress)
-    profiles = {}
+    ids = calibration_ids(tokenizer, n_tokens)
+    profiles, kls = {}, {}
     for f in fractions:
         per_layer = round(f * head_dim)
-        alloc = allocate(kl, counts, per_layer * num_layers)
-        profiles[str(f)] = [c / head_dim for c in alloc]
+        if in_context or not kls:
+            context = base.with_(boost_fraction=f, boost_profile=None) if in_context else None
+            kl = layer_sensitivity(model, ids, base, counts, progress, context=context)
+        kls[str(f)] = [[round(v, 6) for v in row] for row in kl.tolist()]
+        profiles[str(f)] = [c / head_dim for c in allocate(kl, counts, per_layer * num_layers)]
     return {
         "model": getattr(model.config, "_name_or_path", ""),
         "num_layers": num_layers,
         "head_dim": head_dim,
         "text": f"assets/{CALIB_TEXT}, tokens {CALIB_OFFSET}..{CALIB_OFFSET + n_tokens}",
-        "base": {"channel_selection": base.channel_selection, "key_range": base.key_range, "sink_tokens": base.sink_tokens, "group_size": base.group_size},
+        "base": base.name,
+        "other_layers": "uniform at the profile's fraction" if in_context else "exact",
         "counts": list(counts),
-        "kl": [[round(v, 6) for v in row] for row in kl.tolist()],
+        "kl": kls,
         "profiles": profiles,
         "seconds": round(time.time() - t0, 1),
     }
@@ -184,16 +196,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default=None, help="hub id or local path (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--base", default="kitty-query+key_range=fit", help="method (preset[+field=value...]) whose selection and key ranges are calibrated")
     p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--fractions", default="0.125,0.25", help="average boost fractions to allocate (comma-separated)")
+    p.add_argument("--alone", action="store_true", help="measure each layer with the other layers exact (default: uniform)")
     p.add_argument("--out", default=None, help="JSON path (default: kitty/profiles/<model name>.json)")
     a = p.parse_args(argv)
     from .models import DEFAULT_MODEL_NAME, load_model
 
     base = get_preset(a.base)
     model, tokenizer = load_model(a.model)
-    data = calibrate_profile(model, tokenizer, base, n_tokens=a.tokens)
+    fractions = tuple(float(f) for f in a.fractions.split(","))
+    data = calibrate_profile(model, tokenizer, base, fractions, n_tokens=a.tokens, in_context=not a.alone)
     name = Path(a.model).name if a.model else DEFAULT_MODEL_NAME
     out = Path(a.out) if a.out else PROFILES_DIR / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    if out.exists():  # keep the other fractions' profiles of an earlier run with the same settings
+        old = json.loads(out.read_text())
+        if {k: old.get(k) for k in ("base", "other_layers", "counts", "text")} == {k: data[k] for k in ("base", "other_layers", "counts", "text")}:
+            data["kl"] = {**old["kl"], **data["kl"]}
+            data["profiles"] = {**old["profiles"], **data["profiles"]}
     out.write_text(json.dumps(data, indent=1) + "\n")
     for f, prof in data["profiles"].items():
         print(f"boost {f}: channels per layer {[round(x * data['head_dim']) for x in prof]}")

@@ -558,16 +558,32 @@ def prompt_keys(model, ids: torch.Tensor) -> list[torch.Tensor]:
     return [layer.keys[0].detach().cpu() for layer in cache.layers]  # each (Hkv, T, D)
 
 
-def inspect_keys(keys: torch.Tensor, cfg: KVQuantConfig, layer: int = 0, head: int = 0) -> KeyInspection:
+@torch.no_grad()
+def prompt_query_scale(model, ids: torch.Tensor, cfg: KVQuantConfig, layer: int, head: int) -> torch.Tensor | None:
+    """The per-channel query magnitude ``[D]`` a ``KittyCache`` under ``cfg`` ranks channels of ``layer``/``head`` by
+    after the prompt ``ids`` ``[1, T]`` (``None`` unless ``channel_selection`` is ``"query"`` or ``"oracle"``)."""
+    from .cache import QUERY_SELECTIONS, KittyCache
+
+    if cfg.channel_selection not in QUERY_SELECTIONS:
+        return None
+    cache = KittyCache(model.config, cfg)
+    model(ids.to(model.device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return cache.layers[layer].query_scale()[0, head].cpu()
+
+
+def inspect_keys(keys: torch.Tensor, cfg: KVQuantConfig, layer: int = 0, head: int = 0, query_scale: torch.Tensor | None = None) -> KeyInspection:
     """Boosted channels and key error of every page of ``keys`` ``[T, D]`` (one layer, one KV head) under ``cfg``.
 
     Follows the cache layout: the first ``sink_tokens`` stay full precision, then pages of ``group_size`` tokens;
     the trailing partial group (the qbuffer) is shown with the channels it would boost if quantized now.
+    ``query_scale`` ``[D]``: for query-aware selections (:func:`prompt_query_scale`). A ``boost_profile`` is
+    applied for ``layer``.
     """
     from .quant import channel_importance, dequantize_key_page, quantize_key_page, select_boosted
 
     if cfg.key_bits != 2:
         raise ValueError(f"pick a method with 2-bit keys to see boosted channels, got {cfg.name} (key_bits={cfg.key_bits})")
+    cfg = cfg.for_layer(layer)
     T, D = keys.shape
     S, G = min(cfg.sink_tokens, T), cfg.group_size
     nb = cfg.num_boosted(D)
@@ -580,7 +596,7 @@ def inspect_keys(keys: torch.Tensor, cfg: KVQuantConfig, layer: int = 0, head: i
         if usable == 0:
             continue
         chunk = chunk[:usable]
-        mask = select_boosted(channel_importance(chunk, cfg, salt=layer), nb)
+        mask = select_boosted(channel_importance(chunk, cfg, salt=layer, query_scale=query_scale), nb)
         ref = chunk.float()
         errs = []
         for c, m in ((cfg, mask), (plain, None)):

@@ -296,3 +296,26 @@ def test_cancelled_request_stops_workers_and_frees_caches(client, monkeypatch):
         time.sleep(0.1)
     assert not workers_alive()
     assert all(c.get_seq_length() == 0 for c in made)
+
+
+@pytest.mark.parametrize("method", ["kitty+channel_selection=oracle+key_range=fit", "kitty-query"])
+def test_inspector_shows_the_channels_the_cache_boosts(app_module, method):
+    """Query-aware selections need the prompt's query statistics: the inspector's boosted channels per page equal
+    the ones a KittyCache stores for that layer and head."""
+    from kitty import KittyCache
+
+    engine = app_module.get_engine(app_module.ARGS.model)
+    ids = kd.prepare_prompt(engine.tokenizer, kd.example_prompts()[1][0], True).ids
+    cfg, layer, head = kd.get_preset(method), 5, 2
+    qs = kd.prompt_query_scale(engine.model, ids, cfg, layer, head)
+    assert qs is not None and qs.shape == (engine.head_dim,)
+    ins = kd.inspect_keys(kd.prompt_keys(engine.model, ids)[layer][head], cfg, layer, head, qs)
+    cache = KittyCache(engine.model.config, cfg)
+    with torch.no_grad():
+        engine.model(ids, past_key_values=cache, use_cache=True)
+    full = [p for p in ins.pages if p.quantized]
+    assert len(full) >= 2
+    for j, p in enumerate(full):
+        page = cache.layers[layer].key_page(0, j)
+        assert p.boosted == (page.boost_idx[head].long() < page.num_boosted).nonzero().flatten().tolist()
+    assert kd.prompt_query_scale(engine.model, ids, kd.get_preset("kitty"), layer, head) is None
