@@ -132,6 +132,8 @@ def bits_table(engine: Engine, prompt_tokens: int, new_tokens: int) -> pd.DataFr
     rows = []
     n = prompt_tokens + new_tokens
     for name, cfg in PRESETS.items():
+        if cfg.boost_profile is not None and len(cfg.boost_profile) != engine.num_layers:
+            continue  # a layer-adaptive profile calibrated for another model
         a = asymptotic_bits(cfg, engine.head_dim)
         rep = analytic_report(cfg, n, engine.head_dim, engine.num_kv_heads, engine.num_layers)
         rows.append({

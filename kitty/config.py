@@ -154,8 +154,23 @@ PRESETS: dict[str, KVQuantConfig] = {
         _preset("kitty-range", "Beyond the paper (negative result): Kitty boosting the 12.5% of key channels with the widest range (max - min).", boost_fraction=0.125, channel_selection="range"),
         _preset("kitty-query", "Beyond the paper: Kitty boosting the 12.5% of key channels with the largest mean |q| x range (query-aware).", boost_fraction=0.125, channel_selection="query"),
         _preset("kitty-pro-query", "Beyond the paper: Kitty-Pro (25% boosted) with query-aware channel selection.", boost_fraction=0.25, channel_selection="query"),
+        _preset("kitty-oracle", "Beyond the paper: Kitty boosting the 12.5% of key channels whose boost removes the most expected attention-logit error (E[q^2] x error drop).", boost_fraction=0.125, channel_selection="oracle"),
+        _preset("kitty-fit", "Beyond the paper: Kitty with oracle channel selection and per-channel key ranges fitted by a clipping search (same bits as kitty).", boost_fraction=0.125, channel_selection="oracle", key_range="fit"),
+        _preset("kitty-pro-fit", "Beyond the paper: Kitty-Pro (25% boosted) with oracle channel selection and fitted key ranges (same bits as kitty-pro).", boost_fraction=0.25, channel_selection="oracle", key_range="fit"),
     )
 }
+
+
+def _adaptive(name: str, base: str, fraction: float) -> KVQuantConfig:
+    return PRESETS[base].with_(
+        name=name, boost_profile=load_boost_profile(DEFAULT_PROFILE, fraction),
+        description=f"Beyond the paper: {base} with the same total of boosted channels spread over layers by a calibrated "
+        f"profile (kitty/profiles/{DEFAULT_PROFILE}.json; models with its 30 layers only).",
+    )
+
+
+PRESETS["kitty-fit-adaptive"] = _adaptive("kitty-fit-adaptive", "kitty-fit", 0.125)
+PRESETS["kitty-pro-fit-adaptive"] = _adaptive("kitty-pro-fit-adaptive", "kitty-pro-fit", 0.25)
 
 
 def get_preset(name: str) -> KVQuantConfig:

@@ -68,3 +68,21 @@ def test_shipped_profile_spends_exactly_the_uniform_budget(fraction, preset):
     adaptive = PRESETS[preset].with_(boost_profile=prof)
     assert analytic_report(adaptive, 4096, 64, 3, 30) == analytic_report(PRESETS[preset], 4096, 64, 3, 30)
     assert len(set(prof)) > 1  # not uniform
+
+
+def test_adaptive_presets_store_as_many_bytes_as_uniform_on_the_default_model():
+    """memory_report of real caches after the same prompt: the adaptive presets cost exactly kitty's / kitty-pro's bytes."""
+    from kitty import KittyCache, load_model
+
+    model, tok = load_model()
+    ids = torch.randint(100, 5000, (1, 32 + 3 * 128 + 5))
+    reports = {}
+    for name in ("kitty", "kitty-fit-adaptive", "kitty-pro", "kitty-pro-fit-adaptive"):
+        cache = KittyCache(model.config, name)
+        with torch.no_grad():
+            model(ids, past_key_values=cache, use_cache=True)
+        reports[name] = cache.memory_report()
+        nbs = {layer.cfg.num_boosted(64) for layer in cache.layers}
+        assert (len(nbs) > 1) == ("adaptive" in name)  # adaptive layers pack different numbers of high planes
+    assert reports["kitty-fit-adaptive"] == reports["kitty"]
+    assert reports["kitty-pro-fit-adaptive"] == reports["kitty-pro"]

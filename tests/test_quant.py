@@ -292,9 +292,12 @@ def test_query_selection_weights_channels_by_mean_abs_query():
 def test_new_presets_cost_the_same_bits_as_the_paper_presets():
     from kitty import analytic_report
 
-    for new, old in [("kitty-range", "kitty"), ("kitty-query", "kitty"), ("kitty-pro-query", "kitty-pro")]:
+    pairs = [("kitty-range", "kitty"), ("kitty-query", "kitty"), ("kitty-pro-query", "kitty-pro"), ("kitty-oracle", "kitty"),
+             ("kitty-fit", "kitty"), ("kitty-pro-fit", "kitty-pro"), ("kitty-fit-adaptive", "kitty"), ("kitty-pro-fit-adaptive", "kitty-pro")]
+    for new, old in pairs:
         assert PRESETS[new].num_boosted(128) == PRESETS[old].num_boosted(128)
-        assert analytic_report(PRESETS[new], 4096, 64, 3, 30) == analytic_report(PRESETS[old], 4096, 64, 3, 30)
+        for n in (300, 4096):  # the default model's shape (30 layers, 3 KV heads, D=64)
+            assert analytic_report(PRESETS[new], n, 64, 3, 30) == analytic_report(PRESETS[old], n, 64, 3, 30)
 
 
 def test_oracle_selection_boosts_where_boosting_removes_logit_error():
