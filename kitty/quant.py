@@ -98,22 +98,38 @@ def minmax_params(x: torch.Tensor, levels: torch.Tensor | int, dim: int, dtype: 
     return scale_q, zero.to(dtype)
 
 
-CLIP_GRID = tuple(i / 32 for i in range(11))  # share of the range cut off below / above: 0 .. 0.3125
+CLIP_GRID = tuple(i / 16 for i in range(6))  # share of the range cut off below / above: 0 .. 0.3125
+REFINE_STEPS = 2  # least-squares refits of (scale, zero) after the grid search
 
 
-def fitted_params(x: torch.Tensor, levels: torch.Tensor | int, dtype: torch.dtype, grid: tuple[float, ...] = CLIP_GRID):
-    """Clipped asymmetric parameters over the last dim: the ``(scale, zero)`` with the least squared error.
+def fitted_params(x: torch.Tensor, levels: torch.Tensor | int, dtype: torch.dtype, grid: tuple[float, ...] = CLIP_GRID, refine: int = REFINE_STEPS):
+    """Clipped asymmetric parameters over the last dim: a ``(scale, zero)`` with small squared error.
 
-    Searches ``lo = min + a * range``, ``hi = max - b * range`` for every ``a, b`` in ``grid`` (min-max itself is the
-    first candidate, so the result is never worse than :func:`minmax_params`); codes clamp to ``[0, levels]``. For
-    keys (per channel) the error weight of a channel in the attention logits is a constant ``q_i^2``, and for values
-    (per token) the weight of a token in the output is its attention probability, so the least-squares fit of each
-    group is also its least logit (output) error fit. Cost: ``len(grid)**2`` quantizations of the group.
+    1. grid search: ``lo = min + a * range``, ``hi = max - b * range`` for every ``a, b`` in ``grid`` (min-max itself
+       is the first candidate, so the result is never worse than :func:`minmax_params`);
+    2. ``refine`` alternating steps: with the codes fixed, the least-squares ``scale, zero`` (a linear regression of
+       ``x`` on its codes); kept where it lowers the error.
+
+    Codes clamp to ``[0, levels]``. For keys (per channel) the error weight of a channel in the attention logits is a
+    constant ``q_i^2``, and for values (per token) the weight of a token in the output is its attention
+    probability, so the least-squares fit of each group is also its least logit (output) error fit. Cost:
+    ``len(grid)**2 + 2 * refine`` quantizations of the group.
     """
     xf = x.float()
     levels = torch.as_tensor(levels, device=x.device)
+    lv = levels[..., None] if levels.dim() else levels
     best_scale, best_zero = minmax_params(x, levels, -1, dtype)
     best_err = _sq_error(xf, best_scale, best_zero, levels)
+
+    def keep(scale: torch.Tensor, zero: torch.Tensor) -> None:
+        nonlocal best_err, best_scale, best_zero
+        scale, zero = scale.to(dtype), zero.to(dtype)
+        err = _sq_error(xf, scale, zero, levels)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_scale = torch.where(better, scale, best_scale)
+        best_zero = torch.where(better, zero, best_zero)
+
     lo0, hi0 = xf.amin(-1), xf.amax(-1)
     span = hi0 - lo0
     for a in grid:
@@ -121,12 +137,13 @@ def fitted_params(x: torch.Tensor, levels: torch.Tensor | int, dtype: torch.dtyp
             if a + b == 0 or a + b >= 0.9:
                 continue
             lo, hi = lo0 + a * span, hi0 - b * span
-            scale, zero = ((hi - lo) / levels).to(dtype), lo.to(dtype)
-            err = _sq_error(xf, scale, zero, levels)
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            best_scale = torch.where(better, scale, best_scale)
-            best_zero = torch.where(better, zero, best_zero)
+            keep((hi - lo) / levels, lo)
+    for _ in range(refine):
+        c = quantize_codes(xf, best_scale[..., None], best_zero[..., None], lv).float()
+        cc, xc = c - c.mean(-1, keepdim=True), xf - xf.mean(-1, keepdim=True)
+        var = cc.square().sum(-1)
+        scale = torch.where(var > 0, (cc * xc).sum(-1) / var.clamp_min(1e-30), best_scale.float()).clamp_min(0)
+        keep(scale, xf.mean(-1) - scale * c.mean(-1))
     return best_scale, best_zero
 
 
@@ -232,13 +249,20 @@ def channel_importance(k: torch.Tensor, cfg: KVQuantConfig, salt: int = 0, query
     if sel == "query":
         return qs.expand(kf.shape[:-2] + kf.shape[-1:]) * (kf.amax(-2) - kf.amin(-2))
     if sel == "oracle":
-        x = k.transpose(-1, -2)  # (..., D, G)
-        gain = 0.0
-        for levels, sign in ((2**cfg.key_bits - 1, 1.0), (2**cfg.boost_bits - 1, -1.0)):
-            scale, zero = range_params(x, levels, k.dtype, cfg.key_range)
-            gain = gain + sign * _sq_error(x.float(), scale, zero, levels)
-        return qs.square() * gain
+        return _oracle_scores(k.transpose(-1, -2), _both_precisions(k, cfg), qs)
     raise ValueError(f"channel_selection {sel!r} has no importance rule")
+
+
+def _both_precisions(k: torch.Tensor, cfg: KVQuantConfig) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Per-channel ``(scale, zero)`` of keys ``[..., G, D]`` at the low and at the boosted precision, by levels."""
+    x = k.transpose(-1, -2)  # (..., D, G): one row per channel
+    return {lv: range_params(x, lv, k.dtype, cfg.key_range) for lv in (2**cfg.key_bits - 1, 2**cfg.boost_bits - 1)}
+
+
+def _oracle_scores(x: torch.Tensor, params: dict[int, tuple[torch.Tensor, torch.Tensor]], query_scale: torch.Tensor) -> torch.Tensor:
+    """``query_scale**2 * (err_low - err_high)`` per channel row of ``x`` ``[..., D, G]`` (see channel_importance)."""
+    (lo, p_lo), (hi, p_hi) = sorted(params.items())
+    return query_scale.square() * (_sq_error(x.float(), *p_lo, lo) - _sq_error(x.float(), *p_hi, hi))
 
 
 def select_boosted(importance: torch.Tensor, num_boosted: int) -> torch.Tensor:
@@ -275,13 +299,23 @@ def quantize_key_page(
         u8 = torch.empty(0, dtype=torch.uint8, device=k.device)
         return KeyPage(u8, u8, u8, empty, empty, k.clone(), k.dtype)
     nb = cfg.num_boosted(D)
+    x = k.transpose(-1, -2)  # (..., D, G): one row per channel
+    both = None  # oracle selection fits both precisions of every channel: reuse them rather than fit again
     if boost_mask is None and nb in (0, D):  # nothing to choose
         boost_mask = torch.full((*lead, D), nb == D, dtype=torch.bool, device=k.device)
+    elif boost_mask is None and cfg.channel_selection == "oracle":
+        if query_scale is None:
+            channel_importance(k, cfg, salt, query_scale)  # raises the ValueError naming query_scale
+        both = _both_precisions(k, cfg)
+        boost_mask = select_boosted(_oracle_scores(x, both, query_scale.float().to(k.device)), nb)
     elif boost_mask is None:
         boost_mask = select_boosted(channel_importance(k, cfg, salt, query_scale), nb)
     levels = torch.where(boost_mask, 2**cfg.boost_bits - 1, 2**cfg.key_bits - 1)  # [..., D]
-    x = k.transpose(-1, -2)  # (..., D, G): one row per channel
-    scale, zero = range_params(x, levels, k.dtype, cfg.key_range)  # scale/zero in the input dtype
+    if both is None:
+        scale, zero = range_params(x, levels, k.dtype, cfg.key_range)  # scale/zero in the input dtype
+    else:  # the same per-channel fits as range_params(x, levels) would compute (fits are per channel row)
+        (lo, p_lo), (hi, p_hi) = sorted(both.items())
+        scale, zero = (torch.where(boost_mask, h, l) for h, l in zip(p_hi, p_lo))
     codes = quantize_codes(x, scale[..., None], zero[..., None], levels[..., None])  # (..., D, G) uint8
     low = pack_2bit(codes & 0x3)
     boosted_channels = boost_mask.nonzero()[:, -1].reshape(*lead, nb)  # (..., nb) ascending channel index
