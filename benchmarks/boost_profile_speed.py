@@ -118,6 +118,7 @@ def main() -> None:
            "shape": {"Hq": HQ, "Hkv": HKV, "D": D, "layers": LAYERS}, "per_nb": per_nb, "summary": summary}
     name = gpu.split()[-1].lower()
     path = os.path.join(a.out, f"boost_profile_{name}.json")
+    os.makedirs(a.out, exist_ok=True)
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
     print("wrote", path)
