@@ -378,7 +378,7 @@ def plot_passkey(results: list[PasskeyResult], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m kitty.eval", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="hub id or local path (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--methods", default=",".join(PRESETS), help="comma-separated presets")
+    p.add_argument("--methods", default=None, help="comma-separated presets, each optionally +field=value... (default: all presets that fit the model)")
     p.add_argument("--out", default=str(ASSETS), help="folder for results (markdown, CSV, plots)")
     p.add_argument("--prefill", type=int, default=1024)
     p.add_argument("--scored", type=int, default=256)
@@ -392,13 +392,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--jobs", type=int, default=1, help="worker processes for perplexity (one torch thread each)")
     p.add_argument("--tag", default=None, help="suffix of the output files (default: full, or quick with --quick)")
     a = p.parse_args(argv)
-    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    methods = [m.strip() for m in (a.methods or ",".join(PRESETS)).split(",") if m.strip()]
     for m in methods:
         get_preset(m)  # ValueError naming the choices
     skip = set(a.skip.split(",")) - {""}
-    from .models import load_model
+    from .models import kv_dims, load_model
 
     model, tokenizer = load_model(a.model)
+    num_layers = kv_dims(model.config)[0]
+    if a.methods is None:  # layer-adaptive presets are calibrated for one model: keep those that fit this one
+        methods = [m for m in methods if PRESETS[m].boost_profile is None or len(PRESETS[m].boost_profile) == num_layers]
+    for m in methods:
+        get_preset(m).for_layer(0, num_layers)  # ValueError naming boost_profile before any work
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = a.tag or ("quick" if a.quick else "full")
