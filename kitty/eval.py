@@ -150,8 +150,10 @@ class PackCost:
     vs_paper_rule: float  # (key + value page time) / the same with magnitude selection and min-max ranges
 
 
-def pack_cost_table(methods, head_dim: int = 64, heads: int = 3, pages: int = 8, repeats: int = 7, dtype=torch.bfloat16) -> list[PackCost]:
-    """Time to pack ``pages x heads`` pages per call with the torch quantizers, per page, for each method.
+def pack_cost_table(methods, head_dim: int = 64, heads: int = 3, pages: int = 8, repeats: int = 7, dtype=torch.bfloat16,
+                    device: str | torch.device = "cpu") -> list[PackCost]:
+    """Time to pack ``pages x heads`` pages per call with the torch quantizers, per page, for each method
+    (on ``device``; CUDA calls are synchronized before the clock stops).
 
     Decode attention never sees the difference (it reads the same page layout); this is the one-off cost of
     choosing channels and ranges when a qbuffer fills, once per ``G`` tokens.
@@ -161,16 +163,19 @@ def pack_cost_table(methods, head_dim: int = 64, heads: int = 3, pages: int = 8,
     g = torch.Generator().manual_seed(0)
     cfgs = [get_preset(m) if isinstance(m, str) else m for m in methods]
     G = cfgs[0].group_size
-    k = (torch.randn(pages, heads, G, head_dim, generator=g) * torch.linspace(0.2, 4, head_dim)).to(dtype)
-    v = torch.randn(pages, heads, G, head_dim, generator=g).to(dtype)
-    q = torch.rand(pages, heads, head_dim, generator=g) + 0.5
+    k = (torch.randn(pages, heads, G, head_dim, generator=g) * torch.linspace(0.2, 4, head_dim)).to(device, dtype)
+    v = torch.randn(pages, heads, G, head_dim, generator=g).to(device, dtype)
+    q = (torch.rand(pages, heads, head_dim, generator=g) + 0.5).to(device)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
 
     def median_us(fn) -> float:
         fn()
         times = []
         for _ in range(repeats):
+            sync()
             t0 = time.perf_counter()
             fn()
+            sync()
             times.append(time.perf_counter() - t0)
         return 1e6 * sorted(times)[len(times) // 2] / (pages * heads)
 
