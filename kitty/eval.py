@@ -181,7 +181,7 @@ def pack_cost_table(methods, head_dim: int = 64, heads: int = 3, pages: int = 8,
 
     rows = []
     for c in tqdm(cfgs, desc="pack cost"):
-        c = c.for_layer(0) if c.boost_profile else c
+        c = c.with_(boost_profile=None) if c.boost_profile else c  # a profile's average layer: the uniform budget
         tk = median_us(lambda: quantize_key_page(k, c, query_scale=q))
         tv = median_us(lambda: quantize_value_page(v, c))
         plain = c.with_(channel_selection="magnitude", key_range="minmax", value_range="minmax")
