@@ -10,8 +10,8 @@ KV heads, D=64), and compares one decode step summed over the 30 layers: uniform
 against the profile (the same 240 channels in total), and the same for ``kitty-pro`` (16 / 480).
 
 Page contents do not change what the kernel reads, so the states are packed with magnitude selection and min-max
-ranges (the layout of every selection). Timing: median of 30 replays of a CUDA graph of many calls rotating over
-4 states per ``nb`` (more than the L2 cache). Also checks each state's output against the torch reference.
+ranges (the layout of every selection). Timing: ``benchmarks/kernels.py``'s ``bench`` (median of 30 replays of a
+CUDA graph of many calls) rotating over 4 states per ``nb`` (more than the L2 cache). Also checks each state's output against the torch reference.
 Writes ``boost_profile_<gpu>.json`` and prints a table.
 """
 
@@ -26,43 +26,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+import benchmarks.kernels as bk  # noqa: E402  (bench: median of CUDA-graph replays over rotating inputs)
 from kernels import decode_attention, decode_attention_ref  # noqa: E402
 from kernels.testing import make_state  # noqa: E402
 from kitty.config import DEFAULT_PROFILE, PRESETS, load_boost_profile  # noqa: E402
 
 HQ, HKV, D, LAYERS = 9, 3, 64, 30
 DEV = "cuda"
-
-
-def time_calls(fns, reps: int = 30, calls: int = 200) -> float:
-    """Median seconds per call over ``reps`` replays of a CUDA graph of ``calls`` calls rotating over ``fns``."""
-    if DEV == "cpu":  # --cpu-smoke: plumbing only
-        fns[0]()
-        return float("nan")
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fns[i % len(fns)]()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3 / calls)
-    return sorted(times)[reps // 2]
 
 
 def main() -> None:
@@ -75,7 +45,7 @@ def main() -> None:
     global DEV
     if a.cpu_smoke:
         assert os.environ.get("TRITON_INTERPRET") == "1", "--cpu-smoke needs TRITON_INTERPRET=1"
-        DEV = "cpu"
+        DEV = bk.DEV = "cpu"
     else:
         assert torch.cuda.is_available(), "needs a CUDA GPU"
     B, L = a.batch, a.context
@@ -102,7 +72,7 @@ def main() -> None:
             states.append(st)
             qs.append(q)
             del k, v
-        t = time_calls([lambda st=st, q=q: decode_attention(q, st, cfg, backend="triton") for st, q in zip(states, qs)])
+        t = bk.bench([lambda st=st, q=q: decode_attention(q, st, cfg, backend="triton") for st, q in zip(states, qs)])
         per_nb[nb] = {"us": t * 1e6, "max_abs_err_vs_ref": max_err}
         print(f"nb={nb:2d}: {t * 1e6:8.2f} us per layer call (B={B}, L={L}), max |out - ref| {max_err:.2e}", flush=True)
         del states, qs
