@@ -116,16 +116,7 @@ def bench(fns, reps: int = 30, target_ms: float = 3.0) -> float:
                 fns[i % len(fns)]()
     run()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3 / calls)
-    times.sort()
-    return times[len(times) // 2]
+    return event_median(run, reps) / calls
 
 
 def bench_eager(fn, reps: int = 20) -> float:
@@ -137,11 +128,16 @@ def bench_eager(fn, reps: int = 20) -> float:
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
+    return event_median(fn, reps)
+
+
+def event_median(run, reps: int) -> float:
+    """Median seconds of ``reps`` calls of ``run``, each between two CUDA events."""
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        run()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e-3)

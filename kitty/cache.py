@@ -196,10 +196,9 @@ class KittyLayer(CacheLayerMixin):
         self.value_pool = PagePool(value_fields, device, self.max_pages, "value")
         self.k_page_table = torch.full((B, 0), -1, dtype=torch.int32, device=device)
         self.v_page_table = torch.full((B, 0), -1, dtype=torch.int32, device=device)
-        # channel_selection="query"/"oracle": running sums of |q| and q^2 per (row, KV head, channel) over the GQA
-        # group, and their count
-        self.q_abs_sum = torch.zeros(B, H, D, dtype=torch.float32, device=device)
-        self.q_sq_sum = torch.zeros(B, H, D, dtype=torch.float32, device=device)
+        # channel_selection="query"/"oracle": running sum of |q| ("query") or q^2 ("oracle") per (row, KV head,
+        # channel) over the GQA group, and its count
+        self.q_stat_sum = torch.zeros(B, H, D, dtype=torch.float32, device=device)
         self.q_count = torch.zeros(B, 1, 1, dtype=torch.float32, device=device)
         self.seen_tokens = 0
         self.is_initialized = True
@@ -249,8 +248,7 @@ class KittyLayer(CacheLayerMixin):
             self.v_page_table = self.v_page_table[:, :0]
             self.key_pool.reset()
             self.value_pool.reset()
-            self.q_abs_sum.zero_()
-            self.q_sq_sum.zero_()
+            self.q_stat_sum.zero_()
             self.q_count.zero_()
         self.seen_tokens = 0
 
@@ -432,9 +430,9 @@ class KittyLayer(CacheLayerMixin):
         B, Hq, T, D = query.shape
         H = self.num_kv_heads
         w = valid.to(device=query.device, dtype=torch.float32)[:, None, None, :, None]  # (B, 1, 1, T, 1)
-        a = query.float().abs().view(B, H, Hq // H, T, D)  # (B, Hkv, group, T, D)
-        self.q_abs_sum += (a * w).sum((2, 3))
-        self.q_sq_sum += (a.square() * w).sum((2, 3))
+        q = query.float().view(B, H, Hq // H, T, D)  # (B, Hkv, group, T, D)
+        stat = q.abs() if self.cfg.channel_selection == "query" else q.square()
+        self.q_stat_sum += (stat * w).sum((2, 3))
         self.q_count += (w.sum((1, 2, 3, 4)) * (Hq // H))[:, None, None]
 
     def query_scale(self, rows: torch.Tensor | list[int] | None = None) -> torch.Tensor | None:
@@ -443,8 +441,8 @@ class KittyLayer(CacheLayerMixin):
         sel = self.cfg.channel_selection
         if sel not in QUERY_SELECTIONS:
             return None
-        count = self.q_count.clamp_min(1)
-        scale = self.q_abs_sum / count if sel == "query" else (self.q_sq_sum / count).sqrt()
+        mean = self.q_stat_sum / self.q_count.clamp_min(1)
+        scale = mean if sel == "query" else mean.sqrt()
         return scale if rows is None else scale[rows]
 
     def _store(self, pool: PagePool, table: torch.Tensor, dest: list[tuple[int, int, int]], fields: dict[str, torch.Tensor]) -> None:

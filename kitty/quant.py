@@ -243,14 +243,19 @@ def channel_importance(k: torch.Tensor, cfg: KVQuantConfig, salt: int = 0, query
     kf = k.float()
     if sel == "range":
         return kf.amax(-2) - kf.amin(-2)
-    if query_scale is None:
-        raise ValueError(f"channel_selection={sel!r} needs query_scale [..., D] (per-channel query magnitude of the GQA group)")
-    qs = query_scale.float().to(k.device)
+    qs = _require_query_scale(cfg, query_scale, k.device)
     if sel == "query":
         return qs.expand(kf.shape[:-2] + kf.shape[-1:]) * (kf.amax(-2) - kf.amin(-2))
     if sel == "oracle":
         return _oracle_scores(k.transpose(-1, -2), _both_precisions(k, cfg), qs)
     raise ValueError(f"channel_selection {sel!r} has no importance rule")
+
+
+def _require_query_scale(cfg: KVQuantConfig, query_scale: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """``query_scale`` as fp32 on ``device``; a ``ValueError`` naming it if a query-aware selection lacks it."""
+    if query_scale is None:
+        raise ValueError(f"channel_selection={cfg.channel_selection!r} needs query_scale [..., D] (per-channel query magnitude of the GQA group)")
+    return query_scale.float().to(device)
 
 
 def _both_precisions(k: torch.Tensor, cfg: KVQuantConfig) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -304,10 +309,9 @@ def quantize_key_page(
     if boost_mask is None and nb in (0, D):  # nothing to choose
         boost_mask = torch.full((*lead, D), nb == D, dtype=torch.bool, device=k.device)
     elif boost_mask is None and cfg.channel_selection == "oracle":
-        if query_scale is None:
-            channel_importance(k, cfg, salt, query_scale)  # raises the ValueError naming query_scale
+        qs = _require_query_scale(cfg, query_scale, k.device)
         both = _both_precisions(k, cfg)
-        boost_mask = select_boosted(_oracle_scores(x, both, query_scale.float().to(k.device)), nb)
+        boost_mask = select_boosted(_oracle_scores(x, both, qs), nb)
     elif boost_mask is None:
         boost_mask = select_boosted(channel_importance(k, cfg, salt, query_scale), nb)
     levels = torch.where(boost_mask, 2**cfg.boost_bits - 1, 2**cfg.key_bits - 1)  # [..., D]

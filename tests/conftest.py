@@ -7,6 +7,7 @@ a package of that name), so the variable is set here, before any test module is 
 """
 
 import os
+import socket
 
 import pytest
 import torch
@@ -21,3 +22,18 @@ def default_model():
     from kitty.models import load_model
 
     return load_model()
+
+
+@pytest.fixture(scope="session")
+def demo_url():
+    """URL of the Gradio demo (``app.demo``) served in-process on a free local port for the test session."""
+    import app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app.demo.launch(prevent_thread_lock=True, server_port=port, quiet=True, **app.LAUNCH_STYLE)
+    try:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        app.demo.close()

@@ -1,6 +1,6 @@
 """The Gradio demo, driven over HTTP with ``gradio_client`` as a user's browser would, plus its streaming logic.
 
-The app is launched in-process once for the module (the model loads once, at import of ``app``). Expected values
+The app is launched in-process once for the test session (``demo_url`` in conftest) (the model loads once, at import of ``app``). Expected values
 come from the library itself: a :class:`kitty.KittyCache` of the same preset run through ``model.generate`` on the
 same prompt, greedy, for the same number of tokens.
 """
@@ -12,7 +12,6 @@ import os
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import socket  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 
@@ -31,12 +30,6 @@ NEW = 6  # small: each generation is 3 columns x NEW decode steps on a 2-core CP
 METHODS = list(kd.DEFAULT_METHODS)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def app_module():
     import app
@@ -45,15 +38,10 @@ def app_module():
 
 
 @pytest.fixture(scope="module")
-def client(app_module):
+def client(app_module, demo_url):
     from gradio_client import Client
 
-    port = free_port()
-    app_module.demo.launch(prevent_thread_lock=True, server_port=port, quiet=True, **app_module.LAUNCH_STYLE)
-    try:
-        yield Client(f"http://127.0.0.1:{port}/", verbose=False)
-    finally:
-        app_module.demo.close()
+    return Client(demo_url, verbose=False)
 
 
 def args(prompt: str, new: int = NEW, chat: bool = True, methods=METHODS) -> tuple:

@@ -13,7 +13,6 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import re  # noqa: E402
-import socket  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -29,24 +28,6 @@ pytestmark = [
     pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is missing (`make chromium` installs Debian's chromium)"),
     pytest.mark.timeout(300),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def url():
-    import app
-
-    port = free_port()
-    app.demo.launch(prevent_thread_lock=True, server_port=port, quiet=True, **app.LAUNCH_STYLE)
-    try:
-        yield f"http://127.0.0.1:{port}/"
-    finally:
-        app.demo.close()
 
 
 def parse_readout(text: str) -> dict:
@@ -66,7 +47,7 @@ def parse_readout(text: str) -> dict:
     return out
 
 
-def test_generate_in_browser(url, tmp_path):
+def test_generate_in_browser(demo_url, tmp_path):
     from playwright.sync_api import sync_playwright
 
     import app
@@ -79,7 +60,7 @@ def test_generate_in_browser(url, tmp_path):
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1500})
-            page.goto(url)
+            page.goto(demo_url)
             page.wait_for_selector("#generate")
             page.get_by_text("Long document + question (essay excerpt)").first.click()
             page.wait_for_function("document.querySelector('#prompt textarea').value.length > 1000")

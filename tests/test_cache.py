@@ -397,7 +397,7 @@ def test_oracle_selection_keeps_query_second_moments():
     page = layer.key_page(1, 0)
     assert (page.boost_idx.long() < 1).nonzero()[:, -1].tolist() == [12] * HKV
     cache.reset()
-    assert layer.q_sq_sum.abs().sum() == 0
+    assert layer.query_scale().abs().sum() == 0
 
 
 def test_layer_adaptive_profile_moves_boost_between_layers_at_equal_bits():
