@@ -3,28 +3,46 @@
 The paper (§4.3, step 2) computes decode attention with a ``qk`` kernel, a torch softmax and an ``sv`` kernel, one
 program per (batch, KV head) walking every page serially, and leaves fusion as future work. This kernel fuses it:
 for each row's new query token it reads the storage of ``docs/LAYOUT.md`` directly -- the full-precision sink, the
-key/value pages through the page tables (dequantized in registers by Algorithm 1, ``kernels/_tiles.py``), the key
-and value qbuffers and the value local window -- and never writes scores to memory.
+key/value pages through the page tables, the key and value qbuffers and the value local window -- and never writes
+scores to memory. Program = (row b, KV head h, split); the QH = Hq/Hkv query heads of h share every load.
 
-Algorithm (program = (row b, KV head h, split); all QH = Hq/Hkv query heads of h share every load):
+Decode attention reads each cached byte once and does little arithmetic with it, so the kernel is fast only if
+turning 2-bit codes into tensor-core operands costs about one instruction per code. Three identities make that so:
 
-    n = lengths[b];  m = max(n - S, 0);  pk = m // G (key pages);  mv = max(m - R, 0);  pv = mv // G (value pages)
-    token blocks jb = 0 .. ceil(m / BLOCK_N) - 1 (BLOCK_N divides G: page j = jb // (G/BLOCK_N), offset n0 in it)
-    cover positions S + jb*BLOCK_N + t; split s takes a contiguous run of them
-    m_i = -inf; l_i = 0; acc = 0                                  # per query head, fp32
-    if s == 0 and S > 0: attend(sink_k, sink_v, positions < min(n, S))
-    for jb in run(s):                                            # three loops, no branch in the hot one
-        K^T = j < pk ? Algorithm1(k_pages[k_page_table[b, j]], n0) : k_qbuf[b, h][(p - S) % G]
-        V   = j < pv ? dequant(v_pages[v_page_table[b, j]], n0)  : p - S < mv ? v_qbuf[b, h][(p - S) % G]
-                                                                  : v_local[b, h][(p - S) % R]
-        s_  = q @ K^T * scaling / ln 2 ; masked where p >= n
-        m_new = max(m_i, rowmax(s_)); p_ = 2^(s_ - m_new); alpha = 2^(m_i - m_new)
-        l_i = alpha * l_i + rowsum(p_);  acc = alpha * acc + p_ @ V;  m_i = m_new
-    write (m_i, l_i, acc) of the split
-    reduce over splits:  out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,  M = max_s m_s
+1. **Token order inside a page is free.** Softmax and ``P @ V`` do not change when the tokens of a page are permuted,
+   as long as keys and values follow the same permutation. A key plane byte holds tokens ``4i .. 4i+3`` of one
+   channel (token ``4i+s`` at bits ``2s``), so ``(byte >> 2s) & 3`` over the page's ``(D, G/4)`` bytes *is* the
+   ``K^T`` tile of the tokens ``{4i + s}``: a page is four "quarters" of ``G/4`` tokens, each a plain tile of the
+   same shape as the bytes, with no reshape or interleave. Values of quarter ``s`` are the value rows ``4i + s``
+   (an address change only). A value byte holds channels ``4j .. 4j+3`` of one token, so ``(byte >> 2r) & 3`` is
+   the ``(G/4, D/4)`` tile of channels ``{4j + r}``: ``P @ V`` is accumulated per channel quarter and interleaved
+   once, when the split's result is stored.
+2. **Scale and zero off the per-code path** (keys: per channel ``c`` of a page, values: per token ``t``)::
 
-The torch reference ``decode_attention_ref`` dequantizes with ``kitty.quant``, assembles position-ordered K/V per
-row and runs softmax attention in fp32 (``upcast=True``) or in the model dtype (``upcast=False``, for tolerances).
+       q . k_t   = sum_c (q_c scale_c) code_ct + sum_c q_c zero_c        (+ 4 (q scale)_c high_ct, boosted c)
+       p . V[:,c] = sum_t (p_t scale_t) code_tc + sum_t p_t zero_t
+
+   so the big operands are exact small integers; ``q * scale`` is formed once per page, ``p * scale`` once per
+   quarter, and the boosted channels' high bits are a second, small product over the compact high plane
+   (``q'`` gathered to the boosted channels' slots by a one-hot product with ``boost_idx``).
+3. **Magic-number conversion.** ``0x6400 | code`` read as fp16 is ``1024 + code``, ``0x4300 | code`` as bf16
+   ``128 + code``. One inline-PTX block turns four packed bytes into four such values (a shift, two byte permutes
+   that also insert the constant byte, two ANDs): about 1.25 instructions per code. The constant offset ``OFF``
+   is removed after the product, ``dot(x, OFF + code) = OFF * sum(x) + dot(x, code)``, from ``sum(x)`` of the
+   same rounded ``x`` (fp32 accumulation keeps ~14 of its 24 bits past the offset: far below fp16 rounding).
+   Under ``TRITON_INTERPRET=1`` the same values come from plain integer ops.
+
+Per program (``m`` = tokens past the sink, ``pk = m // G`` full key pages, ``pv = max(m - R, 0) // G`` full value
+pages; split ``s`` owns a contiguous run of the ``cdiv(m, G)`` page slots)::
+
+    for page j in run:   j < pv:  quantized keys, quantized values        (the hot loop: no branches)
+                         j < pk:  quantized keys, values from v_qbuf / v_local (full precision)
+                         else:    keys from k_qbuf (masked past m), values full precision
+        4 quarters: scores (base-2 logits) -> one online-softmax step for the page -> P @ V per quarter
+    split 0: the sink;  write (m_i, l_i, acc) of the split;  a second kernel reduces the splits.
+
+The torch reference ``decode_attention_ref`` (``kernels/reference.py``) dequantizes with ``kitty.quant``,
+assembles position-ordered K/V per row and runs softmax attention in fp32.
 """
 
 from __future__ import annotations
@@ -38,17 +56,7 @@ import triton.language as tl
 
 from kitty.config import KVQuantConfig
 
-from ._tiles import (
-    _key_from_raw,
-    _key_page_T,
-    _key_scores_folded,
-    _load_key_raw,
-    _load_value_raw,
-    _pv_folded,
-    _value_from_raw,
-    _value_page,
-    cast_to,
-)
+from ._tiles import INTERPRET, cast_to
 from .reference import KittyLayerState, check_state, decode_attention_ref  # noqa: F401 (re-exported)
 
 __all__ = ["KittyLayerState", "decode_attention", "decode_attention_ref", "decode_attention_triton", "triton_supports"]
@@ -57,38 +65,218 @@ LOG2E = 1.4426950408889634  # 1 / ln 2: softmax in base 2
 _TLTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-# ------------------------------------------------------------------------------------------------ the kernels
+# ------------------------------------------------------------------------------------- codes -> MMA operands
+
+
+def magic_code(dtype: torch.dtype, bits: int, shift: int) -> tuple[str, float, float]:
+    """``(asm, OFF, UNIT)`` for turning codes ``(byte >> shift) & (2**bits - 1)`` into ``OFF + UNIT * code``.
+
+    ``asm`` is one PTX block for ``tl.inline_asm_elementwise(..., pack=4)``: its input ``$2`` holds four bytes,
+    its outputs ``$0``/``$1`` two 16-bit values each. The bytes are shifted, spread into the low bytes of 16-bit
+    lanes by ``prmt``, whose other source supplies the high byte of ``OFF`` (fp16 ``0x64`` = 1024, bf16 ``0x43`` =
+    128), and one AND keeps the code bits: each lane is then the 16-bit float ``OFF + code`` (``UNIT`` = 1), exact.
+    ``asm`` is ``""`` where no such trick applies (fp32 operands): the kernel converts plainly.
+    """
+    if dtype == torch.float16:
+        hi, off = 0x64, 1024.0
+    elif dtype == torch.bfloat16:
+        hi, off = 0x43, 128.0
+    else:
+        return "", 0.0, 1.0
+    mask = (0xFF00 | ((1 << bits) - 1)) * 0x10001  # keep the OFF byte and the code bits of both lanes
+    asm = ("{ .reg .b32 t, c; "
+           f"mov.b32 c, 0x{hi * 0x01010101:08X}; shr.b32 t, $2, {shift}; "
+           "prmt.b32 $0, t, c, 0x4140; prmt.b32 $1, t, c, 0x4342; "
+           f"and.b32 $0, $0, 0x{mask:08X}; and.b32 $1, $1, 0x{mask:08X}; }}")
+    return asm, off, 1.0
 
 
 @triton.jit
-def _softmax_step(s, valid, m_i, l_i):
-    """Online-softmax bookkeeping for base-2 scores ``s`` (BLOCK_H, N): returns (p, alpha, m_new, l_new)."""
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+def _codes(b, SHIFT: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, OFF: tl.constexpr, UNIT: tl.constexpr,
+           DOT: tl.constexpr):
+    """``OFF + UNIT * ((b >> SHIFT) & (2^BITS - 1))`` in ``DOT`` for a uint8 tensor ``b`` (see :func:`magic_code`)."""
+    if INTERPRET or ASM == "":
+        c = ((b.to(tl.int32) >> SHIFT) & ((1 << BITS) - 1)).to(tl.float32)
+        y = (c * UNIT + OFF).to(DOT)
+    elif DOT == tl.float16:
+        y = tl.inline_asm_elementwise(ASM, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        y = tl.inline_asm_elementwise(ASM, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
+    return y
 
 
 @triton.jit
-def _attend(q, kT, v, valid, m_i, l_i, acc, qk_scale, DOT_DTYPE: tl.constexpr):
-    """One online-softmax step: scores ``q @ kT`` (BLOCK_H, N), masked by ``valid`` (N,), values ``v`` (N, D)."""
-    s = tl.dot(q, kT.to(DOT_DTYPE)) * qk_scale  # (BLOCK_H, N) fp32, base-2 logits
-    p, alpha, m_i, l_i = _softmax_step(s, valid, m_i, l_i)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE))
-    return m_i, l_i, acc
+def _mm(a, b, DOT: tl.constexpr):
+    """``a @ b`` in fp32 on the tensor cores (``tl.dot`` needs a reduction length >= 16), else as a broadcast sum."""
+    if a.shape[1] >= 16:
+        if DOT == tl.float32:
+            y = tl.dot(a, b, input_precision="ieee")
+        else:
+            y = tl.dot(a, b)
+    else:
+        y = tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
+    return y
+
+
+# ------------------------------------------------------------------------------------------- one page, keys
+
+
+@triton.jit
+def _key_page_scores(q, q32, low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, raw_ptr, pbase, qk_scale,
+                     G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr, KEY_RAW: tl.constexpr,
+                     DOT: tl.constexpr, KA0: tl.constexpr, KA1: tl.constexpr, KA2: tl.constexpr, KA3: tl.constexpr,
+                     KOFF: tl.constexpr, KUNIT: tl.constexpr):
+    """Base-2 logits ``(BLOCK_H, G/4)`` of the four token quarters ``{4i + s}`` of one key page (``pbase`` = pool
+    page * Hkv + head, int64), from the 2-bit planes (or ``k_raw`` rows when ``KEY_RAW``)."""
+    G4: tl.constexpr = G // 4
+    d = tl.arange(0, D)
+    i = tl.arange(0, G4)
+    if KEY_RAW:  # k_raw [P, Hkv, G, D]: quarter s = rows 4i + s
+        base = raw_ptr + pbase * (G * D) + d[:, None]
+        s0 = _mm(q, tl.load(base + (4 * i)[None, :] * D).to(DOT), DOT) * qk_scale
+        s1 = _mm(q, tl.load(base + (4 * i + 1)[None, :] * D).to(DOT), DOT) * qk_scale
+        s2 = _mm(q, tl.load(base + (4 * i + 2)[None, :] * D).to(DOT), DOT) * qk_scale
+        s3 = _mm(q, tl.load(base + (4 * i + 3)[None, :] * D).to(DOT), DOT) * qk_scale
+    else:
+        scale = tl.load(scale_ptr + pbase * D + d).to(tl.float32)
+        zero = tl.load(zero_ptr + pbase * D + d).to(tl.float32)
+        qs = (q32 * scale[None, :]).to(DOT)  # (BLOCK_H, D): q * scale, once per page
+        qs32 = qs.to(tl.float32)
+        corr = tl.sum(qs32, 1)  # the OFF term of every code's product
+        low = tl.load(low_ptr + pbase * (D * G4) + d[:, None] * G4 + i[None, :])  # (D, G/4) bytes
+        if NB > 0:
+            # int32 before any arithmetic: uint8 slot * row bytes wraps at 256 (the paper kernel's slot-8 alias)
+            idx = tl.load(idx_ptr + pbase * D + d).to(tl.int32)
+            corr += 4.0 * tl.sum(tl.where((idx < NB)[None, :], qs32, 0.0), 1)
+            slots = tl.arange(0, NBP)
+            if NB == D:  # 4-bit keys: every channel, slots in channel order
+                qb4 = (qs32 * 4.0).to(DOT)
+            else:  # q' of the boosted channels at their slots: a one-hot product, exact
+                sel = (idx[:, None] == slots[None, :]).to(DOT)  # (D, NBP)
+                qb4 = (_mm(qs, sel, DOT) * 4.0).to(DOT)
+            high = tl.load(high_ptr + pbase * (NB * G4) + slots[:, None] * G4 + i[None, :],
+                           mask=(slots < NB)[:, None], other=0)  # (NBP, G/4) bytes of the compact high plane
+        qz = tl.sum(q32 * zero[None, :], 1)
+        a = qk_scale / KUNIT
+        bias = (qz - corr * (KOFF / KUNIT)) * qk_scale  # (BLOCK_H,)
+        s0 = _mm(qs, _codes(low, 0, 2, KA0, KOFF, KUNIT, DOT), DOT)
+        s1 = _mm(qs, _codes(low, 2, 2, KA1, KOFF, KUNIT, DOT), DOT)
+        s2 = _mm(qs, _codes(low, 4, 2, KA2, KOFF, KUNIT, DOT), DOT)
+        s3 = _mm(qs, _codes(low, 6, 2, KA3, KOFF, KUNIT, DOT), DOT)
+        if NB > 0:
+            s0 += _mm(qb4, _codes(high, 0, 2, KA0, KOFF, KUNIT, DOT), DOT)
+            s1 += _mm(qb4, _codes(high, 2, 2, KA1, KOFF, KUNIT, DOT), DOT)
+            s2 += _mm(qb4, _codes(high, 4, 2, KA2, KOFF, KUNIT, DOT), DOT)
+            s3 += _mm(qb4, _codes(high, 6, 2, KA3, KOFF, KUNIT, DOT), DOT)
+        s0 = s0 * a + bias[:, None]
+        s1 = s1 * a + bias[:, None]
+        s2 = s2 * a + bias[:, None]
+        s3 = s3 * a + bias[:, None]
+    return s0, s1, s2, s3
+
+
+@triton.jit
+def _qbuf_key_scores(q, kq_ptr, rel0, m, qk_scale, G: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr):
+    """Base-2 logits of the four quarters of the partial page at ``rel0`` (a multiple of G) from the key qbuffer
+    (slot = token), ``-inf`` past ``m``."""
+    G4: tl.constexpr = G // 4
+    d = tl.arange(0, D)
+    i = tl.arange(0, G4)
+    base = kq_ptr + d[:, None]
+    v0 = rel0 + 4 * i < m
+    v1 = rel0 + 4 * i + 1 < m
+    v2 = rel0 + 4 * i + 2 < m
+    v3 = rel0 + 4 * i + 3 < m
+    s0 = _mm(q, tl.load(base + (4 * i)[None, :] * D, mask=v0[None, :], other=0.0).to(DOT), DOT) * qk_scale
+    s1 = _mm(q, tl.load(base + (4 * i + 1)[None, :] * D, mask=v1[None, :], other=0.0).to(DOT), DOT) * qk_scale
+    s2 = _mm(q, tl.load(base + (4 * i + 2)[None, :] * D, mask=v2[None, :], other=0.0).to(DOT), DOT) * qk_scale
+    s3 = _mm(q, tl.load(base + (4 * i + 3)[None, :] * D, mask=v3[None, :], other=0.0).to(DOT), DOT) * qk_scale
+    s0 = tl.where(v0[None, :], s0, float("-inf"))
+    s1 = tl.where(v1[None, :], s1, float("-inf"))
+    s2 = tl.where(v2[None, :], s2, float("-inf"))
+    s3 = tl.where(v3[None, :], s3, float("-inf"))
+    return s0, s1, s2, s3
+
+
+@triton.jit
+def _page_softmax(s0, s1, s2, s3, m_i):
+    """One online-softmax step over a page's four quarters: ``(p0, p1, p2, p3, alpha, m_new)``."""
+    m_new = tl.maximum(m_i, tl.max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), 1))
+    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+    alpha = tl.exp2(m_i - m_safe)
+    return (tl.exp2(s0 - m_safe[:, None]), tl.exp2(s1 - m_safe[:, None]), tl.exp2(s2 - m_safe[:, None]),
+            tl.exp2(s3 - m_safe[:, None]), alpha, m_new)
+
+
+# ----------------------------------------------------------------------------------------- one page, values
+
+
+@triton.jit
+def _value_quarter(p, t, codes_ptr, vscale_ptr, vzero_ptr, pbase, acc0, acc1, acc2, acc3, cq, az,
+                   G: tl.constexpr, D: tl.constexpr, VBITS: tl.constexpr, DOT: tl.constexpr,
+                   VA0: tl.constexpr, VA1: tl.constexpr, VA2: tl.constexpr, VA3: tl.constexpr,
+                   VOFF: tl.constexpr, VUNIT: tl.constexpr):
+    """Add ``p @ V`` of value rows ``t`` (one quarter, ``(G/4,)``) of a quantized value page: per channel group
+    ``r`` (channels ``VPER*j + r``) into ``acc_r`` in units of the magic codes; ``cq += sum p*scale`` (their OFF
+    term) and ``az += sum p*zero``."""
+    VPER: tl.constexpr = 8 // VBITS
+    DB: tl.constexpr = D // VPER  # bytes per token row
+    vs = tl.load(vscale_ptr + pbase * G + t).to(tl.float32)
+    vz = tl.load(vzero_ptr + pbase * G + t).to(tl.float32)
+    pv = (p * vs[None, :]).to(DOT)  # (BLOCK_H, G/4)
+    cq += pv.to(tl.float32)
+    az += p * vz[None, :]
+    jb = tl.arange(0, DB)
+    vb = tl.load(codes_ptr + pbase * (G * DB) + t[:, None] * DB + jb[None, :])  # (G/4, DB) bytes
+    acc0 += _mm(pv, _codes(vb, 0, VBITS, VA0, VOFF, VUNIT, DOT), DOT)
+    acc1 += _mm(pv, _codes(vb, VBITS, VBITS, VA1, VOFF, VUNIT, DOT), DOT)
+    if VPER == 4:
+        acc2 += _mm(pv, _codes(vb, 4, VBITS, VA2, VOFF, VUNIT, DOT), DOT)
+        acc3 += _mm(pv, _codes(vb, 6, VBITS, VA3, VOFF, VUNIT, DOT), DOT)
+    return acc0, acc1, acc2, acc3, cq, az
 
 
 @triton.jit
 def _fp_values(vq_ptr, vl_ptr, rel, m, mv, d, G: tl.constexpr, D: tl.constexpr, R: tl.constexpr):
-    """Values (BN, D) of positions S + rel (rel = p - S): v_qbuf slot rel % G where rel < mv, else v_local slot
-    rel % R where rel < m; 0 elsewhere."""
+    """Values (len(rel), D) of positions S + rel (rel = p - S): v_qbuf slot rel % G where rel < mv, else v_local
+    slot rel % R where rel < m; 0 elsewhere."""
     in_q = rel < mv
     v = tl.load(vq_ptr + (rel % G)[:, None] * D + d[None, :], mask=in_q[:, None], other=0.0)
     if R > 0:
         in_l = (rel >= mv) & (rel < m)
         v += tl.load(vl_ptr + (rel % R)[:, None] * D + d[None, :], mask=in_l[:, None], other=0.0)
     return v
+
+
+@triton.jit
+def _fp_value_page(p0, p1, p2, p3, acc_nat, vq_ptr, vl_ptr, rel0, m, mv, G: tl.constexpr, D: tl.constexpr,
+                   R: tl.constexpr, DOT: tl.constexpr):
+    """``acc_nat += p @ V`` over the four quarters of the page at ``rel0`` with full-precision values."""
+    G4: tl.constexpr = G // 4
+    d = tl.arange(0, D)
+    i = tl.arange(0, G4)
+    acc_nat += _mm(p0.to(DOT), _fp_values(vq_ptr, vl_ptr, rel0 + 4 * i, m, mv, d, G, D, R).to(DOT), DOT)
+    acc_nat += _mm(p1.to(DOT), _fp_values(vq_ptr, vl_ptr, rel0 + 4 * i + 1, m, mv, d, G, D, R).to(DOT), DOT)
+    acc_nat += _mm(p2.to(DOT), _fp_values(vq_ptr, vl_ptr, rel0 + 4 * i + 2, m, mv, d, G, D, R).to(DOT), DOT)
+    acc_nat += _mm(p3.to(DOT), _fp_values(vq_ptr, vl_ptr, rel0 + 4 * i + 3, m, mv, d, G, D, R).to(DOT), DOT)
+    return acc_nat
+
+
+@triton.jit
+def _raw_value_page(p0, p1, p2, p3, acc_nat, raw_ptr, pbase, G: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr):
+    """``acc_nat += p @ V`` over the four quarters of a 16-bit value page (``v_raw`` rows ``4i + s``)."""
+    G4: tl.constexpr = G // 4
+    d = tl.arange(0, D)
+    i = tl.arange(0, G4)
+    base = raw_ptr + pbase * (G * D) + d[None, :]
+    acc_nat += _mm(p0.to(DOT), tl.load(base + (4 * i)[:, None] * D).to(DOT), DOT)
+    acc_nat += _mm(p1.to(DOT), tl.load(base + (4 * i + 1)[:, None] * D).to(DOT), DOT)
+    acc_nat += _mm(p2.to(DOT), tl.load(base + (4 * i + 2)[:, None] * D).to(DOT), DOT)
+    acc_nat += _mm(p3.to(DOT), tl.load(base + (4 * i + 3)[:, None] * D).to(DOT), DOT)
+    return acc_nat
+
+
+# ------------------------------------------------------------------------------------------------ the kernels
 
 
 @triton.jit
@@ -105,15 +293,18 @@ def _decode_split_kernel(
     # ---- strides (row, head) of q and the per-row buffers; page-table row strides
     sq_b, sq_h, ssk_b, ssk_h, ssv_b, ssv_h, skq_b, skq_h, svq_b, svq_h, svl_b, svl_h, spk_b, spv_b,
     # ---- meta-parameters
-    S: tl.constexpr, G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, VBITS: tl.constexpr,
-    KEY_RAW: tl.constexpr, VALUE_RAW: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr,
-    PREFETCH: tl.constexpr, FOLD: tl.constexpr, NBP: tl.constexpr,
+    S: tl.constexpr, G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
+    VBITS: tl.constexpr, KEY_RAW: tl.constexpr, VALUE_RAW: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr, DOT: tl.constexpr,
+    KA0: tl.constexpr, KA1: tl.constexpr, KA2: tl.constexpr, KA3: tl.constexpr, KOFF: tl.constexpr,
+    KUNIT: tl.constexpr, VA0: tl.constexpr, VA1: tl.constexpr, VA2: tl.constexpr, VA3: tl.constexpr,
+    VOFF: tl.constexpr, VUNIT: tl.constexpr,
 ):
-    tl.static_assert(BLOCK_N >= 16 and BLOCK_H >= 16 and D >= 16, "tl.dot needs every dimension >= 16")
-    tl.static_assert(G % BLOCK_N == 0, "BLOCK_N must divide the page size")
-    NPB: tl.constexpr = G // BLOCK_N  # token blocks per page
-    # ---- program id -> (row, KV head, split); the split's run of token blocks
+    tl.static_assert(G % 4 == 0 and D % 4 == 0, "4 codes per byte")
+    G4: tl.constexpr = G // 4
+    VPER: tl.constexpr = 8 // VBITS
+    DB: tl.constexpr = D // VPER
+    # ---- program id -> (row, KV head, split); the split's run of page slots
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bh // Hkv
@@ -122,112 +313,111 @@ def _decode_split_kernel(
     n = tl.load(len_ptr + b)
     m = tl.maximum(n - S, 0)
     mv = tl.maximum(m - R, 0)
-    kb = (m // G) * NPB  # token blocks inside full key pages
-    vb = (mv // G) * NPB  # token blocks inside full value pages (vb <= kb)
-    nblk = tl.cdiv(m, BLOCK_N)
-    per = tl.cdiv(nblk, NUM_SPLITS)
+    kp = m // G  # full key pages
+    vp = mv // G  # full value pages (vp <= kp)
+    per = tl.cdiv(tl.cdiv(m, G), NUM_SPLITS)
     start = split * per
-    end = tl.minimum(start + per, nblk)
+    end = tl.minimum(start + per, tl.cdiv(m, G))
     # ---- query tile: the QH query heads of KV head h, padded to BLOCK_H rows
     r = tl.arange(0, BLOCK_H)
     d = tl.arange(0, D)
-    tn = tl.arange(0, BLOCK_N)
+    i = tl.arange(0, G4)
     q = tl.load(q_ptr + b64 * sq_b + (h * QH + r)[:, None] * sq_h + d[None, :], mask=(r < QH)[:, None], other=0.0)
     q32 = q.to(tl.float32)
-    q = q.to(DOT_DTYPE)
+    q = q.to(DOT)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D], tl.float32)
-    # ---- sink (split 0)
-    if S > 0:
-        if split == 0:
-            if n > 0:
-                ps = tl.arange(0, BLOCK_S)
-                vs = (ps < S) & (ps < n)
-                kT = tl.load(sink_k_ptr + b64 * ssk_b + h * ssk_h + ps[None, :] * D + d[:, None], mask=vs[None, :], other=0.0)
-                v = tl.load(sink_v_ptr + b64 * ssv_b + h * ssv_h + ps[:, None] * D + d[None, :], mask=vs[:, None], other=0.0)
-                m_i, l_i, acc = _attend(q, kT, v, vs, m_i, l_i, acc, qk_scale, DOT_DTYPE)
+    l_i = tl.zeros([BLOCK_H, G4], tl.float32)  # row sums kept per column, reduced once at the end
+    acc_nat = tl.zeros([BLOCK_H, D], tl.float32)  # p @ V over full-precision values, natural channel order
+    acc0 = tl.zeros([BLOCK_H, DB], tl.float32)  # p @ V over quantized values, channel group r (magic units)
+    acc1 = tl.zeros([BLOCK_H, DB], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, DB], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, DB], tl.float32)
+    cq = tl.zeros([BLOCK_H, G4], tl.float32)  # sum p * value scale (the magic codes' OFF term)
+    az = tl.zeros([BLOCK_H, G4], tl.float32)  # sum p * value zero
     kq_ptr = k_qbuf_ptr + b64 * skq_b + h * skq_h
     vq_ptr = v_qbuf_ptr + b64 * svq_b + h * svq_h
     vl_ptr = v_local_ptr + b64 * svl_b + h * svl_h
-    # ---- blocks with a key page and a value page (the hot loop: no branches)
-    stop1 = tl.minimum(end, vb)
-    if FOLD and not KEY_RAW and not VALUE_RAW:
-        # scale/zero folded into q and p; codes multiplied as exact integers (kernels/_tiles.py)
-        for jb in range(start, stop1):
-            j = jb // NPB
-            n0 = (jb % NPB) * BLOCK_N
-            kpage = tl.load(k_pt_ptr + b64 * spk_b + j).to(tl.int64) * Hkv + h
-            vpage = tl.load(v_pt_ptr + b64 * spv_b + j).to(tl.int64) * Hkv + h
-            s = _key_scores_folded(q32, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, kpage, n0,
-                                   G, BLOCK_N, D, NB, NBP, DOT_DTYPE, UNPACK_RESHAPE) * qk_scale
-            p, alpha, m_i, l_i = _softmax_step(s, tn >= 0, m_i, l_i)
-            acc = acc * alpha[:, None] + _pv_folded(p, v_codes_ptr, v_scale_ptr, v_zero_ptr, vpage, n0, G, BLOCK_N, D,
-                                                    VBITS, DOT_DTYPE, UNPACK_RESHAPE)
-    elif PREFETCH and not KEY_RAW and not VALUE_RAW:
-        # software pipelining by hand: the packed bytes of block jb+1 are requested before block jb is unpacked
-        # and multiplied, so two blocks of loads are in flight per program (Triton's pipeliner does not take
-        # these indirect, unpacked loads)
-        ok = start < stop1
-        kpage = tl.load(k_pt_ptr + b64 * spk_b + start // NPB, mask=ok, other=0).to(tl.int64) * Hkv + h
-        vpage = tl.load(v_pt_ptr + b64 * spv_b + start // NPB, mask=ok, other=0).to(tl.int64) * Hkv + h
-        n0 = (start % NPB) * BLOCK_N
-        k_lo, k_hi, k_sc, k_ze = _load_key_raw(k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, kpage, n0, ok,
-                                               G, BLOCK_N, D, NB, UNPACK_RESHAPE)
-        v_co, v_sc, v_ze = _load_value_raw(v_codes_ptr, v_scale_ptr, v_zero_ptr, vpage, n0, ok, G, BLOCK_N, D, VBITS,
-                                           UNPACK_RESHAPE)
-        for jb in range(start, stop1):
-            nxt = jb + 1
-            ok = nxt < stop1
-            kpage = tl.load(k_pt_ptr + b64 * spk_b + nxt // NPB, mask=ok, other=0).to(tl.int64) * Hkv + h
-            vpage = tl.load(v_pt_ptr + b64 * spv_b + nxt // NPB, mask=ok, other=0).to(tl.int64) * Hkv + h
-            n0 = (nxt % NPB) * BLOCK_N
-            k_lo2, k_hi2, k_sc2, k_ze2 = _load_key_raw(k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, kpage,
-                                                       n0, ok, G, BLOCK_N, D, NB, UNPACK_RESHAPE)
-            v_co2, v_sc2, v_ze2 = _load_value_raw(v_codes_ptr, v_scale_ptr, v_zero_ptr, vpage, n0, ok, G, BLOCK_N, D,
-                                                  VBITS, UNPACK_RESHAPE)
-            kT = _key_from_raw(k_lo, k_hi, k_sc, k_ze, BLOCK_N, D, NB, DTYPE, UNPACK_RESHAPE)
-            v = _value_from_raw(v_co, v_sc, v_ze, BLOCK_N, D, VBITS, DTYPE, UNPACK_RESHAPE)
-            m_i, l_i, acc = _attend(q, kT, v, tn >= 0, m_i, l_i, acc, qk_scale, DOT_DTYPE)
-            k_lo, k_hi, k_sc, k_ze = k_lo2, k_hi2, k_sc2, k_ze2
-            v_co, v_sc, v_ze = v_co2, v_sc2, v_ze2
-    else:
-        for jb in range(start, stop1):
-            j = jb // NPB
-            n0 = (jb % NPB) * BLOCK_N
-            kpage = tl.load(k_pt_ptr + b64 * spk_b + j).to(tl.int64) * Hkv + h
-            vpage = tl.load(v_pt_ptr + b64 * spv_b + j).to(tl.int64) * Hkv + h
-            kT = _key_page_T(k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, k_raw_ptr, kpage, n0,
-                             G, BLOCK_N, D, NB, KEY_RAW, DTYPE, UNPACK_RESHAPE)
-            v = _value_page(v_codes_ptr, v_scale_ptr, v_zero_ptr, v_raw_ptr, vpage, n0, G, BLOCK_N, D, VBITS,
-                            VALUE_RAW, DTYPE, UNPACK_RESHAPE)
-            m_i, l_i, acc = _attend(q, kT, v, tn >= 0, m_i, l_i, acc, qk_scale, DOT_DTYPE)
-    # ---- blocks with a key page, values in full precision (value qbuffer / local window)
-    for jb in range(tl.maximum(start, vb), tl.minimum(end, kb)):
-        j = jb // NPB
-        n0 = (jb % NPB) * BLOCK_N
+    # ---- pages with a key page and a value page: the hot loop
+    for j in range(start, tl.minimum(end, vp)):
         kpage = tl.load(k_pt_ptr + b64 * spk_b + j).to(tl.int64) * Hkv + h
-        v = _fp_values(vq_ptr, vl_ptr, jb * BLOCK_N + tn, m, mv, d, G, D, R)
-        if FOLD and not KEY_RAW:
-            s = _key_scores_folded(q32, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, kpage, n0,
-                                   G, BLOCK_N, D, NB, NBP, DOT_DTYPE, UNPACK_RESHAPE) * qk_scale
-            p, alpha, m_i, l_i = _softmax_step(s, tn >= 0, m_i, l_i)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE))
+        vpage = tl.load(v_pt_ptr + b64 * spv_b + j).to(tl.int64) * Hkv + h
+        s0, s1, s2, s3 = _key_page_scores(q, q32, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr,
+                                          k_raw_ptr, kpage, qk_scale, G, D, NB, NBP, KEY_RAW, DOT,
+                                          KA0, KA1, KA2, KA3, KOFF, KUNIT)
+        p0, p1, p2, p3, alpha, m_i = _page_softmax(s0, s1, s2, s3, m_i)
+        l_i = l_i * alpha[:, None] + ((p0 + p1) + (p2 + p3))
+        if VALUE_RAW:
+            acc_nat = _raw_value_page(p0, p1, p2, p3, acc_nat * alpha[:, None], v_raw_ptr, vpage, G, D, DOT)
         else:
-            kT = _key_page_T(k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, k_raw_ptr, kpage, n0,
-                             G, BLOCK_N, D, NB, KEY_RAW, DTYPE, UNPACK_RESHAPE)
-            m_i, l_i, acc = _attend(q, kT, v, tn >= 0, m_i, l_i, acc, qk_scale, DOT_DTYPE)
-    # ---- the last, partial page: keys from the key qbuffer (slot = rel % G)
-    for jb in range(tl.maximum(start, kb), end):
-        rel = jb * BLOCK_N + tn
-        valid = rel < m
-        kT = tl.load(kq_ptr + (rel % G)[None, :] * D + d[:, None], mask=valid[None, :], other=0.0)
-        v = _fp_values(vq_ptr, vl_ptr, rel, m, mv, d, G, D, R)
-        m_i, l_i, acc = _attend(q, kT, v, valid, m_i, l_i, acc, qk_scale, DOT_DTYPE)
-    # ---- write-back of this split's partial state
+            acc0 = acc0 * alpha[:, None]
+            acc1 = acc1 * alpha[:, None]
+            acc2 = acc2 * alpha[:, None]
+            acc3 = acc3 * alpha[:, None]
+            cq = cq * alpha[:, None]
+            az = az * alpha[:, None]
+            acc0, acc1, acc2, acc3, cq, az = _value_quarter(p0, 4 * i, v_codes_ptr, v_scale_ptr, v_zero_ptr, vpage,
+                                                            acc0, acc1, acc2, acc3, cq, az, G, D, VBITS, DOT,
+                                                            VA0, VA1, VA2, VA3, VOFF, VUNIT)
+            acc0, acc1, acc2, acc3, cq, az = _value_quarter(p1, 4 * i + 1, v_codes_ptr, v_scale_ptr, v_zero_ptr,
+                                                            vpage, acc0, acc1, acc2, acc3, cq, az, G, D, VBITS, DOT,
+                                                            VA0, VA1, VA2, VA3, VOFF, VUNIT)
+            acc0, acc1, acc2, acc3, cq, az = _value_quarter(p2, 4 * i + 2, v_codes_ptr, v_scale_ptr, v_zero_ptr,
+                                                            vpage, acc0, acc1, acc2, acc3, cq, az, G, D, VBITS, DOT,
+                                                            VA0, VA1, VA2, VA3, VOFF, VUNIT)
+            acc0, acc1, acc2, acc3, cq, az = _value_quarter(p3, 4 * i + 3, v_codes_ptr, v_scale_ptr, v_zero_ptr,
+                                                            vpage, acc0, acc1, acc2, acc3, cq, az, G, D, VBITS, DOT,
+                                                            VA0, VA1, VA2, VA3, VOFF, VUNIT)
+    # ---- pages with a key page whose values are still in full precision (value qbuffer / local window)
+    for j in range(tl.maximum(start, vp), tl.minimum(end, kp)):
+        kpage = tl.load(k_pt_ptr + b64 * spk_b + j).to(tl.int64) * Hkv + h
+        s0, s1, s2, s3 = _key_page_scores(q, q32, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr,
+                                          k_raw_ptr, kpage, qk_scale, G, D, NB, NBP, KEY_RAW, DOT,
+                                          KA0, KA1, KA2, KA3, KOFF, KUNIT)
+        p0, p1, p2, p3, alpha, m_i = _page_softmax(s0, s1, s2, s3, m_i)
+        l_i = l_i * alpha[:, None] + ((p0 + p1) + (p2 + p3))
+        acc0, acc1, acc2, acc3 = acc0 * alpha[:, None], acc1 * alpha[:, None], acc2 * alpha[:, None], acc3 * alpha[:, None]
+        cq, az = cq * alpha[:, None], az * alpha[:, None]
+        acc_nat = _fp_value_page(p0, p1, p2, p3, acc_nat * alpha[:, None], vq_ptr, vl_ptr, j * G, m, mv, G, D, R, DOT)
+    # ---- the last, partial page: keys from the key qbuffer
+    for j in range(tl.maximum(start, kp), end):
+        s0, s1, s2, s3 = _qbuf_key_scores(q, kq_ptr, j * G, m, qk_scale, G, D, DOT)
+        p0, p1, p2, p3, alpha, m_i = _page_softmax(s0, s1, s2, s3, m_i)
+        l_i = l_i * alpha[:, None] + ((p0 + p1) + (p2 + p3))
+        acc0, acc1, acc2, acc3 = acc0 * alpha[:, None], acc1 * alpha[:, None], acc2 * alpha[:, None], acc3 * alpha[:, None]
+        cq, az = cq * alpha[:, None], az * alpha[:, None]
+        acc_nat = _fp_value_page(p0, p1, p2, p3, acc_nat * alpha[:, None], vq_ptr, vl_ptr, j * G, m, mv, G, D, R, DOT)
+    l_sum = tl.sum(l_i, 1)
+    # ---- sink (split 0)
+    if S > 0:
+        if (split == 0) & (n > 0):
+            ps = tl.arange(0, BLOCK_S)
+            vs = (ps < S) & (ps < n)
+            kT = tl.load(sink_k_ptr + b64 * ssk_b + h * ssk_h + ps[None, :] * D + d[:, None], mask=vs[None, :], other=0.0)
+            v = tl.load(sink_v_ptr + b64 * ssv_b + h * ssv_h + ps[:, None] * D + d[None, :], mask=vs[:, None], other=0.0)
+            s = tl.where(vs[None, :], _mm(q, kT.to(DOT), DOT) * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)  # m_new is finite: the sink holds >= 1 token here
+            p = tl.exp2(s - m_new[:, None])
+            l_sum = l_sum * alpha + tl.sum(p, 1)
+            acc0, acc1, acc2, acc3 = acc0 * alpha[:, None], acc1 * alpha[:, None], acc2 * alpha[:, None], acc3 * alpha[:, None]
+            cq, az = cq * alpha[:, None], az * alpha[:, None]
+            acc_nat = acc_nat * alpha[:, None] + _mm(p.to(DOT), v.to(DOT), DOT)
+            m_i = m_new
+    # ---- the split's result in natural channel order: quantized channel groups interleaved once
+    acc = acc_nat
+    if not VALUE_RAW:
+        zero_term = tl.sum(az, 1) - tl.sum(cq, 1) * (VOFF / VUNIT)  # (BLOCK_H,)
+        o0 = acc0 * (1.0 / VUNIT) + zero_term[:, None]
+        o1 = acc1 * (1.0 / VUNIT) + zero_term[:, None]
+        if VPER == 4:  # channel 4j + r <- o_r[:, j]
+            o = tl.join(tl.join(o0, acc2 * (1.0 / VUNIT) + zero_term[:, None]),
+                        tl.join(o1, acc3 * (1.0 / VUNIT) + zero_term[:, None]))
+        else:  # channel 2j + r <- o_r[:, j]
+            o = tl.join(o0, o1)
+        acc += tl.reshape(o, (BLOCK_H, D))
     ws = (pid_bh * NUM_SPLITS + split) * BLOCK_H + r
     tl.store(ws_m_ptr + ws, m_i)
-    tl.store(ws_l_ptr + ws, l_i)
+    tl.store(ws_l_ptr + ws, l_sum)
     tl.store(ws_acc_ptr + ws[:, None] * D + d[None, :], acc)
 
 
@@ -275,22 +465,27 @@ def _num_sms(device: torch.device) -> int:
 
 
 def default_num_splits(B: int, Hkv: int, max_blocks: int, device: torch.device, waves: int = 4) -> int:
-    """Splits so that B*Hkv*splits programs fill ~``waves`` per SM, never more than the token blocks of a row."""
+    """Splits so that B*Hkv*splits programs fill ~``waves`` per SM, never more than the work units of a row."""
     want = triton.cdiv(waves * _num_sms(device), max(B * Hkv, 1))
     return max(1, min(want, max_blocks, 256))
 
 
+def _dot_dtype(dtype: torch.dtype):
+    """Operand dtype of the kernel's products: the model dtype, except fp32 (and bf16 under the interpreter, whose
+    bf16 ``tl.dot`` is wrong), which multiply in fp32."""
+    if dtype == torch.float32 or (_interpreting() and dtype == torch.bfloat16):
+        return torch.float32
+    return dtype
+
+
 def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig, scaling: float | None = None,
-                            num_splits: int | None = None, unpack_reshape: bool = True, num_warps: int | None = None,
-                            num_stages: int = 1, block_n: int = 32, prefetch: bool = False,
-                            maxnreg: int | None = 128, fold: bool = False) -> torch.Tensor:
+                            num_splits: int | None = None, num_warps: int = 4, num_stages: int = 1,
+                            maxnreg: int | None = None, waves: int = 4) -> torch.Tensor:
     """The fused Triton kernel (see module docstring). ``q``: ``[B, Hq, D]`` -> ``[B, Hq, D]`` in ``q.dtype``.
 
-    Tuning knobs (defaults from the H200 sweep in benchmarks/RESULTS.md): ``num_splits`` programs per (row, KV head)
-    (default: enough to fill the GPU ~4 times), ``block_n`` tokens per step (divides the page), ``num_warps``,
-    ``maxnreg`` (register cap per thread: more programs resident per SM, more loads in flight), ``prefetch``
-    (request block i+1's bytes before computing block i), ``unpack_reshape`` (see kernels/_tiles.py), ``fold``
-    (multiply the integer codes and fold scale/zero into q and p instead of dequantizing tiles; kernels/_tiles.py).
+    Tuning knobs (defaults from the H200 runs in benchmarks/RESULTS.md): ``num_splits`` programs per (row, KV head),
+    each taking a contiguous run of pages (default: enough programs for ``waves`` per SM), ``num_warps``,
+    ``num_stages`` (Triton's software pipelining of the page loop) and ``maxnreg`` (a register cap per thread).
     """
     z = check_state(q, state, cfg)
     B, Hq, Hkv, D, S, G, R, nb = (z[k] for k in ("B", "Hq", "Hkv", "D", "S", "G", "R", "nb"))
@@ -303,13 +498,8 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
     QH = Hq // Hkv
     BLOCK_H = max(16, triton.next_power_of_2(QH))
     BLOCK_S = max(16, triton.next_power_of_2(S))
-    BLOCK_N = min(block_n, G)
-    if BLOCK_N < 16 or G % BLOCK_N:
-        raise ValueError(f"block_n must be >= 16 and divide group_size={G}, got {block_n}")
-    max_blocks = (state.k_page_table.shape[1] + 1) * (G // BLOCK_N)
-    if num_warps is None:
-        num_warps = 8 if BLOCK_N >= 64 else 4
-    splits = num_splits or default_num_splits(B, Hkv, max_blocks, q.device)
+    max_pages = state.k_page_table.shape[1] + 1
+    splits = num_splits or default_num_splits(B, Hkv, max_pages, q.device, waves)
     dev, f32 = q.device, torch.float32
     ws_m = torch.empty(B * Hkv * splits * BLOCK_H, dtype=f32, device=dev)
     ws_l = torch.empty_like(ws_m)
@@ -320,9 +510,10 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
     dummy = state.k_qbuf
     st = state
     lengths = st.lengths.to(torch.int32)
-    dtype = _TLTYPE[q.dtype]
-    # the interpreter's tl.dot is wrong for bf16: feed it fp32 (exact for 16-bit inputs)
-    dot_dtype = tl.float32 if ((_interpreting() and q.dtype == torch.bfloat16) or q.dtype == torch.float32) else dtype
+    dot = _dot_dtype(q.dtype)
+    vbits = cfg.value_bits if cfg.quantizes_values else 2
+    ka = [magic_code(dot, 2, s) for s in (0, 2, 4, 6)]
+    va = [magic_code(dot, vbits, vbits * r) for r in range(4)]
     _decode_split_kernel[(B * Hkv, splits)](
         q, ws_m, ws_l, ws_acc,
         lengths, st.sink_k, st.sink_v, st.k_qbuf, st.v_qbuf, st.v_local, st.k_page_table, st.v_page_table,
@@ -333,10 +524,12 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
         q.stride(0), q.stride(1), st.sink_k.stride(0), st.sink_k.stride(1), st.sink_v.stride(0), st.sink_v.stride(1),
         st.k_qbuf.stride(0), st.k_qbuf.stride(1), st.v_qbuf.stride(0), st.v_qbuf.stride(1),
         st.v_local.stride(0), st.v_local.stride(1), st.k_page_table.stride(0), st.v_page_table.stride(0),
-        S=S, G=G, R=R, D=D, NB=nb, VBITS=cfg.value_bits if cfg.quantizes_values else 2,
+        S=S, G=G, R=R, D=D, NB=nb, NBP=max(16, triton.next_power_of_2(max(nb, 1))), VBITS=vbits,
         KEY_RAW=not cfg.quantizes_keys, VALUE_RAW=not cfg.quantizes_values, BLOCK_H=BLOCK_H, BLOCK_S=BLOCK_S,
-        BLOCK_N=BLOCK_N, DTYPE=dtype, DOT_DTYPE=dot_dtype, UNPACK_RESHAPE=unpack_reshape, PREFETCH=prefetch,
-        FOLD=fold, NBP=max(16, triton.next_power_of_2(max(nb, 1))), num_warps=num_warps, num_stages=num_stages, **_reg_cap(maxnreg),
+        DOT=_TLTYPE[dot],
+        KA0=ka[0][0], KA1=ka[1][0], KA2=ka[2][0], KA3=ka[3][0], KOFF=ka[0][1], KUNIT=ka[0][2],
+        VA0=va[0][0], VA1=va[1][0], VA2=va[2][0], VA3=va[3][0], VOFF=va[0][1], VUNIT=va[0][2],
+        num_warps=num_warps, num_stages=num_stages, **_reg_cap(maxnreg),
     )
     _decode_reduce_kernel[(B * Hkv, QH)](
         ws_m, ws_l, ws_acc, out, Hkv, QH, splits, out.stride(0), out.stride(1),

@@ -1,0 +1,134 @@
+"""Compile the fused decode kernel for the H100/H200 (sm_90a) without a GPU and count the SASS of its hot loop.
+
+    python benchmarks/sass.py [--preset kitty] [--dtype float16] [--out DIR]
+
+Builds ``kernels.decode_attention._decode_split_kernel`` with the constexprs of the benchmark's target shape
+(32 query / 8 KV heads, D=128, G=128, S=32, R=128) through Triton's own compiler and ptxas, disassembles the cubin
+(``cuobjdump`` shipped with Triton), finds the loop that holds the most tensor-core instructions (the page loop
+over quantized keys and values) and reports its instructions per cached element: one iteration covers one page of
+one KV head, ``G * D`` key codes and ``G * D`` value codes, spread over ``32 * num_warps`` threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kitty.config import PRESETS  # noqa: E402
+import kernels.decode_attention  # noqa: E402
+
+da = sys.modules["kernels.decode_attention"]  # the module (the package re-exports a function of that name)
+
+POINTERS = ["q_ptr", "ws_m_ptr", "ws_l_ptr", "ws_acc_ptr", "len_ptr", "sink_k_ptr", "sink_v_ptr", "k_qbuf_ptr",
+            "v_qbuf_ptr", "v_local_ptr", "k_pt_ptr", "v_pt_ptr", "k_low_ptr", "k_high_ptr", "k_idx_ptr",
+            "k_scale_ptr", "k_zero_ptr", "k_raw_ptr", "v_codes_ptr", "v_scale_ptr", "v_zero_ptr", "v_raw_ptr"]
+
+
+def compile_kernel(preset: str, dtype: torch.dtype, num_warps: int = 4, D: int = 128, QH: int = 4,
+                   arch: int = 90) -> dict:
+    cfg = PRESETS[preset]
+    G, S, R = cfg.group_size, cfg.sink_tokens, cfg.local_window
+    nb = cfg.num_boosted(D)
+    tdt = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    ptr_types = {"ws_m_ptr": "fp32", "ws_l_ptr": "fp32", "ws_acc_ptr": "fp32", "len_ptr": "i32", "k_pt_ptr": "i32",
+                 "v_pt_ptr": "i32", "k_low_ptr": "u8", "k_high_ptr": "u8", "k_idx_ptr": "u8", "v_codes_ptr": "u8"}
+    fn = da._decode_split_kernel
+    vbits = cfg.value_bits
+    ka = [da.magic_code(dtype, 2, s) for s in (0, 2, 4, 6)]
+    va = [da.magic_code(dtype, vbits, vbits * r) for r in range(4)]
+    constexprs = dict(S=S, G=G, R=R, D=D, NB=nb, NBP=max(16, triton.next_power_of_2(max(nb, 1))), VBITS=vbits,
+                      KEY_RAW=False, VALUE_RAW=False, BLOCK_H=max(16, triton.next_power_of_2(QH)),
+                      BLOCK_S=max(16, triton.next_power_of_2(S)), DOT=da._TLTYPE[dtype],
+                      KA0=ka[0][0], KA1=ka[1][0], KA2=ka[2][0], KA3=ka[3][0], KOFF=ka[0][1], KUNIT=ka[0][2],
+                      VA0=va[0][0], VA1=va[1][0], VA2=va[2][0], VA3=va[3][0], VOFF=va[0][1], VUNIT=va[0][2])
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in POINTERS:
+            signature[name] = "*" + ptr_types.get(name, tdt)
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name == "qk_scale":
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": 1})
+    return {"ptx": k.asm["ptx"], "cubin": k.asm["cubin"], "n_regs": getattr(k, "n_regs", None),
+            "shared": k.metadata.shared, "G": G, "D": D, "threads": 32 * num_warps}
+
+
+def sass_text(cubin: bytes) -> str:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        return subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+
+
+def hot_loop(sass: str) -> list[tuple[str, str]]:
+    """Instructions ``(opcode, text)`` of the loop holding the most HMMA instructions."""
+    lines = []
+    for line in sass.splitlines():
+        mm = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if mm:
+            lines.append((int(mm.group(1), 16), mm.group(2).strip()))
+    addr = {a: i for i, (a, _) in enumerate(lines)}
+    best = []
+    for i, (a, text) in enumerate(lines):
+        bm = re.search(r"\bBRA\b.*?`?\(?\.?L?_?x?_?(\d+)\)?", text)
+        tgt = re.search(r"0x([0-9a-f]+)", text) if "BRA" in text else None
+        if tgt is None:
+            continue
+        t = int(tgt.group(1), 16)
+        if t < a and t in addr:
+            body = lines[addr[t]: i + 1]
+            if sum("HMMA" in x for _, x in body) > sum("HMMA" in x for _, x in best):
+                best = body
+    out = []
+    for _, text in best:
+        text = re.sub(r"^@!?U?P\w+\s+", "", text)
+        out.append((text.split()[0], text))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="kitty")
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--num-warps", type=int, default=4)
+    ap.add_argument("--out", default=None, help="folder to write the PTX and SASS to")
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    k = compile_kernel(args.preset, dtype, args.num_warps)
+    sass = sass_text(k["cubin"])
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        open(os.path.join(args.out, "decode.ptx"), "w").write(k["ptx"])
+        open(os.path.join(args.out, "decode.sass"), "w").write(sass)
+    loop = hot_loop(sass)
+    elems = 2 * k["G"] * k["D"]  # key codes + value codes of one page of one KV head
+    per_thread = elems / k["threads"]
+    ops = collections.Counter(op.split(".")[0] for op, _ in loop)
+    print(f"{args.preset} {args.dtype} warps={args.num_warps}: registers {k['n_regs']}, shared {k['shared']} B")
+    print(f"hot loop: {len(loop)} instructions per thread per page = {len(loop) / per_thread:.2f} per cached element "
+          f"({per_thread:.0f} codes per thread per page)")
+    print("  " + ", ".join(f"{op} {c}" for op, c in ops.most_common(24)))
+
+
+if __name__ == "__main__":
+    main()
