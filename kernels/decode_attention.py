@@ -25,11 +25,12 @@ turning 2-bit codes into tensor-core operands costs about one instruction per co
    so the big operands are exact small integers; ``q * scale`` is formed once per page, ``p * scale`` once per
    quarter, and the boosted channels' high bits are a second, small product over the compact high plane
    (``q'`` gathered to the boosted channels' slots by a one-hot product with ``boost_idx``).
-3. **Magic-number conversion.** ``0x6400 | code`` read as fp16 is ``1024 + code``, ``0x4300 | code`` as bf16
-   ``128 + code``. One inline-PTX block turns four packed bytes into four such values (a shift, two byte permutes
-   that also insert the constant byte, two ANDs): about 1.25 instructions per code. The constant offset ``OFF``
-   is removed after the product, ``dot(x, OFF + code) = OFF * sum(x) + dot(x, code)``, from ``sum(x)`` of the
-   same rounded ``x`` (fp32 accumulation keeps ~14 of its 24 bits past the offset: far below fp16 rounding).
+3. **Codes as 16-bit floats by bit placement.** A code in the low bits of a zero fp16 lane is the subnormal
+   ``code * 2^-24``, exact (tensor cores keep fp16 subnormals); ``0x4300 | code`` read as bf16 is ``128 + code``.
+   One inline-PTX block turns four packed bytes into four such values (shift, AND, two byte permutes: one
+   instruction per code for fp16). The scale ``UNIT`` is undone on the fp32 product; bf16's offset ``OFF`` is
+   removed after it, ``dot(x, OFF + code) = OFF * sum(x) + dot(x, code)``, from ``sum(x)`` of the same rounded
+   ``x`` (an offset of 128 costs ~7 of fp32's 24 bits: far below bf16 rounding).
    Under ``TRITON_INTERPRET=1`` the same values come from plain integer ops.
 
 Per program (``m`` = tokens past the sink, ``pk = m // G`` full key pages, ``pv = max(m - R, 0) // G`` full value
@@ -71,24 +72,27 @@ _TLTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32
 def magic_code(dtype: torch.dtype, bits: int, shift: int) -> tuple[str, float, float]:
     """``(asm, OFF, UNIT)`` for turning codes ``(byte >> shift) & (2**bits - 1)`` into ``OFF + UNIT * code``.
 
-    ``asm`` is one PTX block for ``tl.inline_asm_elementwise(..., pack=4)``: its input ``$2`` holds four bytes,
-    its outputs ``$0``/``$1`` two 16-bit values each. The bytes are shifted, spread into the low bytes of 16-bit
-    lanes by ``prmt``, whose other source supplies the high byte of ``OFF`` (fp16 ``0x64`` = 1024, bf16 ``0x43`` =
-    128), and one AND keeps the code bits: each lane is then the 16-bit float ``OFF + code`` (``UNIT`` = 1), exact.
+    ``asm`` is one PTX block for ``tl.inline_asm_elementwise(..., pack=4)``: its input ``$2`` holds four bytes, its
+    outputs ``$0``/``$1`` two 16-bit values each. fp16: shift, one AND for all four codes, and two ``prmt`` that
+    spread the bytes into the low bits of 16-bit lanes: the lane is the fp16 *subnormal* ``code * 2**-24``, exact,
+    with no offset (4 instructions per 4 codes). bf16 (whose products of subnormals would underflow fp32): ``prmt``
+    also inserts the high byte ``0x43`` and one AND per lane keeps the code bits: ``128 + code``, exact.
     ``asm`` is ``""`` where no such trick applies (fp32 operands): the kernel converts plainly.
     """
     if dtype == torch.float16:
-        hi, off = 0x64, 1024.0
-    elif dtype == torch.bfloat16:
-        hi, off = 0x43, 128.0
-    else:
-        return "", 0.0, 1.0
-    mask = (0xFF00 | ((1 << bits) - 1)) * 0x10001  # keep the OFF byte and the code bits of both lanes
-    asm = ("{ .reg .b32 t, c; "
-           f"mov.b32 c, 0x{hi * 0x01010101:08X}; shr.b32 t, $2, {shift}; "
-           "prmt.b32 $0, t, c, 0x4140; prmt.b32 $1, t, c, 0x4342; "
-           f"and.b32 $0, $0, 0x{mask:08X}; and.b32 $1, $1, 0x{mask:08X}; }}")
-    return asm, off, 1.0
+        mask = ((1 << bits) - 1) * 0x01010101
+        asm = ("{ .reg .b32 t; "
+               f"shr.b32 t, $2, {shift}; and.b32 t, t, 0x{mask:08X}; "
+               "prmt.b32 $0, t, 0, 0x4140; prmt.b32 $1, t, 0, 0x4342; }")
+        return asm, 0.0, 2.0**-24
+    if dtype == torch.bfloat16:
+        mask = (0xFF00 | ((1 << bits) - 1)) * 0x10001  # keep the OFF byte and the code bits of both lanes
+        asm = ("{ .reg .b32 t, c; "
+               f"mov.b32 c, 0x43434343; shr.b32 t, $2, {shift}; "
+               "prmt.b32 $0, t, c, 0x4140; prmt.b32 $1, t, c, 0x4342; "
+               f"and.b32 $0, $0, 0x{mask:08X}; and.b32 $1, $1, 0x{mask:08X}; }}")
+        return asm, 128.0, 1.0
+    return "", 0.0, 1.0
 
 
 @triton.jit
@@ -122,7 +126,7 @@ def _mm(a, b, DOT: tl.constexpr):
 
 
 @triton.jit
-def _key_page_scores(q, q32, low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, raw_ptr, pbase, qk_scale,
+def _key_page_scores(q, low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, raw_ptr, pbase, qk_scale,
                      G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr, KEY_RAW: tl.constexpr,
                      DOT: tl.constexpr, KA0: tl.constexpr, KA1: tl.constexpr, KA2: tl.constexpr, KA3: tl.constexpr,
                      KOFF: tl.constexpr, KUNIT: tl.constexpr):
@@ -138,27 +142,33 @@ def _key_page_scores(q, q32, low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, ra
         s2 = _mm(q, tl.load(base + (4 * i + 2)[None, :] * D).to(DOT), DOT) * qk_scale
         s3 = _mm(q, tl.load(base + (4 * i + 3)[None, :] * D).to(DOT), DOT) * qk_scale
     else:
-        scale = tl.load(scale_ptr + pbase * D + d).to(tl.float32)
+        scale = tl.load(scale_ptr + pbase * D + d)
         zero = tl.load(zero_ptr + pbase * D + d).to(tl.float32)
-        qs = (q32 * scale[None, :]).to(DOT)  # (BLOCK_H, D): q * scale, once per page
-        qs32 = qs.to(tl.float32)
-        corr = tl.sum(qs32, 1)  # the OFF term of every code's product
+        # q * scale, once per page, rounded to the operand dtype (a 16-bit product is exact in fp32, so this is
+        # the correctly rounded product either way)
+        qs = q * scale[None, :].to(DOT)  # (BLOCK_H, D)
         low = tl.load(low_ptr + pbase * (D * G4) + d[:, None] * G4 + i[None, :])  # (D, G/4) bytes
+        if KOFF != 0:
+            corr = tl.sum(qs.to(tl.float32), 1)  # the OFF term of every code's product
         if NB > 0:
             # int32 before any arithmetic: uint8 slot * row bytes wraps at 256 (the paper kernel's slot-8 alias)
             idx = tl.load(idx_ptr + pbase * D + d).to(tl.int32)
-            corr += 4.0 * tl.sum(tl.where((idx < NB)[None, :], qs32, 0.0), 1)
+            if KOFF != 0:
+                corr += 4.0 * tl.sum(tl.where((idx < NB)[None, :], qs.to(tl.float32), 0.0), 1)
             slots = tl.arange(0, NBP)
             if NB == D:  # 4-bit keys: every channel, slots in channel order
-                qb4 = (qs32 * 4.0).to(DOT)
+                qb4 = (qs.to(tl.float32) * 4.0).to(DOT)
             else:  # q' of the boosted channels at their slots: a one-hot product, exact
                 sel = (idx[:, None] == slots[None, :]).to(DOT)  # (D, NBP)
                 qb4 = (_mm(qs, sel, DOT) * 4.0).to(DOT)
             high = tl.load(high_ptr + pbase * (NB * G4) + slots[:, None] * G4 + i[None, :],
                            mask=(slots < NB)[:, None], other=0)  # (NBP, G/4) bytes of the compact high plane
-        qz = tl.sum(q32 * zero[None, :], 1)
-        a = qk_scale / KUNIT
-        bias = (qz - corr * (KOFF / KUNIT)) * qk_scale  # (BLOCK_H,)
+        qz = tl.sum(q.to(tl.float32) * zero[None, :], 1)
+        a = qk_scale * (1.0 / KUNIT)
+        if KOFF != 0:
+            bias = (qz - corr * (KOFF / KUNIT)) * qk_scale  # (BLOCK_H,)
+        else:
+            bias = qz * qk_scale
         s0 = _mm(qs, _codes(low, 0, 2, KA0, KOFF, KUNIT, DOT), DOT)
         s1 = _mm(qs, _codes(low, 2, 2, KA1, KOFF, KUNIT, DOT), DOT)
         s2 = _mm(qs, _codes(low, 4, 2, KA2, KOFF, KUNIT, DOT), DOT)
@@ -224,7 +234,8 @@ def _value_quarter(p, t, codes_ptr, vscale_ptr, vzero_ptr, pbase, acc0, acc1, ac
     vs = tl.load(vscale_ptr + pbase * G + t).to(tl.float32)
     vz = tl.load(vzero_ptr + pbase * G + t).to(tl.float32)
     pv = (p * vs[None, :]).to(DOT)  # (BLOCK_H, G/4)
-    cq += pv.to(tl.float32)
+    if VOFF != 0:
+        cq += pv.to(tl.float32)
     az += p * vz[None, :]
     jb = tl.arange(0, DB)
     vb = tl.load(codes_ptr + pbase * (G * DB) + t[:, None] * DB + jb[None, :])  # (G/4, DB) bytes
@@ -323,7 +334,6 @@ def _decode_split_kernel(
     d = tl.arange(0, D)
     i = tl.arange(0, G4)
     q = tl.load(q_ptr + b64 * sq_b + (h * QH + r)[:, None] * sq_h + d[None, :], mask=(r < QH)[:, None], other=0.0)
-    q32 = q.to(tl.float32)
     q = q.to(DOT)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H, G4], tl.float32)  # row sums kept per column, reduced once at the end
@@ -341,7 +351,7 @@ def _decode_split_kernel(
     for j in range(start, tl.minimum(end, vp)):
         kpage = tl.load(k_pt_ptr + b64 * spk_b + j).to(tl.int64) * Hkv + h
         vpage = tl.load(v_pt_ptr + b64 * spv_b + j).to(tl.int64) * Hkv + h
-        s0, s1, s2, s3 = _key_page_scores(q, q32, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr,
+        s0, s1, s2, s3 = _key_page_scores(q, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr,
                                           k_raw_ptr, kpage, qk_scale, G, D, NB, NBP, KEY_RAW, DOT,
                                           KA0, KA1, KA2, KA3, KOFF, KUNIT)
         p0, p1, p2, p3, alpha, m_i = _page_softmax(s0, s1, s2, s3, m_i)
@@ -370,7 +380,7 @@ def _decode_split_kernel(
     # ---- pages with a key page whose values are still in full precision (value qbuffer / local window)
     for j in range(tl.maximum(start, vp), tl.minimum(end, kp)):
         kpage = tl.load(k_pt_ptr + b64 * spk_b + j).to(tl.int64) * Hkv + h
-        s0, s1, s2, s3 = _key_page_scores(q, q32, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr,
+        s0, s1, s2, s3 = _key_page_scores(q, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr,
                                           k_raw_ptr, kpage, qk_scale, G, D, NB, NBP, KEY_RAW, DOT,
                                           KA0, KA1, KA2, KA3, KOFF, KUNIT)
         p0, p1, p2, p3, alpha, m_i = _page_softmax(s0, s1, s2, s3, m_i)
@@ -406,7 +416,9 @@ def _decode_split_kernel(
     # ---- the split's result in natural channel order: quantized channel groups interleaved once
     acc = acc_nat
     if not VALUE_RAW:
-        zero_term = tl.sum(az, 1) - tl.sum(cq, 1) * (VOFF / VUNIT)  # (BLOCK_H,)
+        zero_term = tl.sum(az, 1)
+        if VOFF != 0:
+            zero_term -= tl.sum(cq, 1) * (VOFF / VUNIT)  # (BLOCK_H,)
         o0 = acc0 * (1.0 / VUNIT) + zero_term[:, None]
         o1 = acc1 * (1.0 / VUNIT) + zero_term[:, None]
         if VPER == 4:  # channel 4j + r <- o_r[:, j]
@@ -514,6 +526,9 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
     vbits = cfg.value_bits if cfg.quantizes_values else 2
     ka = [magic_code(dot, 2, s) for s in (0, 2, 4, 6)]
     va = [magic_code(dot, vbits, vbits * r) for r in range(4)]
+    if G < 64 or D * vbits // 8 < 16:  # small tiles: plain conversions (same values) instead of the PTX blocks
+        ka = [("",) + x[1:] for x in ka]
+        va = [("",) + x[1:] for x in va]
     _decode_split_kernel[(B * Hkv, splits)](
         q, ws_m, ws_l, ws_acc,
         lengths, st.sink_k, st.sink_v, st.k_qbuf, st.v_qbuf, st.v_local, st.k_page_table, st.v_page_table,

@@ -166,31 +166,32 @@ def _check(out, q, state, cfg, scaling=None):
     return err
 
 
-ATTN_CASES = [  # (preset, GQA ratio, D, dtype, sink, G): GQA 1/3/4/8, D 64/128, fp16/bf16, empty sink, R < G and R > G
-    ("kitty", 1, 64, torch.float16, 8, 32),
-    ("kitty-pro", 4, 128, torch.bfloat16, 8, 16),
-    ("kitty", 3, 64, torch.bfloat16, 0, 32),
-    ("kitty-pro", 8, 64, torch.float16, 4, 16),
-    ("kivi-k2v4-sink", 2, 64, torch.float16, 8, 32),  # 4-bit values, no boost
-    ("fp16", 4, 64, torch.bfloat16, 8, 16),  # 16-bit raw pages
+ATTN_CASES = [  # (preset, GQA ratio, D, dtype, sink, G, overrides): GQA 1/3/4/8, D 64/128, fp16/bf16, empty sink,
+    # R < G and R > G, boost fractions 0 / 12.5% / 25% / 50%, 4-bit values; G=64 gives page quarters of 16 tokens
+    # (the tensor-core path the GPU runs at G=128), G=16/32 the small-tile path
+    ("kitty", 1, 64, torch.float16, 8, 32, {}),
+    ("kitty-pro", 4, 128, torch.bfloat16, 8, 16, {}),
+    ("kitty", 3, 64, torch.bfloat16, 0, 32, {}),
+    ("kitty-pro", 8, 64, torch.float16, 4, 16, {}),
+    ("kivi-k2v4-sink", 2, 64, torch.float16, 8, 32, {}),  # 4-bit values, no boost
+    ("fp16", 4, 64, torch.bfloat16, 8, 16, {}),  # 16-bit raw pages
+    ("kitty", 4, 128, torch.float16, 8, 64, {}),
+    ("kitty-pro", 2, 64, torch.bfloat16, 8, 64, {}),
+    ("kitty", 4, 64, torch.float16, 8, 64, {"boost_fraction": 0.5}),
 ]
 
 
-@pytest.mark.parametrize("preset,gqa,D,dtype,sink,G", ATTN_CASES)
-def test_decode_attention_fused(preset, gqa, D, dtype, sink, G):
-    cfg = small(preset, sink_tokens=sink, group_size=G)
+@pytest.mark.parametrize("preset,gqa,D,dtype,sink,G,kw", ATTN_CASES)
+def test_decode_attention_fused(preset, gqa, D, dtype, sink, G, kw):
+    cfg = small(preset, sink_tokens=sink, group_size=G, **kw)
     B, Hkv = 5, 2
     lengths = _lengths(cfg, B)
     k, v = planted_kv(B, Hkv, max(lengths), D, dtype, DEVICE, seed=gqa * D + sink)
     state = make_state(cfg, k, v, lengths, seed=1)
     q = torch.randn(B, Hkv * gqa, D, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
-    # the folded path (integer codes, scale/zero folded into q and p) with one program per row/head over whole
-    # pages; then dequantized tiles with rows split across programs (incl. empty splits) in 16-token blocks,
-    # several per page: word loads with the next block prefetched, and Algorithm 1's per-code byte loads
-    variants = [dict(num_splits=1, block_n=G, fold=True), dict(num_splits=3, block_n=16, fold=False, prefetch=True),
-                dict(num_splits=2, block_n=16, fold=False, unpack_reshape=False)]
-    for kw in variants:
-        _check(decode_attention(q, state, cfg, **kw), q, state, cfg)
+    # one program per row/head over all its pages; rows split over programs (including empty splits)
+    for kw_run in (dict(num_splits=1), dict(num_splits=3, num_warps=2)):
+        _check(decode_attention(q, state, cfg, **kw_run), q, state, cfg)
 
 
 def test_decode_attention_scaling_pack_and_empty_row():
@@ -206,8 +207,8 @@ def test_decode_attention_scaling_pack_and_empty_row():
     assert (out[1] == 0).all()
 
 
-@pytest.mark.parametrize("preset,gqa,D,dtype,sink,G", [ATTN_CASES[1], ATTN_CASES[2]])
-def test_decode_attention_unfused(preset, gqa, D, dtype, sink, G):
+@pytest.mark.parametrize("preset,gqa,D,dtype,sink,G,kw", [ATTN_CASES[1], ATTN_CASES[2]])
+def test_decode_attention_unfused(preset, gqa, D, dtype, sink, G, kw):
     cfg = small(preset, sink_tokens=sink, group_size=G)
     B, Hkv = 4, 2
     lengths = _lengths(cfg, B)
