@@ -183,7 +183,7 @@ def check_attention(results: dict) -> bool:
     ok = True
     cases = [("kitty", 4, 128, torch.float16, 128, {}), ("kitty-pro", 4, 128, torch.bfloat16, 128, {}),
              ("kitty", 1, 64, torch.bfloat16, 128, {}), ("kitty-pro", 8, 64, torch.float16, 64, {}),
-             ("kitty", 3, 128, torch.float16, 32, {}), ("kitty", 4, 128, torch.float16, 128, {"boost_fraction": 0.5}),
+             ("kitty", 3, 128, torch.float16, 64, {}), ("kitty", 4, 128, torch.float16, 128, {"boost_fraction": 0.5}),
              ("kivi-k2v2-sink", 4, 128, torch.bfloat16, 128, {}), ("kivi-k2v4-sink", 2, 64, torch.float16, 64, {}),
              ("fp16", 4, 128, torch.float16, 128, {})]
     for preset, gqa, d, dtype, G, kw in cases:

@@ -28,15 +28,15 @@ if HAS_TRITON:
 else:
     BACKENDS = ("auto", "torch")
 
-    def triton_supports(cfg, head_dim) -> bool:
+    def triton_supports(cfg, head_dim, compiled=None) -> bool:
         return False
 
-    def decode_attention(q, state, cfg, scaling=None, backend="auto", **kernel_options):
+    def decode_attention(q, state, cfg, scaling=None, backend="auto", full_qbuffer=False, **kernel_options):
         """Torch reference only (Triton is not installed)."""
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} without Triton installed, got {backend!r}")
         check_state(q, state, cfg)
-        return decode_attention_ref(q, state, cfg, scaling)
+        return decode_attention_ref(q, state, cfg, scaling, full_qbuffer=full_qbuffer)
 
 __all__ = ["HAS_TRITON", "KittyLayerState", "decode_attention", "decode_attention_ref", "check_state", "triton_supports"]
 if HAS_TRITON:

@@ -306,7 +306,7 @@ def _decode_split_kernel(
     # ---- meta-parameters
     S: tl.constexpr, G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
     VBITS: tl.constexpr, KEY_RAW: tl.constexpr, VALUE_RAW: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_S: tl.constexpr, DOT: tl.constexpr,
+    BLOCK_S: tl.constexpr, DOT: tl.constexpr, FULL_QBUF: tl.constexpr,
     KA0: tl.constexpr, KA1: tl.constexpr, KA2: tl.constexpr, KA3: tl.constexpr, KOFF: tl.constexpr,
     KUNIT: tl.constexpr, VA0: tl.constexpr, VA1: tl.constexpr, VA2: tl.constexpr, VA3: tl.constexpr,
     VOFF: tl.constexpr, VUNIT: tl.constexpr,
@@ -324,8 +324,12 @@ def _decode_split_kernel(
     n = tl.load(len_ptr + b)
     m = tl.maximum(n - S, 0)
     mv = tl.maximum(m - R, 0)
-    kp = m // G  # full key pages
-    vp = mv // G  # full value pages (vp <= kp)
+    if FULL_QBUF:  # mid-step: a qbuffer the new token filled is not packed yet (qbuffers hold 1..G tokens)
+        kp = tl.maximum(tl.cdiv(m, G) - 1, 0)
+        vp = tl.maximum(tl.cdiv(mv, G) - 1, 0)
+    else:
+        kp = m // G  # full key pages
+        vp = mv // G  # full value pages (vp <= kp)
     per = tl.cdiv(tl.cdiv(m, G), NUM_SPLITS)
     start = split * per
     end = tl.minimum(start + per, tl.cdiv(m, G))
@@ -492,8 +496,11 @@ def _dot_dtype(dtype: torch.dtype):
 
 def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig, scaling: float | None = None,
                             num_splits: int | None = None, num_warps: int = 4, num_stages: int = 1,
-                            maxnreg: int | None = None, waves: int = 4) -> torch.Tensor:
+                            maxnreg: int | None = None, waves: int = 4, full_qbuffer: bool = False) -> torch.Tensor:
     """The fused Triton kernel (see module docstring). ``q``: ``[B, Hq, D]`` -> ``[B, Hq, D]`` in ``q.dtype``.
+
+    ``full_qbuffer``: the state is mid-step, after the new token was inserted and before a qbuffer it filled is
+    packed (qbuffers hold 1..G tokens, ``kitty.memory.token_layout``): the filled qbuffer is attended in full precision.
 
     Tuning knobs (defaults from the H200 runs in benchmarks/RESULTS.md): ``num_splits`` programs per (row, KV head),
     each taking a contiguous run of pages (default: enough programs for ``waves`` per SM), ``num_warps``,
@@ -506,6 +513,9 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
             raise ValueError(f"the fused kernel needs a power-of-two {what} >= 16, got {size}")
     if cfg.quantizes_values and cfg.value_bits not in (2, 4):
         raise ValueError(f"value_bits must be 2, 4 or 16, got {cfg.value_bits}")
+    if not _interpreting() and not triton_supports(cfg, D, compiled=True):
+        raise ValueError(f"on the GPU the fused kernel needs group_size >= 64 and head_dim * value_bits / 8 >= 16, got "
+                         f"group_size={G}, head_dim={D}, value_bits={cfg.value_bits} (use the torch backend)")
     scaling = 1.0 / math.sqrt(D) if scaling is None else float(scaling)
     QH = Hq // Hkv
     BLOCK_H = max(16, triton.next_power_of_2(QH))
@@ -541,7 +551,7 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
         st.v_local.stride(0), st.v_local.stride(1), st.k_page_table.stride(0), st.v_page_table.stride(0),
         S=S, G=G, R=R, D=D, NB=nb, NBP=max(16, triton.next_power_of_2(max(nb, 1))), VBITS=vbits,
         KEY_RAW=not cfg.quantizes_keys, VALUE_RAW=not cfg.quantizes_values, BLOCK_H=BLOCK_H, BLOCK_S=BLOCK_S,
-        DOT=_TLTYPE[dot],
+        DOT=_TLTYPE[dot], FULL_QBUF=bool(full_qbuffer),
         KA0=ka[0][0], KA1=ka[1][0], KA2=ka[2][0], KA3=ka[3][0], KOFF=ka[0][1], KUNIT=ka[0][2],
         VA0=va[0][0], VA1=va[1][0], VA2=va[2][0], VA3=va[3][0], VOFF=va[0][1], VUNIT=va[0][2],
         num_warps=num_warps, num_stages=num_stages, **_reg_cap(maxnreg),
@@ -556,15 +566,20 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
 BACKENDS = ("auto", "triton", "torch")
 
 
-def triton_supports(cfg: KVQuantConfig, head_dim: int) -> bool:
+def triton_supports(cfg: KVQuantConfig, head_dim: int, compiled: bool | None = None) -> bool:
     """Whether the fused kernel handles pages of ``cfg`` with ``head_dim`` channels: power-of-two group size and
-    head_dim >= 16 (``tl.dot`` tiles, 4-byte aligned plane rows), 2/4/16-bit keys and values."""
+    head_dim >= 16, 2/4/16-bit keys and values. ``compiled`` (default: not under ``TRITON_INTERPRET=1``): on the
+    GPU the kernel also needs page quarters and value rows of >= 16 (``group_size >= 64``, ``head_dim * value_bits
+    / 8 >= 16``); smaller tiles were measured wrong there (H200, triton 3.6) and take the torch path."""
     pow2 = lambda n: n >= 16 and not n & (n - 1)  # noqa: E731
-    return pow2(cfg.group_size) and pow2(head_dim) and cfg.key_bits in (2, 4, 16) and cfg.value_bits in (2, 4, 16)
+    ok = pow2(cfg.group_size) and pow2(head_dim) and cfg.key_bits in (2, 4, 16) and cfg.value_bits in (2, 4, 16)
+    if compiled if compiled is not None else not _interpreting():
+        ok = ok and cfg.group_size >= 64 and (not cfg.quantizes_values or head_dim * cfg.value_bits // 8 >= 16)
+    return ok
 
 
 def decode_attention(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig, scaling: float | None = None,
-                     backend: str = "auto", **kernel_options) -> torch.Tensor:
+                     backend: str = "auto", full_qbuffer: bool = False, **kernel_options) -> torch.Tensor:
     """Decode attention of one new query token per row over a Kitty layer: ``[B, Hq, D]`` -> ``[B, Hq, D]``.
 
     ``backend="auto"`` runs the fused Triton kernel on CUDA tensors or under ``TRITON_INTERPRET=1`` when
@@ -579,5 +594,5 @@ def decode_attention(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig
         backend = "triton" if ok else "torch"
     if backend == "torch":
         check_state(q, state, cfg)
-        return decode_attention_ref(q, state, cfg, scaling)
-    return decode_attention_triton(q, state, cfg, scaling, **kernel_options)
+        return decode_attention_ref(q, state, cfg, scaling, full_qbuffer=full_qbuffer)
+    return decode_attention_triton(q, state, cfg, scaling, full_qbuffer=full_qbuffer, **kernel_options)

@@ -58,10 +58,11 @@ class KittyLayerState:
 # -------------------------------------------------------------------------------------------- torch reference
 
 
-def _row_kv(state: KittyLayerState, cfg: KVQuantConfig, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Position-ordered keys and values ``[Hkv, n, D]`` of row ``b`` (dequantized with kitty.quant)."""
+def _row_kv(state: KittyLayerState, cfg: KVQuantConfig, b: int, full_qbuffer: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position-ordered keys and values ``[Hkv, n, D]`` of row ``b`` (dequantized with kitty.quant);
+    ``full_qbuffer``: qbuffers hold 1..G tokens (see ``kitty.memory.token_layout``)."""
     n = int(state.lengths[b])
-    lay = token_layout(cfg, n)
+    lay = token_layout(cfg, n, full_qbuffer)
     S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
     Hkv, D = state.k_qbuf.shape[1], state.k_qbuf.shape[3]
     dtype = state.k_qbuf.dtype
@@ -92,11 +93,12 @@ def _row_kv(state: KittyLayerState, cfg: KVQuantConfig, b: int) -> tuple[torch.T
 
 
 def decode_attention_ref(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig, scaling: float | None = None,
-                         upcast: bool = True) -> torch.Tensor:
+                         upcast: bool = True, full_qbuffer: bool = False) -> torch.Tensor:
     """Torch reference of :func:`decode_attention`: ``[B, Hq, D]`` in ``q.dtype``.
 
     ``upcast=True``: scores, softmax and ``p @ V`` in fp32 (the specification). ``upcast=False``: the same in
     ``q.dtype`` (what a kernel in that dtype could at worst be; used for tolerances). Rows with length 0 give 0.
+    ``full_qbuffer``: the state is mid-step, qbuffers hold 1..G tokens (``kitty.memory.token_layout``).
     """
     B, Hq, D = q.shape
     Hkv = state.k_qbuf.shape[1]
@@ -104,7 +106,7 @@ def decode_attention_ref(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantCo
     cdt = torch.float32 if upcast else q.dtype
     out = torch.zeros(B, Hq, D, dtype=q.dtype, device=q.device)
     for b in range(B):
-        k, v = _row_kv(state, cfg, b)  # (Hkv, n, D)
+        k, v = _row_kv(state, cfg, b, full_qbuffer)  # (Hkv, n, D)
         if k.shape[1] == 0:
             continue
         k = k.to(cdt).repeat_interleave(Hq // Hkv, 0)  # (Hq, n, D)

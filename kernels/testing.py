@@ -31,10 +31,11 @@ def planted_kv(B: int, Hkv: int, L: int, D: int, dtype: torch.dtype, device="cpu
 
 
 def make_state(cfg: KVQuantConfig, k: torch.Tensor, v: torch.Tensor, lengths, *, seed: int = 0,
-               fill: float = float("nan"), extra_pages: int = 3, pack=None) -> KittyLayerState:
+               fill: float = float("nan"), extra_pages: int = 3, pack=None, full_qbuffer: bool = False) -> KittyLayerState:
     """Lay out ``k``/``v`` ``[B, Hkv, L, D]`` (row ``b`` holds ``lengths[b]`` valid tokens) as a Kitty layer.
 
     ``pack``: ``None`` quantizes pages with ``kitty.quant``; ``"triton"`` with :func:`kernels.pack.pack_pages`.
+    ``full_qbuffer``: lay rows out mid-step (qbuffers hold 1..G tokens, ``kitty.memory.token_layout``).
     """
     B, Hkv, L, D = k.shape
     dev, dt = k.device, k.dtype
@@ -42,7 +43,7 @@ def make_state(cfg: KVQuantConfig, k: torch.Tensor, v: torch.Tensor, lengths, *,
     lengths = [int(x) for x in lengths]
     if len(lengths) != B or max(lengths, default=0) > L:
         raise ValueError(f"lengths must be {B} values <= {L}, got {lengths}")
-    lays = [token_layout(cfg, n) for n in lengths]
+    lays = [token_layout(cfg, n, full_qbuffer) for n in lengths]
     max_pages = max([lay.key_pages for lay in lays] + [1])
     n_k, n_v = sum(lay.key_pages for lay in lays), sum(lay.value_pages for lay in lays)
     P = max(n_k, n_v) + extra_pages

@@ -239,10 +239,12 @@ def _kernels(required: bool = True):
     return kernels
 
 
-def triton_decode(query: torch.Tensor, storage: dict[str, torch.Tensor], cfg: KVQuantConfig, scale: float) -> torch.Tensor:
+def triton_decode(query: torch.Tensor, storage: dict[str, torch.Tensor], cfg: KVQuantConfig, scale: float,
+                  full_qbuffer: bool = False) -> torch.Tensor:
     """The Triton seam: ``query`` ``[B, Hq, 1, D]`` over one layer's storage (new token already inserted).
 
-    Calls ``kernels.decode_attention(q [B, Hq, D], KittyLayerState, cfg, scaling=scale, backend="triton")``.
+    Calls ``kernels.decode_attention(q [B, Hq, D], KittyLayerState, cfg, scaling=scale, backend="triton",
+    full_qbuffer=...)``; ``full_qbuffer``: the layer is mid-step (a qbuffer the new token filled is not packed yet).
     Pool tensors of a 16-bit side are passed empty (the kernel reads ``k_raw``/``v_raw`` then).
     """
     kernels = _kernels(required=True)
@@ -250,7 +252,8 @@ def triton_decode(query: torch.Tensor, storage: dict[str, torch.Tensor], cfg: KV
     empty = torch.empty(0, dtype=query.dtype, device=query.device)
     fields = dict(k_low=empty_u8, k_high=empty_u8, k_boost_idx=empty_u8, k_scale=empty, k_zero=empty, v_codes=empty_u8, v_scale=empty, v_zero=empty)
     fields.update(storage)
-    out = kernels.decode_attention(query[:, :, 0], kernels.KittyLayerState(**fields), cfg, scaling=scale, backend="triton")  # (B, Hq, D)
+    out = kernels.decode_attention(query[:, :, 0], kernels.KittyLayerState(**fields), cfg, scaling=scale, backend="triton",
+                                   full_qbuffer=full_qbuffer)  # (B, Hq, D)
     return out[:, :, None]  # (B, Hq, 1, D)
 
 
@@ -286,10 +289,16 @@ def kitty_attention_forward(
     layer.check_append(valid)  # errors before anything changes
     layer.observe_queries(query, valid)  # channel_selection="query" ranks the channels of pages packed below
     backend = resolve_backend(layer.backend, query.device, layer.cfg, D)
-    if backend == "triton" and T == 1 and not layer.append_fills_page(valid):
-        _kernels(required=True)  # fail before inserting if the kernels are missing
-        layer.append(key.key_states, key.value_states, valid)
-        out = triton_decode(query, layer.storage(), layer.cfg, scale)  # (B, Hq, 1, D)
+    if backend == "triton" and T == 1 and bool(valid.all()):
+        # a decode step, every row at once: insert, attend over the qbuffers in full precision (a qbuffer this
+        # token filled included), then pack what filled -- the paper's order, with no torch path for the batch
+        kernels = _kernels(required=True)  # fail before inserting if the kernels are missing
+        if not kernels.triton_supports(layer.cfg, D, compiled=query.is_cuda):
+            raise ValueError(f"backend='triton' cannot run group_size={layer.cfg.group_size}, head_dim={D}, "
+                             f"value_bits={layer.cfg.value_bits} on {query.device} (see kernels.triton_supports); use backend='auto'")
+        filled = layer.insert_decode(key.key_states, key.value_states)
+        out = triton_decode(query, layer.storage(), layer.cfg, scale, full_qbuffer=True)  # (B, Hq, 1, D)
+        layer.pack_filled(filled)
     else:
         out = attend_torch(query, key.key_states, key.value_states, valid.to(query.device), layer.storage(), layer.cfg, scale)
         layer.append(key.key_states, key.value_states, valid)

@@ -373,12 +373,22 @@ class KittyLayer(CacheLayerMixin):
         self.seen_tokens += T
 
     def _append_one(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Decode step: insert one new token ``[B, H, 1, D]`` in every row with batched writes (no per-row loop).
+        """Decode step: insert one new token ``[B, H, 1, D]`` in every row (stage 1), then pack the qbuffers it
+        filled (stage 3)."""
+        self._pack_filled(self.insert_decode(key_states, value_states))
+
+    def insert_decode(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Stage 1 of a decode step: insert one new token ``[B, H, 1, D]`` in every row with batched writes (no
+        per-row loop), leaving any qbuffer it fills unpacked; returns the rows whose key / value qbuffer is now
+        full, for :meth:`pack_filled` after attention (the paper's order: attend with the full qbuffer in full
+        precision, then quantize it). Between the two calls the layer is mid-step: ``lengths`` count the new token
+        and qbuffers hold 1..G tokens (``kitty.memory.token_layout(..., full_qbuffer=True)``).
 
         Slots follow ``docs/LAYOUT.md``: sink slot ``p``; key qbuffer slot ``(p - S) % G``; local ring slot
         ``(p - S) % R``, whose previous value (position ``p - R``) first moves to value qbuffer slot ``(p - R - S) % G``.
-        Rows whose qbuffer this token fills are quantized together into new pages (stage 3).
+        Raises ``RuntimeError`` (nothing changed) when the page pools cannot take the pages this step fills.
         """
+        self._prepare(key_states)
         cfg, dev = self.cfg, self.device
         S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
         n0 = self._n
@@ -412,15 +422,58 @@ class KittyLayer(CacheLayerMixin):
                 self.v_qbuf[rows, :, index([m % G for m in m0])] = v[rows]
         widest = token_layout(cfg, max(n1))
         self._grow_page_tables(widest.key_pages, widest.value_pages)
-        if key_rows:
-            page = quantize_key_page(self.k_qbuf[index(key_rows)], cfg, salt=self.layer_idx, query_scale=self.query_scale(index(key_rows)))  # (r, H, ...)
-            self._store(self.key_pool, self.k_page_table, [(b, token_layout(cfg, n1[b]).key_pages - 1, 1) for b in key_rows], _key_fields(page))
-        if value_rows:
-            page = quantize_value_page(self.v_qbuf[index(value_rows)], cfg)
-            self._store(self.value_pool, self.v_page_table, [(b, token_layout(cfg, n1[b]).value_pages - 1, 1) for b in value_rows], _value_fields(page))
         self._n = n1
         self.lengths = self.lengths + 1  # a new tensor: storage() snapshots taken earlier stay as they were
         self.seen_tokens += 1
+        return key_rows, value_rows
+
+    def pack_filled(self, filled: tuple[list[int], list[int]]) -> None:
+        """Stage 3 of a decode step: pack the qbuffers :meth:`insert_decode` reported full into new pages."""
+        self._pack_filled(filled)
+
+    def _pack_filled(self, filled: tuple[list[int], list[int]]) -> None:
+        key_rows, value_rows = filled
+        cfg, n1 = self.cfg, self._n
+        if key_rows:
+            dest = [(b, token_layout(cfg, n1[b]).key_pages - 1, 1) for b in key_rows]
+            self._pack(self.key_pool, self.k_page_table, dest, key_rows, keys=True)
+        if value_rows:
+            dest = [(b, token_layout(cfg, n1[b]).value_pages - 1, 1) for b in value_rows]
+            self._pack(self.value_pool, self.v_page_table, dest, value_rows, keys=False)
+
+    def _triton_pack(self, keys: bool) -> bool:
+        """Whether full qbuffers of this side are packed by ``kernels.pack_pages`` (CUDA, and a config it packs
+        bit-identically to ``kitty.quant``: 2/4 bits, min-max ranges, magnitude or random channel selection)."""
+        cfg = self.cfg
+        if self.device.type != "cuda" or (cfg.key_bits if keys else cfg.value_bits) == 16:
+            return False
+        if cfg.key_range != "minmax" or cfg.value_range != "minmax" or cfg.boost_profile is not None:
+            return False
+        if keys and cfg.channel_selection in QUERY_SELECTIONS:
+            return False
+        try:
+            from kernels import HAS_TRITON
+        except ImportError:
+            return False
+        return HAS_TRITON
+
+    def _pack(self, pool: PagePool, table: torch.Tensor, dest: list[tuple[int, int, int]], rows: list[int], keys: bool) -> None:
+        """Quantize the full qbuffers of ``rows`` into fresh pages of ``pool`` and point ``table`` at them."""
+        idx = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        if self._triton_pack(keys):
+            from kernels import pack_pages
+
+            ids = pool.allocate(len(rows))
+            qbuf = self.k_qbuf if keys else self.v_qbuf
+            pack_pages(self.cfg, qbuf if keys else None, None if keys else qbuf, k_rows=idx if keys else None,
+                       v_rows=None if keys else idx, pool=pool.tensors, k_pages=ids if keys else None,
+                       v_pages=None if keys else ids, salt=self.layer_idx)
+            self._point(table, dest, ids)
+        elif keys:
+            page = quantize_key_page(self.k_qbuf[idx], self.cfg, salt=self.layer_idx, query_scale=self.query_scale(idx))
+            self._store(pool, table, dest, _key_fields(page))
+        else:
+            self._store(pool, table, dest, _value_fields(quantize_value_page(self.v_qbuf[idx], self.cfg)))
 
     def observe_queries(self, query: torch.Tensor, valid: torch.Tensor) -> None:
         """Add the new queries ``[B, Hq, T, D]`` (real tokens per ``valid`` ``[B, T]``) to the running statistics of
@@ -448,6 +501,11 @@ class KittyLayer(CacheLayerMixin):
     def _store(self, pool: PagePool, table: torch.Tensor, dest: list[tuple[int, int, int]], fields: dict[str, torch.Tensor]) -> None:
         ids = pool.allocate(sum(n for *_, n in dest))
         pool.write(ids, fields)
+        self._point(table, dest, ids)
+
+    @staticmethod
+    def _point(table: torch.Tensor, dest: list[tuple[int, int, int]], ids: torch.Tensor) -> None:
+        """Page-table entries ``table[b, first : first + n]`` = the next ``n`` of ``ids``, for each ``dest``."""
         i = 0
         for b, first, n in dest:
             table[b, first : first + n] = ids[i : i + n]

@@ -34,13 +34,21 @@ class TokenLayout:
         return asdict(self)
 
 
-def token_layout(cfg: KVQuantConfig, n: int) -> TokenLayout:
-    """Where the ``n`` tokens of one sequence live under ``cfg``."""
+def token_layout(cfg: KVQuantConfig, n: int, full_qbuffer: bool = False) -> TokenLayout:
+    """Where the ``n`` tokens of one sequence live under ``cfg``.
+
+    Between steps a qbuffer holds 0 .. G-1 tokens (a full one is packed at once). ``full_qbuffer=True`` describes
+    the moment inside a decode step after the new token was inserted and before a qbuffer it filled is packed: the
+    qbuffers then hold 1 .. G tokens (a filled qbuffer is not yet a page).
+    """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
     m = max(n - S, 0)
     mv = max(m - R, 0)
+    if full_qbuffer:
+        kp, vp = max(-(-m // G) - 1, 0), max(-(-mv // G) - 1, 0)
+        return TokenLayout(n, min(n, S), kp, m - kp * G, vp, mv - vp * G, min(m, R))
     return TokenLayout(n, min(n, S), m // G, m % G, mv // G, mv % G, min(m, R))
 
 

@@ -258,3 +258,33 @@ def test_dispatch_and_checks():
         decode_attention(q, state8, cfg8, backend="triton")
     assert {"decode_attention", "KittyLayerState", "pack_pages", "dequantize_key_page_triton",
             "decode_attention_unfused", "decode_attention_ref"} <= set(kernels.__all__)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_attention_mid_step_full_qbuffers(dtype):
+    """Mid-step layout (the token just inserted filled a qbuffer, not packed yet): rows whose key qbuffer, value
+    qbuffer or both hold exactly G tokens, and a row that is not at a boundary."""
+    cfg = small("kitty-pro", group_size=64, local_window=24)
+    S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
+    lengths = [S + 2 * G, S + R + G, S + 3 * G + 7, S + G]  # key qbuffer full; value qbuffer full; neither; key
+    k, v = planted_kv(len(lengths), 2, max(lengths), 64, dtype, DEVICE, seed=21)
+    state = make_state(cfg, k, v, lengths, seed=5, full_qbuffer=True)
+    lay = [token_layout(cfg, n, full_qbuffer=True) for n in lengths]
+    assert lay[0].key_qbuffer == G and lay[1].value_qbuffer == G and lay[3].key_qbuffer == G
+    q = torch.randn(len(lengths), 8, 64, generator=torch.Generator().manual_seed(8)).to(dtype).to(DEVICE)
+    out = decode_attention(q, state, cfg, full_qbuffer=True, num_splits=2)
+    ref = decode_attention_ref(q, state, cfg, upcast=True, full_qbuffer=True)
+    pt = decode_attention_ref(q, state, cfg, upcast=False, full_qbuffer=True)
+    assert torch.isfinite(out).all()
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= 2 * (pt.float() - ref.float()).abs().max().item() + FLOOR[dtype]
+    # the mid-step reference pairs positions right: with 16-bit pages it is plain softmax attention
+    raw = small("fp16", group_size=64, local_window=24)
+    kf, vf = k.float(), v.float()
+    st = make_state(raw, kf, vf, lengths, full_qbuffer=True)
+    qf = q.float()
+    got = decode_attention_ref(qf, st, raw, full_qbuffer=True)
+    for b, n in enumerate(lengths):
+        kk, vv = kf[b, :, :n].repeat_interleave(4, 0), vf[b, :, :n].repeat_interleave(4, 0)
+        expect = torch.einsum("hn,hnd->hd", torch.softmax(torch.einsum("hd,hnd->hn", qf[b], kk) / 8.0, -1), vv)
+        torch.testing.assert_close(got[b], expect, rtol=1e-5, atol=1e-5)
