@@ -481,8 +481,12 @@ def _num_sms(device: torch.device) -> int:
 
 
 def default_num_splits(B: int, Hkv: int, max_blocks: int, device: torch.device, waves: int = 4) -> int:
-    """Splits so that B*Hkv*splits programs fill ~``waves`` per SM, never more than the work units of a row."""
-    want = triton.cdiv(waves * _num_sms(device), max(B * Hkv, 1))
+    """Splits so that B*Hkv*splits programs fill ~``waves`` per SM, never more than the work units of a row; at
+    most 2 once B*Hkv alone gives two programs per SM (measured on the H200: more splits only add programs then)."""
+    programs, sms = max(B * Hkv, 1), _num_sms(device)
+    want = triton.cdiv(waves * sms, programs)
+    if programs >= 2 * sms:
+        want = min(want, 2)
     return max(1, min(want, max_blocks, 256))
 
 
@@ -496,15 +500,20 @@ def _dot_dtype(dtype: torch.dtype):
 
 def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig, scaling: float | None = None,
                             num_splits: int | None = None, num_warps: int = 4, num_stages: int = 1,
-                            maxnreg: int | None = None, waves: int = 4, full_qbuffer: bool = False) -> torch.Tensor:
+                            maxnreg: int | None = None, waves: int = 4, full_qbuffer: bool = False,
+                            block_h: int = 4) -> torch.Tensor:
     """The fused Triton kernel (see module docstring). ``q``: ``[B, Hq, D]`` -> ``[B, Hq, D]`` in ``q.dtype``.
 
     ``full_qbuffer``: the state is mid-step, after the new token was inserted and before a qbuffer it filled is
     packed (qbuffers hold 1..G tokens, ``kitty.memory.token_layout``): the filled qbuffer is attended in full precision.
 
-    Tuning knobs (defaults from the H200 runs in benchmarks/RESULTS.md): ``num_splits`` programs per (row, KV head),
+    Tuning knobs (defaults: the fastest configuration checked for correctness on the H200; the fastest timed,
+    ``num_warps=2, maxnreg=128, waves=8``, awaits that check: benchmarks/RESULTS.md): ``num_splits`` programs per
+    (row, KV head),
     each taking a contiguous run of pages (default: enough programs for ``waves`` per SM), ``num_warps``,
-    ``num_stages`` (Triton's software pipelining of the page loop) and ``maxnreg`` (a register cap per thread).
+    ``num_stages`` (Triton's software pipelining of the page loop), ``maxnreg`` (a register cap per thread) and
+    ``block_h`` (query rows per program, at least the GQA group; 16 fills a tensor-core tile, fewer rows cut the
+    softmax work on padding).
     """
     z = check_state(q, state, cfg)
     B, Hq, Hkv, D, S, G, R, nb = (z[k] for k in ("B", "Hq", "Hkv", "D", "S", "G", "R", "nb"))
@@ -518,7 +527,7 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
                          f"group_size={G}, head_dim={D}, value_bits={cfg.value_bits} (use the torch backend)")
     scaling = 1.0 / math.sqrt(D) if scaling is None else float(scaling)
     QH = Hq // Hkv
-    BLOCK_H = max(16, triton.next_power_of_2(QH))
+    BLOCK_H = max(block_h, triton.next_power_of_2(QH))
     BLOCK_S = max(16, triton.next_power_of_2(S))
     max_pages = state.k_page_table.shape[1] + 1
     splits = num_splits or default_num_splits(B, Hkv, max_pages, q.device, waves)

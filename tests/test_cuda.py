@@ -37,15 +37,31 @@ def generate(model, cache, prompt, n):
     return out[:, prompt.shape[1]:]
 
 
+def teacher_forced_logits(model, cache, ids, mask, prompt_len):
+    """Logits ``(B, steps, vocab)`` of every decode step after a prompt of ``prompt_len`` columns, inputs fixed."""
+    with torch.no_grad():
+        model(ids[:, :prompt_len], attention_mask=mask[:, :prompt_len], past_key_values=cache, use_cache=True)
+        steps = [model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache, use_cache=True).logits[:, -1]
+                 for t in range(prompt_len, ids.shape[1])]
+    return torch.stack(steps, 1).float()
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_fp16_preset_same_tokens_triton_and_torch(kind):
+def test_fp16_preset_triton_matches_torch(kind):
+    """The fp16 preset (16-bit pages) through the fused kernel against the torch path, teacher-forced over 270 steps
+    that fill several pages: the two differ only by fp32 summation order, so logits agree to a small fraction of
+    their scale at every step. (Greedy tokens of a random model are not a stable comparison: one near-tied argmax
+    that rounds the other way changes the rest of the sequence.)"""
     model = tiny_model(kind)
-    prompt = torch.randint(0, 512, (2, 150), generator=torch.Generator().manual_seed(1)).cuda()
-    torch_tokens = generate(model, KittyCache(model.config, "fp16", backend="torch"), prompt, 160)
-    triton_tokens = generate(model, KittyCache(model.config, "fp16", backend="triton"), prompt, 160)
-    same = (torch_tokens == triton_tokens).float().mean().item()
-    print(f"{kind} fp16: token agreement triton vs torch {same:.4f} over {torch_tokens.numel()} tokens")
-    assert torch.equal(torch_tokens, triton_tokens)
+    ids = torch.randint(0, 512, (2, 420), generator=torch.Generator().manual_seed(1)).cuda()
+    mask = torch.ones_like(ids)
+    logits = {b: teacher_forced_logits(model, KittyCache(model.config, "fp16", backend=b), ids, mask, 150)
+              for b in ("torch", "triton")}
+    diff = (logits["torch"] - logits["triton"]).abs().max().item()
+    scale = logits["torch"].abs().max().item()
+    agree = (logits["torch"].argmax(-1) == logits["triton"].argmax(-1)).float().mean().item()
+    print(f"{kind} fp16: max |logit diff| {diff:.4f} over 270 steps (logit scale {scale:.2f}), argmax agreement {agree:.4f}")
+    assert diff <= 0.01 * scale and agree >= 0.99
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -79,3 +95,34 @@ def test_cache_uses_the_fused_kernel_on_cuda(monkeypatch):
     cache = KittyCache(model.config, "kitty")  # backend="auto"
     generate(model, cache, torch.randint(0, 512, (1, 40)).cuda(), 8)
     assert len(calls) >= 8 * model.config.num_hidden_layers - 2 * model.config.num_hidden_layers
+
+
+def test_ragged_batch_decode_never_takes_the_torch_path(monkeypatch):
+    """Rows of different lengths fill their qbuffers at different steps: every decode step still runs the fused
+    kernel for the whole batch (pages packed after attention; counted: the torch path runs for the prompt only),
+    and its logits follow the torch path's on the same ragged batch (teacher-forced)."""
+    import kitty.attention as katt
+
+    model = tiny_model("llama")
+    L = model.config.num_hidden_layers
+    ids = torch.randint(0, 512, (4, 500), generator=torch.Generator().manual_seed(3)).cuda()
+    mask = torch.ones_like(ids)
+    for b, pad in enumerate((0, 37, 90, 151)):  # left padding: prompts of 200, 163, 110 and 49 tokens
+        mask[b, :pad] = 0
+    torch_calls = []
+    real = katt.attend_torch
+    monkeypatch.setattr(katt, "attend_torch", lambda q, *a, **k: torch_calls.append(q.shape[2]) or real(q, *a, **k))
+    for preset, min_agree in (("fp16", 0.99), ("kitty", 0.97)):
+        logits = {}
+        for backend in ("triton", "torch"):
+            torch_calls.clear()
+            logits[backend] = teacher_forced_logits(model, KittyCache(model.config, preset, backend=backend), ids, mask, 200)
+            decode_calls = sum(1 for t in torch_calls if t == 1)
+            print(f"{preset} {backend}: torch-path layer calls {len(torch_calls)} (decode steps: {decode_calls})")
+            if backend == "triton":
+                assert decode_calls == 0 and len(torch_calls) == L  # the prompt only
+        first = (logits["torch"][:, 0] - logits["triton"][:, 0]).abs().max().item()
+        scale = logits["torch"].abs().max().item()
+        agree = (logits["torch"].argmax(-1) == logits["triton"].argmax(-1)).float().mean().item()
+        print(f"{preset} ragged: first-step max |logit diff| {first:.4f} (scale {scale:.2f}), argmax agreement {agree:.4f}")
+        assert first <= LOGIT_RTOL * scale and agree >= min_agree
