@@ -1,4 +1,6 @@
-"""Triton device functions shared by the dequantization and attention kernels: one page tile in registers.
+"""Triton device functions of the dequantization and unfused kernels: one dequantized page tile in registers.
+
+(The fused decode kernel, ``kernels/decode_attention.py``, never builds dequantized tiles: it multiplies the codes.)
 
 ``_key_page_T`` is Algorithm 1 of the paper (Dequantize KeyCache Page) for one (page, KV head), returning the tile
 channel-major ``(D, G)`` as Algorithm 1 does (``K^T``, the operand of ``q @ K^T``). ``_value_page`` is the per-token
@@ -73,15 +75,6 @@ def _expand_packed(b, ROWS: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr, U
         k = tl.arange(0, N)
         codes = (b.to(tl.int32) >> (BITS * (k % PER))[None, :]) & CODE_MASK
     return codes
-
-
-@triton.jit
-def _unpack_rows(ptr, row_off, mask_rows, ROWS: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr,
-                 UNPACK_RESHAPE: tl.constexpr):
-    """Codes ``(ROWS, N)`` int32 from packed bytes ``ptr + row_off[r] + byte``; rows where ``mask_rows`` is False
-    read as 0."""
-    b = _load_packed(ptr, row_off, mask_rows, ROWS, N, BITS, UNPACK_RESHAPE)
-    return _expand_packed(b, ROWS, N, BITS, UNPACK_RESHAPE)
 
 
 # ----------------------------------------------------------------------------------------------------- key pages
@@ -189,72 +182,3 @@ def _value_page(
                                              UNPACK_RESHAPE)
         v = _value_from_raw(codes, scale, zero, BN, D, VBITS, DTYPE, UNPACK_RESHAPE)
     return v
-
-
-# ------------------------------------------------------------------------------ folded scale/zero (fused attention)
-#
-# The dequantized tiles above cost ~10 instructions per element (unpack, int->float, fma, float->16-bit), which made
-# the first fused kernel instruction-bound on the H200 (benchmarks/RESULTS.md). Attention only needs products with
-# the tiles, so the per-channel (keys) and per-token (values) affine maps fold into the other operand:
-#     q . K[t]  = sum_c (q_c scale_c) code_ct + sum_c q_c zero_c
-#     p . V[:,c] = sum_t (p_t vscale_t) code_tc + sum_t p_t vzero_t
-# and the codes enter tl.dot as exact small integers. Boosted channels' high bits are a second, small product over
-# the compact high plane: sum_c q'_c (low_ct + 4 high_ct) = q' @ low + 4 (q' @ Sel) @ high, Sel[c, s] = [idx_c == s].
-
-
-@triton.jit
-def codes_to(code, DTYPE: tl.constexpr):
-    """Exact integer codes (0..15) -> ``DTYPE`` without an int->float conversion instruction (fp16/bf16: OR the
-    code into the mantissa of 1024 / 128 and subtract it again)."""
-    if DTYPE == tl.float16:
-        y = (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
-    elif DTYPE == tl.bfloat16 and not INTERPRET:  # the interpreter's int16 -> bf16 bitcast is wrong
-        y = (code | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 128.0
-    else:
-        y = code.to(DTYPE)
-    return y
-
-
-@triton.jit
-def _key_scores_folded(
-    q32,  # (BLOCK_H, D) fp32 queries
-    low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, pbase, n0,
-    G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr,
-):
-    """``q . K[t]`` (BLOCK_H, BN) fp32 for tokens ``n0 .. n0+BN-1`` of one key page, scale/zero folded into ``q``."""
-    G4: tl.constexpr = G // 4
-    d = tl.arange(0, D)
-    scale = tl.load(scale_ptr + pbase * D + d).to(tl.float32)
-    zero = tl.load(zero_ptr + pbase * D + d).to(tl.float32)
-    qs = (q32 * scale[None, :]).to(DOT_DTYPE)  # (BLOCK_H, D)
-    qz = tl.sum(q32 * zero[None, :], 1)  # (BLOCK_H,)
-    byte0 = n0 // 4
-    low = _unpack_rows(low_ptr + pbase * (D * G4) + byte0, d * G4, d >= 0, D, BN, 2, UNPACK_RESHAPE)  # (D, BN)
-    s = tl.dot(qs, codes_to(low, DOT_DTYPE))
-    if NB > 0:
-        slots = tl.arange(0, NBP)
-        idx = tl.load(idx_ptr + pbase * D + d).to(tl.int32)  # int32 before any arithmetic (uint8 overflow)
-        sel = (idx[:, None] == slots[None, :]).to(DOT_DTYPE)  # (D, NBP) one-hot: channel c -> its slot
-        qb = tl.dot(qs, sel).to(DOT_DTYPE)  # (BLOCK_H, NBP): q' of the boosted channels, exact
-        high = _unpack_rows(high_ptr + pbase * (NB * G4) + byte0, slots * G4, slots < NB, NBP, BN, 2,
-                            UNPACK_RESHAPE)  # (NBP, BN) compact high plane
-        s += 4.0 * tl.dot(qb, codes_to(high, DOT_DTYPE))
-    return s + qz[:, None]
-
-
-@triton.jit
-def _pv_folded(
-    p,  # (BLOCK_H, BN) fp32 softmax numerators
-    codes_ptr, scale_ptr, zero_ptr, pbase, n0,
-    G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, VBITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    UNPACK_RESHAPE: tl.constexpr,
-):
-    """``p @ V`` (BLOCK_H, D) fp32 over tokens ``n0 ..`` of one value page, per-token scale/zero folded into ``p``."""
-    DB: tl.constexpr = D * VBITS // 8
-    t = n0 + tl.arange(0, BN)
-    vscale = tl.load(scale_ptr + pbase * G + t).to(tl.float32)
-    vzero = tl.load(zero_ptr + pbase * G + t).to(tl.float32)
-    code = _unpack_rows(codes_ptr + pbase * (G * DB), t * DB, t >= 0, BN, D, VBITS, UNPACK_RESHAPE)  # (BN, D)
-    pv = tl.dot((p * vscale[None, :]).to(DOT_DTYPE), codes_to(code, DOT_DTYPE))
-    return pv + tl.sum(p * vzero[None, :], 1)[:, None]
