@@ -40,7 +40,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .config import KVQuantConfig
 from .memory import token_layout
-from .quant import KeyPage, ValuePage, dequantize_key_page, dequantize_value_page
+from .quant import dequantize_key_page, dequantize_value_page
+from .storage import PendingKV, key_page_from_storage, layer_state, value_page_from_storage
 
 ATTN_NAME = "kitty"
 BACKEND_ENV = "KITTY_BACKEND"
@@ -119,12 +120,12 @@ def dequantize_cache(
     pk = max((x.key_pages for x in lay), default=0)
     if pk:
         ids = storage["k_page_table"][:, :pk].long().clamp_min(0)  # (B, pk)
-        k = dequantize_key_page(_key_page(storage, ids, cfg, sink_k.dtype))  # (B, pk, H, G, D)
+        k = dequantize_key_page(key_page_from_storage(storage, ids, cfg, sink_k.dtype))  # (B, pk, H, G, D)
         keys[:, :, S : S + pk * G] = k.permute(0, 2, 1, 3, 4).reshape(B, H, pk * G, D)
     pv = max((x.value_pages for x in lay), default=0)
     if pv:
         ids = storage["v_page_table"][:, :pv].long().clamp_min(0)  # (B, pv)
-        v = dequantize_value_page(_value_page(storage, ids, cfg, sink_v.dtype))  # (B, pv, H, G, D)
+        v = dequantize_value_page(value_page_from_storage(storage, ids, cfg, sink_v.dtype))  # (B, pv, H, G, D)
         values[:, :, S : S + pv * G] = v.permute(0, 2, 1, 3, 4).reshape(B, H, pv * G, D)
 
     for b, x in enumerate(lay):  # full-precision buffers: contiguous position ranges per row
@@ -144,18 +145,6 @@ def dequantize_cache(
         values[b, :, x.tokens : L] = 0
     valid = torch.arange(L, device=sink_k.device)[None, :] < storage["lengths"].to(sink_k.device)[:, None]  # (B, L)
     return keys, values, valid
-
-
-def _key_page(storage: dict[str, torch.Tensor], ids: torch.Tensor, cfg: KVQuantConfig, dtype: torch.dtype) -> KeyPage:
-    from .cache import key_page_from_storage
-
-    return key_page_from_storage(storage, ids, cfg, dtype)
-
-
-def _value_page(storage: dict[str, torch.Tensor], ids: torch.Tensor, cfg: KVQuantConfig, dtype: torch.dtype) -> ValuePage:
-    from .cache import value_page_from_storage
-
-    return value_page_from_storage(storage, ids, cfg, dtype)
 
 
 def paged_decode_attention_ref(query: torch.Tensor, storage: dict[str, torch.Tensor], cfg: KVQuantConfig, scale: float) -> torch.Tensor:
@@ -248,11 +237,7 @@ def triton_decode(query: torch.Tensor, storage: dict[str, torch.Tensor], cfg: KV
     Pool tensors of a 16-bit side are passed empty (the kernel reads ``k_raw``/``v_raw`` then).
     """
     kernels = _kernels(required=True)
-    empty_u8 = torch.empty(0, dtype=torch.uint8, device=query.device)
-    empty = torch.empty(0, dtype=query.dtype, device=query.device)
-    fields = dict(k_low=empty_u8, k_high=empty_u8, k_boost_idx=empty_u8, k_scale=empty, k_zero=empty, v_codes=empty_u8, v_scale=empty, v_zero=empty)
-    fields.update(storage)
-    out = kernels.decode_attention(query[:, :, 0], kernels.KittyLayerState(**fields), cfg, scaling=scale, backend="triton",
+    out = kernels.decode_attention(query[:, :, 0], layer_state(storage), cfg, scaling=scale, backend="triton",
                                    full_qbuffer=full_qbuffer)  # (B, Hq, D)
     return out[:, :, None]  # (B, Hq, 1, D)
 
@@ -275,8 +260,6 @@ def kitty_attention_forward(
     ``key``/``value``: the :class:`kitty.cache.PendingKV` of a KittyCache layer (or plain tensors: SDPA fallback).
     ``attention_mask``: the :class:`KittyMask` of :func:`kitty_mask` (or ``None``: no padding).
     """
-    from .cache import PendingKV
-
     if not isinstance(key, PendingKV):
         mask = attention_mask.sdpa() if isinstance(attention_mask, KittyMask) else attention_mask
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)

@@ -29,7 +29,7 @@ to ``"kitty"``; with ordinary tensors (another cache, or none) the function fall
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
@@ -39,6 +39,7 @@ from .config import KVQuantConfig, get_preset
 from .memory import MemoryReport, token_layout
 from .models import kv_dims
 from .quant import KeyPage, ValuePage, quantize_key_page, quantize_value_page
+from .storage import PendingKV, key_page_from_storage, page_fields, pool_fields, value_page_from_storage
 
 BACKENDS = ("auto", "torch", "triton")
 QUERY_SELECTIONS = ("query", "oracle")  # channel selections that rank channels with running query statistics
@@ -46,32 +47,6 @@ _BEAM_MESSAGE = (
     "KittyCache does not support beam search or other cache reordering (num_beams > 1, contrastive search, "
     "assisted decoding): pages are shared storage indexed per row. Use greedy decoding or sampling (num_beams=1)."
 )
-
-
-@dataclass
-class PendingKV:
-    """What :meth:`KittyLayer.update` hands to the attention function: the layer and the new tokens' keys/values.
-
-    ``key_states`` / ``value_states``: ``[B, Hkv, T, D]`` in full precision, padding included (the attention
-    function knows which columns are padding and inserts only the valid ones).
-    """
-
-    layer: "KittyLayer"
-    key_states: torch.Tensor
-    value_states: torch.Tensor
-
-    # A few tensor-like attributes, so that model code which only inspects keys keeps working.
-    @property
-    def shape(self) -> torch.Size:
-        return self.key_states.shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.key_states.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.key_states.device
 
 
 class PagePool:
@@ -164,7 +139,7 @@ class KittyLayer(CacheLayerMixin):
         if (H, D) != (self.num_kv_heads, self.head_dim):
             raise ValueError(f"key_states must have {self.num_kv_heads} KV heads of head_dim {self.head_dim}, got shape {tuple(key_states.shape)}")
         cfg, dtype, device = self.cfg, key_states.dtype, key_states.device
-        S, G, R, nb = cfg.sink_tokens, cfg.group_size, cfg.local_window, cfg.num_boosted(D)
+        S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
         self.dtype, self.device = dtype, device
         self.lengths = torch.zeros(B, dtype=torch.int32, device=device)
         self._n = [0] * B
@@ -173,24 +148,7 @@ class KittyLayer(CacheLayerMixin):
         self.k_qbuf = torch.zeros(B, H, G, D, dtype=dtype, device=device)
         self.v_qbuf = torch.zeros(B, H, G, D, dtype=dtype, device=device)
         self.v_local = torch.zeros(B, H, R, D, dtype=dtype, device=device)
-        if cfg.quantizes_keys:
-            key_fields = {
-                "k_low": ((H, D, G // 4), torch.uint8),
-                "k_high": ((H, nb, G // 4), torch.uint8),
-                "k_boost_idx": ((H, D), torch.uint8),
-                "k_scale": ((H, D), dtype),
-                "k_zero": ((H, D), dtype),
-            }
-        else:
-            key_fields = {"k_raw": ((H, G, D), dtype)}
-        if cfg.quantizes_values:
-            value_fields = {
-                "v_codes": ((H, G, D * cfg.value_bits // 8), torch.uint8),
-                "v_scale": ((H, G), dtype),
-                "v_zero": ((H, G), dtype),
-            }
-        else:
-            value_fields = {"v_raw": ((H, G, D), dtype)}
+        key_fields, value_fields = pool_fields(cfg, H, D, dtype)
         # Fresh pools here (the layer is empty); reset() keeps their storage for the next prompt of the same batch.
         self.key_pool = PagePool(key_fields, device, self.max_pages, "key")
         self.value_pool = PagePool(value_fields, device, self.max_pages, "value")
@@ -364,10 +322,10 @@ class KittyLayer(CacheLayerMixin):
 
         if key_groups:
             page = quantize_key_page(torch.cat(key_groups), cfg, salt=self.layer_idx, query_scale=self.query_scale(key_rows))
-            self._store(self.key_pool, self.k_page_table, key_dest, _key_fields(page))
+            self._store(self.key_pool, self.k_page_table, key_dest, page_fields(page))
         if value_groups:
             page = quantize_value_page(torch.cat(value_groups), cfg)
-            self._store(self.value_pool, self.v_page_table, value_dest, _value_fields(page))
+            self._store(self.value_pool, self.v_page_table, value_dest, page_fields(page))
         self._n = n1
         self.lengths = torch.tensor(n1, dtype=torch.int32, device=self.device)
         self.seen_tokens += T
@@ -471,9 +429,9 @@ class KittyLayer(CacheLayerMixin):
             self._point(table, dest, ids)
         elif keys:
             page = quantize_key_page(self.k_qbuf[idx], self.cfg, salt=self.layer_idx, query_scale=self.query_scale(idx))
-            self._store(pool, table, dest, _key_fields(page))
+            self._store(pool, table, dest, page_fields(page))
         else:
-            self._store(pool, table, dest, _value_fields(quantize_value_page(self.v_qbuf[idx], self.cfg)))
+            self._store(pool, table, dest, page_fields(quantize_value_page(self.v_qbuf[idx], self.cfg)))
 
     def observe_queries(self, query: torch.Tensor, valid: torch.Tensor) -> None:
         """Add the new queries ``[B, Hq, T, D]`` (real tokens per ``valid`` ``[B, T]``) to the running statistics of
@@ -568,41 +526,6 @@ class KittyLayer(CacheLayerMixin):
         tokens = sum(self._n)
         fp16_bytes = 2 * tokens * self.num_kv_heads * self.head_dim * 2  # keys and values at 2 bytes
         return MemoryReport(tokens, fp16_bytes, kp.payload_nbytes + vp.payload_nbytes, kp.metadata_nbytes + vp.metadata_nbytes, full)
-
-
-def _key_fields(page: KeyPage) -> dict[str, torch.Tensor]:
-    if page.raw.numel():
-        return {"k_raw": page.raw}
-    return {"k_low": page.low, "k_high": page.high, "k_boost_idx": page.boost_idx, "k_scale": page.scale, "k_zero": page.zero}
-
-
-def _value_fields(page: ValuePage) -> dict[str, torch.Tensor]:
-    if page.raw.numel():
-        return {"v_raw": page.raw}
-    return {"v_codes": page.codes, "v_scale": page.scale, "v_zero": page.zero}
-
-
-def _page_getter(storage: dict[str, torch.Tensor], ids: torch.Tensor | None):
-    """``name -> storage[name][ids]`` (the whole pool when ``ids`` is None)."""
-    return lambda name: storage[name] if ids is None else storage[name][ids]
-
-
-def key_page_from_storage(storage: dict[str, torch.Tensor], ids: torch.Tensor | None, cfg: KVQuantConfig, dtype: torch.dtype) -> KeyPage:
-    """A :class:`KeyPage` over pool pages ``ids`` (any shape; ``None``: the whole pool) of a LAYOUT storage dict."""
-    get = _page_getter(storage, ids)
-    u8 = torch.empty(0, dtype=torch.uint8)
-    if not cfg.quantizes_keys:
-        return KeyPage(u8, u8, u8, u8.to(dtype), u8.to(dtype), get("k_raw"), dtype)
-    return KeyPage(get("k_low"), get("k_high"), get("k_boost_idx"), get("k_scale"), get("k_zero"), u8.to(dtype), dtype)
-
-
-def value_page_from_storage(storage: dict[str, torch.Tensor], ids: torch.Tensor | None, cfg: KVQuantConfig, dtype: torch.dtype) -> ValuePage:
-    """A :class:`ValuePage` over pool pages ``ids`` (any shape; ``None``: the whole pool) of a LAYOUT storage dict."""
-    get = _page_getter(storage, ids)
-    u8 = torch.empty(0, dtype=torch.uint8)
-    if not cfg.quantizes_values:
-        return ValuePage(u8, u8.to(dtype), u8.to(dtype), get("v_raw"), 16, dtype)
-    return ValuePage(get("v_codes"), get("v_scale"), get("v_zero"), u8.to(dtype), cfg.value_bits, dtype)
 
 
 class KittyCache(Cache):

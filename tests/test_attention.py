@@ -24,6 +24,7 @@ from kitty.attention import (
     paged_decode_attention_ref,
     resolve_backend,
 )
+from kitty.storage import layer_state
 
 S, G, R = 4, 8, 8
 HKV, HQ, D = 2, 6, 16  # GQA ratio 3
@@ -124,7 +125,7 @@ def test_decode_steps_match_kernels_reference(name):
         k, v, q = torch.randn(3, HKV, 1, D), torch.randn(3, HKV, 1, D), torch.randn(3, HQ, 1, D)
         fills = layer.append_fills_page(torch.ones(3, 1, dtype=torch.bool))
         out = feed(cache, k, v, torch.ones(3, 1, dtype=torch.bool), q)[:, 0]  # (B, Hq, D)
-        state = kernels.KittyLayerState(**_state_fields(layer.storage()))
+        state = layer_state(layer.storage())
         ref = kernels.decode_attention_ref(q[:, :, 0], state, cfg, D**-0.5)
         mine = paged_decode_attention_ref(q, layer.storage(), cfg, D**-0.5)[:, :, 0]
         torch.testing.assert_close(mine, ref, atol=1e-5, rtol=1e-5)  # two references, one storage
@@ -134,13 +135,6 @@ def test_decode_steps_match_kernels_reference(name):
         else:
             checked["fills"] += 1
     assert checked["after"] >= G - 2 and checked["fills"] >= 1  # both kinds of step were exercised
-
-
-def _state_fields(storage):
-    empty_u8, empty = torch.empty(0, dtype=torch.uint8), torch.empty(0)
-    fields = dict(k_low=empty_u8, k_high=empty_u8, k_boost_idx=empty_u8, k_scale=empty, k_zero=empty, v_codes=empty_u8, v_scale=empty, v_zero=empty)
-    fields.update(storage)
-    return fields
 
 
 def test_page_filling_step_attends_that_page_in_full_precision():

@@ -1,0 +1,219 @@
+"""The storage contract of one Kitty layer: names, shapes and page <-> storage conversion (``docs/LAYOUT.md``).
+
+One module that the cache (``kitty/cache.py``), the attention function (``kitty/attention.py``) and the kernels
+(``kernels/``) all import, so that a field is named, shaped and checked in one place:
+
+- :func:`pool_fields`: the page-pool tensors of a layer (shape of one page, dtype), for keys and for values;
+- :class:`KittyLayerState`: every tensor of one layer as the kernels read it; :func:`check_state` validates it
+  against a config; :func:`layer_state` builds it from a storage dict (``KittyLayer.storage()``);
+- :func:`key_page_from_storage` / :func:`value_page_from_storage`: pool pages as ``kitty.quant`` pages, and
+  :func:`page_fields`, the other way;
+- :class:`PendingKV`: the handle ``KittyLayer.update`` gives the attention function instead of tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from .config import KVQuantConfig
+from .quant import KeyPage, ValuePage
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FieldSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (shape of one page, dtype)
+
+
+def pool_fields(cfg: KVQuantConfig, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[FieldSpec, FieldSpec]:
+    """The key-pool and value-pool tensors of one layer: ``name -> (shape of one page, dtype)`` (``docs/LAYOUT.md``)."""
+    H, D, G = num_kv_heads, head_dim, cfg.group_size
+    if cfg.quantizes_keys:
+        key = {
+            "k_low": ((H, D, G // 4), torch.uint8),
+            "k_high": ((H, cfg.num_boosted(D), G // 4), torch.uint8),
+            "k_boost_idx": ((H, D), torch.uint8),
+            "k_scale": ((H, D), dtype),
+            "k_zero": ((H, D), dtype),
+        }
+    else:
+        key = {"k_raw": ((H, G, D), dtype)}
+    if cfg.quantizes_values:
+        value = {
+            "v_codes": ((H, G, D * cfg.value_bits // 8), torch.uint8),
+            "v_scale": ((H, G), dtype),
+            "v_zero": ((H, G), dtype),
+        }
+    else:
+        value = {"v_raw": ((H, G, D), dtype)}
+    return key, value
+
+
+# ------------------------------------------------------------------------------------------------- the state
+
+
+@dataclass
+class KittyLayerState:
+    """One layer's Kitty cache tensors, named exactly as in ``docs/LAYOUT.md``, plus per-row ``lengths``.
+
+    B rows, Hkv KV heads, head_dim D, page size G, sink S, local window R, nb boosted channels, P pool pages.
+    Per-row buffers may be views with any row/head strides (channels contiguous); pool tensors must be contiguous.
+    Pool tensors of a side that is not quantized (``key_bits``/``value_bits`` = 16) may be empty; ``k_raw``/``v_raw``
+    are needed only then.
+    """
+
+    lengths: torch.Tensor  # int32 [B]: valid tokens cached per row (the query is at position lengths[b] - 1)
+    sink_k: torch.Tensor  # [B, Hkv, S, D] dtype
+    sink_v: torch.Tensor  # [B, Hkv, S, D]
+    k_qbuf: torch.Tensor  # [B, Hkv, G, D], slot (p - S) % G
+    v_qbuf: torch.Tensor  # [B, Hkv, G, D], slot (p - S) % G
+    v_local: torch.Tensor  # [B, Hkv, R, D], ring, slot (p - S) % R
+    k_page_table: torch.Tensor  # int32 [B, max_pages]
+    v_page_table: torch.Tensor  # int32 [B, max_pages]
+    k_low: torch.Tensor  # uint8 [P, Hkv, D, G/4]
+    k_high: torch.Tensor  # uint8 [P, Hkv, nb, G/4]
+    k_boost_idx: torch.Tensor  # uint8 [P, Hkv, D]
+    k_scale: torch.Tensor  # [P, Hkv, D] dtype
+    k_zero: torch.Tensor  # [P, Hkv, D] dtype
+    v_codes: torch.Tensor  # uint8 [P, Hkv, G, D * value_bits / 8]
+    v_scale: torch.Tensor  # [P, Hkv, G] dtype
+    v_zero: torch.Tensor  # [P, Hkv, G] dtype
+    k_raw: torch.Tensor | None = None  # [P, Hkv, G, D] only for key_bits=16
+    v_raw: torch.Tensor | None = None  # [P, Hkv, G, D] only for value_bits=16
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+def layer_state(storage: dict[str, torch.Tensor]) -> KittyLayerState:
+    """A :class:`KittyLayerState` over a storage dict (``KittyLayer.storage()``: the LAYOUT names plus ``lengths``);
+    the pool tensors of a 16-bit side, which the storage does not have, are passed empty."""
+    dev, dtype = storage["k_qbuf"].device, storage["k_qbuf"].dtype
+    empty_u8 = torch.empty(0, dtype=torch.uint8, device=dev)
+    empty = torch.empty(0, dtype=dtype, device=dev)
+    out = dict(k_low=empty_u8, k_high=empty_u8, k_boost_idx=empty_u8, k_scale=empty, k_zero=empty, v_codes=empty_u8,
+               v_scale=empty, v_zero=empty)
+    out.update(storage)
+    return KittyLayerState(**out)
+
+
+def check_state(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig) -> dict:
+    """Validate shapes/dtypes of ``q`` and ``state`` against ``cfg``; return the sizes. Raises ``ValueError``."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, Hq, D] (one decode token per row), got shape {tuple(q.shape)}")
+    B, Hq, D = q.shape
+    if q.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"q dtype must be one of {FLOAT_DTYPES}, got {q.dtype}")
+    S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
+    kq = state.k_qbuf
+    if kq.dim() != 4 or kq.shape[0] != B or kq.shape[2:] != (G, D):
+        raise ValueError(f"k_qbuf must be [B={B}, Hkv, G={G}, D={D}], got {tuple(kq.shape)}")
+    Hkv = kq.shape[1]
+    if Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
+    expect = {"sink_k": (B, Hkv, S, D), "sink_v": (B, Hkv, S, D), "v_qbuf": (B, Hkv, G, D), "v_local": (B, Hkv, R, D)}
+    for name, shape in expect.items():
+        x = getattr(state, name)
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name} must be {shape} per docs/LAYOUT.md, got {tuple(x.shape)}")
+    for name in ("sink_k", "sink_v", "k_qbuf", "v_qbuf", "v_local"):
+        x = getattr(state, name)
+        if x.dtype != q.dtype or (x.numel() and x.stride(-1) != 1) or (x.shape[2] > 1 and x.stride(2) != D):
+            raise ValueError(f"{name} must be {q.dtype} with contiguous (token, channel) dims, got {x.dtype} strides {x.stride()}")
+    if tuple(state.lengths.shape) != (B,):
+        raise ValueError(f"lengths must be [B={B}], got {tuple(state.lengths.shape)}")
+    for name in ("k_page_table", "v_page_table"):
+        pt = getattr(state, name)
+        if pt.dim() != 2 or pt.shape[0] != B or pt.dtype != torch.int32 or (pt.numel() and pt.stride(1) != 1):
+            raise ValueError(f"{name} must be int32 [B={B}, max_pages] with contiguous columns, got {pt.dtype} {tuple(pt.shape)}")
+    nb = cfg.num_boosted(D)
+    pool = {}
+    if cfg.quantizes_keys:
+        pool.update(k_low=(Hkv, D, G // 4), k_high=(Hkv, nb, G // 4), k_boost_idx=(Hkv, D), k_scale=(Hkv, D), k_zero=(Hkv, D))
+    elif state.k_raw is None:
+        raise ValueError("key_bits=16 needs state.k_raw [P, Hkv, G, D]")
+    else:
+        pool.update(k_raw=(Hkv, G, D))
+    if cfg.quantizes_values:
+        pool.update(v_codes=(Hkv, G, D * cfg.value_bits // 8), v_scale=(Hkv, G), v_zero=(Hkv, G))
+    elif state.v_raw is None:
+        raise ValueError("value_bits=16 needs state.v_raw [P, Hkv, G, D]")
+    else:
+        pool.update(v_raw=(Hkv, G, D))
+    for name, shape in pool.items():
+        x = getattr(state, name)
+        if x.dim() != 4 - (len(shape) == 2) or tuple(x.shape[1:]) != shape or not x.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous pool [P, {', '.join(map(str, shape))}], got {tuple(x.shape)}")
+    return dict(B=B, Hq=Hq, Hkv=Hkv, D=D, S=S, G=G, R=R, nb=nb)
+
+
+# ------------------------------------------------------------------------------------------ pages <-> storage
+
+
+def _key_fields(page: KeyPage) -> dict[str, torch.Tensor]:
+    if page.raw.numel():
+        return {"k_raw": page.raw}
+    return {"k_low": page.low, "k_high": page.high, "k_boost_idx": page.boost_idx, "k_scale": page.scale, "k_zero": page.zero}
+
+
+def _value_fields(page: ValuePage) -> dict[str, torch.Tensor]:
+    if page.raw.numel():
+        return {"v_raw": page.raw}
+    return {"v_codes": page.codes, "v_scale": page.scale, "v_zero": page.zero}
+
+
+def _page_getter(storage: dict[str, torch.Tensor], ids: torch.Tensor | None):
+    """``name -> storage[name][ids]`` (the whole pool when ``ids`` is None)."""
+    return lambda name: storage[name] if ids is None else storage[name][ids]
+
+
+def key_page_from_storage(storage: dict[str, torch.Tensor], ids: torch.Tensor | None, cfg: KVQuantConfig, dtype: torch.dtype) -> KeyPage:
+    """A :class:`KeyPage` over pool pages ``ids`` (any shape; ``None``: the whole pool) of a LAYOUT storage dict."""
+    get = _page_getter(storage, ids)
+    u8 = torch.empty(0, dtype=torch.uint8)
+    if not cfg.quantizes_keys:
+        return KeyPage(u8, u8, u8, u8.to(dtype), u8.to(dtype), get("k_raw"), dtype)
+    return KeyPage(get("k_low"), get("k_high"), get("k_boost_idx"), get("k_scale"), get("k_zero"), u8.to(dtype), dtype)
+
+
+def value_page_from_storage(storage: dict[str, torch.Tensor], ids: torch.Tensor | None, cfg: KVQuantConfig, dtype: torch.dtype) -> ValuePage:
+    """A :class:`ValuePage` over pool pages ``ids`` (any shape; ``None``: the whole pool) of a LAYOUT storage dict."""
+    get = _page_getter(storage, ids)
+    u8 = torch.empty(0, dtype=torch.uint8)
+    if not cfg.quantizes_values:
+        return ValuePage(u8, u8.to(dtype), u8.to(dtype), get("v_raw"), 16, dtype)
+    return ValuePage(get("v_codes"), get("v_scale"), get("v_zero"), u8.to(dtype), cfg.value_bits, dtype)
+
+
+def page_fields(page: KeyPage | ValuePage) -> dict[str, torch.Tensor]:
+    """The pool tensors (LAYOUT names) of quantized pages, e.g. from ``kitty.quant.quantize_key_page``."""
+    return _key_fields(page) if isinstance(page, KeyPage) else _value_fields(page)
+
+
+# ------------------------------------------------------------------------------------------ cache -> attention
+
+
+@dataclass
+class PendingKV:
+    """What :meth:`KittyLayer.update` hands to the attention function: the layer and the new tokens' keys/values.
+
+    ``key_states`` / ``value_states``: ``[B, Hkv, T, D]`` in full precision, padding included (the attention
+    function knows which columns are padding and inserts only the valid ones).
+    """
+
+    layer: Any  # the kitty.cache.KittyLayer the tokens belong to
+    key_states: torch.Tensor
+    value_states: torch.Tensor
+
+    # A few tensor-like attributes, so that model code which only inspects keys keeps working.
+    @property
+    def shape(self) -> torch.Size:
+        return self.key_states.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.key_states.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.key_states.device
