@@ -187,6 +187,14 @@ def check_attention(results: dict) -> bool:
              ("kivi-k2v2-sink", 4, 128, torch.bfloat16, 128, {}), ("kivi-k2v4-sink", 2, 64, torch.float16, 64, {}),
              ("fp16", 4, 128, torch.float16, 128, {})]
     swept = {c[:5] for c in cases[:3]}
+
+    def judge(key: str, out: torch.Tensor, ref: torch.Tensor, tol: float) -> bool:
+        err = (out - ref).abs().max().item()
+        good = bool(torch.isfinite(out).all()) and err <= tol
+        results["attention"][key] = {"err": err, "tol": tol, "ok": good}
+        log(f"{key}: max|out-ref| {err:.2e} (tol {tol:.2e}) {'ok' if good else 'FAIL'}")
+        return good
+
     for preset, gqa, d, dtype, G, kw in cases:
         cfg = PRESETS[preset].with_(group_size=G, **kw)
         S, R = cfg.sink_tokens, cfg.local_window
@@ -197,40 +205,24 @@ def check_attention(results: dict) -> bool:
         ref = decode_attention_ref(q, st, cfg, upcast=True).float()
         pt = decode_attention_ref(q, st, cfg, upcast=False).float()
         tol = 2 * (pt - ref).abs().max().item() + {torch.float16: 1e-4, torch.bfloat16: 1e-3}[dtype]
+        extra = "".join(f" {k}={v}" for k, v in kw.items())
+        tag = f"{preset}{extra} gqa{gqa} D{d} G{G} {str(dtype)[6:]}"
         # (each configuration compiles once per case: keep the list short, the correctness part took 248 s with 5)
-        for name, fn in (("fused splits=3", lambda: decode_attention_triton(q, st, cfg, num_splits=3)),
-                         ("fused auto", lambda: decode_attention_triton(q, st, cfg)),
-                         ("fused warps=4 stages=2 block_h=16", lambda: decode_attention_triton(q, st, cfg, num_warps=4, num_stages=2, block_h=16)),
-                         ("unfused", lambda: decode_attention_unfused(q, st, cfg, num_splits=2))):
-            out = fn().float()
-            err = (out - ref).abs().max().item()
-            good = bool(torch.isfinite(out).all()) and err <= tol
-            ok &= good
-            extra = "".join(f" {k}={v}" for k, v in kw.items())
-            key = f"{name} {preset}{extra} gqa{gqa} D{d} G{G} {str(dtype)[6:]}"
-            results["attention"][key] = {"err": err, "tol": tol, "ok": good}
-            log(f"{key}: max|out-ref| {err:.2e} (tol {tol:.2e}) {'ok' if good else 'FAIL'}")
+        runs = [("fused splits=3", lambda: decode_attention_triton(q, st, cfg, num_splits=3)),
+                ("fused auto", lambda: decode_attention_triton(q, st, cfg)),
+                ("fused warps=4 stages=2 block_h=16", lambda: decode_attention_triton(q, st, cfg, num_warps=4, num_stages=2, block_h=16)),
+                ("unfused", lambda: decode_attention_unfused(q, st, cfg, num_splits=2))]
         if (preset, gqa, d, dtype, G) in swept:  # every configuration the sweep times, on the first cases
-            for kc in FUSED_CONFIGS:
-                out = decode_attention_triton(q, st, cfg, waves=8, **kc).float()
-                err = (out - ref).abs().max().item()
-                good = bool(torch.isfinite(out).all()) and err <= tol
-                ok &= good
-                key = f"fused {' '.join(f'{a}={b}' for a, b in kc.items())} {preset} gqa{gqa} D{d} G{G} {str(dtype)[6:]}"
-                results["attention"][key] = {"err": err, "tol": tol, "ok": good}
-                log(f"{key}: max|out-ref| {err:.2e} (tol {tol:.2e}) {'ok' if good else 'FAIL'}")
+            runs += [(f"fused {' '.join(f'{a}={b}' for a, b in kc.items())}",
+                      lambda kc=kc: decode_attention_triton(q, st, cfg, waves=8, **kc)) for kc in FUSED_CONFIGS]
+        for name, fn in runs:
+            ok &= judge(f"{name} {tag}", fn().float(), ref, tol)
         # mid-step layout (a qbuffer the new token filled is not packed yet), as the cache's decode step calls it
         st2 = make_state(cfg, k, v, lengths, seed=1, full_qbuffer=True)
         ref2 = decode_attention_ref(q, st2, cfg, upcast=True, full_qbuffer=True).float()
         pt2 = decode_attention_ref(q, st2, cfg, upcast=False, full_qbuffer=True).float()
         tol2 = 2 * (pt2 - ref2).abs().max().item() + {torch.float16: 1e-4, torch.bfloat16: 1e-3}[dtype]
-        out = decode_attention_triton(q, st2, cfg, full_qbuffer=True).float()
-        err = (out - ref2).abs().max().item()
-        good = bool(torch.isfinite(out).all()) and err <= tol2
-        ok &= good
-        key = f"fused mid-step {preset}{extra} gqa{gqa} D{d} G{G} {str(dtype)[6:]}"
-        results["attention"][key] = {"err": err, "tol": tol2, "ok": good}
-        log(f"{key}: max|out-ref| {err:.2e} (tol {tol2:.2e}) {'ok' if good else 'FAIL'}")
+        ok &= judge(f"fused mid-step {tag}", decode_attention_triton(q, st2, cfg, full_qbuffer=True).float(), ref2, tol2)
     return ok
 
 

@@ -218,6 +218,25 @@ def _page_softmax(s0, s1, s2, s3, m_i):
             tl.exp2(s3 - m_safe[:, None]), alpha, m_new)
 
 
+@triton.jit
+def _key_page_step(q, low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, raw_ptr, kpage, qk_scale, m_i, l_i,
+                   G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr, KEY_RAW: tl.constexpr,
+                   DOT: tl.constexpr, KA0: tl.constexpr, KA1: tl.constexpr, KA2: tl.constexpr, KA3: tl.constexpr,
+                   KOFF: tl.constexpr, KUNIT: tl.constexpr):
+    """Scores of a stored key page and their online-softmax step: ``(p0, p1, p2, p3, alpha, m_i, l_i)``."""
+    s0, s1, s2, s3 = _key_page_scores(q, low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, raw_ptr, kpage, qk_scale,
+                                      G, D, NB, NBP, KEY_RAW, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT)
+    p0, p1, p2, p3, alpha, m_i = _page_softmax(s0, s1, s2, s3, m_i)
+    return p0, p1, p2, p3, alpha, m_i, l_i * alpha[:, None] + ((p0 + p1) + (p2 + p3))
+
+
+@triton.jit
+def _rescale(alpha, acc0, acc1, acc2, acc3, cq, az):
+    """The quantized-value accumulators times the softmax correction ``alpha`` (per query row)."""
+    a = alpha[:, None]
+    return acc0 * a, acc1 * a, acc2 * a, acc3 * a, cq * a, az * a
+
+
 # ----------------------------------------------------------------------------------------- one page, values
 
 
@@ -355,20 +374,13 @@ def _decode_split_kernel(
     for j in range(start, tl.minimum(end, vp)):
         kpage = tl.load(k_pt_ptr + b64 * spk_b + j).to(tl.int64) * Hkv + h
         vpage = tl.load(v_pt_ptr + b64 * spv_b + j).to(tl.int64) * Hkv + h
-        s0, s1, s2, s3 = _key_page_scores(q, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr,
-                                          k_raw_ptr, kpage, qk_scale, G, D, NB, NBP, KEY_RAW, DOT,
-                                          KA0, KA1, KA2, KA3, KOFF, KUNIT)
-        p0, p1, p2, p3, alpha, m_i = _page_softmax(s0, s1, s2, s3, m_i)
-        l_i = l_i * alpha[:, None] + ((p0 + p1) + (p2 + p3))
+        p0, p1, p2, p3, alpha, m_i, l_i = _key_page_step(q, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr,
+                                                         k_raw_ptr, kpage, qk_scale, m_i, l_i, G, D, NB, NBP, KEY_RAW,
+                                                         DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT)
         if VALUE_RAW:
             acc_nat = _raw_value_page(p0, p1, p2, p3, acc_nat * alpha[:, None], v_raw_ptr, vpage, G, D, DOT)
         else:
-            acc0 = acc0 * alpha[:, None]
-            acc1 = acc1 * alpha[:, None]
-            acc2 = acc2 * alpha[:, None]
-            acc3 = acc3 * alpha[:, None]
-            cq = cq * alpha[:, None]
-            az = az * alpha[:, None]
+            acc0, acc1, acc2, acc3, cq, az = _rescale(alpha, acc0, acc1, acc2, acc3, cq, az)
             acc0, acc1, acc2, acc3, cq, az = _value_quarter(p0, 4 * i, v_codes_ptr, v_scale_ptr, v_zero_ptr, vpage,
                                                             acc0, acc1, acc2, acc3, cq, az, G, D, VBITS, DOT,
                                                             VA0, VA1, VA2, VA3, VOFF, VUNIT)
@@ -384,21 +396,17 @@ def _decode_split_kernel(
     # ---- pages with a key page whose values are still in full precision (value qbuffer / local window)
     for j in range(tl.maximum(start, vp), tl.minimum(end, kp)):
         kpage = tl.load(k_pt_ptr + b64 * spk_b + j).to(tl.int64) * Hkv + h
-        s0, s1, s2, s3 = _key_page_scores(q, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr,
-                                          k_raw_ptr, kpage, qk_scale, G, D, NB, NBP, KEY_RAW, DOT,
-                                          KA0, KA1, KA2, KA3, KOFF, KUNIT)
-        p0, p1, p2, p3, alpha, m_i = _page_softmax(s0, s1, s2, s3, m_i)
-        l_i = l_i * alpha[:, None] + ((p0 + p1) + (p2 + p3))
-        acc0, acc1, acc2, acc3 = acc0 * alpha[:, None], acc1 * alpha[:, None], acc2 * alpha[:, None], acc3 * alpha[:, None]
-        cq, az = cq * alpha[:, None], az * alpha[:, None]
+        p0, p1, p2, p3, alpha, m_i, l_i = _key_page_step(q, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr,
+                                                         k_raw_ptr, kpage, qk_scale, m_i, l_i, G, D, NB, NBP, KEY_RAW,
+                                                         DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT)
+        acc0, acc1, acc2, acc3, cq, az = _rescale(alpha, acc0, acc1, acc2, acc3, cq, az)
         acc_nat = _fp_value_page(p0, p1, p2, p3, acc_nat * alpha[:, None], vq_ptr, vl_ptr, j * G, m, mv, G, D, R, DOT)
     # ---- the last, partial page: keys from the key qbuffer
     for j in range(tl.maximum(start, kp), end):
         s0, s1, s2, s3 = _qbuf_key_scores(q, kq_ptr, j * G, m, qk_scale, G, D, DOT)
         p0, p1, p2, p3, alpha, m_i = _page_softmax(s0, s1, s2, s3, m_i)
         l_i = l_i * alpha[:, None] + ((p0 + p1) + (p2 + p3))
-        acc0, acc1, acc2, acc3 = acc0 * alpha[:, None], acc1 * alpha[:, None], acc2 * alpha[:, None], acc3 * alpha[:, None]
-        cq, az = cq * alpha[:, None], az * alpha[:, None]
+        acc0, acc1, acc2, acc3, cq, az = _rescale(alpha, acc0, acc1, acc2, acc3, cq, az)
         acc_nat = _fp_value_page(p0, p1, p2, p3, acc_nat * alpha[:, None], vq_ptr, vl_ptr, j * G, m, mv, G, D, R, DOT)
     l_sum = tl.sum(l_i, 1)
     # ---- sink (split 0)
@@ -413,8 +421,7 @@ def _decode_split_kernel(
             alpha = tl.exp2(m_i - m_new)  # m_new is finite: the sink holds >= 1 token here
             p = tl.exp2(s - m_new[:, None])
             l_sum = l_sum * alpha + tl.sum(p, 1)
-            acc0, acc1, acc2, acc3 = acc0 * alpha[:, None], acc1 * alpha[:, None], acc2 * alpha[:, None], acc3 * alpha[:, None]
-            cq, az = cq * alpha[:, None], az * alpha[:, None]
+            acc0, acc1, acc2, acc3, cq, az = _rescale(alpha, acc0, acc1, acc2, acc3, cq, az)
             acc_nat = acc_nat * alpha[:, None] + _mm(p.to(DOT), v.to(DOT), DOT)
             m_i = m_new
     # ---- the split's result in natural channel order: quantized channel groups interleaved once
