@@ -253,6 +253,10 @@ def test_dispatch_and_checks():
     cfg8 = small("kitty", group_size=8)
     state8 = make_state(cfg8, k, v, [40, 17])
     assert not kernels.triton_supports(cfg8, 64) and kernels.triton_supports(cfg, 64)
+    # compiled for a GPU the kernel needs page quarters and value rows of >= 16 (smaller tiles were wrong there)
+    assert not kernels.triton_supports(cfg, 64, compiled=True)  # G=16
+    assert kernels.triton_supports(small("kitty", group_size=64), 64, compiled=True)
+    assert not kernels.triton_supports(small("kitty", group_size=64), 32, compiled=True)  # 8-byte value rows
     torch.testing.assert_close(decode_attention(q, state8, cfg8), decode_attention_ref(q, state8, cfg8))
     with pytest.raises(ValueError, match="group_size"):
         decode_attention(q, state8, cfg8, backend="triton")
