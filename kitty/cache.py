@@ -357,27 +357,28 @@ class KittyLayer(CacheLayerMixin):
         self.key_pool.check(len(key_rows))
         self.value_pool.check(len(value_rows))
 
-        def index(xs: list[int]) -> torch.Tensor:
-            return torch.tensor(xs, dtype=torch.long).to(dev, non_blocking=True)
-
-        sink = [b for b, n in enumerate(n0) if n < S]
-        if sink:
-            rows, pos = index(sink), index([n0[b] for b in sink])
-            self.sink_k[rows, :, pos] = k[rows]
-            self.sink_v[rows, :, pos] = v[rows]
-        rest = [b for b, n in enumerate(n0) if n >= S]
-        if rest:
-            m0 = [n0[b] - S for b in rest]  # tokens past the sink before this one
-            rows = index(rest)
-            self.k_qbuf[rows, :, index([m % G for m in m0])] = k[rows]
-            if R:
-                moving = [i for i, m in enumerate(m0) if m >= R]  # the local window is full: its oldest value leaves
-                if moving:
-                    mrows = rows[index(moving)]
-                    self.v_qbuf[mrows, :, index([(m0[i] - R) % G for i in moving])] = self.v_local[mrows, :, index([m0[i] % R for i in moving])]
-                self.v_local[rows, :, index([m % R for m in m0])] = v[rows]
-            else:
-                self.v_qbuf[rows, :, index([m % G for m in m0])] = v[rows]
+        # every row is written at once with device-side slots from ``lengths`` (no host index lists, no copies to
+        # the device): a row whose token goes elsewhere rewrites the slot's old content
+        rows = torch.arange(len(n0), device=dev)
+        p = self.lengths.long()  # (B,) position of the new token
+        if S:
+            slot = p.clamp(max=S - 1)
+            here = (p < S)[:, None, None]
+            self.sink_k[rows, :, slot] = torch.where(here, k, self.sink_k[rows, :, slot])
+            self.sink_v[rows, :, slot] = torch.where(here, v, self.sink_v[rows, :, slot])
+        m = (p - S).clamp(min=0)  # tokens past the sink before this one
+        past = (p >= S)[:, None, None]
+        slot = m % G
+        self.k_qbuf[rows, :, slot] = torch.where(past, k, self.k_qbuf[rows, :, slot])
+        if R:
+            local = m % R
+            # the local window is full: its oldest value (position p - R) moves to the value qbuffer first
+            leaving = past & (m >= R)[:, None, None]
+            qslot = (m - R).clamp(min=0) % G
+            self.v_qbuf[rows, :, qslot] = torch.where(leaving, self.v_local[rows, :, local], self.v_qbuf[rows, :, qslot])
+            self.v_local[rows, :, local] = torch.where(past, v, self.v_local[rows, :, local])
+        else:
+            self.v_qbuf[rows, :, slot] = torch.where(past, v, self.v_qbuf[rows, :, slot])
         widest = token_layout(cfg, max(n1))
         self._grow_page_tables(widest.key_pages, widest.value_pages)
         self._n = n1
