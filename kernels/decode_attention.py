@@ -7,7 +7,9 @@ key/value pages through the page tables, the key and value qbuffers and the valu
 scores to memory. Program = (row b, KV head h, split); the QH = Hq/Hkv query heads of h share every load.
 
 Decode attention reads each cached byte once and does little arithmetic with it, so the kernel is fast only if
-turning 2-bit codes into tensor-core operands costs about one instruction per code. Three identities make that so:
+turning 2-bit codes into tensor-core operands costs a few instructions per code at most. Three identities bring it
+down (about 4 SASS instructions per cached element in the hot loop, from 17 for dequantized tiles;
+``benchmarks/sass.py``, ``benchmarks/RESULTS.md``):
 
 1. **Token order inside a page is free.** Softmax and ``P @ V`` do not change when the tokens of a page are permuted,
    as long as keys and values follow the same permutation. A key plane byte holds tokens ``4i .. 4i+3`` of one
@@ -41,6 +43,9 @@ pages; split ``s`` owns a contiguous run of the ``cdiv(m, G)`` page slots)::
                          else:    keys from k_qbuf (masked past m), values full precision
         4 quarters: scores (base-2 logits) -> one online-softmax step for the page -> P @ V per quarter
     split 0: the sink;  write (m_i, l_i, acc) of the split;  a second kernel reduces the splits.
+
+Mid-step (``full_qbuffer=True``, how the cache calls it during a decode step): a qbuffer the new token filled is not
+packed yet, so ``pk = max(cdiv(m, G) - 1, 0)`` (and likewise ``pv``) and that qbuffer is attended in full precision.
 
 The torch reference ``decode_attention_ref`` (``kernels/reference.py``) dequantizes with ``kitty.quant``,
 assembles position-ordered K/V per row and runs softmax attention in fp32.
