@@ -127,19 +127,12 @@ def check_state(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig) -> 
         if pt.dim() != 2 or pt.shape[0] != B or pt.dtype != torch.int32 or (pt.numel() and pt.stride(1) != 1):
             raise ValueError(f"{name} must be int32 [B={B}, max_pages] with contiguous columns, got {pt.dtype} {tuple(pt.shape)}")
     nb = cfg.num_boosted(D)
-    pool = {}
-    if cfg.quantizes_keys:
-        pool.update(k_low=(Hkv, D, G // 4), k_high=(Hkv, nb, G // 4), k_boost_idx=(Hkv, D), k_scale=(Hkv, D), k_zero=(Hkv, D))
-    elif state.k_raw is None:
+    if not cfg.quantizes_keys and state.k_raw is None:
         raise ValueError("key_bits=16 needs state.k_raw [P, Hkv, G, D]")
-    else:
-        pool.update(k_raw=(Hkv, G, D))
-    if cfg.quantizes_values:
-        pool.update(v_codes=(Hkv, G, D * cfg.value_bits // 8), v_scale=(Hkv, G), v_zero=(Hkv, G))
-    elif state.v_raw is None:
+    if not cfg.quantizes_values and state.v_raw is None:
         raise ValueError("value_bits=16 needs state.v_raw [P, Hkv, G, D]")
-    else:
-        pool.update(v_raw=(Hkv, G, D))
+    key_fields, value_fields = pool_fields(cfg, Hkv, D, q.dtype)
+    pool = {name: shape for name, (shape, _) in {**key_fields, **value_fields}.items()}
     for name, shape in pool.items():
         x = getattr(state, name)
         if x.dim() != 4 - (len(shape) == 2) or tuple(x.shape[1:]) != shape or not x.is_contiguous():
