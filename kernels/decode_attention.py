@@ -519,9 +519,9 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
     ``full_qbuffer``: the state is mid-step, after the new token was inserted and before a qbuffer it filled is
     packed (qbuffers hold 1..G tokens, ``kitty.memory.token_layout``): the filled qbuffer is attended in full precision.
 
-    Tuning knobs (defaults: the fastest configuration checked for correctness on the H200; the fastest timed,
-    ``num_warps=2, maxnreg=128, waves=8``, awaits that check: benchmarks/RESULTS.md): ``num_splits`` programs per
-    (row, KV head),
+    Tuning knobs (defaults: a configuration checked for correctness on the H200, not itself timed; the fastest
+    timed, ``num_warps=2, maxnreg=128, waves=8``, awaits that check: benchmarks/RESULTS.md): ``num_splits``
+    programs per (row, KV head),
     each taking a contiguous run of pages (default: enough programs for ``waves`` per SM), ``num_warps``,
     ``num_stages`` (Triton's software pipelining of the page loop), ``maxnreg`` (a register cap per thread) and
     ``block_h`` (query rows per program, at least the GQA group; 16 fills a tensor-core tile, fewer rows cut the
