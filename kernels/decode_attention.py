@@ -140,12 +140,8 @@ def _key_page_scores(q, low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, raw_ptr
     G4: tl.constexpr = G // 4
     d = tl.arange(0, D)
     i = tl.arange(0, G4)
-    if KEY_RAW:  # k_raw [P, Hkv, G, D]: quarter s = rows 4i + s
-        base = raw_ptr + pbase * (G * D) + d[:, None]
-        s0 = _mm(q, tl.load(base + (4 * i)[None, :] * D).to(DOT), DOT) * qk_scale
-        s1 = _mm(q, tl.load(base + (4 * i + 1)[None, :] * D).to(DOT), DOT) * qk_scale
-        s2 = _mm(q, tl.load(base + (4 * i + 2)[None, :] * D).to(DOT), DOT) * qk_scale
-        s3 = _mm(q, tl.load(base + (4 * i + 3)[None, :] * D).to(DOT), DOT) * qk_scale
+    if KEY_RAW:  # k_raw [P, Hkv, G, D]: every row of the page holds a token
+        s0, s1, s2, s3 = _fp_key_scores(q, raw_ptr + pbase * (G * D), 0, G, qk_scale, G, D, DOT)
     else:
         scale = tl.load(scale_ptr + pbase * D + d)
         zero = tl.load(zero_ptr + pbase * D + d).to(tl.float32)
@@ -191,13 +187,13 @@ def _key_page_scores(q, low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, raw_ptr
 
 
 @triton.jit
-def _qbuf_key_scores(q, kq_ptr, rel0, m, qk_scale, G: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr):
-    """Base-2 logits of the four quarters of the partial page at ``rel0`` (a multiple of G) from the key qbuffer
-    (slot = token), ``-inf`` past ``m``."""
+def _fp_key_scores(q, k_ptr, rel0, m, qk_scale, G: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr):
+    """Base-2 logits of the four quarters of a page of 16-bit keys ``(G, D)`` at ``k_ptr`` (a ``k_raw`` page, or the
+    key qbuffer, slot = token) whose first token is ``rel0`` (a multiple of G), ``-inf`` for tokens past ``m``."""
     G4: tl.constexpr = G // 4
     d = tl.arange(0, D)
     i = tl.arange(0, G4)
-    base = kq_ptr + d[:, None]
+    base = k_ptr + d[:, None]
     v0 = rel0 + 4 * i < m
     v1 = rel0 + 4 * i + 1 < m
     v2 = rel0 + 4 * i + 2 < m
@@ -408,7 +404,7 @@ def _decode_split_kernel(
         acc_nat = _fp_value_page(p0, p1, p2, p3, acc_nat * alpha[:, None], vq_ptr, vl_ptr, j * G, m, mv, G, D, R, DOT)
     # ---- the last, partial page: keys from the key qbuffer
     for j in range(tl.maximum(start, kp), end):
-        s0, s1, s2, s3 = _qbuf_key_scores(q, kq_ptr, j * G, m, qk_scale, G, D, DOT)
+        s0, s1, s2, s3 = _fp_key_scores(q, kq_ptr, j * G, m, qk_scale, G, D, DOT)
         p0, p1, p2, p3, alpha, m_i = _page_softmax(s0, s1, s2, s3, m_i)
         l_i = l_i * alpha[:, None] + ((p0 + p1) + (p2 + p3))
         acc0, acc1, acc2, acc3, cq, az = _rescale(alpha, acc0, acc1, acc2, acc3, cq, az)

@@ -276,7 +276,7 @@ def kitty_attention_forward(
         # a decode step, every row at once: insert, attend over the qbuffers in full precision (a qbuffer this
         # token filled included), then pack what filled -- the paper's order, with no torch path for the batch
         kernels = _kernels(required=True)  # fail before inserting if the kernels are missing
-        if not kernels.triton_supports(layer.cfg, D, compiled=query.is_cuda):
+        if not kernels.triton_supports(layer.cfg, D):  # the kernel's own rule, checked before anything changes
             raise ValueError(f"backend='triton' cannot run group_size={layer.cfg.group_size}, head_dim={D}, "
                              f"value_bits={layer.cfg.value_bits} on {query.device} (see kernels.triton_supports); use backend='auto'")
         filled = layer.insert_decode(key.key_states, key.value_states)

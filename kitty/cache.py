@@ -333,7 +333,7 @@ class KittyLayer(CacheLayerMixin):
     def _append_one(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Decode step: insert one new token ``[B, H, 1, D]`` in every row (stage 1), then pack the qbuffers it
         filled (stage 3)."""
-        self._pack_filled(self.insert_decode(key_states, value_states))
+        self.pack_filled(self.insert_decode(key_states, value_states))
 
     def insert_decode(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[list[int], list[int]]:
         """Stage 1 of a decode step: insert one new token ``[B, H, 1, D]`` in every row with batched writes (no
@@ -388,9 +388,6 @@ class KittyLayer(CacheLayerMixin):
 
     def pack_filled(self, filled: tuple[list[int], list[int]]) -> None:
         """Stage 3 of a decode step: pack the qbuffers :meth:`insert_decode` reported full into new pages."""
-        self._pack_filled(filled)
-
-    def _pack_filled(self, filled: tuple[list[int], list[int]]) -> None:
         key_rows, value_rows = filled
         cfg, n1 = self.cfg, self._n
         if key_rows:

@@ -38,12 +38,21 @@ def generate(model, cache, prompt, n):
 
 
 def teacher_forced_logits(model, cache, ids, mask, prompt_len):
-    """Logits ``(B, steps, vocab)`` of every decode step after a prompt of ``prompt_len`` columns, inputs fixed."""
+    """Logits ``(B, steps, vocab)`` of every decode step after a prompt of ``prompt_len`` columns, inputs fixed
+    (``mask``: the 2-D attention mask, or ``None`` for none)."""
+    cols = (lambda t: {}) if mask is None else (lambda t: {"attention_mask": mask[:, :t]})
     with torch.no_grad():
-        model(ids[:, :prompt_len], attention_mask=mask[:, :prompt_len], past_key_values=cache, use_cache=True)
-        steps = [model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache, use_cache=True).logits[:, -1]
+        model(ids[:, :prompt_len], past_key_values=cache, use_cache=True, **cols(prompt_len))
+        steps = [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, **cols(t + 1)).logits[:, -1]
                  for t in range(prompt_len, ids.shape[1])]
     return torch.stack(steps, 1).float()
+
+
+def compare(logits):
+    """``(first-step max |diff|, max |diff|, logit scale, argmax agreement)`` of the torch vs triton logits."""
+    ref, out = logits["torch"], logits["triton"]
+    return ((ref[:, 0] - out[:, 0]).abs().max().item(), (ref - out).abs().max().item(), ref.abs().max().item(),
+            (ref.argmax(-1) == out.argmax(-1)).float().mean().item())
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -57,9 +66,7 @@ def test_fp16_preset_triton_matches_torch(kind):
     mask = torch.ones_like(ids)
     logits = {b: teacher_forced_logits(model, KittyCache(model.config, "fp16", backend=b), ids, mask, 150)
               for b in ("torch", "triton")}
-    diff = (logits["torch"] - logits["triton"]).abs().max().item()
-    scale = logits["torch"].abs().max().item()
-    agree = (logits["torch"].argmax(-1) == logits["triton"].argmax(-1)).float().mean().item()
+    _, diff, scale, agree = compare(logits)
     print(f"{kind} fp16: max |logit diff| {diff:.4f} over 270 steps (logit scale {scale:.2f}), argmax agreement {agree:.4f}")
     assert diff <= 0.01 * scale and agree >= 0.99
 
@@ -69,17 +76,9 @@ def test_fp16_preset_triton_matches_torch(kind):
 def test_quantized_logits_within_tolerance(kind, preset):
     model = tiny_model(kind)
     ids = torch.randint(0, 512, (2, 420), generator=torch.Generator().manual_seed(2)).cuda()
-    logits = {}
-    for backend in ("torch", "triton"):
-        cache = KittyCache(model.config, preset, backend=backend)
-        with torch.no_grad():
-            model(ids[:, :150], past_key_values=cache, use_cache=True)
-            steps = [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1] for t in range(150, 420)]
-        logits[backend] = torch.stack(steps, 1).float()  # (B, steps, vocab)
-    first = (logits["torch"][:, 0] - logits["triton"][:, 0]).abs().max().item()
-    diff = (logits["torch"] - logits["triton"]).abs().max().item()
-    scale = logits["torch"].abs().max().item()
-    agree = (logits["torch"].argmax(-1) == logits["triton"].argmax(-1)).float().mean().item()
+    logits = {b: teacher_forced_logits(model, KittyCache(model.config, preset, backend=b), ids, None, 150)
+              for b in ("torch", "triton")}  # (B, steps, vocab)
+    first, diff, scale, agree = compare(logits)
     print(f"{kind} {preset}: first-step max |logit diff| {first:.4f}, over all steps {diff:.4f} (logit scale {scale:.2f}), argmax agreement {agree:.4f}")
     assert first <= LOGIT_RTOL * scale
     assert agree >= 0.97
@@ -121,8 +120,6 @@ def test_ragged_batch_decode_never_takes_the_torch_path(monkeypatch):
             print(f"{preset} {backend}: torch-path layer calls {len(torch_calls)} (decode steps: {decode_calls})")
             if backend == "triton":
                 assert decode_calls == 0 and len(torch_calls) == L  # the prompt only
-        first = (logits["torch"][:, 0] - logits["triton"][:, 0]).abs().max().item()
-        scale = logits["torch"].abs().max().item()
-        agree = (logits["torch"].argmax(-1) == logits["triton"].argmax(-1)).float().mean().item()
+        first, _, scale, agree = compare(logits)
         print(f"{preset} ragged: first-step max |logit diff| {first:.4f} (scale {scale:.2f}), argmax agreement {agree:.4f}")
         assert first <= LOGIT_RTOL * scale and agree >= min_agree
