@@ -62,7 +62,9 @@ LOG = []
 # fused-kernel configurations swept at every shape (split count: from ``waves`` programs per SM). The page loop is
 # one hot loop (page quarters, magic-number codes, scale/zero folded into q and p); earlier runs' variants (dequantized
 # tiles, FOLD, PREFETCH, byte vs word loads) are in RESULTS.md's history.
-FUSED_CONFIGS = [dict(num_warps=2, num_stages=1, maxnreg=128, block_h=4), dict(num_warps=2, num_stages=1, maxnreg=128, block_h=16),
+# The first is decode_attention_triton's default, so that the default is timed too.
+FUSED_CONFIGS = [dict(num_warps=4, num_stages=1, block_h=4),
+                 dict(num_warps=2, num_stages=1, maxnreg=128, block_h=4), dict(num_warps=2, num_stages=1, maxnreg=128, block_h=16),
                  dict(num_warps=4, num_stages=2, block_h=4), dict(num_warps=4, num_stages=2, block_h=16)]
 SWEEP_WAVES = (1, 2, 4, 8, 16)
 
