@@ -62,11 +62,10 @@ LOG = []
 # fused-kernel configurations swept at every shape (split count: from ``waves`` programs per SM). The page loop is
 # one hot loop (page quarters, magic-number codes, scale/zero folded into q and p); earlier runs' variants (dequantized
 # tiles, FOLD, PREFETCH, byte vs word loads) are in RESULTS.md's history.
-# The first is decode_attention_triton's default, so that the default is timed too.
-FUSED_CONFIGS = [dict(num_warps=4, num_stages=1, block_h=4),
-                 dict(num_warps=2, num_stages=1, maxnreg=128, block_h=4), dict(num_warps=2, num_stages=1, maxnreg=128, block_h=16),
-                 dict(num_warps=4, num_stages=2, block_h=4), dict(num_warps=4, num_stages=2, block_h=16)]
-SWEEP_WAVES = (1, 2, 4, 8, 16)
+# split_fold: q*scale / p*scale as two 16-bit operands (1 keys, 2 values, 3 both). block_h=16 lost everywhere.
+FUSED_CONFIGS = ([dict(num_warps=2, num_stages=1, maxnreg=128, block_h=4, split_fold=f) for f in (0, 1, 3)]
+                 + [dict(num_warps=4, num_stages=2, block_h=4, split_fold=f) for f in (0, 1)])
+SWEEP_WAVES = (2, 4, 8, 16)
 
 
 def log(*a):
@@ -212,7 +211,9 @@ def check_attention(results: dict) -> bool:
         # (each configuration compiles once per case: keep the list short, the correctness part took 248 s with 5)
         runs = [("fused splits=3", lambda: decode_attention_triton(q, st, cfg, num_splits=3)),
                 ("fused auto", lambda: decode_attention_triton(q, st, cfg)),
-                ("fused warps=4 stages=2 block_h=16", lambda: decode_attention_triton(q, st, cfg, num_warps=4, num_stages=2, block_h=16)),
+                ("fused split_fold=0", lambda: decode_attention_triton(q, st, cfg, split_fold=0)),
+                ("fused split_fold=3", lambda: decode_attention_triton(q, st, cfg, split_fold=3)),
+                ("fused warps=4 stages=2", lambda: decode_attention_triton(q, st, cfg, num_warps=4, num_stages=2)),
                 ("unfused", lambda: decode_attention_unfused(q, st, cfg, num_splits=2))]
         if (preset, gqa, d, dtype, G) in swept:  # every configuration the sweep times, on the first cases
             runs += [(f"fused {' '.join(f'{a}={b}' for a, b in kc.items())}",
@@ -379,6 +380,14 @@ def main():
                         results["sweep"].append({"B": B, "L": L, "preset": preset, "dtype": tag_dt, "config": tag, "us": t * 1e6})
                         if best is None or t < best[0]:
                             best = (t, tag, nbytes)
+                try:  # decode_attention_triton's own default launch (kernels.decode_attention.default_launch)
+                    t_def = bench([lambda i=i: decode_attention_triton(qs[i], states[i], cfg) for i in range(nrot)])
+                    results.setdefault("default_launch", []).append(
+                        {"B": B, "L": L, "preset": preset, "dtype": tag_dt, "us": t_def * 1e6,
+                         "speedup_vs_sdpa": sdpa_t / t_def if sdpa_t else None})
+                    log(f"    default launch {preset} {tag_dt}: {t_def * 1e6:.1f} us")
+                except Exception as e:  # noqa: BLE001
+                    log(f"    default launch {preset} {tag_dt}: failed: {type(e).__name__}: {str(e)[:300]}")
                 if best is None:
                     log(f"  {preset} {tag_dt}: every fused configuration failed")
                     continue
@@ -416,7 +425,7 @@ def main():
             st = make_state(cfg, k_full, v_full, [L] * B, seed=B)
             q0 = torch.randn(B, HQ, D, device=DEV, dtype=torch.float16)
             best = None
-            for kc in FUSED_CONFIGS[:2]:
+            for kc in (FUSED_CONFIGS[0], FUSED_CONFIGS[3]):
                 for waves in (2, 4):
                     splits = default_num_splits(B, HKV, st.k_page_table.shape[1] + 1, torch.device(DEV), waves=waves)
                     try:
@@ -533,6 +542,12 @@ def render(res: dict) -> str:
             "| B | L | preset | dtype | configuration | time (us) |", "|---|---|---|---|---|---|"]
     for sw in sorted(res["sweep"], key=lambda x: (x["B"], x["L"], x["preset"], x.get("dtype", ""), x["us"])):
         out.append(f"| {sw['B']} | {sw['L']} | {sw['preset']} | {sw.get('dtype', '')} | {sw['config']} | {sw['us']:.1f} |")
+    out += ["", "## Default launch (`decode_attention_triton(q, state, cfg)`, no tuning arguments)", "",
+            "| B | L | preset | dtype | time (us) | vs fastest FP16 |", "|---|---|---|---|---|---|"]
+    for r in res.get("default_launch", []):
+        sp = r.get("speedup_vs_sdpa")
+        out.append(f"| {r['B']} | {r['L']} | {r['preset']} | {r['dtype']} | {r['us']:.1f} | "
+                   f"{'' if sp is None else f'{sp:.2f}x'} |")
     out += ["", "## Pack (quantize + pack one full qbuffer per row and KV head, keys and values, one launch)", "",
             "| B | L | preset | time (us) | us per page (one head, k+v) | amortized over G steps, % of fused decode |",
             "|---|---|---|---|---|---|"]

@@ -37,7 +37,7 @@ POINTERS = ["q_ptr", "ws_m_ptr", "ws_l_ptr", "ws_acc_ptr", "len_ptr", "sink_k_pt
 
 
 def compile_kernel(preset: str, dtype: torch.dtype, num_warps: int = 4, D: int = 128, QH: int = 4,
-                   arch: int = 90, block_h: int = 4) -> dict:
+                   arch: int = 90, block_h: int = 4, split_fold: int = 1) -> dict:
     cfg = PRESETS[preset]
     G, S, R = cfg.group_size, cfg.sink_tokens, cfg.local_window
     nb = cfg.num_boosted(D)
@@ -49,7 +49,7 @@ def compile_kernel(preset: str, dtype: torch.dtype, num_warps: int = 4, D: int =
     ka = [da.magic_code(dtype, 2, s) for s in (0, 2, 4, 6)]
     va = [da.magic_code(dtype, vbits, vbits * r) for r in range(4)]
     constexprs = dict(S=S, G=G, R=R, D=D, NB=nb, NBP=max(16, triton.next_power_of_2(max(nb, 1))), VBITS=vbits,
-                      KEY_RAW=False, VALUE_RAW=False, BLOCK_H=max(block_h, triton.next_power_of_2(QH)), FULL_QBUF=True,
+                      KEY_RAW=False, VALUE_RAW=False, BLOCK_H=max(block_h, triton.next_power_of_2(QH)), FULL_QBUF=True, SPLIT=split_fold,
                       BLOCK_S=max(16, triton.next_power_of_2(S)), DOT=da._TLTYPE[dtype],
                       KA0=ka[0][0], KA1=ka[1][0], KA2=ka[2][0], KA3=ka[3][0], KOFF=ka[0][1], KUNIT=ka[0][2],
                       VA0=va[0][0], VA1=va[1][0], VA2=va[2][0], VA3=va[3][0], VOFF=va[0][1], VUNIT=va[0][2])
@@ -112,10 +112,11 @@ def main():
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--num-warps", type=int, default=2)
     ap.add_argument("--block-h", type=int, default=4, help="query rows per program (the kernel's block_h)")
+    ap.add_argument("--split-fold", type=int, default=1, help="operands as two 16-bit parts: 1 q*scale, 2 p*scale, 3 both")
     ap.add_argument("--out", default=None, help="folder to write the PTX and SASS to")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
-    k = compile_kernel(args.preset, dtype, args.num_warps, block_h=args.block_h)
+    k = compile_kernel(args.preset, dtype, args.num_warps, block_h=args.block_h, split_fold=args.split_fold)
     sass = sass_text(k["cubin"])
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -127,6 +127,15 @@ def _mm(a, b, DOT: tl.constexpr):
     return y
 
 
+@triton.jit
+def _mm2(a, a_lo, b, DOT: tl.constexpr, SPLIT: tl.constexpr):
+    """``(a + a_lo) @ b`` when ``SPLIT`` (an operand carried as rounded part + remainder), else ``a @ b``."""
+    y = _mm(a, b, DOT)
+    if SPLIT:
+        y += _mm(a_lo, b, DOT)
+    return y
+
+
 # ------------------------------------------------------------------------------------------- one page, keys
 
 
@@ -134,9 +143,10 @@ def _mm(a, b, DOT: tl.constexpr):
 def _key_page_scores(q, low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, raw_ptr, pbase, qk_scale,
                      G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr, KEY_RAW: tl.constexpr,
                      DOT: tl.constexpr, KA0: tl.constexpr, KA1: tl.constexpr, KA2: tl.constexpr, KA3: tl.constexpr,
-                     KOFF: tl.constexpr, KUNIT: tl.constexpr):
+                     KOFF: tl.constexpr, KUNIT: tl.constexpr, SPLIT: tl.constexpr):
     """Base-2 logits ``(BLOCK_H, G/4)`` of the four token quarters ``{4i + s}`` of one key page (``pbase`` = pool
-    page * Hkv + head, int64), from the 2-bit planes (or ``k_raw`` rows when ``KEY_RAW``)."""
+    page * Hkv + head, int64), from the 2-bit planes (or ``k_raw`` rows when ``KEY_RAW``). ``SPLIT``: ``q * scale``
+    is carried as two 16-bit operands (rounded part + remainder), one more product over the same codes."""
     G4: tl.constexpr = G // 4
     d = tl.arange(0, D)
     i = tl.arange(0, G4)
@@ -145,23 +155,33 @@ def _key_page_scores(q, low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, raw_ptr
     else:
         scale = tl.load(scale_ptr + pbase * D + d)
         zero = tl.load(zero_ptr + pbase * D + d).to(tl.float32)
-        # q * scale, once per page, rounded to the operand dtype (a 16-bit product is exact in fp32, so this is
-        # the correctly rounded product either way)
-        qs = q * scale[None, :].to(DOT)  # (BLOCK_H, D)
+        # q * scale, once per page (exact in fp32), rounded to the operand dtype; with SPLIT its rounding error is a
+        # second operand, so that the folded product is as accurate as dequantizing first (the codes reach up to
+        # 3x the scale, the dequantized key only |k|: a single rounding of q * scale can err up to 2x more)
+        qsf = q.to(tl.float32) * scale[None, :].to(tl.float32)  # (BLOCK_H, D)
+        qs = qsf.to(DOT)
+        qs_lo = (qsf - qs.to(tl.float32)).to(DOT)
         low = tl.load(low_ptr + pbase * (D * G4) + d[:, None] * G4 + i[None, :])  # (D, G/4) bytes
         if KOFF != 0:
             corr = tl.sum(qs.to(tl.float32), 1)  # the OFF term of every code's product
+            if SPLIT & 1:
+                corr += tl.sum(qs_lo.to(tl.float32), 1)
         if NB > 0:
             # int32 before any arithmetic: uint8 slot * row bytes wraps at 256 (the paper kernel's slot-8 alias)
             idx = tl.load(idx_ptr + pbase * D + d).to(tl.int32)
             if KOFF != 0:
-                corr += 4.0 * tl.sum(tl.where((idx < NB)[None, :], qs.to(tl.float32), 0.0), 1)
+                qsum = qs.to(tl.float32)
+                if SPLIT & 1:
+                    qsum += qs_lo.to(tl.float32)
+                corr += 4.0 * tl.sum(tl.where((idx < NB)[None, :], qsum, 0.0), 1)
             slots = tl.arange(0, NBP)
             if NB == D:  # 4-bit keys: every channel, slots in channel order
                 qb4 = (qs.to(tl.float32) * 4.0).to(DOT)
+                qb4_lo = (qs_lo.to(tl.float32) * 4.0).to(DOT)
             else:  # q' of the boosted channels at their slots: a one-hot product, exact
                 sel = (idx[:, None] == slots[None, :]).to(DOT)  # (D, NBP)
                 qb4 = (_mm(qs, sel, DOT) * 4.0).to(DOT)
+                qb4_lo = (_mm(qs_lo, sel, DOT) * 4.0).to(DOT)
             high = tl.load(high_ptr + pbase * (NB * G4) + slots[:, None] * G4 + i[None, :],
                            mask=(slots < NB)[:, None], other=0)  # (NBP, G/4) bytes of the compact high plane
         qz = tl.sum(q.to(tl.float32) * zero[None, :], 1)
@@ -170,15 +190,15 @@ def _key_page_scores(q, low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, raw_ptr
             bias = (qz - corr * (KOFF / KUNIT)) * qk_scale  # (BLOCK_H,)
         else:
             bias = qz * qk_scale
-        s0 = _mm(qs, _codes(low, 0, 2, KA0, KOFF, KUNIT, DOT), DOT)
-        s1 = _mm(qs, _codes(low, 2, 2, KA1, KOFF, KUNIT, DOT), DOT)
-        s2 = _mm(qs, _codes(low, 4, 2, KA2, KOFF, KUNIT, DOT), DOT)
-        s3 = _mm(qs, _codes(low, 6, 2, KA3, KOFF, KUNIT, DOT), DOT)
+        s0 = _mm2(qs, qs_lo, _codes(low, 0, 2, KA0, KOFF, KUNIT, DOT), DOT, (SPLIT & 1) != 0)
+        s1 = _mm2(qs, qs_lo, _codes(low, 2, 2, KA1, KOFF, KUNIT, DOT), DOT, (SPLIT & 1) != 0)
+        s2 = _mm2(qs, qs_lo, _codes(low, 4, 2, KA2, KOFF, KUNIT, DOT), DOT, (SPLIT & 1) != 0)
+        s3 = _mm2(qs, qs_lo, _codes(low, 6, 2, KA3, KOFF, KUNIT, DOT), DOT, (SPLIT & 1) != 0)
         if NB > 0:
-            s0 += _mm(qb4, _codes(high, 0, 2, KA0, KOFF, KUNIT, DOT), DOT)
-            s1 += _mm(qb4, _codes(high, 2, 2, KA1, KOFF, KUNIT, DOT), DOT)
-            s2 += _mm(qb4, _codes(high, 4, 2, KA2, KOFF, KUNIT, DOT), DOT)
-            s3 += _mm(qb4, _codes(high, 6, 2, KA3, KOFF, KUNIT, DOT), DOT)
+            s0 += _mm2(qb4, qb4_lo, _codes(high, 0, 2, KA0, KOFF, KUNIT, DOT), DOT, (SPLIT & 1) != 0)
+            s1 += _mm2(qb4, qb4_lo, _codes(high, 2, 2, KA1, KOFF, KUNIT, DOT), DOT, (SPLIT & 1) != 0)
+            s2 += _mm2(qb4, qb4_lo, _codes(high, 4, 2, KA2, KOFF, KUNIT, DOT), DOT, (SPLIT & 1) != 0)
+            s3 += _mm2(qb4, qb4_lo, _codes(high, 6, 2, KA3, KOFF, KUNIT, DOT), DOT, (SPLIT & 1) != 0)
         s0 = s0 * a + bias[:, None]
         s1 = s1 * a + bias[:, None]
         s2 = s2 * a + bias[:, None]
@@ -223,10 +243,10 @@ def _page_softmax(s0, s1, s2, s3, m_i):
 def _key_page_step(q, low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, raw_ptr, kpage, qk_scale, m_i, l_i,
                    G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr, KEY_RAW: tl.constexpr,
                    DOT: tl.constexpr, KA0: tl.constexpr, KA1: tl.constexpr, KA2: tl.constexpr, KA3: tl.constexpr,
-                   KOFF: tl.constexpr, KUNIT: tl.constexpr):
+                   KOFF: tl.constexpr, KUNIT: tl.constexpr, SPLIT: tl.constexpr):
     """Scores of a stored key page and their online-softmax step: ``(p0, p1, p2, p3, alpha, m_i, l_i)``."""
     s0, s1, s2, s3 = _key_page_scores(q, low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, raw_ptr, kpage, qk_scale,
-                                      G, D, NB, NBP, KEY_RAW, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT)
+                                      G, D, NB, NBP, KEY_RAW, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, SPLIT)
     p0, p1, p2, p3, alpha, m_i = _page_softmax(s0, s1, s2, s3, m_i)
     return p0, p1, p2, p3, alpha, m_i, l_i * alpha[:, None] + ((p0 + p1) + (p2 + p3))
 
@@ -245,25 +265,29 @@ def _rescale(alpha, acc0, acc1, acc2, acc3, cq, az):
 def _value_quarter(p, t, codes_ptr, vscale_ptr, vzero_ptr, pbase, acc0, acc1, acc2, acc3, cq, az,
                    G: tl.constexpr, D: tl.constexpr, VBITS: tl.constexpr, DOT: tl.constexpr,
                    VA0: tl.constexpr, VA1: tl.constexpr, VA2: tl.constexpr, VA3: tl.constexpr,
-                   VOFF: tl.constexpr, VUNIT: tl.constexpr):
+                   VOFF: tl.constexpr, VUNIT: tl.constexpr, SPLIT: tl.constexpr):
     """Add ``p @ V`` of value rows ``t`` (one quarter, ``(G/4,)``) of a quantized value page: per channel group
     ``r`` (channels ``VPER*j + r``) into ``acc_r`` in units of the magic codes; ``cq += sum p*scale`` (their OFF
-    term) and ``az += sum p*zero``."""
+    term) and ``az += sum p*zero``. ``SPLIT``: ``p * scale`` as two 16-bit operands, as for the keys."""
     VPER: tl.constexpr = 8 // VBITS
     DB: tl.constexpr = D // VPER  # bytes per token row
     vs = tl.load(vscale_ptr + pbase * G + t).to(tl.float32)
     vz = tl.load(vzero_ptr + pbase * G + t).to(tl.float32)
-    pv = (p * vs[None, :]).to(DOT)  # (BLOCK_H, G/4)
+    pvf = p * vs[None, :]  # (BLOCK_H, G/4)
+    pv = pvf.to(DOT)
+    pv_lo = (pvf - pv.to(tl.float32)).to(DOT)
     if VOFF != 0:
         cq += pv.to(tl.float32)
+        if SPLIT & 2:
+            cq += pv_lo.to(tl.float32)
     az += p * vz[None, :]
     jb = tl.arange(0, DB)
     vb = tl.load(codes_ptr + pbase * (G * DB) + t[:, None] * DB + jb[None, :])  # (G/4, DB) bytes
-    acc0 += _mm(pv, _codes(vb, 0, VBITS, VA0, VOFF, VUNIT, DOT), DOT)
-    acc1 += _mm(pv, _codes(vb, VBITS, VBITS, VA1, VOFF, VUNIT, DOT), DOT)
+    acc0 += _mm2(pv, pv_lo, _codes(vb, 0, VBITS, VA0, VOFF, VUNIT, DOT), DOT, (SPLIT & 2) != 0)
+    acc1 += _mm2(pv, pv_lo, _codes(vb, VBITS, VBITS, VA1, VOFF, VUNIT, DOT), DOT, (SPLIT & 2) != 0)
     if VPER == 4:
-        acc2 += _mm(pv, _codes(vb, 4, VBITS, VA2, VOFF, VUNIT, DOT), DOT)
-        acc3 += _mm(pv, _codes(vb, 6, VBITS, VA3, VOFF, VUNIT, DOT), DOT)
+        acc2 += _mm2(pv, pv_lo, _codes(vb, 4, VBITS, VA2, VOFF, VUNIT, DOT), DOT, (SPLIT & 2) != 0)
+        acc3 += _mm2(pv, pv_lo, _codes(vb, 6, VBITS, VA3, VOFF, VUNIT, DOT), DOT, (SPLIT & 2) != 0)
     return acc0, acc1, acc2, acc3, cq, az
 
 
@@ -329,7 +353,7 @@ def _decode_split_kernel(
     BLOCK_S: tl.constexpr, DOT: tl.constexpr, FULL_QBUF: tl.constexpr,
     KA0: tl.constexpr, KA1: tl.constexpr, KA2: tl.constexpr, KA3: tl.constexpr, KOFF: tl.constexpr,
     KUNIT: tl.constexpr, VA0: tl.constexpr, VA1: tl.constexpr, VA2: tl.constexpr, VA3: tl.constexpr,
-    VOFF: tl.constexpr, VUNIT: tl.constexpr,
+    VOFF: tl.constexpr, VUNIT: tl.constexpr, SPLIT: tl.constexpr,
 ):
     tl.static_assert(G % 4 == 0 and D % 4 == 0, "4 codes per byte")
     G4: tl.constexpr = G // 4
@@ -377,29 +401,29 @@ def _decode_split_kernel(
         vpage = tl.load(v_pt_ptr + b64 * spv_b + j).to(tl.int64) * Hkv + h
         p0, p1, p2, p3, alpha, m_i, l_i = _key_page_step(q, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr,
                                                          k_raw_ptr, kpage, qk_scale, m_i, l_i, G, D, NB, NBP, KEY_RAW,
-                                                         DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT)
+                                                         DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, SPLIT)
         if VALUE_RAW:
             acc_nat = _raw_value_page(p0, p1, p2, p3, acc_nat * alpha[:, None], v_raw_ptr, vpage, G, D, DOT)
         else:
             acc0, acc1, acc2, acc3, cq, az = _rescale(alpha, acc0, acc1, acc2, acc3, cq, az)
             acc0, acc1, acc2, acc3, cq, az = _value_quarter(p0, 4 * i, v_codes_ptr, v_scale_ptr, v_zero_ptr, vpage,
                                                             acc0, acc1, acc2, acc3, cq, az, G, D, VBITS, DOT,
-                                                            VA0, VA1, VA2, VA3, VOFF, VUNIT)
+                                                            VA0, VA1, VA2, VA3, VOFF, VUNIT, SPLIT)
             acc0, acc1, acc2, acc3, cq, az = _value_quarter(p1, 4 * i + 1, v_codes_ptr, v_scale_ptr, v_zero_ptr,
                                                             vpage, acc0, acc1, acc2, acc3, cq, az, G, D, VBITS, DOT,
-                                                            VA0, VA1, VA2, VA3, VOFF, VUNIT)
+                                                            VA0, VA1, VA2, VA3, VOFF, VUNIT, SPLIT)
             acc0, acc1, acc2, acc3, cq, az = _value_quarter(p2, 4 * i + 2, v_codes_ptr, v_scale_ptr, v_zero_ptr,
                                                             vpage, acc0, acc1, acc2, acc3, cq, az, G, D, VBITS, DOT,
-                                                            VA0, VA1, VA2, VA3, VOFF, VUNIT)
+                                                            VA0, VA1, VA2, VA3, VOFF, VUNIT, SPLIT)
             acc0, acc1, acc2, acc3, cq, az = _value_quarter(p3, 4 * i + 3, v_codes_ptr, v_scale_ptr, v_zero_ptr,
                                                             vpage, acc0, acc1, acc2, acc3, cq, az, G, D, VBITS, DOT,
-                                                            VA0, VA1, VA2, VA3, VOFF, VUNIT)
+                                                            VA0, VA1, VA2, VA3, VOFF, VUNIT, SPLIT)
     # ---- pages with a key page whose values are still in full precision (value qbuffer / local window)
     for j in range(tl.maximum(start, vp), tl.minimum(end, kp)):
         kpage = tl.load(k_pt_ptr + b64 * spk_b + j).to(tl.int64) * Hkv + h
         p0, p1, p2, p3, alpha, m_i, l_i = _key_page_step(q, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr,
                                                          k_raw_ptr, kpage, qk_scale, m_i, l_i, G, D, NB, NBP, KEY_RAW,
-                                                         DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT)
+                                                         DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, SPLIT)
         acc0, acc1, acc2, acc3, cq, az = _rescale(alpha, acc0, acc1, acc2, acc3, cq, az)
         acc_nat = _fp_value_page(p0, p1, p2, p3, acc_nat * alpha[:, None], vq_ptr, vl_ptr, j * G, m, mv, G, D, R, DOT)
     # ---- the last, partial page: keys from the key qbuffer
@@ -498,6 +522,17 @@ def default_num_splits(B: int, Hkv: int, max_blocks: int, device: torch.device, 
     return max(1, min(want, max_blocks, 256))
 
 
+def default_launch(B: int, Hkv: int, device: torch.device) -> dict:
+    """Launch configuration of the fused kernel for ``B * Hkv`` (row, KV head) pairs. Measured on the H200 (triton
+    3.6, benchmarks/RESULTS.md): with at least a quarter as many pairs as SMs, 2 warps with a 128-register cap and
+    ~8 programs per SM (enough resident programs to hide load latency; 1.4-1.8x faster than 4 warps at (8, 32K),
+    (16, 8K), (64, 8K) and (256, 8K)); below that (batch 1), 4 warps with a 2-stage pipelined page loop and ~4
+    programs per SM (each program has more pages to stream)."""
+    if B * Hkv * 4 >= _num_sms(device):
+        return {"num_warps": 2, "num_stages": 1, "maxnreg": 128, "waves": 8}
+    return {"num_warps": 4, "num_stages": 2, "maxnreg": None, "waves": 4}
+
+
 def _dot_dtype(dtype: torch.dtype):
     """Operand dtype of the kernel's products: the model dtype, except fp32 (and bf16 under the interpreter, whose
     bf16 ``tl.dot`` is wrong), which multiply in fp32."""
@@ -507,21 +542,24 @@ def _dot_dtype(dtype: torch.dtype):
 
 
 def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig, scaling: float | None = None,
-                            num_splits: int | None = None, num_warps: int = 4, num_stages: int = 1,
-                            maxnreg: int | None = None, waves: int = 4, full_qbuffer: bool = False,
-                            block_h: int = 4) -> torch.Tensor:
+                            num_splits: int | None = None, num_warps: int | None = None,
+                            num_stages: int | None = None, maxnreg: int | None = None, waves: int | None = None,
+                            full_qbuffer: bool = False, block_h: int = 4,
+                            split_fold: bool = True) -> torch.Tensor:
     """The fused Triton kernel (see module docstring). ``q``: ``[B, Hq, D]`` -> ``[B, Hq, D]`` in ``q.dtype``.
 
     ``full_qbuffer``: the state is mid-step, after the new token was inserted and before a qbuffer it filled is
     packed (qbuffers hold 1..G tokens, ``kitty.memory.token_layout``): the filled qbuffer is attended in full precision.
 
-    Tuning knobs (defaults: a configuration checked for correctness on the H200, not itself timed; the fastest
-    timed, ``num_warps=2, maxnreg=128, waves=8``, awaits that check: benchmarks/RESULTS.md): ``num_splits``
-    programs per (row, KV head),
+    Tuning knobs (``None``: :func:`default_launch`, the fastest configuration timed on the H200 for the batch
+    at hand, checked for correctness there: benchmarks/RESULTS.md): ``num_splits`` programs per (row, KV head),
     each taking a contiguous run of pages (default: enough programs for ``waves`` per SM), ``num_warps``,
     ``num_stages`` (Triton's software pipelining of the page loop), ``maxnreg`` (a register cap per thread) and
     ``block_h`` (query rows per program, at least the GQA group; 16 fills a tensor-core tile, fewer rows cut the
-    softmax work on padding).
+    softmax work on padding). ``split_fold``: carry ``q * key scale`` and ``p * value scale`` as two 16-bit
+    operands each (one more tensor-core product over the same codes), so that folding the scales in costs no
+    accuracy against dequantizing first (with one operand, fp16 outputs were measured up to 2.2x further from the
+    fp32 reference than the fp16 torch reference is).
     """
     z = check_state(q, state, cfg)
     B, Hq, Hkv, D, S, G, R, nb = (z[k] for k in ("B", "Hq", "Hkv", "D", "S", "G", "R", "nb"))
@@ -538,7 +576,12 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
     BLOCK_H = max(block_h, triton.next_power_of_2(QH))
     BLOCK_S = max(16, triton.next_power_of_2(S))
     max_pages = state.k_page_table.shape[1] + 1
-    splits = num_splits or default_num_splits(B, Hkv, max_pages, q.device, waves)
+    auto = default_launch(B, Hkv, q.device)
+    if num_warps is None and num_stages is None and maxnreg is None:  # the register cap goes with its warp count
+        maxnreg = auto["maxnreg"]
+    num_warps = auto["num_warps"] if num_warps is None else num_warps
+    num_stages = auto["num_stages"] if num_stages is None else num_stages
+    splits = num_splits or default_num_splits(B, Hkv, max_pages, q.device, auto["waves"] if waves is None else waves)
     dev, f32 = q.device, torch.float32
     ws_m = torch.empty(B * Hkv * splits * BLOCK_H, dtype=f32, device=dev)
     ws_l = torch.empty_like(ws_m)
@@ -568,7 +611,7 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
         st.v_local.stride(0), st.v_local.stride(1), st.k_page_table.stride(0), st.v_page_table.stride(0),
         S=S, G=G, R=R, D=D, NB=nb, NBP=max(16, triton.next_power_of_2(max(nb, 1))), VBITS=vbits,
         KEY_RAW=not cfg.quantizes_keys, VALUE_RAW=not cfg.quantizes_values, BLOCK_H=BLOCK_H, BLOCK_S=BLOCK_S,
-        DOT=_TLTYPE[dot], FULL_QBUF=bool(full_qbuffer),
+        DOT=_TLTYPE[dot], FULL_QBUF=bool(full_qbuffer), SPLIT=0 if dot == torch.float32 else int(split_fold),
         KA0=ka[0][0], KA1=ka[1][0], KA2=ka[2][0], KA3=ka[3][0], KOFF=ka[0][1], KUNIT=ka[0][2],
         VA0=va[0][0], VA1=va[1][0], VA2=va[2][0], VA3=va[3][0], VOFF=va[0][1], VUNIT=va[0][2],
         num_warps=num_warps, num_stages=num_stages, **_reg_cap(maxnreg),
