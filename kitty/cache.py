@@ -29,10 +29,12 @@ to ``"kitty"``; with ordinary tensors (another cache, or none) the function fall
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
+from transformers.distributed.tensor_parallel import get_kv_heads_per_rank
 
 from . import attention as kattention
 from .config import KVQuantConfig, get_preset
@@ -42,6 +44,7 @@ from .quant import KeyPage, ValuePage, quantize_key_page, quantize_value_page
 from .storage import PendingKV, key_page_from_storage, page_fields, pool_fields, value_page_from_storage
 
 BACKENDS = ("auto", "torch", "triton")
+LAYER_TYPES = ("full_attention", "sliding_attention")  # Kitty pages, or a bounded full-precision window
 QUERY_SELECTIONS = ("query", "oracle")  # channel selections that rank channels with running query statistics
 _BEAM_MESSAGE = (
     "KittyCache does not support beam search or other cache reordering (num_beams > 1, contrastive search, "
@@ -124,9 +127,12 @@ class KittyLayer(CacheLayerMixin):
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, cfg: KVQuantConfig, num_kv_heads: int, head_dim: int, layer_idx: int = 0, backend: str = "auto", max_pages: int | None = None):
+    def __init__(self, cfg: KVQuantConfig, num_kv_heads: int, head_dim: int, layer_idx: int = 0, backend: str = "auto",
+                 max_pages: int | None = None, model_kv_heads: int | None = None):
         super().__init__()
         self.cfg, self.num_kv_heads, self.head_dim = cfg, num_kv_heads, head_dim
+        # the model's KV heads; a tensor-parallel rank holds ``num_kv_heads`` of them (resized from the first tensors)
+        self.model_kv_heads = num_kv_heads if model_kv_heads is None else model_kv_heads
         self.layer_idx, self.backend, self.max_pages = layer_idx, backend, max_pages
         self.seen_tokens = 0  # columns fed so far, padding included: what transformers calls the sequence length
         self._n: list[int] = []  # CPU mirror of ``lengths``
@@ -136,8 +142,11 @@ class KittyLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate the per-row buffers for ``B = key_states.shape[0]`` rows; page pools start empty."""
         B, H, _, D = key_states.shape
-        if (H, D) != (self.num_kv_heads, self.head_dim):
-            raise ValueError(f"key_states must have {self.num_kv_heads} KV heads of head_dim {self.head_dim}, got shape {tuple(key_states.shape)}")
+        # sized from the tensors: under tensor parallelism each rank receives its shard of the model's KV heads
+        if D != self.head_dim or H < 1 or self.model_kv_heads % H:
+            raise ValueError(f"key_states must have head_dim {self.head_dim} and a number of KV heads dividing the "
+                             f"model's {self.model_kv_heads} (a tensor-parallel shard), got shape {tuple(key_states.shape)}")
+        self.num_kv_heads = H
         cfg, dtype, device = self.cfg, key_states.dtype, key_states.device
         S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
         self.dtype, self.device = dtype, device
@@ -511,8 +520,9 @@ class KittyLayer(CacheLayerMixin):
 
     def memory_report(self) -> MemoryReport:
         """Bytes of live data in this layer: pages in use, filled buffer slots (real ``nbytes``)."""
+        ranks = self.model_kv_heads // self.num_kv_heads
         if not self.is_initialized:
-            return MemoryReport(0, 0, 0, 0, 0)
+            return MemoryReport(0, 0, 0, 0, 0, ranks=ranks)
         kp = key_page_from_storage(self.key_pool.in_use(), None, self.cfg, self.dtype)
         vp = value_page_from_storage(self.value_pool.in_use(), None, self.cfg, self.dtype)
         full = 0
@@ -523,7 +533,45 @@ class KittyLayer(CacheLayerMixin):
             full += self.v_local[b, :, : lay.local].nbytes
         tokens = sum(self._n)
         fp16_bytes = 2 * tokens * self.num_kv_heads * self.head_dim * 2  # keys and values at 2 bytes
-        return MemoryReport(tokens, fp16_bytes, kp.payload_nbytes + vp.payload_nbytes, kp.metadata_nbytes + vp.metadata_nbytes, full)
+        return MemoryReport(tokens, fp16_bytes, kp.payload_nbytes + vp.payload_nbytes, kp.metadata_nbytes + vp.metadata_nbytes, full,
+                            ranks=ranks)
+
+
+class SlidingWindowLayer(DynamicSlidingWindowLayer):
+    """A sliding-window layer of a hybrid model: transformers' ``DynamicSlidingWindowLayer`` (the newest
+    ``sliding_window - 1`` columns of keys and values, ``[B, H, <= W - 1, D]``, in full precision), plus the memory
+    report and Kitty's refusal of cache reordering.
+
+    Why full precision and not Kitty pages freed as the window passes (bytes from ``analytic_report``, which the
+    tests check against real ``nbytes``; Gemma-3-12B shape, 40 sliding + 8 full layers, 8 KV heads, D=256, W=1024,
+    bf16): a full-precision window costs 7.99 MiB per sliding layer and sequence, Kitty pages over the window would
+    cost 2.45-2.59 MiB, so the whole cache would hold 0.395 vs ~0.18 GiB at 8K tokens and 0.615 vs ~0.40 GiB at 32K.
+    Pages would win on bytes; they are not built yet because the window start falls inside a page (a per-token mask
+    inside pages that neither the torch reference nor the fused kernel has), pages would be freed one by one (the
+    pool is a bump allocator), and the sink does not apply to a window. Full precision is exact and is what
+    transformers' own sliding layer keeps (``docs/SERVING.md`` has the engine side).
+    """
+
+    def __init__(self, sliding_window: int, model_kv_heads: int, ranks: int = 1, **kwargs):
+        super().__init__(sliding_window=sliding_window, **kwargs)
+        self.model_kv_heads, self.ranks = model_kv_heads, ranks  # ranks: expected until the first tensors arrive
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes of the window's keys and values (padding columns included, as transformers holds them)."""
+        if not self.is_initialized:
+            return MemoryReport(0, 0, 0, 0, 0, ranks=self.ranks)
+        held = self.keys.nbytes + self.values.nbytes
+        fp16 = 2 * (self.keys.numel() + self.values.numel())
+        return MemoryReport(0, fp16, 0, 0, 0, window_bytes=held, ranks=self.model_kv_heads // self.keys.shape[1])
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError(_BEAM_MESSAGE)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError(_BEAM_MESSAGE)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError(_BEAM_MESSAGE)
 
 
 class KittyCache(Cache):
@@ -553,19 +601,48 @@ class KittyCache(Cache):
         if max_pages is not None and (not isinstance(max_pages, int) or max_pages < 1):
             raise ValueError(f"max_pages must be a positive integer or None, got {max_pages!r}")
         text = config.get_text_config(decoder=True)
-        layer_types, _ = get_layer_types_and_kwargs(text)  # inferred as DynamicCache does
-        if any(t != "full_attention" for t in layer_types):
-            raise ValueError(
-                f"KittyCache supports full-attention layers only, config has layer types {sorted(set(layer_types))} "
-                "(for a sliding-window model used within its window, set config.sliding_window = None)"
-            )
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text)  # inferred as DynamicCache does
+        unsupported = sorted(set(layer_types) - set(LAYER_TYPES))
+        if unsupported:
+            raise ValueError(f"KittyCache supports layer types {LAYER_TYPES}, config has {unsupported}")
+        for i, (kind, kw) in enumerate(zip(layer_types, layer_kwargs)):
+            window = kw.get("sliding_window")
+            # transformers keeps the newest ``window - 1`` columns: a window below 2 would keep everything
+            if kind == "sliding_attention" and (not isinstance(window, int) or isinstance(window, bool) or window < 2):
+                raise ValueError(f"config.sliding_window must be an integer >= 2 for sliding layer {i}, got {window!r}")
         num_layers, num_kv_heads, head_dim = kv_dims(text)
         cfg.check_head_dim(head_dim)
+        tp_size = self._tp_size(config, text, num_kv_heads)
         self.cfg, self.backend, self.max_pages = cfg, backend, max_pages
-        self.head_dim, self.num_kv_heads, self.num_layers = head_dim, num_kv_heads, num_layers
-        layers = [KittyLayer(cfg.for_layer(i, num_layers), num_kv_heads, head_dim, i, backend, max_pages) for i in range(num_layers)]
+        self.head_dim, self.num_layers, self.tp_size = head_dim, num_layers, tp_size
+        self.num_kv_heads = num_kv_heads // tp_size  # this rank's KV heads (each layer re-sizes from its tensors)
+        self.layer_types = list(layer_types)
+        layers = [
+            KittyLayer(cfg.for_layer(i, num_layers), self.num_kv_heads, head_dim, i, backend, max_pages, num_kv_heads)
+            if kind == "full_attention" else SlidingWindowLayer(kw["sliding_window"], num_kv_heads, tp_size)
+            for i, (kind, kw) in enumerate(zip(layer_types, layer_kwargs))
+        ]
+        if not any(kind == "full_attention" for kind in layer_types):
+            warnings.warn("every layer of this model is a sliding-window layer: KittyCache quantizes nothing here "
+                          "(each window is held in full precision, as DynamicCache holds it)", stacklevel=2)
         super().__init__(layers=layers)
         config._attn_implementation = kattention.ATTN_NAME
+
+    @staticmethod
+    def _tp_size(config, text, num_kv_heads: int) -> int:
+        """Tensor-parallel ranks sharing the KV heads (``from_pretrained(..., tp_plan="auto")`` records them in
+        ``config.distributed_config``); ``ValueError`` when the heads do not split evenly over them."""
+        dist = getattr(config, "distributed_config", None) or getattr(text, "distributed_config", None)
+        tp_size = getattr(dist, "tp_size", None) or 1
+        if tp_size == 1:
+            return 1
+        plan = getattr(text, "base_model_tp_plan", None) or {}
+        per_rank = get_kv_heads_per_rank(plan, num_kv_heads, tp_size)
+        if per_rank is None:
+            raise ValueError(f"the model's {num_kv_heads} KV heads do not divide by the tensor-parallel size "
+                             f"tp_size={tp_size}: every rank must hold whole, equal KV heads; choose a tp_size dividing "
+                             f"{num_kv_heads}")
+        return num_kv_heads // per_rank
 
     def reset(self) -> None:
         """Drop every cached token (page pools keep their storage); the cache can take a new batch."""
@@ -576,18 +653,28 @@ class KittyCache(Cache):
 
     @property
     def lengths(self) -> list[int]:
-        """Valid (non-padding) tokens cached per row."""
-        return list(self.layers[0]._n)
+        """Valid (non-padding) tokens cached per row (in a model of sliding layers only: columns fed, padding
+        included, since transformers' window keeps padding columns)."""
+        layer = self._paged_layer()
+        if layer is not None:
+            return list(layer._n)
+        first = self.layers[0]
+        return [first.cumulative_length] * (first.keys.shape[0] if first.is_initialized else 0)
+
+    def _paged_layer(self) -> KittyLayer | None:
+        """The first full-attention (Kitty) layer; every such layer holds the same tokens."""
+        return next((layer for layer in self.layers if isinstance(layer, KittyLayer)), None)
 
     def token_counts(self, per_row: bool = False) -> dict[str, int] | list[dict[str, int]]:
         """Tokens per place (first layer; all layers hold the same): sink, key_pages, key_qbuffer, value_pages,
         value_qbuffer, local and tokens. ``key_pages``/``value_pages`` count tokens (pages x G), read from the page
-        tables. Summed over rows unless ``per_row``.
+        tables (full-attention layers; sliding-window layers hold their window in full precision). Summed over rows
+        unless ``per_row``.
         """
-        layer = self.layers[0]
+        layer = self._paged_layer()
         G = self.cfg.group_size
         rows = []
-        for b, n in enumerate(layer._n):
+        for b, n in enumerate(layer._n if layer is not None else []):
             lay = token_layout(self.cfg, n)
             pk = int((layer.k_page_table[b] >= 0).sum()) if layer.is_initialized else 0
             pv = int((layer.v_page_table[b] >= 0).sum()) if layer.is_initialized else 0
@@ -601,7 +688,9 @@ class KittyCache(Cache):
     def memory_report(self) -> MemoryReport:
         """A :class:`kitty.memory.MemoryReport` over all layers from the real ``nbytes`` of live data.
 
-        Equals ``kitty.memory.analytic_report(cfg, cache.lengths, head_dim, num_kv_heads, num_layers, dtype_bytes)``.
+        Equals ``kitty.memory.analytic_report(cfg, cache.lengths, head_dim, num_kv_heads, num_layers, dtype_bytes)``
+        for a model of full-attention layers; sliding-window layers add their keys and values as ``window_bytes``.
+        Under tensor parallelism the bytes are this rank's and ``ranks``/``total_stored_bytes`` cover all ranks.
         """
         reports = [layer.memory_report() for layer in self.layers]
         total = sum(reports[1:], reports[0])

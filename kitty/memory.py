@@ -54,17 +54,32 @@ def token_layout(cfg: KVQuantConfig, n: int, full_qbuffer: bool = False) -> Toke
 
 @dataclass(frozen=True)
 class MemoryReport:
-    """Bytes held by a KV cache (all layers and KV heads, summed over batch rows)."""
+    """Bytes held by a KV cache (all layers and KV heads, summed over batch rows).
+
+    Under tensor parallelism a cache holds one rank's shard of the KV heads: the byte counts are this rank's and
+    ``ranks`` says how many ranks hold an equal shard; ``total_*`` are the bytes over all of them.
+    """
 
     tokens: int  # tokens cached per layer, summed over rows
     fp16_bytes: int  # the same keys and values at 16 bits
     payload_bytes: int  # quantized codes: low/high planes, value codes (and raw pages of 16-bit configs)
     metadata_bytes: int  # scale, zero, boost_idx
     full_precision_bytes: int  # sink, qbuffers, local window
+    window_bytes: int = 0  # keys and values of sliding-window layers (full precision, at most the window)
+    ranks: int = 1  # tensor-parallel ranks, each holding an equal shard of the KV heads (the bytes are one rank's)
 
     @property
     def stored_bytes(self) -> int:
-        return self.payload_bytes + self.metadata_bytes + self.full_precision_bytes
+        return self.payload_bytes + self.metadata_bytes + self.full_precision_bytes + self.window_bytes
+
+    @property
+    def total_stored_bytes(self) -> int:
+        """Bytes stored over all ``ranks`` (every rank holds the same number of KV heads and tokens)."""
+        return self.stored_bytes * self.ranks
+
+    @property
+    def total_fp16_bytes(self) -> int:
+        return self.fp16_bytes * self.ranks
 
     @property
     def bits_per_element(self) -> float:
@@ -76,13 +91,22 @@ class MemoryReport:
         return self.fp16_bytes / self.stored_bytes if self.stored_bytes else 1.0
 
     def __add__(self, other: "MemoryReport") -> "MemoryReport":
-        return MemoryReport(*(a + b for a, b in zip(astuple(self), astuple(other))))
+        if self.ranks != other.ranks:
+            raise ValueError(f"cannot add reports of {self.ranks} and {other.ranks} tensor-parallel ranks")
+        sums = [a + b for a, b in zip(astuple(self)[:-1], astuple(other)[:-1])]
+        return MemoryReport(*sums, ranks=self.ranks)
 
     def summary(self) -> str:
-        return (
+        text = (
             f"{self.tokens} tokens: {self.stored_bytes / 2**20:.2f} MiB stored vs {self.fp16_bytes / 2**20:.2f} MiB fp16 "
             f"({self.bits_per_element:.2f} bits/element, {self.compression:.2f}x)"
         )
+        if self.window_bytes:
+            text += f"; {self.window_bytes / 2**20:.2f} MiB of it in sliding-window layers"
+        if self.ranks > 1:
+            text += (f"; per rank of {self.ranks}, total {self.total_stored_bytes / 2**20:.2f} MiB vs "
+                     f"{self.total_fp16_bytes / 2**20:.2f} MiB fp16")
+        return text
 
 
 def page_bytes(cfg: KVQuantConfig, head_dim: int, dtype_bytes: int = 2) -> dict[str, int]:
