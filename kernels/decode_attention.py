@@ -526,11 +526,11 @@ def default_launch(B: int, Hkv: int, device: torch.device) -> dict:
     """Launch configuration of the fused kernel for ``B * Hkv`` (row, KV head) pairs. Measured on the H200 (triton
     3.6, benchmarks/RESULTS.md): with at least a quarter as many pairs as SMs, 2 warps with a 128-register cap and
     ~8 programs per SM (enough resident programs to hide load latency; 1.4-1.8x faster than 4 warps at (8, 32K),
-    (16, 8K), (64, 8K) and (256, 8K)); below that (batch 1), 4 warps with a 2-stage pipelined page loop and ~4
-    programs per SM (each program has more pages to stream)."""
+    (16, 8K), (64, 8K) and (256, 8K)); below that (batch 1), 4 warps with a 2-stage pipelined page loop and ~2
+    programs per SM (each program has more pages to stream; 38.8 us at (1, 32K) against 42.5 us with ~4)."""
     if B * Hkv * 4 >= _num_sms(device):
         return {"num_warps": 2, "num_stages": 1, "maxnreg": 128, "waves": 8}
-    return {"num_warps": 4, "num_stages": 2, "maxnreg": None, "waves": 4}
+    return {"num_warps": 4, "num_stages": 2, "maxnreg": None, "waves": 2}
 
 
 def _dot_dtype(dtype: torch.dtype):
@@ -545,7 +545,7 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
                             num_splits: int | None = None, num_warps: int | None = None,
                             num_stages: int | None = None, maxnreg: int | None = None, waves: int | None = None,
                             full_qbuffer: bool = False, block_h: int = 4,
-                            split_fold: bool = True) -> torch.Tensor:
+                            split_fold: int = 0) -> torch.Tensor:
     """The fused Triton kernel (see module docstring). ``q``: ``[B, Hq, D]`` -> ``[B, Hq, D]`` in ``q.dtype``.
 
     ``full_qbuffer``: the state is mid-step, after the new token was inserted and before a qbuffer it filled is
@@ -556,10 +556,12 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
     each taking a contiguous run of pages (default: enough programs for ``waves`` per SM), ``num_warps``,
     ``num_stages`` (Triton's software pipelining of the page loop), ``maxnreg`` (a register cap per thread) and
     ``block_h`` (query rows per program, at least the GQA group; 16 fills a tensor-core tile, fewer rows cut the
-    softmax work on padding). ``split_fold``: carry ``q * key scale`` and ``p * value scale`` as two 16-bit
-    operands each (one more tensor-core product over the same codes), so that folding the scales in costs no
-    accuracy against dequantizing first (with one operand, fp16 outputs were measured up to 2.2x further from the
-    fp32 reference than the fp16 torch reference is).
+    softmax work on padding). ``split_fold``: carry ``q * key scale`` (1), ``p * value scale`` (2) or both (3) as
+    two 16-bit operands (rounded part + remainder: one more tensor-core product over the same codes). Folding the
+    key scale into one 16-bit ``q * scale`` rounds a product that multiplies codes up to 3, where dequantizing first
+    rounds the key itself: on outlier-heavy keys, fp16 outputs were measured up to 2.2x further from the fp32
+    reference than the fp16 torch reference is; ``split_fold=1`` cuts that error 2-3x but costs ~45% more time
+    at (8, 32K) on the H200 (benchmarks/RESULTS.md), so it is off by default.
     """
     z = check_state(q, state, cfg)
     B, Hq, Hkv, D, S, G, R, nb = (z[k] for k in ("B", "Hq", "Hkv", "D", "S", "G", "R", "nb"))
