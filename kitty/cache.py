@@ -220,6 +220,8 @@ class KittyLayer(CacheLayerMixin):
         if key_states.dim() != 4:
             raise ValueError(f"key_states must be [B, H, T, D], got shape {tuple(key_states.shape)}")
         B = key_states.shape[0]
+        if (key_states.shape[1], key_states.shape[3]) != (self.num_kv_heads, self.head_dim):
+            raise ValueError(f"key_states must have {self.num_kv_heads} KV heads of head_dim {self.head_dim}, got shape {tuple(key_states.shape)}")
         if not self.is_initialized or (self.seen_tokens == 0 and (B != len(self._n) or key_states.dtype != self.dtype or key_states.device != self.device)):
             self.lazy_initialization(key_states, key_states)
         elif B != len(self._n):
