@@ -649,9 +649,10 @@ class KittyCache(Cache):
     """A transformers ``Cache`` holding every layer's keys and values in Kitty's paged 2-bit format.
 
     Args:
-        config: the model's config (``model.config``). While a forward pass runs with this cache, the config's
-            ``_attn_implementation`` reads ``"kitty"`` (on that thread) so that the model calls ``kitty.attention``;
-            at any other time it reads what the user set (eager, sdpa, ...), and other caches run that.
+        config: the model's config (``model.config``). From this cache's ``update``/``get_mask_sizes`` until the
+            layer's attention returns, the config's ``_attn_implementation`` reads ``"kitty"`` (on that thread), so
+            the model picks ``kitty.attention`` and its mask; at any other time it reads what the user set (eager,
+            sdpa, ...), which other caches run.
         cfg: a :class:`KVQuantConfig` or a preset name from ``kitty.PRESETS`` (e.g. ``"kitty"``, ``"fp16"``).
         backend: ``"auto"`` (Triton on CUDA tensors, else torch), ``"torch"`` or ``"triton"``; ``None`` (default):
             the environment variable ``KITTY_BACKEND``, else ``"auto"``. ``"triton"`` is refused here, with a
@@ -710,19 +711,21 @@ class KittyCache(Cache):
             raise
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        kattention.kitty_forward(True)  # the mask of this pass is KittyMask (read right after by transformers)
-        return super().get_mask_sizes(query_length, layer_idx)
+        sizes = super().get_mask_sizes(query_length, layer_idx)
+        kattention.kitty_forward(True)  # transformers picks the mask function right after: the "kitty" one
+        return sizes
 
     def begin_step(self, layer: KittyLayer) -> None:
         """Open ``layer``'s step within the current forward pass (called by the attention function)."""
         layer.begin_step(self._forward)
 
     def end_step(self, layer: KittyLayer) -> None:
-        """``layer``'s step succeeded; after the last layer the whole pass is kept and Kitty attention switched off."""
+        """``layer``'s step succeeded: Kitty attention is switched off until the next layer's :meth:`update`, and
+        after the last layer the whole pass is kept (the undo records of every layer are dropped)."""
+        kattention.kitty_forward(False)
         if layer.layer_idx == self.num_layers - 1:
             for other in self.layers:
                 other.end_step()
-            kattention.kitty_forward(False)
 
     def rollback_forward(self) -> None:
         """Put every layer the current forward pass changed back as it was before the pass."""

@@ -147,6 +147,10 @@ def test_kitty_cache_keeps_the_users_attention_implementation(attn):
     after = greedy(model, ids, mask, DynamicCache(config=model.config), 10)
     assert torch.equal(before, after) and torch.equal(kitty, before)  # fp16 preset: nothing is quantized
     assert model.config._attn_implementation == attn
+    cache = KittyCache(model.config, SMALL)  # driven one layer at a time, as the tests of the attention function do
+    k, v = torch.randn(1, HKV, 3, D), torch.randn(1, HKV, 3, D)
+    kitty_attention_forward(None, torch.randn(1, HQ, 3, D), *cache.update(k, v, 0), None, scaling=D**-0.5)
+    assert model.config._attn_implementation == attn
     clone = copy.deepcopy(model.config)  # copies are plain configs again
     assert type(clone) is LlamaConfig and clone._attn_implementation == attn
     model.config._attn_implementation = "eager" if attn == "sdpa" else "sdpa"  # the user may still change it
