@@ -196,12 +196,14 @@ def make_generate(engine: Engine, max_prompt_tokens: int, schedule: str = SCHEDU
 
         try:
             prompt_ = kd.prepare_prompt(engine.tokenizer, prompt, bool(chat_template), max_prompt_tokens)
-            sampling = kd.Sampling(float(temperature), float(top_p), int(seed))
+            sampling = kd.Sampling(float(temperature), float(top_p), parse_seed(seed))
             n = int(max(1, min(int(max_new_tokens), kd.MAX_NEW_TOKENS_CAP)))
             methods = [method_1, method_2, method_3]
-            for m in methods:
+            for i, m in enumerate(methods):
+                if not isinstance(m, str) or not m:
+                    raise ValueError(f"choose a cache method for column {i + 1} (one of {', '.join(METHODS)})")
                 kd.get_preset(m)
-        except (ValueError, TypeError) as e:  # PromptError included: a message, never a crash
+        except (ValueError, TypeError, OverflowError) as e:  # PromptError included: a message, never a crash
             yield message(str(e) if isinstance(e, kd.PromptError) else f"⚠️ {e}")
             return
         head = f"Prompt: {prompt_.tokens} tokens{' (chat template)' if chat_template else ''}, up to {n} new tokens per column."
@@ -226,13 +228,25 @@ def make_generate(engine: Engine, max_prompt_tokens: int, schedule: str = SCHEDU
                     plot,
                     snap.summary if final else f"_{snap.phase}…_",
                     {c.label: (c.readout.as_dict() if c.readout else None) for c in cols} if final else gr.skip(),
-                    stop,
+                    None if final else stop,  # a finished run has nothing left to stop
                     *(idle if final else busy),
                 )
         except Exception as e:  # shown in the UI, buttons re-enabled; the generator's finally freed the caches
             yield message(f"⚠️ Generation failed: {type(e).__name__}: {e}")
 
     return generate
+
+
+def parse_seed(seed: float | int | None) -> int:
+    """The seed box's value as an integer in ``[0, 2**63)`` (what ``torch.Generator.manual_seed`` takes), or a
+    ``ValueError`` saying so."""
+    if seed is None or isinstance(seed, bool) or not isinstance(seed, (int, float)):
+        raise ValueError(f"the seed must be a whole number, got {seed!r}")
+    if isinstance(seed, float) and not seed.is_integer():
+        raise ValueError(f"the seed must be a whole number, got {seed!r}")
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"the seed must be in [0, 2**63), got {seed:g}")
+    return int(seed)
 
 
 def stop_generation(stop: kd.StopFlag | None) -> str:

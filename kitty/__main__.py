@@ -10,6 +10,7 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -88,39 +89,71 @@ def table(results: list[Result], width: int = 60) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kitty", description="Generate with a 2-bit Kitty KV cache (arXiv 2511.18643).")
     p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--method", default="kitty", choices=sorted(PRESETS), help="cache preset (default: kitty)")
+    p.add_argument("--method", default="kitty", help="cache preset, optionally +field=value... (default: kitty)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--model", default=None, help="hub id or local path (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--compare", action="store_true", help="run several presets on the same prompt and print a table")
-    p.add_argument("--methods", default=DEFAULT_COMPARE, help=f"presets for --compare, comma-separated (default: {DEFAULT_COMPARE})")
+    p.add_argument("--methods", default=None, help=f"presets for --compare, comma-separated, each optionally +field=value... "
+                   f"(default: {DEFAULT_COMPARE})")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"))
+    p.add_argument("--backend", default=None, choices=("auto", "torch", "triton"), help="default: $KITTY_BACKEND, else auto")
     return p
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def utf8_text(arg: str) -> str:
+    """A command-line argument as valid text: bytes that were not UTF-8 (kept by Python as surrogate escapes) become
+    U+FFFD, so the tokenizer never sees an unencodable string."""
+    return arg.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    prompt = utf8_text(args.prompt)
+    if prompt != args.prompt:
+        print("warning: the prompt holds bytes that are not UTF-8; they were replaced by U+FFFD", file=sys.stderr)
+    args.prompt = prompt
     if not args.prompt.strip():
-        print("error: the prompt is empty", file=sys.stderr)
-        return 2
+        return _fail("the prompt is empty")
     if args.max_new_tokens < 1:
-        print(f"error: --max-new-tokens must be >= 1, got {args.max_new_tokens}", file=sys.stderr)
-        return 2
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.compare else [args.method]
-    unknown = [m for m in methods if m not in PRESETS]
-    if unknown:
-        print(f"error: unknown method(s) {unknown}; choose from {sorted(PRESETS)}", file=sys.stderr)
-        return 2
+        return _fail(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.sample and not args.temperature > 0:
+        return _fail(f"--temperature must be > 0 with --sample (use greedy decoding without --sample), got {args.temperature}")
+    if args.sample and not 0 < args.top_p <= 1:
+        return _fail(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.methods is not None and not args.compare:
+        return _fail("--methods is for --compare; use --method for a single preset")
+    if args.compare:
+        methods = [m.strip() for m in (args.methods if args.methods is not None else DEFAULT_COMPARE).split(",") if m.strip()]
+        if not methods:
+            return _fail(f"--methods names no preset; choose from {sorted(PRESETS)}")
+    else:
+        methods = [args.method]
+    for m in methods:
+        try:
+            get_preset(m)
+        except ValueError as e:
+            return _fail(f"unknown method {m!r}: {e}")
+
+    if args.model is not None and args.model.startswith(("/", ".", "~")) and not Path(args.model).expanduser().exists():
+        return _fail(f"--model {args.model!r}: no such folder (give a local model folder or a hub id)")
 
     from transformers import TextStreamer
 
     from .models import load_model
 
-    model, tokenizer = load_model(args.model)
+    try:
+        model, tokenizer = load_model(args.model)
+    except (OSError, ValueError, RuntimeError) as e:
+        return _fail(f"cannot load the model {args.model!r}: {e}")
     options = dict(max_new_tokens=args.max_new_tokens, chat=args.chat, do_sample=args.sample, temperature=args.temperature,
                    top_p=args.top_p, seed=args.seed, backend=args.backend)
     if not args.compare:

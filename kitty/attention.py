@@ -8,10 +8,12 @@ Registered at import with ``transformers.AttentionInterface`` and ``AttentionMas
   instead of key/value tensors, attends, then inserts the valid new tokens into the layer (paper §4.3 order:
   insert, attend with the qbuffer in full precision, quantize a full qbuffer afterwards).
 
-With ordinary tensors (any other cache, or none) both fall back to transformers' SDPA, so a model whose config says
-``"kitty"`` keeps working without a KittyCache.
+``KittyCache`` does not change the user's attention implementation: the model's config reads ``"kitty"`` only on a
+thread that is running a forward pass with a KittyCache (:func:`use_kitty_attention`). With ordinary tensors (any
+other cache, or none) both functions run the implementation the user chose (eager, sdpa, ...), so a model whose
+config says ``"kitty"`` keeps working without a KittyCache.
 
-Backends (``KittyCache(..., backend=)``, overridden by the environment variable ``KITTY_BACKEND``):
+Backends (``KittyCache(..., backend=)``; the environment variable ``KITTY_BACKEND`` is only its default):
 
 - ``torch``: dequantize the layer's pages transiently (:func:`dequantize_cache`), then SDPA over
   ``[cached tokens | new tokens]`` with a causal + padding mask. The prompt (prefill) is attended in full precision;
@@ -28,15 +30,18 @@ Backends (``KittyCache(..., backend=)``, overridden by the environment variable 
 from __future__ import annotations
 
 import os
+import sys
+import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PretrainedConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .config import KVQuantConfig
 from .memory import token_layout
@@ -45,6 +50,74 @@ from .storage import PendingKV, key_page_from_storage, layer_state, value_page_f
 
 ATTN_NAME = "kitty"
 BACKEND_ENV = "KITTY_BACKEND"
+BACKENDS = ("auto", "torch", "triton")
+
+# ------------------------------------------------------------------------- the user's attention implementation
+
+_STATE = threading.local()  # .on: this thread is in a forward pass with a KittyCache
+
+
+def kitty_forward(on: bool) -> None:
+    """Mark this thread as running (or no longer running) a forward pass with a KittyCache."""
+    _STATE.on = on
+
+
+def in_kitty_forward() -> bool:
+    return getattr(_STATE, "on", False)
+
+
+class _KittyAttentionConfig:
+    """Mixed into a model config by :func:`use_kitty_attention`: ``_attn_implementation`` reads ``"kitty"`` during a
+    KittyCache forward pass on this thread, else the user's choice (which setting it changes, as usual)."""
+
+    @property
+    def _attn_implementation(self):
+        return ATTN_NAME if in_kitty_forward() else self._attn_implementation_internal
+
+    @_attn_implementation.setter
+    def _attn_implementation(self, value) -> None:
+        PretrainedConfig._attn_implementation.fset(self, value)
+
+    def __reduce_ex__(self, protocol):  # pickles and copies as the plain config class
+        reduced = list(super().__reduce_ex__(protocol))
+        if reduced[1] and reduced[1][0] is type(self):
+            reduced[1] = (type(self).__mro__[2], *reduced[1][1:])
+        return tuple(reduced)
+
+
+_PATCHED: dict[type, type] = {}
+
+
+def use_kitty_attention(config) -> None:
+    """Let ``config`` select the ``"kitty"`` functions during KittyCache forward passes only (idempotent).
+
+    The config's class is swapped for a subclass of the same name with :class:`_KittyAttentionConfig` mixed in, so
+    ``config._attn_implementation`` keeps returning the user's implementation everywhere else.
+    """
+    cls = type(config)
+    if issubclass(cls, _KittyAttentionConfig):
+        return
+    if cls not in _PATCHED:
+        _PATCHED[cls] = type(cls.__name__, (_KittyAttentionConfig, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    config.__class__ = _PATCHED[cls]
+
+
+def user_implementation(config) -> str:
+    """The attention implementation the user chose for ``config`` (never ``"kitty"``; ``"sdpa"`` if unset)."""
+    name = getattr(config, "_attn_implementation_internal", None)
+    return "sdpa" if name in (None, ATTN_NAME) else name
+
+
+def requested_backend(backend: str | None) -> str:
+    """``backend``, or ``$KITTY_BACKEND`` when it is ``None``, or ``"auto"``; ``ValueError`` if not in ``BACKENDS``."""
+    if backend is not None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS} (or None for ${BACKEND_ENV}), got {backend!r}")
+        return backend
+    choice = os.environ.get(BACKEND_ENV) or "auto"
+    if choice not in BACKENDS:
+        raise ValueError(f"${BACKEND_ENV} must be one of {BACKENDS}, got {choice!r}")
+    return choice
 
 # ------------------------------------------------------------------------------------------------------ the mask
 
@@ -77,9 +150,13 @@ class KittyMask:
         return self._new_cpu.to(device)
 
     def sdpa(self) -> torch.Tensor | None:
-        """The mask transformers' ``sdpa_mask`` would have built (computed once, shared by all layers)."""
+        """The mask the user's attention implementation would have built (transformers' ``sdpa_mask`` for sdpa;
+        computed once, shared by all layers)."""
         if self._sdpa is None and self.sdpa_kwargs:
-            self._sdpa = (sdpa_mask(**self.sdpa_kwargs),)
+            config = self.sdpa_kwargs.get("config")
+            name = user_implementation(config) if config is not None else "sdpa"
+            build = ALL_MASK_ATTENTION_FUNCTIONS[name] if name in ALL_MASK_ATTENTION_FUNCTIONS else sdpa_mask
+            self._sdpa = (build(**self.sdpa_kwargs),)
         return self._sdpa[0] if self._sdpa else None
 
 
@@ -190,14 +267,12 @@ def attend_torch(query: torch.Tensor, key_states: torch.Tensor, value_states: to
 
 
 def resolve_backend(requested: str, device: torch.device, cfg: KVQuantConfig | None = None, head_dim: int | None = None) -> str:
-    """``"torch"`` or ``"triton"`` for tensors on ``device`` (``KITTY_BACKEND`` overrides ``requested``).
+    """``"torch"`` or ``"triton"`` for tensors on ``device``; ``requested`` as in :func:`requested_backend`.
 
     ``"auto"`` picks Triton only for CUDA tensors, when ``kernels`` provides ``decode_attention`` and (if it says
     so through ``kernels.triton_supports``) the fused kernel handles ``cfg`` at ``head_dim``.
     """
-    choice = os.environ.get(BACKEND_ENV) or requested
-    if choice not in ("auto", "torch", "triton"):
-        raise ValueError(f"backend (or ${BACKEND_ENV}) must be one of ('auto', 'torch', 'triton'), got {choice!r}")
+    choice = requested_backend(requested)
     if choice != "auto":
         return choice
     if device.type != "cuda":
@@ -262,13 +337,38 @@ def kitty_attention_forward(
     """
     if not isinstance(key, PendingKV):
         mask = attention_mask.sdpa() if isinstance(attention_mask, KittyMask) else attention_mask
-        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+        return _user_attention(module)(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+        attention_mask = KittyMask(attention_mask)  # a plain 2-D padding mask (no mask function ran)
     if attention_mask is not None and not isinstance(attention_mask, KittyMask):
         raise ValueError(f"KittyCache needs the 2-D padding mask (the 'kitty' mask function); got a {type(attention_mask).__name__} of shape {tuple(getattr(attention_mask, 'shape', ()))}")
     layer = key.layer
+    cache = layer._owner()
     B, Hq, T, D = query.shape
     scale = D**-0.5 if scaling is None else scaling
     valid = (attention_mask or KittyMask(None)).new_token_mask(B, T, "cpu")  # (B, T) on the CPU: bookkeeping only
+    if cache is None:
+        layer.begin_step()
+    else:
+        cache.begin_step(layer)
+    try:
+        out = _attend_and_insert(layer, query, key, valid, scale)
+    except BaseException:  # every layer this forward pass changed goes back as it was
+        if cache is None:
+            layer.rollback_step()
+        else:
+            cache.rollback_forward()
+        raise
+    if cache is None:
+        layer.end_step()
+    else:
+        cache.end_step(layer)
+    return out.transpose(1, 2).contiguous(), None  # (B, T, Hq, D)
+
+
+def _attend_and_insert(layer, query: torch.Tensor, key: PendingKV, valid: torch.Tensor, scale: float) -> torch.Tensor:
+    """One layer's step: check, observe the queries, attend and insert the new tokens; ``[B, Hq, T, D]``."""
+    B, Hq, T, D = query.shape
     layer.check_append(valid)  # errors before anything changes
     layer.observe_queries(query, valid)  # channel_selection="query" ranks the channels of pages packed below
     backend = resolve_backend(layer.backend, query.device, layer.cfg, D)
@@ -285,7 +385,20 @@ def kitty_attention_forward(
     else:
         out = attend_torch(query, key.key_states, key.value_states, valid.to(query.device), layer.storage(), layer.cfg, scale)
         layer.append(key.key_states, key.value_states, valid)
-    return out.transpose(1, 2).contiguous(), None  # (B, T, Hq, D)
+    return out
+
+
+def _user_attention(module: torch.nn.Module | None):
+    """The attention function of the user's implementation for ``module`` (its model's own eager function for
+    ``"eager"``, SDPA when nothing says otherwise)."""
+    config = getattr(module, "config", None)
+    name = user_implementation(config) if config is not None else "sdpa"
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None) if module is not None else None
+    if name == "eager" and eager is not None:
+        return eager
+    if name in ALL_ATTENTION_FUNCTIONS and name != ATTN_NAME:
+        return ALL_ATTENTION_FUNCTIONS[name]
+    return sdpa_attention_forward
 
 
 AttentionInterface.register(ATTN_NAME, kitty_attention_forward)

@@ -18,8 +18,8 @@ a page's statistics. Quantized tokens exist only as pages: no full-precision cop
 How it plugs into transformers 5.x: ``KittyLayer.update`` does not store anything; it returns a :class:`PendingKV`
 handle (for both keys and values) that the attention function registered as ``"kitty"`` (``kitty.attention``)
 receives instead of tensors. That function knows the padding of the new tokens (from the ``"kitty"`` mask
-function), attends, then calls :meth:`KittyLayer.append`. ``KittyCache`` sets ``config._attn_implementation``
-to ``"kitty"``; with ordinary tensors (another cache, or none) the function falls back to SDPA.
+function), attends, then calls :meth:`KittyLayer.append`. ``KittyCache`` makes ``config._attn_implementation`` read
+``"kitty"`` during its own forward passes only; other caches keep the user's attention implementation.
 
     model, tok = kitty.load_model()
     cache = kitty.KittyCache(model.config, "kitty")
@@ -29,15 +29,19 @@ to ``"kitty"``; with ordinary tensors (another cache, or none) the function fall
 
 from __future__ import annotations
 
+import os
 import warnings
-from dataclasses import replace
+import weakref
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 from transformers.distributed.tensor_parallel import get_kv_heads_per_rank
 
 from . import attention as kattention
-from .config import KVQuantConfig, get_preset
+from .config import KVQuantConfig, get_preset, is_int
 from .memory import MemoryReport, token_layout
 from .models import kv_dims
 from .quant import KeyPage, ValuePage, quantize_key_page, quantize_value_page
@@ -50,6 +54,33 @@ _BEAM_MESSAGE = (
     "KittyCache does not support beam search or other cache reordering (num_beams > 1, contrastive search, "
     "assisted decoding): pages are shared storage indexed per row. Use greedy decoding or sampling (num_beams=1)."
 )
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check_triton_backend(cfg: KVQuantConfig, head_dim: int) -> None:
+    """Refuse ``backend="triton"`` where it cannot run, before any token is stored: ``NotImplementedError`` without
+    the kernels, ``ValueError`` without a CUDA GPU (and not under ``TRITON_INTERPRET=1``) or for a config the fused
+    kernel does not handle (``kernels.triton_supports``)."""
+    kernels = kattention._kernels(required=True)
+    if not getattr(kernels, "HAS_TRITON", True):
+        raise ValueError("backend='triton' needs the triton package, which is not installed; use backend='auto' or 'torch'")
+    if not torch.cuda.is_available() and not _interpreting():
+        raise ValueError("backend='triton' needs a CUDA GPU, and torch sees none (CPU runs need TRITON_INTERPRET=1 set "
+                         "before triton is imported); use backend='auto' or 'torch'")
+    supports = getattr(kernels, "triton_supports", None)
+    if supports is not None and not supports(cfg, head_dim):
+        raise ValueError(f"backend='triton' cannot run group_size={cfg.group_size}, head_dim={head_dim}, "
+                         f"value_bits={cfg.value_bits} (see kernels.triton_supports); use backend='auto'")
+
+
+def check_triton_device(device: torch.device) -> None:
+    """``ValueError`` if ``backend="triton"`` cannot run on tensors of ``device`` (CPU without the interpreter)."""
+    if device.type != "cuda" and not _interpreting():
+        raise ValueError(f"backend='triton' runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1), got tensors "
+                         f"on {device}; move the model to the GPU or use backend='auto' or 'torch'")
 
 
 class PagePool:
@@ -106,6 +137,25 @@ class PagePool:
         self.used = 0
 
 
+@dataclass
+class _Undo:
+    """How to put one layer back as it was before a step: its bookkeeping then, and undo actions (run newest first).
+
+    Only what a step overwrites while it is still live needs an action: slots past a row's length, pages past a
+    pool's ``used`` and page-table entries past a row's pages hold nothing that anything reads.
+    """
+
+    forward: int  # the KittyCache forward this step belongs to
+    n: list[int]
+    lengths: torch.Tensor
+    seen_tokens: int
+    key_used: int
+    value_used: int
+    k_page_table: torch.Tensor
+    v_page_table: torch.Tensor
+    actions: list[Callable[[], None]] = field(default_factory=list)
+
+
 class KittyLayer(CacheLayerMixin):
     """Kitty cache of one decoder layer: sink, qbuffers, local window, page pools and page tables.
 
@@ -136,6 +186,8 @@ class KittyLayer(CacheLayerMixin):
         self.layer_idx, self.backend, self.max_pages = layer_idx, backend, max_pages
         self.seen_tokens = 0  # columns fed so far, padding included: what transformers calls the sequence length
         self._n: list[int] = []  # CPU mirror of ``lengths``
+        self._undo: _Undo | None = None  # the open step, if any (see begin_step)
+        self._owner: Callable[[], "KittyCache | None"] = lambda: None  # the cache this layer belongs to (weak)
 
     # ------------------------------------------------------------------------------------------------ setup
 
@@ -148,6 +200,8 @@ class KittyLayer(CacheLayerMixin):
                              f"model's {self.model_kv_heads} (a tensor-parallel shard), got shape {tuple(key_states.shape)}")
         self.num_kv_heads = H
         cfg, dtype, device = self.cfg, key_states.dtype, key_states.device
+        if self.backend == "triton":
+            check_triton_device(device)
         S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
         self.dtype, self.device = dtype, device
         self.lengths = torch.zeros(B, dtype=torch.int32, device=device)
@@ -175,6 +229,8 @@ class KittyLayer(CacheLayerMixin):
         if key_states.dim() != 4:
             raise ValueError(f"key_states must be [B, H, T, D], got shape {tuple(key_states.shape)}")
         B = key_states.shape[0]
+        if (key_states.shape[1], key_states.shape[3]) != (self.num_kv_heads, self.head_dim):
+            raise ValueError(f"key_states must have {self.num_kv_heads} KV heads of head_dim {self.head_dim}, got shape {tuple(key_states.shape)}")
         if not self.is_initialized or (self.seen_tokens == 0 and (B != len(self._n) or key_states.dtype != self.dtype or key_states.device != self.device)):
             self.lazy_initialization(key_states, key_states)
         elif B != len(self._n):
@@ -218,6 +274,7 @@ class KittyLayer(CacheLayerMixin):
             self.q_stat_sum.zero_()
             self.q_count.zero_()
         self.seen_tokens = 0
+        self._undo = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError(_BEAM_MESSAGE)
@@ -231,6 +288,52 @@ class KittyLayer(CacheLayerMixin):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise NotImplementedError(_BEAM_MESSAGE)
+
+    # ------------------------------------------------------------------------------------ all-or-nothing steps
+
+    def begin_step(self, forward: int = 0) -> None:
+        """Record this layer's state, so that :meth:`rollback_step` can restore it if the step fails.
+
+        The attention function opens a step before it changes anything; the record is dropped by :meth:`end_step`
+        or replaced by the next step. ``forward`` names the cache's forward pass, so that a failure in a later
+        layer rolls back the layers this pass already changed (:meth:`KittyCache.rollback_forward`).
+        """
+        self._undo = _Undo(forward, list(self._n), self.lengths, self.seen_tokens, self.key_pool.used,
+                           self.value_pool.used, self.k_page_table, self.v_page_table)
+
+    def end_step(self) -> None:
+        """Keep what the open step did (frees its record)."""
+        self._undo = None
+
+    def rollback_step(self) -> None:
+        """Put the layer back as it was at :meth:`begin_step` (nothing happens if no step is open)."""
+        u, self._undo = self._undo, None
+        if u is None:
+            return
+        for undo in reversed(u.actions):
+            undo()
+        self._n, self.lengths, self.seen_tokens = u.n, u.lengths, u.seen_tokens
+        self.key_pool.used, self.value_pool.used = u.key_used, u.value_used
+        self.k_page_table, self.v_page_table = u.k_page_table, u.v_page_table
+
+    def _on_undo(self, action: Callable[[], None]) -> None:
+        if self._undo is not None:
+            self._undo.actions.append(action)
+
+    @contextmanager
+    def _atomic(self):
+        """The body changes the layer completely or not at all: inside an open step the step's owner rolls back,
+        otherwise this opens a step of its own and rolls it back on any exception."""
+        if self._undo is not None:
+            yield
+            return
+        self.begin_step()
+        try:
+            yield
+        except BaseException:
+            self.rollback_step()
+            raise
+        self.end_step()
 
     # ---------------------------------------------------------------------------------- insertion (stages 1, 3)
 
@@ -274,8 +377,13 @@ class KittyLayer(CacheLayerMixin):
 
         ``key_states``/``value_states``: ``[B, H, T, D]``; ``valid``: bool ``[B, T]`` (``None``: all valid), True for
         real tokens. Row b's valid tokens, in column order, take positions ``lengths[b], lengths[b] + 1, ...``.
+        Any exception leaves the layer as it was.
         """
         self._prepare(key_states)
+        with self._atomic():
+            self._append(key_states, value_states, valid)
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor, valid: torch.Tensor | None) -> None:
         B, H, T, D = key_states.shape
         if valid is None:
             valid = torch.ones(B, T, dtype=torch.bool)
@@ -290,6 +398,9 @@ class KittyLayer(CacheLayerMixin):
         lay0 = [token_layout(cfg, n) for n in n0]
         lay1 = [token_layout(cfg, n) for n in n1]
         self._grow_page_tables(max(l.key_pages for l in lay1), max(l.value_pages for l in lay1))
+        if self._undo is not None and max(n1) > S:  # the qbuffers and the local window are rewritten below
+            saved = {name: getattr(self, name).clone() for name in ("k_qbuf", "v_qbuf", "v_local")}
+            self._on_undo(lambda: [getattr(self, name).copy_(t) for name, t in saved.items()])
 
         key_groups, value_groups = [], []  # full qbuffers to quantize, each (pages, H, G, D)
         key_rows = []  # the row of every key page, in order
@@ -386,6 +497,11 @@ class KittyLayer(CacheLayerMixin):
             qslot = (m - R).clamp(min=0) % G
             self.v_qbuf[rows, :, qslot] = torch.where(leaving, self.v_local[rows, :, local], self.v_qbuf[rows, :, qslot])
             self.v_local[rows, :, local] = torch.where(past, v, self.v_local[rows, :, local])
+
+            def undo_local() -> None:  # the value that left the local window is still in its qbuffer slot
+                self.v_local[rows, :, local] = torch.where(leaving, self.v_qbuf[rows, :, qslot], self.v_local[rows, :, local])
+
+            self._on_undo(undo_local)
         else:
             self.v_qbuf[rows, :, slot] = torch.where(past, v, self.v_qbuf[rows, :, slot])
         widest = token_layout(cfg, max(n1))
@@ -450,6 +566,9 @@ class KittyLayer(CacheLayerMixin):
         w = valid.to(device=query.device, dtype=torch.float32)[:, None, None, :, None]  # (B, 1, 1, T, 1)
         q = query.float().view(B, H, Hq // H, T, D)  # (B, Hkv, group, T, D)
         stat = q.abs() if self.cfg.channel_selection == "query" else q.square()
+        if self._undo is not None:
+            old_sum, old_count = self.q_stat_sum.clone(), self.q_count.clone()
+            self._on_undo(lambda: (self.q_stat_sum.copy_(old_sum), self.q_count.copy_(old_count)))
         self.q_stat_sum += (stat * w).sum((2, 3))
         self.q_count += (w.sum((1, 2, 3, 4)) * (Hq // H))[:, None, None]
 
@@ -468,9 +587,9 @@ class KittyLayer(CacheLayerMixin):
         pool.write(ids, fields)
         self._point(table, dest, ids)
 
-    @staticmethod
-    def _point(table: torch.Tensor, dest: list[tuple[int, int, int]], ids: torch.Tensor) -> None:
+    def _point(self, table: torch.Tensor, dest: list[tuple[int, int, int]], ids: torch.Tensor) -> None:
         """Page-table entries ``table[b, first : first + n]`` = the next ``n`` of ``ids``, for each ``dest``."""
+        self._on_undo(lambda: [table[b, first : first + n].fill_(-1) for b, first, n in dest])
         i = 0
         for b, first, n in dest:
             table[b, first : first + n] = ids[i : i + n]
@@ -578,27 +697,30 @@ class KittyCache(Cache):
     """A transformers ``Cache`` holding every layer's keys and values in Kitty's paged 2-bit format.
 
     Args:
-        config: the model's config (``model.config``). Its ``_attn_implementation`` is set to ``"kitty"`` so that
-            the model calls ``kitty.attention``; that function falls back to SDPA for any other cache.
+        config: the model's config (``model.config``). From this cache's ``update``/``get_mask_sizes`` until the
+            layer's attention returns, the config's ``_attn_implementation`` reads ``"kitty"`` (on that thread), so
+            the model picks ``kitty.attention`` and its mask; at any other time it reads what the user set (eager,
+            sdpa, ...), which other caches run.
         cfg: a :class:`KVQuantConfig` or a preset name from ``kitty.PRESETS`` (e.g. ``"kitty"``, ``"fp16"``).
-        backend: ``"auto"`` (Triton on CUDA tensors, else torch), ``"torch"`` or ``"triton"``; the environment
-            variable ``KITTY_BACKEND`` overrides it.
+        backend: ``"auto"`` (Triton on CUDA tensors, else torch), ``"torch"`` or ``"triton"``; ``None`` (default):
+            the environment variable ``KITTY_BACKEND``, else ``"auto"``. ``"triton"`` is refused here, with a
+            message, where it cannot run (no kernels, no GPU, a config the kernel does not handle).
         max_pages: most pages each layer's key pool (and, separately, value pool) may hold, summed over rows;
             ``None`` grows on demand. Running out raises ``RuntimeError`` and leaves the cache unchanged.
 
     Use as ``model.generate(**inputs, cache=cache)`` (or ``past_key_values=cache``); call :meth:`reset` before
     reusing it for a new prompt. Batches may be left-padded: padding is never stored. Greedy decoding and sampling
-    work; beam search raises ``NotImplementedError``.
+    work; beam search raises ``NotImplementedError``. A step that raises inside the cache or its attention (bad
+    input, a full pool, a failing kernel in any layer) leaves every layer as it was before that forward pass.
     """
 
-    def __init__(self, config, cfg: KVQuantConfig | str = "kitty", backend: str = "auto", max_pages: int | None = None):
+    def __init__(self, config, cfg: KVQuantConfig | str = "kitty", backend: str | None = None, max_pages: int | None = None):
         if isinstance(cfg, str):
             cfg = get_preset(cfg)
         if not isinstance(cfg, KVQuantConfig):
             raise ValueError(f"cfg must be a KVQuantConfig or a preset name, got {type(cfg).__name__}")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if max_pages is not None and (not isinstance(max_pages, int) or max_pages < 1):
+        backend = kattention.requested_backend(backend)
+        if max_pages is not None and (not is_int(max_pages) or max_pages < 1):
             raise ValueError(f"max_pages must be a positive integer or None, got {max_pages!r}")
         text = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text)  # inferred as DynamicCache does
@@ -613,6 +735,8 @@ class KittyCache(Cache):
         num_layers, num_kv_heads, head_dim = kv_dims(text)
         cfg.check_head_dim(head_dim)
         tp_size = self._tp_size(config, text, num_kv_heads)
+        if backend == "triton":
+            check_triton_backend(cfg, head_dim)
         self.cfg, self.backend, self.max_pages = cfg, backend, max_pages
         self.head_dim, self.num_layers, self.tp_size = head_dim, num_layers, tp_size
         self.num_kv_heads = num_kv_heads // tp_size  # this rank's KV heads (each layer re-sizes from its tensors)
@@ -626,7 +750,50 @@ class KittyCache(Cache):
             warnings.warn("every layer of this model is a sliding-window layer: KittyCache quantizes nothing here "
                           "(each window is held in full precision, as DynamicCache holds it)", stacklevel=2)
         super().__init__(layers=layers)
-        config._attn_implementation = kattention.ATTN_NAME
+        owner = weakref.ref(self)
+        for layer in layers:
+            layer._owner = owner
+        self._forward, self._last_layer = 0, num_layers  # forward passes seen, and the last layer updated
+        kattention.use_kitty_attention(config)
+        if text is not config:
+            kattention.use_kitty_attention(text)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Layer ``layer_idx``'s pending keys/values (see :meth:`KittyLayer.update`); a bad input here also rolls
+        back the layers this forward pass already changed."""
+        if layer_idx <= self._last_layer:  # layers run in order: back at (or before) the start is a new pass
+            self._forward += 1
+        self._last_layer = layer_idx
+        kattention.kitty_forward(True)
+        try:
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        except BaseException:
+            self.rollback_forward()
+            raise
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        sizes = super().get_mask_sizes(query_length, layer_idx)
+        kattention.kitty_forward(True)  # transformers picks the mask function right after: the "kitty" one
+        return sizes
+
+    def begin_step(self, layer: KittyLayer) -> None:
+        """Open ``layer``'s step within the current forward pass (called by the attention function)."""
+        layer.begin_step(self._forward)
+
+    def end_step(self, layer: KittyLayer) -> None:
+        """``layer``'s step succeeded: Kitty attention is switched off until the next layer's :meth:`update`, and
+        after the last layer the whole pass is kept (the undo records of every layer are dropped)."""
+        kattention.kitty_forward(False)
+        if layer.layer_idx == self.num_layers - 1:
+            for other in self.layers:
+                other.end_step()
+
+    def rollback_forward(self) -> None:
+        """Put every layer the current forward pass changed back as it was before the pass."""
+        for layer in self.layers:
+            if layer._undo is not None and layer._undo.forward == self._forward:
+                layer.rollback_step()
+        kattention.kitty_forward(False)
 
     @staticmethod
     def _tp_size(config, text, num_kv_heads: int) -> int:
@@ -647,6 +814,8 @@ class KittyCache(Cache):
     def reset(self) -> None:
         """Drop every cached token (page pools keep their storage); the cache can take a new batch."""
         super().reset()
+        self._last_layer = self.num_layers
+        kattention.kitty_forward(False)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError(_BEAM_MESSAGE)

@@ -10,6 +10,19 @@ VALID_BITS = (2, 4, 16)  # 16 = kept in full precision (no quantization)
 CHANNEL_SELECTIONS = ("magnitude", "random", "range", "query", "oracle")
 RANGE_FITS = ("minmax", "fit")  # how a quantization group's [lo, hi] is chosen: min-max, or a clipping search
 MAX_HEAD_DIM = 256  # boost_idx is uint8: one slot per channel
+# sink, qbuffers and local window are allocated per row and layer up front: sizes beyond this are typing mistakes
+# (the paper uses S = 32, G = R = 128), refused before they allocate gigabytes
+MAX_BUFFER_TOKENS = 4096
+
+
+def is_int(x: object) -> bool:
+    """An ``int`` that is not a ``bool`` (``True`` is an ``int`` in Python, never a size or a bit width here)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_number(x: object) -> bool:
+    """An ``int`` or ``float`` that is not a ``bool``."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -39,30 +52,31 @@ class KVQuantConfig:
 
     def __post_init__(self) -> None:
         for f in ("key_bits", "value_bits"):
-            if getattr(self, f) not in VALID_BITS:
-                raise ValueError(f"{f} must be one of {VALID_BITS}, got {getattr(self, f)!r}")
-        if self.boost_bits != 4:
+            if not is_int(getattr(self, f)) or getattr(self, f) not in VALID_BITS:
+                raise ValueError(f"{f} must be one of the integers {VALID_BITS}, got {getattr(self, f)!r}")
+        if not is_int(self.boost_bits) or self.boost_bits != 4:
             raise ValueError(f"boost_bits must be 4 (a 2-bit low plane + a 2-bit high plane), got {self.boost_bits!r}")
-        if not isinstance(self.boost_fraction, (int, float)) or not 0.0 <= self.boost_fraction <= 1.0:
-            raise ValueError(f"boost_fraction must be in [0, 1], got {self.boost_fraction!r}")
+        if not is_number(self.boost_fraction) or not 0.0 <= self.boost_fraction <= 1.0:
+            raise ValueError(f"boost_fraction must be a number in [0, 1], got {self.boost_fraction!r}")
         if self.boost_fraction > 0 and self.key_bits != 2:
             raise ValueError(f"boost_fraction > 0 needs key_bits=2 (boosting 2-bit channels to 4), got key_bits={self.key_bits}")
-        if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
-            raise ValueError(f"sink_tokens must be an integer >= 0, got {self.sink_tokens!r}")
-        if not isinstance(self.group_size, int) or self.group_size <= 0 or self.group_size % 4:
+        for f, low in (("sink_tokens", 0), ("group_size", 4), ("local_window", 0)):
+            n = getattr(self, f)
+            if not is_int(n) or not low <= n <= MAX_BUFFER_TOKENS:
+                raise ValueError(f"{f} must be an integer in [{low}, {MAX_BUFFER_TOKENS}] (buffers of this many tokens "
+                                 f"are allocated per row and layer), got {n!r}")
+        if self.group_size % 4:
             raise ValueError(f"group_size must be a positive multiple of 4, got {self.group_size!r}")
-        if not isinstance(self.local_window, int) or self.local_window < 0:
-            raise ValueError(f"local_window must be an integer >= 0, got {self.local_window!r}")
         if self.channel_selection not in CHANNEL_SELECTIONS:
             raise ValueError(f"channel_selection must be one of {CHANNEL_SELECTIONS}, got {self.channel_selection!r}")
-        if not isinstance(self.seed, int):
+        if not is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         for f in ("key_range", "value_range"):
             if getattr(self, f) not in RANGE_FITS:
                 raise ValueError(f"{f} must be one of {RANGE_FITS}, got {getattr(self, f)!r}")
         if self.boost_profile is not None:
             prof = self.boost_profile
-            if not isinstance(prof, tuple) or not prof or not all(isinstance(f, (int, float)) and 0.0 <= f <= 1.0 for f in prof):
+            if not isinstance(prof, tuple) or not prof or not all(is_number(f) and 0.0 <= f <= 1.0 for f in prof):
                 raise ValueError(f"boost_profile must be a non-empty tuple of fractions in [0, 1] (one per layer), got {prof!r}")
             if self.key_bits != 2:
                 raise ValueError(f"boost_profile needs key_bits=2, got key_bits={self.key_bits}")

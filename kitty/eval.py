@@ -1,7 +1,7 @@
 """Evaluation harness: decode perplexity, greedy agreement with fp16 and passkey retrieval per preset.
 
 ``python -m kitty.eval [--model NAME] [--methods a,b,...] [--quick]`` writes a markdown table, a CSV and plots
-into ``assets/`` (or ``--out``). Every number is measured through :class:`kitty.KittyCache` exactly as generation
+into ``./kitty-eval/`` under the working folder (or ``--out``; ``--out assets`` refreshes the files the README cites). Every number is measured through :class:`kitty.KittyCache` exactly as generation
 uses it: the prompt (prefill) is attended in full precision, every later token reads the quantized cache.
 """
 
@@ -23,6 +23,7 @@ from .config import PRESETS, KVQuantConfig, get_preset
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 TEXTS = ("essay.txt", "python_reference.txt")
+DEFAULT_OUT = "kitty-eval"  # relative to the working folder: a run never overwrites the shipped assets/ unless asked
 
 
 def _cache(model, cfg: KVQuantConfig):
@@ -384,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m kitty.eval", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="hub id or local path (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--methods", default=None, help="comma-separated presets, each optionally +field=value... (default: all presets that fit the model)")
-    p.add_argument("--out", default=str(ASSETS), help="folder for results (markdown, CSV, plots)")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"folder for results (markdown, CSV, plots; default ./{DEFAULT_OUT})")
     p.add_argument("--prefill", type=int, default=1024)
     p.add_argument("--scored", type=int, default=256)
     p.add_argument("--windows-per-text", type=int, default=2)

@@ -75,8 +75,15 @@ def unpack_2bit(packed: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def _check_input(x: torch.Tensor, name: str) -> None:
+    """``ValueError`` naming ``name`` unless ``x`` is a finite float tensor ``[..., G, D]`` with no empty dim."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor [..., G, D], got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{name} must be one of {FLOAT_DTYPES}, got {x.dtype}")
+    if x.dim() < 2:
+        raise ValueError(f"{name} must be [..., G tokens, D channels] (at least 2-D), got shape {tuple(x.shape)}")
+    if 0 in x.shape:
+        raise ValueError(f"{name} must have at least one token, one channel and one row, got shape {tuple(x.shape)}")
     if not torch.isfinite(x).all():
         raise ValueError(f"{name} holds NaN or Inf; Kitty quantizes only finite keys and values")
 
@@ -86,11 +93,19 @@ def minmax_params(x: torch.Tensor, levels: torch.Tensor | int, dim: int, dtype: 
 
     ``zero`` is the minimum (exact in the input dtype). ``scale = (max - min) / levels`` is rounded *up* to the
     next representable value of ``dtype`` so that every code fits in ``[0, levels]`` and the reconstruction error
-    stays within half a step. A zero range gives ``scale = 0`` and reconstructs exactly.
+    stays within half a step. A zero range gives ``scale = 0`` and reconstructs exactly. A range wider than fp32
+    can hold (``max - min > 3.4e38``, finite inputs near the fp32/bf16 limits) takes ``max / levels - min /
+    levels`` instead, rounded up by two fp32 ulps: finite, and still covering the range.
     """
     xf = x.float()
     zero = xf.amin(dim)
-    scale = (xf.amax(dim) - zero) / levels
+    hi = xf.amax(dim)
+    scale = (hi - zero) / levels
+    wide = torch.isinf(scale)  # the fp32 range overflowed; every other group keeps the formula above bit for bit
+    if wide.any():
+        split = hi / levels - zero / levels  # each term <= 3.4e38 / levels: no overflow
+        up = torch.full_like(split, float("inf"))
+        scale = torch.where(wide, torch.nextafter(torch.nextafter(split, up), up), scale)
     scale_q = scale.to(dtype)
     if dtype != torch.float32:  # bump to the next 16-bit value where rounding went down
         bump = (scale_q.float() < scale).to(torch.int16)
@@ -171,8 +186,21 @@ def quantize_codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, lev
 
 
 def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``codes * scale + zero`` in fp32, cast to ``dtype``."""
-    return (codes.float() * scale.float() + zero.float()).to(dtype)
+    """``codes * scale + zero`` in fp32, cast to ``dtype``.
+
+    Groups whose reconstruction could leave the range of fp32 or of ``dtype`` (a range near the dtype's limits,
+    see :func:`minmax_params`) are computed as ``2 * (codes * scale/2 + zero/2)`` and clamped to ``dtype``'s
+    finite range, so finite input never comes back Inf or NaN; every other group is ``codes * scale + zero``
+    exactly as written.
+    """
+    s, z = scale.float(), zero.float()
+    top = float(torch.finfo(dtype).max)
+    risky = s.abs() * 15 + z.abs() > top / 2  # per group (15 = the most levels a code has): no product can overflow
+    if not risky.any():
+        return (codes.float() * s + z).to(dtype)
+    c = codes.float()
+    x = torch.where(risky, (c * (s * 0.5) + z * 0.5).clamp(-top / 2, top / 2) * 2, c * s + z)
+    return x.clamp(-top, top).to(dtype)
 
 
 # ------------------------------------------------------------------------------------------------ key pages

@@ -50,7 +50,7 @@ def test_registered_under_kitty():
     assert ATTN_NAME in ALL_MASK_ATTENTION_FUNCTIONS
     model = LlamaForCausalLM(config())
     KittyCache(model.config, "kitty")
-    assert model.config._attn_implementation == ATTN_NAME
+    assert model.config._attn_implementation == "sdpa"  # the user's choice: "kitty" only during a KittyCache pass
 
 
 def test_plain_tensors_fall_back_to_sdpa_exactly():
@@ -153,24 +153,26 @@ def test_page_filling_step_attends_that_page_in_full_precision():
 
 
 def test_backend_dispatch(monkeypatch):
+    """``KITTY_BACKEND`` is only the default: an explicit backend wins over it."""
     monkeypatch.delenv("KITTY_BACKEND", raising=False)
     assert resolve_backend("auto", torch.device("cpu")) == "torch"
     assert resolve_backend("triton", torch.device("cpu")) == "triton"
-    monkeypatch.setenv("KITTY_BACKEND", "torch")
-    assert resolve_backend("triton", torch.device("cpu")) == "torch"
+    assert resolve_backend(None, torch.device("cpu")) == "torch"
+    monkeypatch.setenv("KITTY_BACKEND", "triton")
+    assert resolve_backend("torch", torch.device("cpu")) == "torch"
+    assert resolve_backend(None, torch.device("cpu")) == "triton"
+    assert KittyCache(config(), CFG["kitty"], backend="torch").layers[0].backend == "torch"
     monkeypatch.setenv("KITTY_BACKEND", "fast")
     with pytest.raises(ValueError, match="KITTY_BACKEND"):
-        resolve_backend("auto", torch.device("cpu"))
+        resolve_backend(None, torch.device("cpu"))
+    assert resolve_backend("auto", torch.device("cpu")) == "torch"
 
 
 def test_triton_backend_without_kernels_raises_not_implemented(monkeypatch):
     monkeypatch.delenv("KITTY_BACKEND", raising=False)
     monkeypatch.setitem(sys.modules, "kernels", types.ModuleType("kernels"))  # a kernels package without the kernel
-    cache = KittyCache(config(), CFG["kitty"], backend="triton")
-    feed(cache, torch.randn(1, HKV, 3, D), torch.randn(1, HKV, 3, D))  # prefill: torch path by design
-    with pytest.raises(NotImplementedError, match="decode_attention"):
-        feed(cache, torch.randn(1, HKV, 1, D), torch.randn(1, HKV, 1, D))
-    assert cache.lengths == [3]  # nothing inserted
+    with pytest.raises(NotImplementedError, match="decode_attention"):  # refused before any token is stored
+        KittyCache(config(), CFG["kitty"], backend="triton")
 
 
 def test_first_prefill_is_exactly_causal_sdpa():
