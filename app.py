@@ -147,6 +147,13 @@ def bits_table(engine: Engine, prompt_tokens: int, new_tokens: int) -> pd.DataFr
     return pd.DataFrame(rows).round(3)
 
 
+def memory_plot(snap: kd.Snapshot) -> pd.DataFrame:
+    """The memory plot's rows: one line per column, named by the column's label and method ("1 · kitty")."""
+    rows = snap.plot_rows()  # series "column 1", "column 2", ... in column order
+    names = {f"column {i + 1}": c.label for i, c in enumerate(snap.columns)}
+    return pd.DataFrame(rows).replace({"column": names})
+
+
 def heatmap_figure(ins: kd.KeyInspection):
     """|K| as channels x tokens, sink and page boundaries as lines, each page's boosted channels marked."""
     T, D = ins.abs_keys.shape
@@ -214,7 +221,7 @@ def make_generate(engine: Engine, max_prompt_tokens: int, schedule: str = SCHEDU
                 now = time.perf_counter()
                 # Gradio fixes the plot's colors at its first value: send one only when all 3 lines have a point
                 if (final or now - last_plot >= PLOT_EVERY_S) and all(c.history for c in snap.columns):
-                    plot = pd.DataFrame(snap.plot_rows())
+                    plot = memory_plot(snap)
                     last_plot = now
                 else:
                     plot = gr.skip()
