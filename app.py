@@ -34,8 +34,9 @@ from kitty import PRESETS  # noqa: E402
 from kitty import demo as kd  # noqa: E402
 from kitty.memory import analytic_report, asymptotic_bits  # noqa: E402
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 7860
+# A Hugging Face Space sets these two (0.0.0.0, 7860); an explicit server_name would override Gradio's own reading
+DEFAULT_HOST = os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1")
+DEFAULT_PORT = int(os.environ.get("GRADIO_SERVER_PORT", "7860"))
 CONCURRENCY_LIMIT = 2  # generations running at once; more queue up (2 CPU cores: each would only get slower)
 QUEUE_MAX_SIZE = 16
 TORCH_THREADS = 1  # torch intra-op threads: the columns already run in parallel threads (README: measured)
