@@ -100,6 +100,7 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the converted model is an ordinary cache folder
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
@@ -146,7 +147,9 @@ def resolve_default_model() -> str | Path:
         return default_model_path()
     except MissingModelPackage as e:
         source = hub_fallback_id()
-        warnings.warn(f"{e}. Loading {source!r} from the Hugging Face hub instead (the original bf16 weights).")
+        where = "local folder" if Path(source).is_dir() else "Hugging Face hub id"
+        warnings.warn(f"{e}. Loading the default model from the {where} {source!r} instead "
+                      "(its original bf16 weights).")
         return source
 
 

