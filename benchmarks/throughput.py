@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -129,7 +130,7 @@ def decode_rate(model, cache, batch: int, context: int, steps: int, warmup: int,
         kw = {"cache_position": torch.tensor([pos], device=DEVICE)} if static else {}
         sync()
         t = time.perf_counter()
-        logits = model(ids, past_key_values=cache, use_cache=True, **kw).logits
+        logits = model(ids, cache=cache, use_cache=True, **kw).logits
         ids = logits[:, -1:].argmax(-1)
         sync()
         if i >= warmup:
@@ -176,7 +177,7 @@ def main() -> None:
             notes.append(f"{method}: one sequence ({per_seq / 2**30:.2f} GiB) exceeds the budget")
             continue
         batches = sorted({b for b in (1, 4, 16, 32, 64, 128, 256) if b < max_batch} | {max_batch})
-        for b in batches:
+        for b in tqdm(batches, desc=method, unit="batch"):
             gc.collect()
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()

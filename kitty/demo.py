@@ -567,7 +567,7 @@ def prompt_query_scale(model, ids: torch.Tensor, cfg: KVQuantConfig, layer: int,
     if cfg.channel_selection not in QUERY_SELECTIONS:
         return None
     cache = KittyCache(model.config, cfg)
-    model(ids.to(model.device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(ids.to(model.device), cache=cache, use_cache=True, logits_to_keep=1)
     return cache.layers[layer].query_scale()[0, head].cpu()
 
 
@@ -620,13 +620,17 @@ def benchmark(model, tokenizer, prompt: str, new_tokens: int = 32, repeats: int 
 
     Each row: schedule, torch threads, repeat, the slowest and mean column tokens/s and the prefill seconds.
     """
+    from tqdm.auto import tqdm
+
     p = prepare_prompt(tokenizer, prompt, True)
     rows = []
     saved = torch.get_num_threads()
+    runs = tqdm(total=repeats * len(SCHEDULES) * len(threads), desc="demo benchmark", unit="run")
     try:
         for rep in range(repeats):
             for schedule in SCHEDULES:
                 for n in threads:
+                    runs.set_postfix_str(f"{schedule}, {n} torch threads")
                     torch.set_num_threads(n)
                     t0 = time.perf_counter()
                     for snap in stream_side_by_side(model, tokenizer, p, methods, new_tokens, Sampling(), schedule=schedule):
@@ -636,7 +640,9 @@ def benchmark(model, tokenizer, prompt: str, new_tokens: int = 32, repeats: int 
                                  "min_tok_s": min(rates), "mean_tok_s": sum(rates) / len(rates),
                                  "prefill_s": max(c.prefill_s for c in snap.columns),
                                  "wall_s": time.perf_counter() - t0, "new_tokens": min(len(c.ids) for c in snap.columns)})
+                    runs.update()
     finally:
+        runs.close()
         torch.set_num_threads(saved)
     return rows
 

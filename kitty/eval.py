@@ -46,12 +46,12 @@ def decode_nll(model, ids: torch.Tensor, cfg: KVQuantConfig, prefill: int) -> to
         raise ValueError(f"prefill must be in (0, {ids.numel()}), got {prefill}")
     ids = ids.to(model.device)
     cache = _cache(model, cfg)
-    logits = model(ids[None, :prefill], past_key_values=cache, use_cache=True).logits[0, -1]
+    logits = model(ids[None, :prefill], cache=cache, use_cache=True).logits[0, -1]
     nll = []
     for t in range(prefill, ids.numel()):
         nll.append(F.cross_entropy(logits.float()[None], ids[t : t + 1]))
         if t + 1 < ids.numel():
-            logits = model(ids[None, t : t + 1], past_key_values=cache, use_cache=True).logits[0, -1]
+            logits = model(ids[None, t : t + 1], cache=cache, use_cache=True).logits[0, -1]
     return torch.stack(nll)
 
 
@@ -113,7 +113,14 @@ def perplexity_table(
     cfgs = [get_preset(m) if isinstance(m, str) else m for m in methods]
     cfgs = [get_preset("fp16")] + [c for c in cfgs if c.name != "fp16"]
     if jobs == 1:
-        nlls = [[decode_nll(model, w, c, prefill) for w in windows] for c in tqdm(cfgs, desc="perplexity")]
+        with tqdm(total=len(cfgs) * len(windows), desc="perplexity", unit="window") as bar:
+            nlls = []
+            for c in cfgs:
+                nlls.append([])
+                for w in windows:
+                    bar.set_postfix_str(c.name)
+                    nlls[-1].append(decode_nll(model, w, c, prefill))
+                    bar.update()
     else:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
@@ -224,7 +231,7 @@ def greedy(model, tokenizer, prompt: str, cfg: KVQuantConfig, max_new_tokens: in
     """Greedy continuation of ``prompt`` (plain text, or wrapped in the chat template) through a Kitty cache."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True) if chat else prompt
     enc = tokenizer(text, return_tensors="pt").to(model.device)
-    out = model.generate(**enc, past_key_values=_cache(model, cfg), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
+    out = model.generate(**enc, cache=_cache(model, cfg), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
     return out[0, enc.input_ids.shape[1] :].tolist()
 
 
@@ -239,15 +246,19 @@ def agreement_table(model, tokenizer, methods, prompts: list[str], max_new_token
     """Greedy agreement of each preset with ``fp16`` over a prompt set (see :func:`agreement_prompts`)."""
     ref = [greedy(model, tokenizer, p, PRESETS["fp16"], max_new_tokens) for p in tqdm(prompts, desc="agreement fp16")]
     results = []
-    for m in tqdm(methods, desc="agreement"):
+    bar = tqdm(total=len(methods) * len(prompts), desc="agreement", unit="prompt")
+    for m in methods:
         cfg = get_preset(m)
+        bar.set_postfix_str(cfg.name)
         prefixes, matches = [], []
         for p, r in zip(prompts, ref):
             out = greedy(model, tokenizer, p, cfg, max_new_tokens)
+            bar.update()
             same = [a == b for a, b in zip(out, r)]
             prefixes.append(same.index(False) if False in same else len(same))
             matches.append(sum(same) / len(same))
         results.append(AgreementResult(cfg.name, sum(prefixes) / len(prefixes), sum(matches) / len(matches)))
+    bar.close()
     return results
 
 
@@ -274,7 +285,7 @@ def passkey_prompt(tokenizer, n_tokens: int, depth: float, key: int) -> str:
 @torch.no_grad()
 def passkey_answer(model, tokenizer, prompt: str, cfg: KVQuantConfig, max_new_tokens: int = 8) -> str:
     enc = tokenizer(prompt, return_tensors="pt").to(model.device)
-    out = model.generate(**enc, past_key_values=_cache(model, cfg), max_new_tokens=max_new_tokens, do_sample=False)
+    out = model.generate(**enc, cache=_cache(model, cfg), max_new_tokens=max_new_tokens, do_sample=False)
     return tokenizer.decode(out[0, enc.input_ids.shape[1] :], skip_special_tokens=True)
 
 
@@ -294,13 +305,19 @@ def passkey_table(model, tokenizer, methods, lengths=(1024, 2048, 4096), depths=
     prompts = {c: passkey_prompt(tokenizer, c[0], c[1], c[2]) for c in cases}
     fp16_ok = [c for c in tqdm(cases, desc="passkey fp16") if str(c[2]) in passkey_answer(model, tokenizer, prompts[c], PRESETS["fp16"])]
     results = []
-    for m in tqdm(methods, desc="passkey"):
+    bar = tqdm(total=len(methods) * len(fp16_ok), desc="passkey", unit="prompt")
+    for m in methods:
         cfg = get_preset(m)
-        ok = {c: str(c[2]) in passkey_answer(model, tokenizer, prompts[c], cfg) for c in fp16_ok}
+        bar.set_postfix_str(cfg.name)
+        ok = {}
+        for c in fp16_ok:
+            ok[c] = str(c[2]) in passkey_answer(model, tokenizer, prompts[c], cfg)
+            bar.update()
         for n in lengths:
             for d in depths:
                 cs = [c for c in fp16_ok if c[0] == n and c[1] == d]
                 results.append(PasskeyResult(cfg.name, n, d, sum(ok[c] for c in cs), len(cs)))
+    bar.close()
     return results
 
 

