@@ -35,6 +35,7 @@ import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
@@ -674,6 +675,23 @@ class SlidingWindowLayer(DynamicSlidingWindowLayer):
     def __init__(self, sliding_window: int, model_kv_heads: int, ranks: int = 1, **kwargs):
         super().__init__(sliding_window=sliding_window, **kwargs)
         self.model_kv_heads, self.ranks = model_kv_heads, ranks  # ranks: expected until the first tensors arrive
+        self._undo: SimpleNamespace | None = None  # the open step, if any (see begin_step)
+
+    def begin_step(self, forward: int = 0) -> None:
+        """Record the window before an update (``update`` replaces its tensors, never writes them in place), so
+        that a failure later in the same forward pass can put it back (:meth:`KittyCache.rollback_forward`)."""
+        self._undo = SimpleNamespace(forward=forward, state=(self.is_initialized, self.keys, self.values,
+                                                             self.cumulative_length))
+
+    def end_step(self) -> None:
+        """Keep what the open step did (frees its record)."""
+        self._undo = None
+
+    def rollback_step(self) -> None:
+        """Put the window back as it was at :meth:`begin_step` (nothing happens if no step is open)."""
+        u, self._undo = self._undo, None
+        if u is not None:
+            self.is_initialized, self.keys, self.values, self.cumulative_length = u.state
 
     def memory_report(self) -> MemoryReport:
         """Bytes of the window's keys and values (padding columns included, as transformers holds them)."""
@@ -766,6 +784,8 @@ class KittyCache(Cache):
         self._last_layer = layer_idx
         kattention.kitty_forward(True)
         try:
+            if isinstance(self.layers[layer_idx], SlidingWindowLayer):  # its attention is the user's: open it here
+                self.layers[layer_idx].begin_step(self._forward)
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         except BaseException:
             self.rollback_forward()
