@@ -38,7 +38,7 @@ from kitty.config import PRESETS  # noqa: E402
 from kitty.memory import page_bytes, token_layout  # noqa: E402
 from kitty.quant import dequantize_key_page, dequantize_value_page, quantize_key_page, quantize_value_page  # noqa: E402
 
-from kernels import (  # noqa: E402
+from kitty.kernels import (  # noqa: E402
     KittyLayerState,
     decode_attention_ref,
     decode_attention_triton,
@@ -47,8 +47,8 @@ from kernels import (  # noqa: E402
     dequantize_value_page_triton,
     pack_pages,
 )
-from kernels.decode_attention import default_num_splits  # noqa: E402
-from kernels.testing import make_state, planted_kv  # noqa: E402
+from kitty.kernels.decode_attention import default_num_splits  # noqa: E402
+from kitty.kernels.testing import make_state, planted_kv  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 SHAPES = [(8, 32768), (64, 8192), (1, 4096), (1, 32768), (16, 8192), (256, 8192)]  # target shapes first

@@ -38,7 +38,7 @@ from . import attention as kattention
 from .config import KVQuantConfig, get_preset
 from .memory import MemoryReport, token_layout
 from .models import kv_dims
-from .quant import KeyPage, ValuePage, quantize_key_page, quantize_value_page
+from .quant import KeyPage, ValuePage, query_scale_from, query_statistic, quantize_key_page, quantize_value_page
 from .storage import PendingKV, key_page_from_storage, page_fields, pool_fields, value_page_from_storage
 
 BACKENDS = ("auto", "torch", "triton")
@@ -398,7 +398,7 @@ class KittyLayer(CacheLayerMixin):
             self._pack(self.value_pool, self.v_page_table, dest, value_rows, keys=False)
 
     def _triton_pack(self, keys: bool) -> bool:
-        """Whether full qbuffers of this side are packed by ``kernels.pack_pages`` (CUDA, and a config it packs
+        """Whether full qbuffers of this side are packed by ``kitty.kernels.pack_pages`` (CUDA, and a config it packs
         bit-identically to ``kitty.quant``: 2/4 bits, min-max ranges, magnitude or random channel selection)."""
         cfg = self.cfg
         if self.device.type != "cuda" or (cfg.key_bits if keys else cfg.value_bits) == 16:
@@ -407,17 +407,15 @@ class KittyLayer(CacheLayerMixin):
             return False
         if keys and cfg.channel_selection in QUERY_SELECTIONS:
             return False
-        try:
-            from kernels import HAS_TRITON
-        except ImportError:
-            return False
+        from .kernels import HAS_TRITON
+
         return HAS_TRITON
 
     def _pack(self, pool: PagePool, table: torch.Tensor, dest: list[tuple[int, int, int]], rows: list[int], keys: bool) -> None:
         """Quantize the full qbuffers of ``rows`` into fresh pages of ``pool`` and point ``table`` at them."""
         idx = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
         if self._triton_pack(keys):
-            from kernels import pack_pages
+            from .kernels import pack_pages
 
             ids = pool.allocate(len(rows))
             qbuf = self.k_qbuf if keys else self.v_qbuf
@@ -439,8 +437,7 @@ class KittyLayer(CacheLayerMixin):
         B, Hq, T, D = query.shape
         H = self.num_kv_heads
         w = valid.to(device=query.device, dtype=torch.float32)[:, None, None, :, None]  # (B, 1, 1, T, 1)
-        q = query.float().view(B, H, Hq // H, T, D)  # (B, Hkv, group, T, D)
-        stat = q.abs() if self.cfg.channel_selection == "query" else q.square()
+        stat = query_statistic(query.reshape(B, H, Hq // H, T, D), self.cfg.channel_selection)  # (B, Hkv, group, T, D)
         self.q_stat_sum += (stat * w).sum((2, 3))
         self.q_count += (w.sum((1, 2, 3, 4)) * (Hq // H))[:, None, None]
 
@@ -450,8 +447,7 @@ class KittyLayer(CacheLayerMixin):
         sel = self.cfg.channel_selection
         if sel not in QUERY_SELECTIONS:
             return None
-        mean = self.q_stat_sum / self.q_count.clamp_min(1)
-        scale = mean if sel == "query" else mean.sqrt()
+        scale = query_scale_from(self.q_stat_sum / self.q_count.clamp_min(1), sel)
         return scale if rows is None else scale[rows]
 
     def _store(self, pool: PagePool, table: torch.Tensor, dest: list[tuple[int, int, int]], fields: dict[str, torch.Tensor]) -> None:

@@ -12,7 +12,8 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from kitty import PRESETS, KittyCache, analytic_report, token_layout
-from kitty.attention import KittyMask, dequantize_cache, kitty_attention_forward
+from kitty.attention import KittyMask, kitty_attention_forward
+from kitty.kernels import dequantize_cache
 from kitty.quant import dequantize_key_page, dequantize_value_page, quantize_key_page, quantize_value_page
 
 S, G, R = 4, 8, 8  # tiny sink / page / local window: boundaries at 4, 12, 20
