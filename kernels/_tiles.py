@@ -211,3 +211,13 @@ def fp_values(vq_ptr, vl_ptr, rel, m, mv, d, G: tl.constexpr, D: tl.constexpr, R
         in_l = (rel >= mv) & (rel < m)
         v += tl.load(vl_ptr + (rel % R)[:, None] * D + d[None, :], mask=in_l[:, None], other=0.0)
     return v
+
+
+@triton.jit
+def program_row(len_ptr, Hkv, S: tl.constexpr):
+    """Program ids -> ``(pid_bh, split, row b, KV head h, b as int64, the row's length n, tokens past the sink m)``
+    for a decode program over (row, KV head) x split."""
+    pid_bh = tl.program_id(0)
+    b = pid_bh // Hkv
+    n = tl.load(len_ptr + b)
+    return pid_bh, tl.program_id(1), b, pid_bh % Hkv, b.to(tl.int64), n, tl.maximum(n - S, 0)

@@ -61,7 +61,16 @@ import triton.language as tl
 
 from kitty.config import KVQuantConfig
 
-from ._tiles import INTERPRET, INTERPRETING, TLTYPE, cast_to, check_power_of_two, fp_values, is_power_of_two
+from ._tiles import (
+    INTERPRET,
+    INTERPRETING,
+    TLTYPE,
+    cast_to,
+    check_power_of_two,
+    fp_values,
+    is_power_of_two,
+    program_row,
+)
 from .reference import KittyLayerState, check_state, decode_attention_ref  # noqa: F401 (re-exported)
 
 __all__ = ["KittyLayerState", "decode_attention", "decode_attention_ref", "decode_attention_triton", "triton_supports"]
@@ -322,13 +331,7 @@ def _decode_split_kernel(
     VPER: tl.constexpr = 8 // VBITS
     DB: tl.constexpr = D // VPER
     # ---- program id -> (row, KV head, split); the split's run of page slots
-    pid_bh = tl.program_id(0)
-    split = tl.program_id(1)
-    b = pid_bh // Hkv
-    h = pid_bh % Hkv
-    b64 = b.to(tl.int64)
-    n = tl.load(len_ptr + b)
-    m = tl.maximum(n - S, 0)
+    pid_bh, split, b, h, b64, n, m = program_row(len_ptr, Hkv, S)
     mv = tl.maximum(m - R, 0)
     if FULL_QBUF:  # mid-step: a qbuffer the new token filled is not packed yet (qbuffers hold 1..G tokens)
         kp = tl.maximum(tl.cdiv(m, G) - 1, 0)

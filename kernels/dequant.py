@@ -58,6 +58,16 @@ def _dequant_value_kernel(
     tl.store(out_ptr + pid * (G * D) + t[:, None] * D + d[None, :], v)
 
 
+def _checked_output(page: KeyPage | ValuePage, lead: list[int], per: int, G: int, D: int) -> torch.Tensor:
+    """Check ``scale``/``zero`` ``[*lead, per]``, the dtype and the power-of-two sizes; allocate ``[*lead, G, D]``."""
+    if tuple(page.scale.shape) != (*lead, per) or tuple(page.zero.shape) != (*lead, per):
+        raise ValueError(f"scale/zero must be {(*lead, per)}, got {tuple(page.scale.shape)} / {tuple(page.zero.shape)}")
+    if page.dtype not in TLTYPE:
+        raise ValueError(f"page dtype must be one of {tuple(TLTYPE)}, got {page.dtype}")
+    check_power_of_two({"group_size": G, "head_dim": D}, 4, "Triton dequantization kernel")
+    return torch.empty(*lead, G, D, dtype=page.dtype, device=page.scale.device)
+
+
 def dequantize_key_page_triton(page: KeyPage, unpack_reshape: bool = True) -> torch.Tensor:
     """Reconstruct keys ``[..., G, D]`` in ``page.dtype`` from a :class:`kitty.quant.KeyPage` (Algorithm 1)."""
     if page.raw.numel():
@@ -69,13 +79,8 @@ def dequantize_key_page_triton(page: KeyPage, unpack_reshape: bool = True) -> to
     G, nb = 4 * G4, high.shape[-2]
     if tuple(high.shape) != (*lead, nb, G4) or tuple(idx.shape) != (*lead, D):
         raise ValueError(f"inconsistent page: low {tuple(low.shape)}, high {tuple(high.shape)}, boost_idx {tuple(idx.shape)}")
-    if tuple(page.scale.shape) != (*lead, D) or tuple(page.zero.shape) != (*lead, D):
-        raise ValueError(f"scale/zero must be {(*lead, D)}, got {tuple(page.scale.shape)} / {tuple(page.zero.shape)}")
-    if page.dtype not in TLTYPE:
-        raise ValueError(f"page dtype must be one of {tuple(TLTYPE)}, got {page.dtype}")
-    check_power_of_two({"group_size": G, "head_dim": D}, 4, "Triton dequantization kernel")
+    out = _checked_output(page, lead, D, G, D)
     n = low.numel() // (D * G4)
-    out = torch.empty(*lead, G, D, dtype=page.dtype, device=low.device)
     if n == 0:
         return out
     low, high, idx = low.contiguous(), high.contiguous(), idx.contiguous()
@@ -97,13 +102,8 @@ def dequantize_value_page_triton(page: ValuePage, unpack_reshape: bool = True) -
         raise ValueError("codes must be uint8")
     *lead, G, DB = codes.shape
     D = DB * 8 // page.bits
-    if tuple(page.scale.shape) != (*lead, G) or tuple(page.zero.shape) != (*lead, G):
-        raise ValueError(f"scale/zero must be {(*lead, G)}, got {tuple(page.scale.shape)} / {tuple(page.zero.shape)}")
-    if page.dtype not in TLTYPE:
-        raise ValueError(f"page dtype must be one of {tuple(TLTYPE)}, got {page.dtype}")
-    check_power_of_two({"group_size": G, "head_dim": D}, 4, "Triton dequantization kernel")
+    out = _checked_output(page, lead, G, G, D)
     n = codes.numel() // (G * DB)
-    out = torch.empty(*lead, G, D, dtype=page.dtype, device=codes.device)
     if n == 0:
         return out
     _dequant_value_kernel[(n,)](

@@ -20,11 +20,20 @@ import triton.language as tl
 
 from kitty.config import KVQuantConfig
 
-from ._tiles import INTERPRETING, TLTYPE, _key_page_T, _value_page, check_power_of_two, fp_values
+from ._tiles import INTERPRETING, TLTYPE, _key_page_T, _value_page, check_power_of_two, fp_values, program_row
 from .decode_attention import default_num_splits, register_cap
 from .reference import KittyLayerState, check_state
 
 __all__ = ["decode_attention_unfused"]
+
+
+@triton.jit
+def _split_blocks(m, split, NUM_SPLITS, BLOCK_N: tl.constexpr):
+    """``[start, end)``: the blocks of ``BLOCK_N`` tokens past the sink (of ``m``) that ``split`` owns."""
+    nblk = tl.cdiv(m, BLOCK_N)
+    per = tl.cdiv(nblk, NUM_SPLITS)
+    start = split * per
+    return start, tl.minimum(start + per, nblk)
 
 
 @triton.jit
@@ -42,18 +51,9 @@ def _qk_kernel(
     DOT_DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr,
 ):
     NPB: tl.constexpr = G // BLOCK_N
-    pid_bh = tl.program_id(0)
-    split = tl.program_id(1)
-    b = pid_bh // Hkv
-    h = pid_bh % Hkv
-    b64 = b.to(tl.int64)
-    n = tl.load(len_ptr + b)
-    m = tl.maximum(n - S, 0)
+    pid_bh, split, b, h, b64, n, m = program_row(len_ptr, Hkv, S)
     kb = (m // G) * NPB
-    nblk = tl.cdiv(m, BLOCK_N)
-    per = tl.cdiv(nblk, NUM_SPLITS)
-    start = split * per
-    end = tl.minimum(start + per, nblk)
+    start, end = _split_blocks(m, split, NUM_SPLITS, BLOCK_N)
     r = tl.arange(0, BLOCK_H)
     d = tl.arange(0, D)
     t = tl.arange(0, BLOCK_N)
@@ -97,19 +97,10 @@ def _sv_kernel(
     DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr,
 ):
     NPB: tl.constexpr = G // BLOCK_N
-    pid_bh = tl.program_id(0)
-    split = tl.program_id(1)
-    b = pid_bh // Hkv
-    h = pid_bh % Hkv
-    b64 = b.to(tl.int64)
-    n = tl.load(len_ptr + b)
-    m = tl.maximum(n - S, 0)
+    pid_bh, split, b, h, b64, n, m = program_row(len_ptr, Hkv, S)
     mv = tl.maximum(m - R, 0)
     vb = (mv // G) * NPB
-    nblk = tl.cdiv(m, BLOCK_N)
-    per = tl.cdiv(nblk, NUM_SPLITS)
-    start = split * per
-    end = tl.minimum(start + per, nblk)
+    start, end = _split_blocks(m, split, NUM_SPLITS, BLOCK_N)
     r = tl.arange(0, BLOCK_H)
     d = tl.arange(0, D)
     t = tl.arange(0, BLOCK_N)

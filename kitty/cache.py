@@ -38,7 +38,7 @@ from . import attention as kattention
 from .config import KVQuantConfig, get_preset
 from .memory import MemoryReport, token_layout
 from .models import kv_dims
-from .quant import KeyPage, ValuePage, query_scale_from, query_statistic, quantize_key_page, quantize_value_page
+from .quant import KeyPage, ValuePage, quantize_key_page, quantize_value_page, query_scale_from, query_statistic
 from .storage import PendingKV, key_page_from_storage, page_fields, pool_fields, value_page_from_storage
 
 BACKENDS = ("auto", "torch", "triton")

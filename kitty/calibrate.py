@@ -40,7 +40,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .cache import QUERY_SELECTIONS
 from .config import PROFILES_DIR, KVQuantConfig, get_preset
 from .prompts import ASSETS
-from .quant import dequantize_key_page, query_scale_from, query_statistic, quantize_key_page
+from .quant import dequantize_key_page, quantize_key_page, query_scale_from, query_statistic
 
 CALIB_ATTN = "kitty-calibrate"
 DEFAULT_COUNTS = (0, 4, 8, 12, 16, 24, 32, 48)

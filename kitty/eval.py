@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .config import PRESETS, KVQuantConfig, get_preset
 from . import generate as gen
+from .config import PRESETS, KVQuantConfig, get_preset
 from .generate import eos_ids, generate_tokens, make_cache
 from .prompts import ASSETS, encode_prompt, passkey_prompt
 

@@ -14,7 +14,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kitty import PRESETS, KittyCache, token_layout
+from kitty import PRESETS, KittyCache
 from kitty.attention import (
     ATTN_NAME,
     KittyMask,

@@ -354,7 +354,7 @@ def test_zero_token_prompt_and_empty_row_raise_and_cache_stays_usable(default_mo
     assert torch.equal(greedy(model, enc, cache, 6), ref)
 
 
-# ---------------------------------------------------------------------- query-aware selection (issue 8)
+# ----------------------------------------------------------------------------------- query-aware selection
 
 
 def test_query_selection_tracks_mean_abs_query_and_boosts_the_channel_queries_use():

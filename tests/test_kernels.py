@@ -14,11 +14,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / kernels are im
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kitty.config import PRESETS  # noqa: E402
-from kitty.memory import token_layout  # noqa: E402
-from kitty.quant import dequantize_key_page, dequantize_value_page, quantize_key_page, quantize_value_page  # noqa: E402
-
 import kitty.kernels as kernels  # noqa: E402
+from kitty.config import PRESETS  # noqa: E402
 from kitty.kernels import (  # noqa: E402
     KittyLayerState,
     decode_attention,
@@ -30,6 +27,8 @@ from kitty.kernels import (  # noqa: E402
     pack_pages_ref,
 )
 from kitty.kernels.testing import make_state, planted_kv  # noqa: E402
+from kitty.memory import token_layout  # noqa: E402
+from kitty.quant import dequantize_key_page, dequantize_value_page, quantize_key_page, quantize_value_page  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                 reason="needs CUDA or TRITON_INTERPRET=1")

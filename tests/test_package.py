@@ -77,8 +77,9 @@ USE_BOTH = """
     assert kitty.kernels.__path__ == [{kernels_dir!r}], kitty.kernels.__path__
     assert callable(kitty.kernels.decode_attention_ref)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                         num_key_value_heads=1, vocab_size=64)).eval()
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=64)
+    model = LlamaForCausalLM(config).eval()
     cfg = kitty.PRESETS["kitty"].with_(sink_tokens=2, group_size=8, local_window=4)
     out = model.generate(torch.randint(0, 64, (1, 12)), cache=KittyCache(model.config, cfg), max_new_tokens=12,
                          do_sample=False)
