@@ -21,7 +21,7 @@ import torch  # noqa: E402
 from kitty import PRESETS, get_preset  # noqa: E402
 from kitty import demo as kd  # noqa: E402
 from kitty import prompts as kp  # noqa: E402
-from kitty.generate import make_cache, prompt_keys, prompt_query_scale  # noqa: E402
+from kitty.generate import Sampling, make_cache, prompt_keys, prompt_query_scale  # noqa: E402
 from kitty.quant import inspect_keys  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -218,7 +218,7 @@ def test_stop_frees_every_cache(app_module, schedule):
 
     stop = kd.StopFlag()
     prompt = kp.prepare_prompt(engine.tokenizer, STORY, True)
-    gen = kd.stream_side_by_side(engine.model, engine.tokenizer, prompt, METHODS, 50, kd.Sampling(), stop, factory, schedule)
+    gen = kd.stream_side_by_side(engine.model, engine.tokenizer, prompt, METHODS, 50, Sampling(), stop, factory, schedule)
     for snap in gen:
         if snap.phase == "decode" and all(len(c.ids) >= 2 for c in snap.columns):
             assert all(c.get_seq_length() > 0 for c in made)
