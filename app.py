@@ -4,7 +4,8 @@
 
 The model loads once, when this module is imported (the default embedded SmolLM2-135M-Instruct, or ``--model`` /
 ``$KITTY_MODEL``). Every request builds its own caches and frees them when it ends or is stopped. This file only
-lays out widgets and formats results; the generation and inspection logic lives in :mod:`kitty.demo`.
+lays out widgets and formats results (readouts, the summary table, byte sizes); the streaming of several caches
+lives in :mod:`kitty.demo`, prompts in :mod:`kitty.prompts`, the key inspector in :func:`kitty.quant.inspect_keys`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse  # noqa: E402
 import functools  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Iterator  # noqa: E402
+from collections.abc import Iterator, Sequence  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 import gradio as gr  # noqa: E402
@@ -26,13 +27,16 @@ import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import Rectangle  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
+from matplotlib.patches import Rectangle  # noqa: E402
 
-from kitty import PRESETS  # noqa: E402
+from kitty import PRESETS, get_preset  # noqa: E402
 from kitty import demo as kd  # noqa: E402
+from kitty import prompts as kp  # noqa: E402
+from kitty.generate import Sampling, prompt_keys, prompt_query_scale  # noqa: E402
 from kitty.memory import analytic_report, asymptotic_bits  # noqa: E402
+from kitty.quant import KeyInspection, inspect_keys  # noqa: E402
 
 # A Hugging Face Space sets these two (0.0.0.0, 7860); an explicit server_name would override Gradio's own reading
 DEFAULT_HOST = os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1")
@@ -97,7 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default=DEFAULT_HOST, help="interface to listen on (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--share", action="store_true", help="also open a public gradio.live link")
-    p.add_argument("--max-prompt-tokens", type=int, default=kd.MAX_PROMPT_TOKENS, help="longer prompts keep their end")
+    p.add_argument("--max-prompt-tokens", type=int, default=kp.MAX_PROMPT_TOKENS, help="longer prompts keep their end")
     p.add_argument("--concurrency", type=int, default=CONCURRENCY_LIMIT, help="generations running at once")
     p.add_argument("--schedule", choices=kd.SCHEDULES, default=SCHEDULE, help="how the three columns share the CPU")
     p.add_argument("--torch-threads", type=int, default=TORCH_THREADS, help="torch intra-op threads per column")
@@ -116,7 +120,7 @@ def format_readout(col: kd.Column) -> str:
     keys = f"sink {lay['sink']} · pages {lay['key_pages']} · qbuffer {lay['key_qbuffer']}"
     values = f"sink {lay['sink']} · pages {lay['value_pages']} · qbuffer {lay['value_qbuffer']} · local {lay['local']}"
     rows = [
-        ("KV stored", f"<b>{kd.fmt_bytes(m.stored_bytes)}</b> of {kd.fmt_bytes(m.fp16_bytes)} fp16-equivalent"),
+        ("KV stored", f"<b>{fmt_bytes(m.stored_bytes)}</b> of {fmt_bytes(m.fp16_bytes)} fp16-equivalent"),
         ("bits / element", f"<b>{m.bits_per_element:.2f}</b>"),
         ("compression", f"<b>{m.compression:.2f}×</b>"),
         ("tokens", f"<b>{m.tokens}</b> cached ({r.new_tokens} new)"),
@@ -126,6 +130,56 @@ def format_readout(col: kd.Column) -> str:
     ]
     body = "".join(f"<tr><td>{k}</td><td>{v}</td></tr>" for k, v in rows)
     return f"<div class='readout'><table>{body}</table></div>"
+
+
+def divergence(reference: Sequence[int], other: Sequence[int]) -> int | None:
+    """Index of the first generated token where ``other`` differs from ``reference``, ``None`` if one is a prefix."""
+    for i, (a, b) in enumerate(zip(reference, other)):
+        if a != b:
+            return i
+    return None
+
+
+def summarize(columns: Sequence[kd.Column], tokenizer, stopped: bool) -> str:
+    """A readable markdown summary: memory per column and where each left the fp16 column's tokens."""
+    ref = next((c for c in columns if c.method == "fp16"), None)
+    lines = ["**Stopped** — caches freed." if stopped else "**Done** — caches freed.", ""]
+    lines += ["| column | tokens | KV stored | fp16-equivalent | bits/elem | compression | tok/s | vs fp16 |",
+              "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for c in columns:
+        r = c.readout
+        if r is None:
+            lines.append(f"| {c.label} | – | – | – | – | – | – | {c.status} |")
+            continue
+        if ref is None:
+            vs = "no fp16 column to compare"
+        elif c is ref:
+            vs = "reference"
+        else:
+            d = divergence(ref.ids, c.ids)
+            if d is None:
+                same = min(len(ref.ids), len(c.ids))
+                vs = (f"identical ({same} tokens)" if len(ref.ids) == len(c.ids)
+                      else f"identical over the {same} tokens both have")
+            else:
+                ctx = tokenizer.decode(ref.ids[max(0, d - 4) : d]).replace("\n", " ").replace("|", "\\|")
+                vs = f"diverges at token {d + 1} (after “…{ctx}”)"
+        m = r.report
+        lines.append(
+            f"| {c.label} | {r.new_tokens} new / {m.tokens} cached | {fmt_bytes(m.stored_bytes)} "
+            f"| {fmt_bytes(m.fp16_bytes)} | {m.bits_per_element:.2f} | {m.compression:.2f}× | {r.tokens_per_s:.1f} "
+            f"| {vs} |"
+        )
+    return "\n".join(lines)
+
+
+def fmt_bytes(n: float) -> str:
+    """``1536`` -> ``1.5 KiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}" if n < 100 else f"{n:.0f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
 
 
 def bits_table(engine: Engine, prompt_tokens: int, new_tokens: int) -> pd.DataFrame:
@@ -155,7 +209,7 @@ def memory_plot(snap: kd.Snapshot) -> pd.DataFrame:
     return pd.DataFrame(rows).replace({"column": names})
 
 
-def heatmap_figure(ins: kd.KeyInspection):
+def heatmap_figure(ins: KeyInspection):
     """|K| as channels x tokens, sink and page boundaries as lines, each page's boosted channels marked."""
     T, D = ins.abs_keys.shape
     fig, ax = plt.subplots(figsize=(12, 4.6), dpi=90)
@@ -203,16 +257,16 @@ def make_generate(engine: Engine, max_prompt_tokens: int, schedule: str = SCHEDU
             return (note, "", "", "", "", "", "", gr.skip(), "", {}, None, *idle)
 
         try:
-            prompt_ = kd.prepare_prompt(engine.tokenizer, prompt, bool(chat_template), max_prompt_tokens)
-            sampling = kd.Sampling(float(temperature), float(top_p), parse_seed(seed))
+            prompt_ = kp.prepare_prompt(engine.tokenizer, prompt, bool(chat_template), max_prompt_tokens)
+            sampling = Sampling(float(temperature), float(top_p), parse_seed(seed))
             n = int(max(1, min(int(max_new_tokens), kd.MAX_NEW_TOKENS_CAP)))
             methods = [method_1, method_2, method_3]
             for i, m in enumerate(methods):
                 if not isinstance(m, str) or not m:
                     raise ValueError(f"choose a cache method for column {i + 1} (one of {', '.join(METHODS)})")
-                kd.get_preset(m)
+                get_preset(m)
         except (ValueError, TypeError, OverflowError) as e:  # PromptError included: a message, never a crash
-            yield message(str(e) if isinstance(e, kd.PromptError) else f"⚠️ {e}")
+            yield message(str(e) if isinstance(e, kp.PromptError) else f"⚠️ {e}")
             return
         head = f"Prompt: {prompt_.tokens} tokens{' (chat template)' if chat_template else ''}, up to {n} new tokens per column."
         note = head + (f"\n\n{prompt_.note}" if prompt_.note else "")
@@ -234,7 +288,7 @@ def make_generate(engine: Engine, max_prompt_tokens: int, schedule: str = SCHEDU
                     *(c.text for c in cols),
                     *(format_readout(c) for c in cols),
                     plot,
-                    snap.summary if final else f"_{snap.phase}…_",
+                    summarize(cols, engine.tokenizer, snap.phase == "stopped") if final else f"_{snap.phase}…_",
                     {c.label: (c.readout.as_dict() if c.readout else None) for c in cols} if final else gr.skip(),
                     None if final else stop,  # a finished run has nothing left to stop
                     *(idle if final else busy),
@@ -270,14 +324,14 @@ def make_inspect(engine: Engine, max_prompt_tokens: int):
 
     def inspect(prompt: str, chat_template: bool, method: str, layer: float, head: float, max_new_tokens: float):
         try:
-            prompt_ = kd.prepare_prompt(engine.tokenizer, prompt, bool(chat_template), max_prompt_tokens)
-            cfg = kd.get_preset(method)
+            prompt_ = kp.prepare_prompt(engine.tokenizer, prompt, bool(chat_template), max_prompt_tokens)
+            cfg = get_preset(method)
             layer, head = int(layer), int(head)
-            keys = kd.prompt_keys(engine.model, prompt_.ids)[layer][head]  # (T, D)
-            query_scale = kd.prompt_query_scale(engine.model, prompt_.ids, cfg, layer, head)  # query-aware selections
-            ins = kd.inspect_keys(keys, cfg, layer, head, query_scale)
+            keys = prompt_keys(engine.model, prompt_.ids)[layer][head]  # (T, D)
+            query_scale = prompt_query_scale(engine.model, prompt_.ids, cfg, layer, head)  # query-aware selections
+            ins = inspect_keys(keys, cfg, layer, head, query_scale)
         except (ValueError, TypeError, IndexError) as e:
-            return (str(e) if isinstance(e, kd.PromptError) else f"⚠️ {e}"), None, None, bits_table(engine, 0, 0)
+            return (str(e) if isinstance(e, kp.PromptError) else f"⚠️ {e}"), None, None, bits_table(engine, 0, 0)
         pages = pd.DataFrame([
             {"group": (f"page {i}" if p.quantized else "qbuffer (not yet a page)"), "tokens": f"{p.start}–{p.end - 1}",
              "boosted channels": ", ".join(map(str, p.boosted)),
@@ -340,7 +394,7 @@ def build_generate_tab(engine: Engine, max_prompt_tokens: int, schedule: str = S
     """The main tab: controls, examples, three columns, the memory plot and the summary."""
     c = build_controls()
     gr.Examples(
-        examples=[list(e) for e in kd.example_prompts()],
+        examples=[list(e) for e in kp.example_prompts()],
         inputs=[c["prompt"], c["chat"], c["max_new"]],
         example_labels=["Short chat question", "Long document + question (essay excerpt)", "Passkey in a haystack (plain)"],
         label="Examples",
@@ -389,7 +443,7 @@ def build_inside_tab(engine: Engine, max_prompt_tokens: int, controls: dict) -> 
 
 
 def build_demo(
-    engine: Engine, max_prompt_tokens: int = kd.MAX_PROMPT_TOKENS, concurrency: int = CONCURRENCY_LIMIT, schedule: str = SCHEDULE
+    engine: Engine, max_prompt_tokens: int = kp.MAX_PROMPT_TOKENS, concurrency: int = CONCURRENCY_LIMIT, schedule: str = SCHEDULE
 ) -> gr.Blocks:
     """The whole app, queued with a concurrency limit."""
     with gr.Blocks(title="Kitty: 2-bit KV caches side by side") as demo:

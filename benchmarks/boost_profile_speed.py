@@ -27,9 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import benchmarks.kernels as bk  # noqa: E402  (bench: median of CUDA-graph replays over rotating inputs)
-from kernels import decode_attention, decode_attention_ref  # noqa: E402
-from kernels.testing import make_state  # noqa: E402
 from kitty.config import DEFAULT_PROFILE, PRESETS, load_boost_profile  # noqa: E402
+from kitty.kernels import decode_attention, decode_attention_ref  # noqa: E402
+from kitty.kernels.testing import make_state  # noqa: E402
 
 HQ, HKV, D, LAYERS = 9, 3, 64, 30
 DEV = "cuda"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib
 import os
 import re
 import subprocess
@@ -27,9 +28,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kitty.config import PRESETS  # noqa: E402
-import kernels.decode_attention  # noqa: E402
+from kitty.kernels import _tiles  # noqa: E402
 
-da = sys.modules["kernels.decode_attention"]  # the module (the package re-exports a function of that name)
+da = importlib.import_module("kitty.kernels.decode_attention")  # the module (the package exports a function of that name)
 
 POINTERS = ["q_ptr", "ws_m_ptr", "ws_l_ptr", "ws_acc_ptr", "len_ptr", "sink_k_ptr", "sink_v_ptr", "k_qbuf_ptr",
             "v_qbuf_ptr", "v_local_ptr", "k_pt_ptr", "v_pt_ptr", "k_low_ptr", "k_high_ptr", "k_idx_ptr",
@@ -50,7 +51,7 @@ def compile_kernel(preset: str, dtype: torch.dtype, num_warps: int = 4, D: int =
     va = [da.magic_code(dtype, vbits, vbits * r) for r in range(4)]
     constexprs = dict(S=S, G=G, R=R, D=D, NB=nb, NBP=max(16, triton.next_power_of_2(max(nb, 1))), VBITS=vbits,
                       KEY_RAW=False, VALUE_RAW=False, BLOCK_H=max(block_h, triton.next_power_of_2(QH)), FULL_QBUF=True, SPLIT=split_fold,
-                      BLOCK_S=max(16, triton.next_power_of_2(S)), DOT=da._TLTYPE[dtype],
+                      BLOCK_S=max(16, triton.next_power_of_2(S)), DOT=_tiles.TLTYPE[dtype],
                       KA0=ka[0][0], KA1=ka[1][0], KA2=ka[2][0], KA3=ka[3][0], KOFF=ka[0][1], KUNIT=ka[0][2],
                       VA0=va[0][0], VA1=va[1][0], VA2=va[2][0], VA3=va[3][0], VOFF=va[0][1], VUNIT=va[0][2])
     signature, attrs = {}, {}

@@ -21,12 +21,29 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 
-# The interpreter (TRITON_INTERPRET=1, triton 3.9) truncates fp32 -> bf16 casts instead of rounding to nearest even;
-# under it, cast_to rounds by hand so that results stay bit-identical to torch. Compiled code casts natively.
-INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+# Whether kernels run under Triton's interpreter: read once, at import, as Triton itself reads TRITON_INTERPRET
+# when it decorates a kernel. The interpreter (triton 3.9) truncates fp32 -> bf16 casts instead of rounding to
+# nearest even; under it, cast_to rounds by hand so that results stay bit-identical to torch.
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRET = tl.constexpr(INTERPRETING)  # the same flag, for use inside kernels
+
+TLTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}  # torch -> Triton dtype
+
+
+def is_power_of_two(n: int, minimum: int = 1) -> bool:
+    """``n`` is a power of two and at least ``minimum``."""
+    return n >= minimum and not n & (n - 1)
+
+
+def check_power_of_two(sizes: dict[str, int], minimum: int, kernel: str) -> None:
+    """``ValueError`` naming the first of ``sizes`` (name -> value) that is not a power of two >= ``minimum``."""
+    for what, n in sizes.items():
+        if not is_power_of_two(n, minimum):
+            raise ValueError(f"the {kernel} needs a power-of-two {what} >= {minimum}, got {n}")
 
 
 @triton.jit
@@ -182,3 +199,25 @@ def _value_page(
                                              UNPACK_RESHAPE)
         v = _value_from_raw(codes, scale, zero, BN, D, VBITS, DTYPE, UNPACK_RESHAPE)
     return v
+
+
+@triton.jit
+def fp_values(vq_ptr, vl_ptr, rel, m, mv, d, G: tl.constexpr, D: tl.constexpr, R: tl.constexpr):
+    """Values (len(rel), D) of positions S + rel (rel = p - S): v_qbuf slot rel % G where rel < mv, else v_local
+    slot rel % R where rel < m; 0 elsewhere."""
+    in_q = rel < mv
+    v = tl.load(vq_ptr + (rel % G)[:, None] * D + d[None, :], mask=in_q[:, None], other=0.0)
+    if R > 0:
+        in_l = (rel >= mv) & (rel < m)
+        v += tl.load(vl_ptr + (rel % R)[:, None] * D + d[None, :], mask=in_l[:, None], other=0.0)
+    return v
+
+
+@triton.jit
+def program_row(len_ptr, Hkv, S: tl.constexpr):
+    """Program ids -> ``(pid_bh, split, row b, KV head h, b as int64, the row's length n, tokens past the sink m)``
+    for a decode program over (row, KV head) x split."""
+    pid_bh = tl.program_id(0)
+    b = pid_bh // Hkv
+    n = tl.load(len_ptr + b)
+    return pid_bh, tl.program_id(1), b, pid_bh % Hkv, b.to(tl.int64), n, tl.maximum(n - S, 0)

@@ -54,7 +54,6 @@ assembles position-ordered K/V per row and runs softmax attention in fp32.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -62,13 +61,21 @@ import triton.language as tl
 
 from kitty.config import KVQuantConfig
 
-from ._tiles import INTERPRET, cast_to
+from ._tiles import (
+    INTERPRET,
+    INTERPRETING,
+    TLTYPE,
+    cast_to,
+    check_power_of_two,
+    fp_values,
+    is_power_of_two,
+    program_row,
+)
 from .reference import KittyLayerState, check_state, decode_attention_ref  # noqa: F401 (re-exported)
 
 __all__ = ["KittyLayerState", "decode_attention", "decode_attention_ref", "decode_attention_triton", "triton_supports"]
 
 LOG2E = 1.4426950408889634  # 1 / ln 2: softmax in base 2
-_TLTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 # ------------------------------------------------------------------------------------- codes -> MMA operands
@@ -292,28 +299,16 @@ def _value_quarter(p, t, codes_ptr, vscale_ptr, vzero_ptr, pbase, acc0, acc1, ac
 
 
 @triton.jit
-def _fp_values(vq_ptr, vl_ptr, rel, m, mv, d, G: tl.constexpr, D: tl.constexpr, R: tl.constexpr):
-    """Values (len(rel), D) of positions S + rel (rel = p - S): v_qbuf slot rel % G where rel < mv, else v_local
-    slot rel % R where rel < m; 0 elsewhere."""
-    in_q = rel < mv
-    v = tl.load(vq_ptr + (rel % G)[:, None] * D + d[None, :], mask=in_q[:, None], other=0.0)
-    if R > 0:
-        in_l = (rel >= mv) & (rel < m)
-        v += tl.load(vl_ptr + (rel % R)[:, None] * D + d[None, :], mask=in_l[:, None], other=0.0)
-    return v
-
-
-@triton.jit
 def _fp_value_page(p0, p1, p2, p3, acc_nat, vq_ptr, vl_ptr, rel0, m, mv, G: tl.constexpr, D: tl.constexpr,
                    R: tl.constexpr, DOT: tl.constexpr):
     """``acc_nat += p @ V`` over the four quarters of the page at ``rel0`` with full-precision values."""
     G4: tl.constexpr = G // 4
     d = tl.arange(0, D)
     i = tl.arange(0, G4)
-    acc_nat += _mm(p0.to(DOT), _fp_values(vq_ptr, vl_ptr, rel0 + 4 * i, m, mv, d, G, D, R).to(DOT), DOT)
-    acc_nat += _mm(p1.to(DOT), _fp_values(vq_ptr, vl_ptr, rel0 + 4 * i + 1, m, mv, d, G, D, R).to(DOT), DOT)
-    acc_nat += _mm(p2.to(DOT), _fp_values(vq_ptr, vl_ptr, rel0 + 4 * i + 2, m, mv, d, G, D, R).to(DOT), DOT)
-    acc_nat += _mm(p3.to(DOT), _fp_values(vq_ptr, vl_ptr, rel0 + 4 * i + 3, m, mv, d, G, D, R).to(DOT), DOT)
+    acc_nat += _mm(p0.to(DOT), fp_values(vq_ptr, vl_ptr, rel0 + 4 * i, m, mv, d, G, D, R).to(DOT), DOT)
+    acc_nat += _mm(p1.to(DOT), fp_values(vq_ptr, vl_ptr, rel0 + 4 * i + 1, m, mv, d, G, D, R).to(DOT), DOT)
+    acc_nat += _mm(p2.to(DOT), fp_values(vq_ptr, vl_ptr, rel0 + 4 * i + 2, m, mv, d, G, D, R).to(DOT), DOT)
+    acc_nat += _mm(p3.to(DOT), fp_values(vq_ptr, vl_ptr, rel0 + 4 * i + 3, m, mv, d, G, D, R).to(DOT), DOT)
     return acc_nat
 
 
@@ -360,13 +355,7 @@ def _decode_split_kernel(
     VPER: tl.constexpr = 8 // VBITS
     DB: tl.constexpr = D // VPER
     # ---- program id -> (row, KV head, split); the split's run of page slots
-    pid_bh = tl.program_id(0)
-    split = tl.program_id(1)
-    b = pid_bh // Hkv
-    h = pid_bh % Hkv
-    b64 = b.to(tl.int64)
-    n = tl.load(len_ptr + b)
-    m = tl.maximum(n - S, 0)
+    pid_bh, split, b, h, b64, n, m = program_row(len_ptr, Hkv, S)
     mv = tl.maximum(m - R, 0)
     if FULL_QBUF:  # mid-step: a qbuffer the new token filled is not packed yet (qbuffers hold 1..G tokens)
         kp = tl.maximum(tl.cdiv(m, G) - 1, 0)
@@ -497,13 +486,9 @@ def _decode_reduce_kernel(
 # -------------------------------------------------------------------------------------------------- wrappers
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _reg_cap(maxnreg: int | None) -> dict:
+def register_cap(maxnreg: int | None) -> dict:
     """Launch option capping registers per thread (CUDA backend only; ignored by the interpreter)."""
-    return {} if (maxnreg is None or _interpreting()) else {"maxnreg": int(maxnreg)}
+    return {} if (maxnreg is None or INTERPRETING) else {"maxnreg": int(maxnreg)}
 
 
 def _num_sms(device: torch.device) -> int:
@@ -536,7 +521,7 @@ def default_launch(B: int, Hkv: int, device: torch.device) -> dict:
 def _dot_dtype(dtype: torch.dtype):
     """Operand dtype of the kernel's products: the model dtype, except fp32 (and bf16 under the interpreter, whose
     bf16 ``tl.dot`` is wrong), which multiply in fp32."""
-    if dtype == torch.float32 or (_interpreting() and dtype == torch.bfloat16):
+    if dtype == torch.float32 or (INTERPRETING and dtype == torch.bfloat16):
         return torch.float32
     return dtype
 
@@ -565,12 +550,10 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
     """
     z = check_state(q, state, cfg)
     B, Hq, Hkv, D, S, G, R, nb = (z[k] for k in ("B", "Hq", "Hkv", "D", "S", "G", "R", "nb"))
-    for size, what in ((G, "group_size"), (D, "head_dim")):
-        if size < 16 or size & (size - 1):
-            raise ValueError(f"the fused kernel needs a power-of-two {what} >= 16, got {size}")
+    check_power_of_two({"group_size": G, "head_dim": D}, 16, "fused kernel")
     if cfg.quantizes_values and cfg.value_bits not in (2, 4):
         raise ValueError(f"value_bits must be 2, 4 or 16, got {cfg.value_bits}")
-    if not _interpreting() and not triton_supports(cfg, D, compiled=True):
+    if not INTERPRETING and not triton_supports(cfg, D, compiled=True):
         raise ValueError(f"on the GPU the fused kernel needs group_size >= 64 and head_dim * value_bits / 8 >= 16, got "
                          f"group_size={G}, head_dim={D}, value_bits={cfg.value_bits} (use the torch backend)")
     scaling = 1.0 / math.sqrt(D) if scaling is None else float(scaling)
@@ -613,10 +596,10 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
         st.v_local.stride(0), st.v_local.stride(1), st.k_page_table.stride(0), st.v_page_table.stride(0),
         S=S, G=G, R=R, D=D, NB=nb, NBP=max(16, triton.next_power_of_2(max(nb, 1))), VBITS=vbits,
         KEY_RAW=not cfg.quantizes_keys, VALUE_RAW=not cfg.quantizes_values, BLOCK_H=BLOCK_H, BLOCK_S=BLOCK_S,
-        DOT=_TLTYPE[dot], FULL_QBUF=bool(full_qbuffer), SPLIT=0 if dot == torch.float32 else int(split_fold),
+        DOT=TLTYPE[dot], FULL_QBUF=bool(full_qbuffer), SPLIT=0 if dot == torch.float32 else int(split_fold),
         KA0=ka[0][0], KA1=ka[1][0], KA2=ka[2][0], KA3=ka[3][0], KOFF=ka[0][1], KUNIT=ka[0][2],
         VA0=va[0][0], VA1=va[1][0], VA2=va[2][0], VA3=va[3][0], VOFF=va[0][1], VUNIT=va[0][2],
-        num_warps=num_warps, num_stages=num_stages, **_reg_cap(maxnreg),
+        num_warps=num_warps, num_stages=num_stages, **register_cap(maxnreg),
     )
     _decode_reduce_kernel[(B * Hkv, QH)](
         ws_m, ws_l, ws_acc, out, Hkv, QH, splits, out.stride(0), out.stride(1),
@@ -633,9 +616,8 @@ def triton_supports(cfg: KVQuantConfig, head_dim: int, compiled: bool | None = N
     head_dim >= 16, 2/4/16-bit keys and values. ``compiled`` (default: not under ``TRITON_INTERPRET=1``): on the
     GPU the kernel also needs page quarters and value rows of >= 16 (``group_size >= 64``, ``head_dim * value_bits
     / 8 >= 16``); smaller tiles were measured wrong there (H200, triton 3.6) and take the torch path."""
-    pow2 = lambda n: n >= 16 and not n & (n - 1)  # noqa: E731
-    ok = pow2(cfg.group_size) and pow2(head_dim) and cfg.key_bits in (2, 4, 16) and cfg.value_bits in (2, 4, 16)
-    if compiled if compiled is not None else not _interpreting():
+    ok = is_power_of_two(cfg.group_size, 16) and is_power_of_two(head_dim, 16) and cfg.key_bits in (2, 4, 16) and cfg.value_bits in (2, 4, 16)
+    if compiled if compiled is not None else not INTERPRETING:
         ok = ok and cfg.group_size >= 64 and (not cfg.quantizes_values or head_dim * cfg.value_bits // 8 >= 16)
     return ok
 
@@ -652,7 +634,7 @@ def decode_attention(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        ok = (q.is_cuda or _interpreting()) and q.dim() == 3 and triton_supports(cfg, q.shape[-1])
+        ok = (q.is_cuda or INTERPRETING) and q.dim() == 3 and triton_supports(cfg, q.shape[-1])
         backend = "triton" if ok else "torch"
     if backend == "torch":
         check_state(q, state, cfg)

@@ -25,11 +25,10 @@ from kitty.quant import KeyPage, ValuePage
 from kitty.quant import dequantize_key_page as dequantize_key_page_ref
 from kitty.quant import dequantize_value_page as dequantize_value_page_ref
 
-from ._tiles import _key_page_T, _value_page
+from ._tiles import TLTYPE, _key_page_T, _value_page, check_power_of_two
 
 __all__ = ["dequantize_key_page_triton", "dequantize_value_page_triton", "dequantize_key_page_ref", "dequantize_value_page_ref"]
 
-_TLTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 @triton.jit
@@ -59,9 +58,14 @@ def _dequant_value_kernel(
     tl.store(out_ptr + pid * (G * D) + t[:, None] * D + d[None, :], v)
 
 
-def _pow2(n: int, what: str) -> None:
-    if n < 4 or n & (n - 1):
-        raise ValueError(f"the Triton dequantization kernel needs a power-of-two {what} >= 4, got {n}")
+def _checked_output(page: KeyPage | ValuePage, lead: list[int], per: int, G: int, D: int) -> torch.Tensor:
+    """Check ``scale``/``zero`` ``[*lead, per]``, the dtype and the power-of-two sizes; allocate ``[*lead, G, D]``."""
+    if tuple(page.scale.shape) != (*lead, per) or tuple(page.zero.shape) != (*lead, per):
+        raise ValueError(f"scale/zero must be {(*lead, per)}, got {tuple(page.scale.shape)} / {tuple(page.zero.shape)}")
+    if page.dtype not in TLTYPE:
+        raise ValueError(f"page dtype must be one of {tuple(TLTYPE)}, got {page.dtype}")
+    check_power_of_two({"group_size": G, "head_dim": D}, 4, "Triton dequantization kernel")
+    return torch.empty(*lead, G, D, dtype=page.dtype, device=page.scale.device)
 
 
 def dequantize_key_page_triton(page: KeyPage, unpack_reshape: bool = True) -> torch.Tensor:
@@ -75,14 +79,8 @@ def dequantize_key_page_triton(page: KeyPage, unpack_reshape: bool = True) -> to
     G, nb = 4 * G4, high.shape[-2]
     if tuple(high.shape) != (*lead, nb, G4) or tuple(idx.shape) != (*lead, D):
         raise ValueError(f"inconsistent page: low {tuple(low.shape)}, high {tuple(high.shape)}, boost_idx {tuple(idx.shape)}")
-    if tuple(page.scale.shape) != (*lead, D) or tuple(page.zero.shape) != (*lead, D):
-        raise ValueError(f"scale/zero must be {(*lead, D)}, got {tuple(page.scale.shape)} / {tuple(page.zero.shape)}")
-    if page.dtype not in _TLTYPE:
-        raise ValueError(f"page dtype must be one of {tuple(_TLTYPE)}, got {page.dtype}")
-    _pow2(G, "group_size")
-    _pow2(D, "head_dim")
+    out = _checked_output(page, lead, D, G, D)
     n = low.numel() // (D * G4)
-    out = torch.empty(*lead, G, D, dtype=page.dtype, device=low.device)
     if n == 0:
         return out
     low, high, idx = low.contiguous(), high.contiguous(), idx.contiguous()
@@ -90,7 +88,7 @@ def dequantize_key_page_triton(page: KeyPage, unpack_reshape: bool = True) -> to
         high = low  # never read (NB == 0); any valid pointer
     _dequant_key_kernel[(n,)](
         low, high, idx, page.scale.contiguous(), page.zero.contiguous(), out,
-        G=G, D=D, NB=nb, DTYPE=_TLTYPE[page.dtype], UNPACK_RESHAPE=unpack_reshape and G % 16 == 0,  # word loads
+        G=G, D=D, NB=nb, DTYPE=TLTYPE[page.dtype], UNPACK_RESHAPE=unpack_reshape and G % 16 == 0,  # word loads
     )
     return out
 
@@ -104,18 +102,12 @@ def dequantize_value_page_triton(page: ValuePage, unpack_reshape: bool = True) -
         raise ValueError("codes must be uint8")
     *lead, G, DB = codes.shape
     D = DB * 8 // page.bits
-    if tuple(page.scale.shape) != (*lead, G) or tuple(page.zero.shape) != (*lead, G):
-        raise ValueError(f"scale/zero must be {(*lead, G)}, got {tuple(page.scale.shape)} / {tuple(page.zero.shape)}")
-    if page.dtype not in _TLTYPE:
-        raise ValueError(f"page dtype must be one of {tuple(_TLTYPE)}, got {page.dtype}")
-    _pow2(G, "group_size")
-    _pow2(D, "head_dim")
+    out = _checked_output(page, lead, G, G, D)
     n = codes.numel() // (G * DB)
-    out = torch.empty(*lead, G, D, dtype=page.dtype, device=codes.device)
     if n == 0:
         return out
     _dequant_value_kernel[(n,)](
         codes.contiguous(), page.scale.contiguous(), page.zero.contiguous(), out,
-        G=G, D=D, VBITS=page.bits, DTYPE=_TLTYPE[page.dtype], UNPACK_RESHAPE=unpack_reshape and D * page.bits % 32 == 0,
+        G=G, D=D, VBITS=page.bits, DTYPE=TLTYPE[page.dtype], UNPACK_RESHAPE=unpack_reshape and D * page.bits % 32 == 0,
     )
     return out

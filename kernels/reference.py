@@ -1,9 +1,10 @@
-"""Torch reference of Kitty decode attention (no Triton needed to import this).
+"""Torch reference of Kitty decode attention: the specification the kernels are tested against (no Triton needed).
 
-``KittyLayerState`` (the storage contract, ``kitty/storage.py``) names one decoder layer's cache tensors exactly as
-``docs/LAYOUT.md`` does; the cache builds it and hands it to :func:`kernels.decode_attention` (fused Triton) or
-:func:`decode_attention_ref` (this file): dequantize with ``kitty.quant`` -> position-ordered K/V per row -> softmax
-attention in fp32.
+One layer's storage (``docs/LAYOUT.md``; the contract is ``kitty/storage.py``) is read back in position order by
+:func:`dequantize_cache` -- sink | dequantized pages (``kitty.quant``) | qbuffers | local ring, all rows at once --
+and :func:`decode_attention_ref` runs softmax attention of one query token per row over it. The generation path's
+torch backend (``kitty.attention``) attends over the same :func:`dequantize_cache` output with SDPA, so generation,
+the kernel tests and the benchmarks share one reading of the storage.
 """
 
 from __future__ import annotations
@@ -14,67 +15,96 @@ import torch
 
 from kitty.config import KVQuantConfig
 from kitty.memory import token_layout
-from kitty.quant import KeyPage, ValuePage, dequantize_key_page, dequantize_value_page
-from kitty.storage import FLOAT_DTYPES, KittyLayerState, check_state  # noqa: F401 (the contract, re-exported)
+from kitty.quant import dequantize_key_page, dequantize_value_page
+from kitty.storage import (  # noqa: F401 (the contract, re-exported)
+    FLOAT_DTYPES,
+    KittyLayerState,
+    check_state,
+    key_page_from_storage,
+    value_page_from_storage,
+)
 
 
-# -------------------------------------------------------------------------------------------- torch reference
+def dequantize_cache(
+    storage: dict[str, torch.Tensor] | KittyLayerState,
+    cfg: KVQuantConfig,
+    new_keys: torch.Tensor | None = None,
+    new_values: torch.Tensor | None = None,
+    full_qbuffer: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every cached token of one layer in position order: keys, values ``[B, H, L (+T), D]`` and valid ``[B, L]``.
 
+    ``storage``: a :class:`KittyLayerState`, or a dict of the tensors named as in ``docs/LAYOUT.md`` plus
+    ``lengths`` (``KittyLayer.storage()``); ``L = max(lengths)``; column ``p`` of row ``b`` holds position ``p``
+    for ``p < lengths[b]`` (zeros beyond). ``new_keys``/``new_values`` ``[B, H, T, D]``, if given, fill columns
+    ``L .. L+T-1`` (saves a concatenation). ``full_qbuffer``: the storage is mid-step, qbuffers hold 1..G tokens
+    (``kitty.memory.token_layout``). Pages are dequantized with ``kitty.quant`` for all rows at once; the result is
+    transient.
+    """
+    if isinstance(storage, KittyLayerState):
+        storage = storage.tensors()
+    n = storage["lengths"].tolist()
+    sink_k, sink_v = storage["sink_k"], storage["sink_v"]
+    B, H, S, D = sink_k.shape
+    G, R = cfg.group_size, cfg.local_window
+    L = max(n, default=0)
+    T = 0 if new_keys is None else new_keys.shape[2]
+    lay = [token_layout(cfg, x, full_qbuffer) for x in n]
+    keys = sink_k.new_empty(B, H, L + T, D)
+    values = sink_v.new_empty(B, H, L + T, D)
+    if T:
+        keys[:, :, L:] = new_keys
+        values[:, :, L:] = new_values
 
-def _row_kv(state: KittyLayerState, cfg: KVQuantConfig, b: int, full_qbuffer: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Position-ordered keys and values ``[Hkv, n, D]`` of row ``b`` (dequantized with kitty.quant);
-    ``full_qbuffer``: qbuffers hold 1..G tokens (see ``kitty.memory.token_layout``)."""
-    n = int(state.lengths[b])
-    lay = token_layout(cfg, n, full_qbuffer)
-    S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
-    Hkv, D = state.k_qbuf.shape[1], state.k_qbuf.shape[3]
-    dtype = state.k_qbuf.dtype
-    empty = state.k_qbuf.new_empty(0)
+    # pages: page j of every row covers positions S + j*G .. S + (j+1)*G - 1 (a row with fewer pages reads page 0
+    # there: finite data that its own buffers overwrite below, or that the zeroed tail replaces)
+    pk = max((x.key_pages for x in lay), default=0)
+    if pk:
+        ids = storage["k_page_table"][:, :pk].long().clamp_min(0)  # (B, pk)
+        k = dequantize_key_page(key_page_from_storage(storage, ids, cfg, sink_k.dtype))  # (B, pk, H, G, D)
+        keys[:, :, S : S + pk * G] = k.permute(0, 2, 1, 3, 4).reshape(B, H, pk * G, D)
+    pv = max((x.value_pages for x in lay), default=0)
+    if pv:
+        ids = storage["v_page_table"][:, :pv].long().clamp_min(0)  # (B, pv)
+        v = dequantize_value_page(value_page_from_storage(storage, ids, cfg, sink_v.dtype))  # (B, pv, H, G, D)
+        values[:, :, S : S + pv * G] = v.permute(0, 2, 1, 3, 4).reshape(B, H, pv * G, D)
 
-    def pages(ids, raw, make, deq):
-        if not len(ids):
-            return state.k_qbuf.new_empty(Hkv, 0, D)
-        x = raw[ids] if raw is not None and raw.numel() else deq(make(ids))  # (pages, Hkv, G, D)
-        return x.transpose(0, 1).reshape(Hkv, -1, D)
-
-    kid = state.k_page_table[b, : lay.key_pages].long()
-    vid = state.v_page_table[b, : lay.value_pages].long()
-    keys = pages(kid, state.k_raw if not cfg.quantizes_keys else None,
-                 lambda i: KeyPage(state.k_low[i], state.k_high[i], state.k_boost_idx[i], state.k_scale[i],
-                                   state.k_zero[i], empty, dtype), dequantize_key_page)
-    values = pages(vid, state.v_raw if not cfg.quantizes_values else None,
-                   lambda i: ValuePage(state.v_codes[i], state.v_scale[i], state.v_zero[i], empty, cfg.value_bits,
-                                       dtype), dequantize_value_page)
-    m = max(n - S, 0)
-    mv = max(m - R, 0)
-    local_slots = torch.arange(mv, m, device=keys.device) % max(R, 1)  # oldest first
-    k = torch.cat([state.sink_k[b, :, : lay.sink], keys, state.k_qbuf[b, :, : lay.key_qbuffer]], 1)
-    v = torch.cat([state.sink_v[b, :, : lay.sink], values, state.v_qbuf[b, :, : lay.value_qbuffer],
-                   state.v_local[b][:, local_slots]], 1)
-    assert k.shape[1] == n and v.shape[1] == n, (k.shape, v.shape, n)
-    return k, v
+    for b, x in enumerate(lay):  # full-precision buffers: contiguous position ranges per row
+        keys[b, :, : x.sink] = sink_k[b, :, : x.sink]
+        values[b, :, : x.sink] = sink_v[b, :, : x.sink]
+        k0 = S + x.key_pages * G  # key qbuffer: slot s holds position k0 + s
+        keys[b, :, k0 : k0 + x.key_qbuffer] = storage["k_qbuf"][b, :, : x.key_qbuffer]
+        v0 = S + x.value_pages * G  # value qbuffer: slot s holds position v0 + s
+        values[b, :, v0 : v0 + x.value_qbuffer] = storage["v_qbuf"][b, :, : x.value_qbuffer]
+        if x.local:  # local ring: positions [n - local, n), position p in slot (p - S) % R; at most two pieces
+            first = x.tokens - x.local
+            slot = (first - S) % R
+            head = min(x.local, R - slot)
+            values[b, :, first : first + head] = storage["v_local"][b, :, slot : slot + head]
+            values[b, :, first + head : x.tokens] = storage["v_local"][b, :, : x.local - head]
+        keys[b, :, x.tokens : L] = 0  # columns past this row's length: masked, but must be finite
+        values[b, :, x.tokens : L] = 0
+    valid = torch.arange(L, device=sink_k.device)[None, :] < storage["lengths"].to(sink_k.device)[:, None]  # (B, L)
+    return keys, values, valid
 
 
 def decode_attention_ref(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig, scaling: float | None = None,
                          upcast: bool = True, full_qbuffer: bool = False) -> torch.Tensor:
-    """Torch reference of :func:`decode_attention`: ``[B, Hq, D]`` in ``q.dtype``.
+    """Torch reference of :func:`kitty.kernels.decode_attention`: ``[B, Hq, D]`` in ``q.dtype``.
 
-    ``upcast=True``: scores, softmax and ``p @ V`` in fp32 (the specification). ``upcast=False``: the same in
-    ``q.dtype`` (what a kernel in that dtype could at worst be; used for tolerances). Rows with length 0 give 0.
-    ``full_qbuffer``: the state is mid-step, qbuffers hold 1..G tokens (``kitty.memory.token_layout``).
+    ``q`` ``[B, Hq, D]``: the token at position ``lengths[b] - 1`` of each row (already in ``state``). GQA: query
+    head h reads KV head ``h // (Hq / Hkv)``. ``upcast=True``: scores, softmax and ``p @ V`` in fp32 (the
+    specification). ``upcast=False``: the same in ``q.dtype`` (what a kernel in that dtype could at worst be; used
+    for tolerances). Rows with length 0 give 0. ``full_qbuffer``: the state is mid-step, qbuffers hold 1..G tokens.
     """
     B, Hq, D = q.shape
     Hkv = state.k_qbuf.shape[1]
     scaling = 1.0 / math.sqrt(D) if scaling is None else scaling
     cdt = torch.float32 if upcast else q.dtype
-    out = torch.zeros(B, Hq, D, dtype=q.dtype, device=q.device)
-    for b in range(B):
-        k, v = _row_kv(state, cfg, b, full_qbuffer)  # (Hkv, n, D)
-        if k.shape[1] == 0:
-            continue
-        k = k.to(cdt).repeat_interleave(Hq // Hkv, 0)  # (Hq, n, D)
-        v = v.to(cdt).repeat_interleave(Hq // Hkv, 0)
-        s = torch.einsum("hd,hnd->hn", q[b].to(cdt), k) * scaling
-        p = torch.softmax(s, -1)
-        out[b] = torch.einsum("hn,hnd->hd", p, v).to(q.dtype)
-    return out
+    keys, values, valid = dequantize_cache(state, cfg, full_qbuffer=full_qbuffer)  # (B, Hkv, L, D), (B, L)
+    qg = q.to(cdt).view(B, Hkv, Hq // Hkv, D)  # (B, Hkv, QH, D): the GQA group of each KV head
+    s = torch.einsum("bhqd,bhnd->bhqn", qg, keys.to(cdt)) * scaling
+    s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)  # a row of length 0 has no valid column: all -inf -> 0
+    out = torch.einsum("bhqn,bhnd->bhqd", p, values.to(cdt))
+    return out.reshape(B, Hq, D).to(q.dtype)

@@ -7,7 +7,7 @@
 It reads the same storage as the fused kernel (``docs/LAYOUT.md``) with the same device functions, so the only
 difference measured is the fusion. Unlike the paper's kernels (one program per (batch, KV head) walking every page),
 both kernels here are split over the sequence like the fused one: this baseline is stronger than the paper's.
-Reference: :func:`kernels.decode_attention.decode_attention_ref`.
+Reference: :func:`kitty.kernels.decode_attention_ref` (``kernels/reference.py``).
 """
 
 from __future__ import annotations
@@ -20,10 +20,20 @@ import triton.language as tl
 
 from kitty.config import KVQuantConfig
 
-from ._tiles import _key_page_T, _value_page
-from .decode_attention import _TLTYPE, KittyLayerState, _fp_values, _interpreting, _reg_cap, check_state, default_num_splits
+from ._tiles import INTERPRETING, TLTYPE, _key_page_T, _value_page, check_power_of_two, fp_values, program_row
+from .decode_attention import default_num_splits, register_cap
+from .reference import KittyLayerState, check_state
 
 __all__ = ["decode_attention_unfused"]
+
+
+@triton.jit
+def _split_blocks(m, split, NUM_SPLITS, BLOCK_N: tl.constexpr):
+    """``[start, end)``: the blocks of ``BLOCK_N`` tokens past the sink (of ``m``) that ``split`` owns."""
+    nblk = tl.cdiv(m, BLOCK_N)
+    per = tl.cdiv(nblk, NUM_SPLITS)
+    start = split * per
+    return start, tl.minimum(start + per, nblk)
 
 
 @triton.jit
@@ -41,18 +51,9 @@ def _qk_kernel(
     DOT_DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr,
 ):
     NPB: tl.constexpr = G // BLOCK_N
-    pid_bh = tl.program_id(0)
-    split = tl.program_id(1)
-    b = pid_bh // Hkv
-    h = pid_bh % Hkv
-    b64 = b.to(tl.int64)
-    n = tl.load(len_ptr + b)
-    m = tl.maximum(n - S, 0)
+    pid_bh, split, b, h, b64, n, m = program_row(len_ptr, Hkv, S)
     kb = (m // G) * NPB
-    nblk = tl.cdiv(m, BLOCK_N)
-    per = tl.cdiv(nblk, NUM_SPLITS)
-    start = split * per
-    end = tl.minimum(start + per, nblk)
+    start, end = _split_blocks(m, split, NUM_SPLITS, BLOCK_N)
     r = tl.arange(0, BLOCK_H)
     d = tl.arange(0, D)
     t = tl.arange(0, BLOCK_N)
@@ -96,19 +97,10 @@ def _sv_kernel(
     DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr,
 ):
     NPB: tl.constexpr = G // BLOCK_N
-    pid_bh = tl.program_id(0)
-    split = tl.program_id(1)
-    b = pid_bh // Hkv
-    h = pid_bh % Hkv
-    b64 = b.to(tl.int64)
-    n = tl.load(len_ptr + b)
-    m = tl.maximum(n - S, 0)
+    pid_bh, split, b, h, b64, n, m = program_row(len_ptr, Hkv, S)
     mv = tl.maximum(m - R, 0)
     vb = (mv // G) * NPB
-    nblk = tl.cdiv(m, BLOCK_N)
-    per = tl.cdiv(nblk, NUM_SPLITS)
-    start = split * per
-    end = tl.minimum(start + per, nblk)
+    start, end = _split_blocks(m, split, NUM_SPLITS, BLOCK_N)
     r = tl.arange(0, BLOCK_H)
     d = tl.arange(0, D)
     t = tl.arange(0, BLOCK_N)
@@ -130,7 +122,7 @@ def _sv_kernel(
         acc += tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE))
     for jb in range(tl.maximum(start, vb), end):
         rel = jb * BLOCK_N + t
-        v = _fp_values(v_qbuf_ptr + b64 * svq_b + h * svq_h, v_local_ptr + b64 * svl_b + h * svl_h,
+        v = fp_values(v_qbuf_ptr + b64 * svq_b + h * svq_h, v_local_ptr + b64 * svl_b + h * svl_h,
                        rel, m, mv, d, G, D, R)
         p = tl.load(row_ptr + (S + rel)[None, :], mask=rows & (rel < m)[None, :], other=0.0)
         acc += tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE))
@@ -145,9 +137,7 @@ def decode_attention_unfused(q: torch.Tensor, state: KittyLayerState, cfg: KVQua
     """Decode attention as the paper runs it: qk kernel -> torch softmax -> sv kernel. ``[B, Hq, D]`` in/out."""
     z = check_state(q, state, cfg)
     B, Hq, Hkv, D, S, G, R, nb = (z[k] for k in ("B", "Hq", "Hkv", "D", "S", "G", "R", "nb"))
-    for size, what in ((G, "group_size"), (D, "head_dim")):
-        if size < 16 or size & (size - 1):
-            raise ValueError(f"the unfused kernels need a power-of-two {what} >= 16, got {size}")
+    check_power_of_two({"group_size": G, "head_dim": D}, 16, "unfused kernels")
     scaling = 1.0 / math.sqrt(D) if scaling is None else float(scaling)
     QH = Hq // Hkv
     BLOCK_H = max(16, triton.next_power_of_2(QH))
@@ -158,8 +148,8 @@ def decode_attention_unfused(q: torch.Tensor, state: KittyLayerState, cfg: KVQua
     L_CAP = S + (state.k_page_table.shape[1] + 1) * G
     max_blocks = (L_CAP - S) // BLOCK_N
     splits = num_splits or default_num_splits(B, Hkv, max_blocks, q.device)
-    dtype = _TLTYPE[q.dtype]
-    dot_dtype = tl.float32 if ((_interpreting() and q.dtype == torch.bfloat16) or q.dtype == torch.float32) else dtype
+    dtype = TLTYPE[q.dtype]
+    dot_dtype = tl.float32 if ((INTERPRETING and q.dtype == torch.bfloat16) or q.dtype == torch.float32) else dtype
     q = q.contiguous()
     st, dummy = state, state.k_qbuf
     lengths = st.lengths.to(torch.int32)
@@ -174,7 +164,7 @@ def decode_attention_unfused(q: torch.Tensor, state: KittyLayerState, cfg: KVQua
         q.stride(0), q.stride(1), st.sink_k.stride(0), st.sink_k.stride(1), st.k_qbuf.stride(0), st.k_qbuf.stride(1),
         st.k_page_table.stride(0),
         S=S, G=G, D=D, NB=nb, KEY_RAW=not cfg.quantizes_keys, BLOCK_H=BLOCK_H, BLOCK_S=BLOCK_S, BLOCK_N=BLOCK_N,
-        DTYPE=dtype, DOT_DTYPE=dot_dtype, UNPACK_RESHAPE=unpack_reshape, num_warps=num_warps, **_reg_cap(maxnreg),
+        DTYPE=dtype, DOT_DTYPE=dot_dtype, UNPACK_RESHAPE=unpack_reshape, num_warps=num_warps, **register_cap(maxnreg),
     )
     # 2) softmax in torch (fp32); rows of length 0 are all -inf -> NaN, zeroed
     probs = torch.softmax(logits, -1).nan_to_num_(0.0)
@@ -189,7 +179,7 @@ def decode_attention_unfused(q: torch.Tensor, state: KittyLayerState, cfg: KVQua
         S=S, G=G, R=R, D=D, VBITS=cfg.value_bits if cfg.quantizes_values else 2, VALUE_RAW=not cfg.quantizes_values,
         BLOCK_H=BLOCK_H, BLOCK_S=BLOCK_S, BLOCK_N=BLOCK_N, DTYPE=dtype, DOT_DTYPE=dot_dtype,
         UNPACK_RESHAPE=unpack_reshape,
-        num_warps=num_warps, **_reg_cap(maxnreg),
+        num_warps=num_warps, **register_cap(maxnreg),
     )
     out = ws.sum(1)[:, :QH].reshape(B, Hq, D)  # (B*Hkv, QH, D) -> (B, Hq, D)
     return out.to(q.dtype)

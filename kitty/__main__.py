@@ -9,13 +9,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from .config import PRESETS, get_preset
+from .generate import Sampling, eos_ids, make_cache, stream_tokens
 from .memory import MemoryReport
+from .prompts import encode_prompt
 
 DEFAULT_COMPARE = "fp16,kivi-k2v2,kitty,kitty-pro"
 
@@ -36,29 +37,31 @@ class Result:
         return self.new_tokens / self.seconds if self.seconds else 0.0
 
 
-def encode(tokenizer, prompt: str, chat: bool) -> dict[str, torch.Tensor]:
-    """Token ids of ``prompt`` (wrapped in the chat template with ``chat``), batch of one."""
-    if chat:
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    return tokenizer([prompt], return_tensors="pt")
+def generate(model, tokenizer, prompt: str, method: str, max_new_tokens: int = 64, chat: bool = False,
+             on_text: Callable[[str], None] | None = None, do_sample: bool = False, temperature: float = 1.0,
+             top_p: float = 1.0, seed: int = 0, backend: str = "auto") -> Result:
+    """Generate from ``prompt`` with the preset ``method``; return the text, speed and the cache's memory report.
 
-
-def generate(model, tokenizer, prompt: str, method: str, max_new_tokens: int = 64, chat: bool = False, streamer=None,
-             do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, backend: str = "auto") -> Result:
-    """Generate from ``prompt`` with the preset ``method``; return the text, speed and the cache's memory report."""
-    from .cache import KittyCache
-
+    ``on_text``: called with each new piece of text as tokens arrive (the terminal's streamed output).
+    """
     cfg = get_preset(method)
-    enc = encode(tokenizer, prompt, chat).to(model.device)
-    cache = KittyCache(model.config, cfg, backend=backend)
-    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if do_sample else dict(do_sample=False)
-    torch.manual_seed(seed)
+    ids = encode_prompt(tokenizer, prompt, chat)
+    cache = make_cache(model, cfg, backend=backend)
+    sampling = Sampling(temperature, top_p, seed) if do_sample else Sampling(seed=seed)
+    new: list[int] = []
+    shown = ""
     start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(**enc, cache=cache, max_new_tokens=max_new_tokens, streamer=streamer, pad_token_id=tokenizer.pad_token_id, **sampling)
+    for tok in stream_tokens(model, ids, cache, max_new_tokens, sampling, eos_ids(model, tokenizer)):
+        new.append(tok)
+        if on_text is not None:
+            text = tokenizer.decode(new, skip_special_tokens=True)
+            if len(text) > len(shown) and not text.endswith("\ufffd"):  # wait for a whole multi-byte character
+                on_text(text[len(shown) :])
+                shown = text
     seconds = time.perf_counter() - start
-    new = out[0, enc["input_ids"].shape[1] :]
     text = tokenizer.decode(new, skip_special_tokens=True)
+    if on_text is not None and len(text) > len(shown):
+        on_text(text[len(shown) :])
     return Result(method, text, len(new), seconds, cache.memory_report(), cache.token_counts())
 
 
@@ -146,8 +149,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.model is not None and args.model.startswith(("/", ".", "~")) and not Path(args.model).expanduser().exists():
         return _fail(f"--model {args.model!r}: no such folder (give a local model folder or a hub id)")
 
-    from transformers import TextStreamer
-
     from .models import load_model
 
     try:
@@ -157,8 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     options = dict(max_new_tokens=args.max_new_tokens, chat=args.chat, do_sample=args.sample, temperature=args.temperature,
                    top_p=args.top_p, seed=args.seed, backend=args.backend)
     if not args.compare:
-        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-        result = generate(model, tokenizer, args.prompt, args.method, streamer=streamer, **options)
+        def show(piece: str) -> None:
+            print(piece, end="", flush=True)
+
+        result = generate(model, tokenizer, args.prompt, args.method, on_text=show, **options)
         print()
         print(describe(result))
         return 0

@@ -15,16 +15,17 @@ config says ``"kitty"`` keeps working without a KittyCache.
 
 Backends (``KittyCache(..., backend=)``; the environment variable ``KITTY_BACKEND`` is only its default):
 
-- ``torch``: dequantize the layer's pages transiently (:func:`dequantize_cache`), then SDPA over
+- ``torch``: read the layer back in position order with the kernels' torch reference
+  (:func:`kitty.kernels.reference.dequantize_cache`, pages dequantized transiently), then SDPA over
   ``[cached tokens | new tokens]`` with a causal + padding mask. The prompt (prefill) is attended in full precision;
   decode steps read the quantized cache. Nothing dequantized is kept.
 - ``triton``: decode steps (one new token per row) insert the token, then call
-  ``kernels.decode_attention(q [B, Hq, D], kernels.KittyLayerState(**layer.storage()), cfg, scaling=scale,
+  ``kitty.kernels.decode_attention(q [B, Hq, D], layer_state(layer.storage()), cfg, scaling=scale,
   backend="triton")`` on the storage of ``docs/LAYOUT.md`` (see :func:`triton_decode`). Steps whose token completes
   a page (1-2 of every G) and multi-token chunks take the torch path, so both backends attend that page in full
   precision, as the paper does.
-- ``auto``: ``triton`` for CUDA tensors when ``kernels`` is present and ``kernels.triton_supports(cfg, head_dim)``,
-  else ``torch``. A forced ``triton`` without ``kernels.decode_attention`` raises ``NotImplementedError``.
+- ``auto``: ``triton`` for CUDA tensors when Triton is installed and ``kitty.kernels.triton_supports(cfg, head_dim)``,
+  else ``torch``. A forced ``triton`` without Triton raises ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -44,9 +45,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .config import KVQuantConfig
-from .memory import token_layout
-from .quant import dequantize_key_page, dequantize_value_page
-from .storage import PendingKV, key_page_from_storage, layer_state, value_page_from_storage
+from .kernels.reference import dequantize_cache
+from .storage import PendingKV, layer_state
 
 ATTN_NAME = "kitty"
 BACKEND_ENV = "KITTY_BACKEND"
@@ -166,77 +166,7 @@ def kitty_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0
     return KittyMask(attention_mask, sdpa_kwargs)
 
 
-# ------------------------------------------------------------------------------- reading the cache (torch path)
-
-
-def dequantize_cache(
-    storage: dict[str, torch.Tensor], cfg: KVQuantConfig, new_keys: torch.Tensor | None = None, new_values: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every cached token of one layer in position order: keys, values ``[B, H, L (+T), D]`` and valid ``[B, L]``.
-
-    ``storage``: tensors named as in ``docs/LAYOUT.md`` plus ``lengths`` (e.g. ``KittyLayer.storage()``);
-    ``L = max(lengths)``; column ``p`` of row ``b`` holds position ``p`` for ``p < lengths[b]`` (zeros beyond).
-    ``new_keys``/``new_values`` ``[B, H, T, D]``, if given, fill columns ``L .. L+T-1`` (saves a concatenation).
-    Pages are dequantized with ``kitty.quant`` for all rows at once; the result is transient.
-    """
-    n = storage["lengths"].tolist()
-    sink_k, sink_v = storage["sink_k"], storage["sink_v"]
-    B, H, S, D = sink_k.shape
-    G, R = cfg.group_size, cfg.local_window
-    L = max(n, default=0)
-    T = 0 if new_keys is None else new_keys.shape[2]
-    lay = [token_layout(cfg, x) for x in n]
-    keys = sink_k.new_empty(B, H, L + T, D)
-    values = sink_v.new_empty(B, H, L + T, D)
-    if T:
-        keys[:, :, L:] = new_keys
-        values[:, :, L:] = new_values
-
-    # pages: page j of every row covers positions S + j*G .. S + (j+1)*G - 1 (a row with fewer pages reads page 0
-    # there: finite data that its own buffers overwrite below, or that the zeroed tail replaces)
-    pk = max((x.key_pages for x in lay), default=0)
-    if pk:
-        ids = storage["k_page_table"][:, :pk].long().clamp_min(0)  # (B, pk)
-        k = dequantize_key_page(key_page_from_storage(storage, ids, cfg, sink_k.dtype))  # (B, pk, H, G, D)
-        keys[:, :, S : S + pk * G] = k.permute(0, 2, 1, 3, 4).reshape(B, H, pk * G, D)
-    pv = max((x.value_pages for x in lay), default=0)
-    if pv:
-        ids = storage["v_page_table"][:, :pv].long().clamp_min(0)  # (B, pv)
-        v = dequantize_value_page(value_page_from_storage(storage, ids, cfg, sink_v.dtype))  # (B, pv, H, G, D)
-        values[:, :, S : S + pv * G] = v.permute(0, 2, 1, 3, 4).reshape(B, H, pv * G, D)
-
-    for b, x in enumerate(lay):  # full-precision buffers: contiguous position ranges per row
-        keys[b, :, : x.sink] = sink_k[b, :, : x.sink]
-        values[b, :, : x.sink] = sink_v[b, :, : x.sink]
-        k0 = S + x.key_pages * G  # key qbuffer: slot s holds position k0 + s
-        keys[b, :, k0 : k0 + x.key_qbuffer] = storage["k_qbuf"][b, :, : x.key_qbuffer]
-        v0 = S + x.value_pages * G  # value qbuffer: slot s holds position v0 + s
-        values[b, :, v0 : v0 + x.value_qbuffer] = storage["v_qbuf"][b, :, : x.value_qbuffer]
-        if x.local:  # local ring: positions [n - local, n), position p in slot (p - S) % R; at most two pieces
-            first = x.tokens - x.local
-            slot = (first - S) % R
-            head = min(x.local, R - slot)
-            values[b, :, first : first + head] = storage["v_local"][b, :, slot : slot + head]
-            values[b, :, first + head : x.tokens] = storage["v_local"][b, :, : x.local - head]
-        keys[b, :, x.tokens : L] = 0  # columns past this row's length: masked, but must be finite
-        values[b, :, x.tokens : L] = 0
-    valid = torch.arange(L, device=sink_k.device)[None, :] < storage["lengths"].to(sink_k.device)[:, None]  # (B, L)
-    return keys, values, valid
-
-
-def paged_decode_attention_ref(query: torch.Tensor, storage: dict[str, torch.Tensor], cfg: KVQuantConfig, scale: float) -> torch.Tensor:
-    """One query token per row over every cached token (vectorized; ``kernels.decode_attention_ref`` loops rows).
-
-    Args:
-        query: ``[B, Hq, 1, D]`` (the token at position ``lengths[b] - 1``, already inserted in ``storage``).
-        storage: one layer's tensors named as in ``docs/LAYOUT.md`` plus ``lengths`` (``KittyLayer.storage()``).
-        cfg: the cache's :class:`KVQuantConfig` (S, G, R, bits).
-        scale: softmax scale (usually ``1/sqrt(D)``).
-    Returns:
-        ``[B, Hq, 1, D]`` in the query's dtype. GQA: query head h reads KV head ``h // (Hq / Hkv)``.
-    """
-    keys, values, valid = dequantize_cache(storage, cfg)
-    return F.scaled_dot_product_attention(query, keys, values, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=query.shape[1] != keys.shape[1])
+# ---------------------------------------------------------------------------------------- the torch path
 
 
 def attend_torch(query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, valid: torch.Tensor, storage: dict[str, torch.Tensor], cfg: KVQuantConfig, scale: float) -> torch.Tensor:
@@ -269,8 +199,8 @@ def attend_torch(query: torch.Tensor, key_states: torch.Tensor, value_states: to
 def resolve_backend(requested: str, device: torch.device, cfg: KVQuantConfig | None = None, head_dim: int | None = None) -> str:
     """``"torch"`` or ``"triton"`` for tensors on ``device``; ``requested`` as in :func:`requested_backend`.
 
-    ``"auto"`` picks Triton only for CUDA tensors, when ``kernels`` provides ``decode_attention`` and (if it says
-    so through ``kernels.triton_supports``) the fused kernel handles ``cfg`` at ``head_dim``.
+    ``"auto"`` picks Triton only for CUDA tensors, when Triton is installed and (per
+    ``kitty.kernels.triton_supports``) the fused kernel handles ``cfg`` at ``head_dim``.
     """
     choice = requested_backend(requested)
     if choice != "auto":
@@ -287,18 +217,16 @@ def resolve_backend(requested: str, device: torch.device, cfg: KVQuantConfig | N
 
 
 def _kernels(required: bool = True):
-    """The ``kernels`` package if it provides ``decode_attention`` and ``KittyLayerState`` (issue 4)."""
-    try:
-        import kernels
+    """``kitty.kernels`` when Triton is installed (its fused ``decode_attention`` can run), else ``None`` or an error."""
+    from . import kernels
 
-        kernels.decode_attention, kernels.KittyLayerState  # noqa: B018  (both must exist)
-    except (ImportError, AttributeError) as e:
+    if not kernels.HAS_TRITON:
         if required:
             raise NotImplementedError(
-                "backend='triton' needs kernels.decode_attention(q, KittyLayerState, cfg, scaling) (issue 4), which is "
-                f"not available ({e}); use backend='torch' or KITTY_BACKEND=torch"
-            ) from e
-        warnings.warn("kernels.decode_attention is not available: KittyCache(backend='auto') uses the torch backend", stacklevel=3)
+                "backend='triton' needs Triton for kitty.kernels.decode_attention, which is not installed; "
+                "use backend='torch' or KITTY_BACKEND=torch"
+            )
+        warnings.warn("Triton is not installed: KittyCache(backend='auto') uses the torch backend", stacklevel=3)
         return None
     return kernels
 
@@ -307,7 +235,7 @@ def triton_decode(query: torch.Tensor, storage: dict[str, torch.Tensor], cfg: KV
                   full_qbuffer: bool = False) -> torch.Tensor:
     """The Triton seam: ``query`` ``[B, Hq, 1, D]`` over one layer's storage (new token already inserted).
 
-    Calls ``kernels.decode_attention(q [B, Hq, D], KittyLayerState, cfg, scaling=scale, backend="triton",
+    Calls ``kitty.kernels.decode_attention(q [B, Hq, D], KittyLayerState, cfg, scaling=scale, backend="triton",
     full_qbuffer=...)``; ``full_qbuffer``: the layer is mid-step (a qbuffer the new token filled is not packed yet).
     Pool tensors of a 16-bit side are passed empty (the kernel reads ``k_raw``/``v_raw`` then).
     """
@@ -378,7 +306,7 @@ def _attend_and_insert(layer, query: torch.Tensor, key: PendingKV, valid: torch.
         kernels = _kernels(required=True)  # fail before inserting if the kernels are missing
         if not kernels.triton_supports(layer.cfg, D):  # the kernel's own rule, checked before anything changes
             raise ValueError(f"backend='triton' cannot run group_size={layer.cfg.group_size}, head_dim={D}, "
-                             f"value_bits={layer.cfg.value_bits} on {query.device} (see kernels.triton_supports); use backend='auto'")
+                             f"value_bits={layer.cfg.value_bits} on {query.device} (see kitty.kernels.triton_supports); use backend='auto'")
         filled = layer.insert_decode(key.key_states, key.value_states)
         out = triton_decode(query, layer.storage(), layer.cfg, scale, full_qbuffer=True)  # (B, Hq, 1, D)
         layer.pack_filled(filled)

@@ -45,7 +45,7 @@ from . import attention as kattention
 from .config import KVQuantConfig, get_preset, is_int
 from .memory import MemoryReport, token_layout
 from .models import kv_dims
-from .quant import KeyPage, ValuePage, quantize_key_page, quantize_value_page
+from .quant import KeyPage, ValuePage, quantize_key_page, quantize_value_page, query_scale_from, query_statistic
 from .storage import PendingKV, key_page_from_storage, page_fields, pool_fields, value_page_from_storage
 
 BACKENDS = ("auto", "torch", "triton")
@@ -65,9 +65,7 @@ def check_triton_backend(cfg: KVQuantConfig, head_dim: int) -> None:
     """Refuse ``backend="triton"`` where it cannot run, before any token is stored: ``NotImplementedError`` without
     the kernels, ``ValueError`` without a CUDA GPU (and not under ``TRITON_INTERPRET=1``) or for a config the fused
     kernel does not handle (``kernels.triton_supports``)."""
-    kernels = kattention._kernels(required=True)
-    if not getattr(kernels, "HAS_TRITON", True):
-        raise ValueError("backend='triton' needs the triton package, which is not installed; use backend='auto' or 'torch'")
+    kernels = kattention._kernels(required=True)  # NotImplementedError without Triton
     if not torch.cuda.is_available() and not _interpreting():
         raise ValueError("backend='triton' needs a CUDA GPU, and torch sees none (CPU runs need TRITON_INTERPRET=1 set "
                          "before triton is imported); use backend='auto' or 'torch'")
@@ -524,7 +522,7 @@ class KittyLayer(CacheLayerMixin):
             self._pack(self.value_pool, self.v_page_table, dest, value_rows, keys=False)
 
     def _triton_pack(self, keys: bool) -> bool:
-        """Whether full qbuffers of this side are packed by ``kernels.pack_pages`` (CUDA, and a config it packs
+        """Whether full qbuffers of this side are packed by ``kitty.kernels.pack_pages`` (CUDA, and a config it packs
         bit-identically to ``kitty.quant``: 2/4 bits, min-max ranges, magnitude or random channel selection)."""
         cfg = self.cfg
         if self.device.type != "cuda" or (cfg.key_bits if keys else cfg.value_bits) == 16:
@@ -533,17 +531,15 @@ class KittyLayer(CacheLayerMixin):
             return False
         if keys and cfg.channel_selection in QUERY_SELECTIONS:
             return False
-        try:
-            from kernels import HAS_TRITON
-        except ImportError:
-            return False
+        from .kernels import HAS_TRITON
+
         return HAS_TRITON
 
     def _pack(self, pool: PagePool, table: torch.Tensor, dest: list[tuple[int, int, int]], rows: list[int], keys: bool) -> None:
         """Quantize the full qbuffers of ``rows`` into fresh pages of ``pool`` and point ``table`` at them."""
         idx = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
         if self._triton_pack(keys):
-            from kernels import pack_pages
+            from .kernels import pack_pages
 
             ids = pool.allocate(len(rows))
             qbuf = self.k_qbuf if keys else self.v_qbuf
@@ -565,8 +561,7 @@ class KittyLayer(CacheLayerMixin):
         B, Hq, T, D = query.shape
         H = self.num_kv_heads
         w = valid.to(device=query.device, dtype=torch.float32)[:, None, None, :, None]  # (B, 1, 1, T, 1)
-        q = query.float().view(B, H, Hq // H, T, D)  # (B, Hkv, group, T, D)
-        stat = q.abs() if self.cfg.channel_selection == "query" else q.square()
+        stat = query_statistic(query.reshape(B, H, Hq // H, T, D), self.cfg.channel_selection)  # (B, Hkv, group, T, D)
         if self._undo is not None:
             old_sum, old_count = self.q_stat_sum.clone(), self.q_count.clone()
             self._on_undo(lambda: (self.q_stat_sum.copy_(old_sum), self.q_count.copy_(old_count)))
@@ -579,8 +574,7 @@ class KittyLayer(CacheLayerMixin):
         sel = self.cfg.channel_selection
         if sel not in QUERY_SELECTIONS:
             return None
-        mean = self.q_stat_sum / self.q_count.clamp_min(1)
-        scale = mean if sel == "query" else mean.sqrt()
+        scale = query_scale_from(self.q_stat_sum / self.q_count.clamp_min(1), sel)
         return scale if rows is None else scale[rows]
 
     def _store(self, pool: PagePool, table: torch.Tensor, dest: list[tuple[int, int, int]], fields: dict[str, torch.Tensor]) -> None:

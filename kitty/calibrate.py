@@ -11,7 +11,8 @@ in ``kitty/profiles/``.
 The measurement is teacher-forced: one forward pass over the calibration text with the layer's keys past the sink
 replaced by their quantize -> dequantize round trip page by page (values exact; the other layers exact, or with
 ``in_context`` quantized uniformly), through an
-attention function registered as ``"kitty-calibrate"``. Query statistics for ``"query"``/``"oracle"`` selection
+attention function registered as ``"kitty-calibrate"`` that reads which layer to quantize from the forward call's
+``kitty_calibration`` argument (a :class:`CalibrationTarget`). Query statistics for ``"query"``/``"oracle"`` selection
 come from the same pass.
 
 ``python -m kitty.calibrate [--model M] [--base kitty-query+key_range=fit] [--in-context] [--out kitty/profiles/NAME.json]``
@@ -26,6 +27,7 @@ import argparse
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,8 +37,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .cache import QUERY_SELECTIONS
 from .config import PROFILES_DIR, KVQuantConfig, get_preset
-from .quant import dequantize_key_page, quantize_key_page
+from .prompts import ASSETS
+from .quant import dequantize_key_page, quantize_key_page, query_scale_from, query_statistic
 
 CALIB_ATTN = "kitty-calibrate"
 DEFAULT_COUNTS = (0, 4, 8, 12, 16, 24, 32, 48)
@@ -44,10 +48,12 @@ CALIB_TEXT = "python_reference.txt"
 CALIB_OFFSET = 20_000  # first calibration token: past the evaluation windows (kitty.eval reads the first ~2.6K tokens)
 
 
-class _Target:
-    """Which layer the calibration attention function quantizes, and how (``layer = -1``: none)."""
+@dataclass(frozen=True)
+class CalibrationTarget:
+    """Which layer the calibration attention function quantizes, and how; passed with each forward call
+    (``model(x, kitty_calibration=target)``), so no state outlives a call."""
 
-    layer: int = -1
+    layer: int = -1  # -1: no layer
     cfg: KVQuantConfig | None = None
     context: KVQuantConfig | None = None  # config of every other layer (None: exact keys)
 
@@ -63,17 +69,20 @@ def fake_quantize_keys(key: torch.Tensor, query: torch.Tensor, cfg: KVQuantConfi
     if pages == 0 or not cfg.quantizes_keys:
         return key
     body = key[:, :, S : S + pages * G].reshape(B, H, pages, G, D).transpose(1, 2)  # (B, pages, H, G, D)
-    q = query.float().view(B, H, -1, T, D)
-    qs = q.abs().mean((2, 3)) if cfg.channel_selection == "query" else q.square().mean((2, 3)).sqrt()  # (B, H, D)
-    page = quantize_key_page(body, cfg, salt=salt, query_scale=qs[:, None])
+    sel, qs = cfg.channel_selection, None
+    if sel in QUERY_SELECTIONS:
+        qs = query_scale_from(query_statistic(query.reshape(B, H, -1, T, D), sel).mean((2, 3)), sel)[:, None]  # (B, 1, H, D)
+    page = quantize_key_page(body, cfg, salt=salt, query_scale=qs)
     body_hat = dequantize_key_page(page).transpose(1, 2).reshape(B, H, pages * G, D)
     return torch.cat([key[:, :, :S], body_hat, key[:, :, S + pages * G :]], dim=2)
 
 
-def _calibration_attention(module, query, key, value, attention_mask, **kwargs):
-    """SDPA, with the target layer's keys fake-quantized (see :func:`fake_quantize_keys`)."""
+def _calibration_attention(module, query, key, value, attention_mask,
+                           kitty_calibration: CalibrationTarget | None = None, **kwargs):
+    """SDPA, with the keys of ``kitty_calibration``'s layers fake-quantized (see :func:`fake_quantize_keys`)."""
+    target = kitty_calibration or CalibrationTarget()
     layer = getattr(module, "layer_idx", None)
-    cfg = _Target.cfg if layer == _Target.layer else _Target.context
+    cfg = target.cfg if layer == target.layer else target.context
     if cfg is not None:
         key = fake_quantize_keys(key, query, cfg, salt=layer)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -102,18 +111,15 @@ def layer_sensitivity(
     previous = model.config._attn_implementation
     model.config._attn_implementation = CALIB_ATTN
     try:
-        _Target.layer, _Target.cfg, _Target.context = -1, None, None
         x = ids[None].to(model.device)
         ref = F.log_softmax(model(x).logits[0, first:].float(), -1)
         kl = torch.zeros(num_layers, len(counts))
-        _Target.context = context
         todo = [(l, j) for l in range(num_layers) for j in range(len(counts))]
         for l, j in tqdm(todo, desc="calibrating layers", disable=not progress):
-            _Target.layer, _Target.cfg = l, cfg.with_(boost_fraction=counts[j] / head_dim, boost_profile=None)
-            logp = F.log_softmax(model(x).logits[0, first:].float(), -1)
+            target = CalibrationTarget(l, cfg.with_(boost_fraction=counts[j] / head_dim, boost_profile=None), context)
+            logp = F.log_softmax(model(x, kitty_calibration=target).logits[0, first:].float(), -1)
             kl[l, j] = F.kl_div(logp, ref, log_target=True, reduction="batchmean").item()
     finally:
-        _Target.layer, _Target.cfg, _Target.context = -1, None, None
         model.config._attn_implementation = previous
     return kl
 
@@ -150,8 +156,6 @@ def allocate(kl: torch.Tensor, counts: tuple[int, ...], total: int) -> list[int]
 
 def calibration_ids(tokenizer, n_tokens: int = 1024, text: str = CALIB_TEXT, offset: int = CALIB_OFFSET) -> torch.Tensor:
     """``n_tokens`` token ids of a shipped text from ``assets/``, starting at token ``offset``."""
-    from .eval import ASSETS
-
     ids = tokenizer((ASSETS / text).read_text(), return_tensors="pt").input_ids[0]
     if ids.numel() < offset + n_tokens:
         raise ValueError(f"{text} has {ids.numel()} tokens, fewer than offset + n_tokens = {offset + n_tokens}")

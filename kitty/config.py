@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -153,7 +154,37 @@ def _preset(name: str, description: str, **kw) -> KVQuantConfig:
     return KVQuantConfig(name=name, description=description, **kw)
 
 
-PRESETS: dict[str, KVQuantConfig] = {
+class PresetTable(Mapping[str, KVQuantConfig]):
+    """Preset name -> :class:`KVQuantConfig`, in declaration order. A preset added with :meth:`add_lazy` is built
+    on first access (a layer-adaptive preset reads its profile JSON then, not when ``kitty`` is imported)."""
+
+    def __init__(self, presets: dict[str, KVQuantConfig]) -> None:
+        self._made = dict(presets)
+        self._lazy: dict[str, Callable[[], KVQuantConfig]] = {}
+        self._names = list(presets)
+
+    def add_lazy(self, name: str, make: Callable[[], KVQuantConfig]) -> None:
+        self._lazy[name] = make
+        self._names.append(name)
+
+    def __getitem__(self, name: str) -> KVQuantConfig:
+        if name not in self._made:
+            if name not in self._lazy:
+                raise KeyError(name)
+            self._made[name] = self._lazy.pop(name)()
+        return self._made[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._made or name in self._lazy
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+PRESETS = PresetTable({
     p.name: p
     for p in (
         _preset("fp16", "No quantization: every key and value in full precision (the reference).", key_bits=16, value_bits=16),
@@ -172,7 +203,7 @@ PRESETS: dict[str, KVQuantConfig] = {
         _preset("kitty-fit", "Beyond the paper: Kitty with oracle channel selection and per-channel key ranges fitted by a clipping search (same bits as kitty).", boost_fraction=0.125, channel_selection="oracle", key_range="fit"),
         _preset("kitty-pro-fit", "Beyond the paper: Kitty-Pro (25% boosted) with oracle channel selection and fitted key ranges (same bits as kitty-pro).", boost_fraction=0.25, channel_selection="oracle", key_range="fit"),
     )
-}
+})
 
 
 def _adaptive(name: str, base: str, fraction: float) -> KVQuantConfig:
@@ -183,8 +214,8 @@ def _adaptive(name: str, base: str, fraction: float) -> KVQuantConfig:
     )
 
 
-PRESETS["kitty-fit-adaptive"] = _adaptive("kitty-fit-adaptive", "kitty-fit", 0.125)
-PRESETS["kitty-pro-fit-adaptive"] = _adaptive("kitty-pro-fit-adaptive", "kitty-pro-fit", 0.25)
+PRESETS.add_lazy("kitty-fit-adaptive", lambda: _adaptive("kitty-fit-adaptive", "kitty-fit", 0.125))
+PRESETS.add_lazy("kitty-pro-fit-adaptive", lambda: _adaptive("kitty-pro-fit-adaptive", "kitty-pro-fit", 0.25))
 
 
 def get_preset(name: str) -> KVQuantConfig:

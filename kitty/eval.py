@@ -19,17 +19,13 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from . import generate as gen
 from .config import PRESETS, KVQuantConfig, get_preset
+from .generate import eos_ids, generate_tokens, make_cache
+from .prompts import ASSETS, encode_prompt, passkey_prompt
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
 TEXTS = ("essay.txt", "python_reference.txt")
 DEFAULT_OUT = "kitty-eval"  # relative to the working folder: a run never overwrites the shipped assets/ unless asked
-
-
-def _cache(model, cfg: KVQuantConfig):
-    from .cache import KittyCache
-
-    return KittyCache(model.config, cfg)
 
 
 # ------------------------------------------------------------------------------------- decode perplexity
@@ -45,13 +41,13 @@ def decode_nll(model, ids: torch.Tensor, cfg: KVQuantConfig, prefill: int) -> to
     if not 0 < prefill < ids.numel():
         raise ValueError(f"prefill must be in (0, {ids.numel()}), got {prefill}")
     ids = ids.to(model.device)
-    cache = _cache(model, cfg)
-    logits = model(ids[None, :prefill], cache=cache, use_cache=True).logits[0, -1]
+    cache = make_cache(model, cfg)
+    logits = gen.prefill(model, ids[None, :prefill], cache)
     nll = []
     for t in range(prefill, ids.numel()):
         nll.append(F.cross_entropy(logits.float()[None], ids[t : t + 1]))
         if t + 1 < ids.numel():
-            logits = model(ids[None, t : t + 1], cache=cache, use_cache=True).logits[0, -1]
+            logits = gen.decode_one_token(model, cache, ids[t])
     return torch.stack(nll)
 
 
@@ -228,11 +224,11 @@ def agreement_prompts(tokenizer, n: int = 6, length: int = 512, names=TEXTS) -> 
 
 @torch.no_grad()
 def greedy(model, tokenizer, prompt: str, cfg: KVQuantConfig, max_new_tokens: int, chat: bool = False) -> list[int]:
-    """Greedy continuation of ``prompt`` (plain text, or wrapped in the chat template) through a Kitty cache."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True) if chat else prompt
-    enc = tokenizer(text, return_tensors="pt").to(model.device)
-    out = model.generate(**enc, cache=_cache(model, cfg), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, enc.input_ids.shape[1] :].tolist()
+    """Greedy continuation of ``prompt`` (plain text, or wrapped in the chat template) through a Kitty cache:
+    exactly ``max_new_tokens`` tokens (end-of-sequence tokens are never picked, like ``min_new_tokens``)."""
+    ids = encode_prompt(tokenizer, prompt, chat)
+    eos = eos_ids(model, tokenizer)
+    return generate_tokens(model, ids, make_cache(model, cfg), max_new_tokens, eos=eos, min_new_tokens=max_new_tokens)
 
 
 @dataclass
@@ -264,29 +260,13 @@ def agreement_table(model, tokenizer, methods, prompts: list[str], max_new_token
 
 # ---------------------------------------------------------------------------------------------- passkey
 
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
-
-def passkey_prompt(tokenizer, n_tokens: int, depth: float, key: int) -> str:
-    """A plain-form passkey prompt of about ``n_tokens`` tokens with the key at relative ``depth``.
-
-    Ends with "The pass key is" (the plain form the default model can solve; a chat form mostly fails).
-    """
-    head = "There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it.\n"
-    needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
-    tail = "\nWhat is the pass key? The pass key is"
-    per_filler = len(tokenizer(FILLER).input_ids)
-    budget = n_tokens - len(tokenizer(head + needle + tail).input_ids)
-    n_fill = max(budget // per_filler, 0)
-    before = round(n_fill * depth)
-    return head + FILLER * before + needle + FILLER * (n_fill - before) + tail
-
-
-@torch.no_grad()
 def passkey_answer(model, tokenizer, prompt: str, cfg: KVQuantConfig, max_new_tokens: int = 8) -> str:
-    enc = tokenizer(prompt, return_tensors="pt").to(model.device)
-    out = model.generate(**enc, cache=_cache(model, cfg), max_new_tokens=max_new_tokens, do_sample=False)
-    return tokenizer.decode(out[0, enc.input_ids.shape[1] :], skip_special_tokens=True)
+    """Greedy answer (up to ``max_new_tokens``, ending at end-of-sequence) to a plain ``prompt`` through a Kitty
+    cache under ``cfg`` (prompts: :func:`kitty.prompts.passkey_prompt`)."""
+    ids = encode_prompt(tokenizer, prompt)
+    new = generate_tokens(model, ids, make_cache(model, cfg), max_new_tokens, eos=eos_ids(model, tokenizer))
+    return tokenizer.decode(new, skip_special_tokens=True)
 
 
 @dataclass

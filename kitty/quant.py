@@ -1,7 +1,8 @@
 """Torch reference quantizers: the math of one Kitty page (paper §3.2–3.3, §4.1, Algorithm 1).
 
 Read top to bottom: bit packing primitives, then asymmetric min-max quantization, then key pages (per-channel,
-with dynamic channel-wise precision boost and the dense/sparse decomposition), then value pages (per-token).
+with dynamic channel-wise precision boost and the dense/sparse decomposition), then value pages (per-token), then
+the query statistics of query-aware selection and :func:`inspect_keys` (what a config does to one head's keys).
 
 Shapes: inputs are ``[..., G, D]`` (tokens x channels, the layout of a transformers cache ``[B, H, T, D]``);
 any leading dims are batched. A key page stores its planes channel-major, four tokens per byte (Algorithm 1):
@@ -422,3 +423,83 @@ def dequantize_value_page(page: ValuePage) -> torch.Tensor:
         return page.raw
     codes = unpack_bits(page.codes, page.bits)
     return dequantize_codes(codes, page.scale[..., None], page.zero[..., None], page.dtype)
+
+
+# ------------------------------------------------------------------------------------ query statistics
+
+
+def query_statistic(q: torch.Tensor, selection: str) -> torch.Tensor:
+    """What query-aware selections average per channel over queries: ``|q|`` (``"query"``) or ``q**2``
+    (``"oracle"``), in fp32, same shape as ``q``."""
+    if selection not in ("query", "oracle"):
+        raise ValueError(f"selection must be 'query' or 'oracle', got {selection!r}")
+    q = q.float()
+    return q.abs() if selection == "query" else q.square()
+
+
+def query_scale_from(mean_statistic: torch.Tensor, selection: str) -> torch.Tensor:
+    """``query_scale`` of :func:`channel_importance` from the mean of :func:`query_statistic`: mean ``|q|`` for
+    ``"query"``, root mean square of ``q`` for ``"oracle"``."""
+    return mean_statistic if selection == "query" else mean_statistic.sqrt()
+
+
+# ------------------------------------------------------------------------------------------- inspection
+
+
+@dataclass
+class PageInspection:
+    """One group of G key tokens of one KV head: its boosted channels and its key error with and without them."""
+
+    start: int  # absolute position of the first token
+    end: int  # one past the last
+    quantized: bool  # a full page (True) or the qbuffer (False: what would be boosted if it were quantized now)
+    boosted: list[int]  # channel indices, ascending
+    error_boosted: float  # relative Frobenius error of the dequantized page, with the boost
+    error_2bit: float  # the same page, every channel at 2 bits (KIVI-like)
+
+
+@dataclass
+class KeyInspection:
+    """Keys of one layer and KV head, and how ``cfg`` would store them."""
+
+    method: str
+    layer: int
+    head: int
+    abs_keys: torch.Tensor  # [T, D] fp32 |K|
+    sink: int  # tokens [0, sink) stay in full precision
+    pages: list[PageInspection]
+    group_size: int
+
+
+def inspect_keys(keys: torch.Tensor, cfg: KVQuantConfig, layer: int = 0, head: int = 0,
+                 query_scale: torch.Tensor | None = None) -> KeyInspection:
+    """Boosted channels and key error of every page of ``keys`` ``[T, D]`` (one layer, one KV head) under ``cfg``.
+
+    Follows the cache layout: the first ``sink_tokens`` stay full precision, then pages of ``group_size`` tokens;
+    the trailing partial group (the qbuffer) is shown with the channels it would boost if quantized now.
+    ``query_scale`` ``[D]``: for query-aware selections (``kitty.generate.prompt_query_scale``). A
+    ``boost_profile`` is applied for ``layer``.
+    """
+    if cfg.key_bits != 2:
+        raise ValueError(f"pick a method with 2-bit keys to see boosted channels, got {cfg.name} (key_bits={cfg.key_bits})")
+    cfg = cfg.for_layer(layer)
+    T, D = keys.shape
+    S, G = min(cfg.sink_tokens, T), cfg.group_size
+    nb = cfg.num_boosted(D)
+    plain = cfg.with_(boost_fraction=0.0, channel_selection="magnitude")
+    pages = []
+    for start in range(S, T, G):
+        end = min(start + G, T)
+        chunk = keys[start:end]
+        usable = (end - start) // 4 * 4  # pages need a multiple of 4 tokens; the qbuffer may not have one
+        if usable == 0:
+            continue
+        chunk = chunk[:usable]
+        mask = select_boosted(channel_importance(chunk, cfg, salt=layer, query_scale=query_scale), nb)
+        ref = chunk.float()
+        errs = []
+        for c, m in ((cfg, mask), (plain, None)):
+            deq = dequantize_key_page(quantize_key_page(chunk, c, salt=layer, boost_mask=m)).float()
+            errs.append(float((deq - ref).norm() / ref.norm().clamp_min(1e-12)))
+        pages.append(PageInspection(start, end, end - start == G, mask.nonzero().flatten().tolist(), errs[0], errs[1]))
+    return KeyInspection(cfg.name, layer, head, keys.float().abs(), S, pages, G)

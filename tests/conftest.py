@@ -1,9 +1,8 @@
 """Shared fixtures: the default model, loaded once per test session.
 
 Without a GPU, Triton kernels run only under its interpreter, and ``TRITON_INTERPRET`` must be set before the
-first import of ``triton``; transformers may import our ``kernels`` package early (its hub-kernels probe looks for
-a package of that name), so the variable is set here, before any test module is collected. It changes nothing for
-``KittyCache(backend="auto")``, which picks Triton only for CUDA tensors.
+first import of ``triton`` (which any test module may trigger), so the variable is set here, before any test module
+is collected. It changes nothing for ``KittyCache(backend="auto")``, which picks Triton only for CUDA tensors.
 """
 
 import os

@@ -18,8 +18,11 @@ import time  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kitty import PRESETS  # noqa: E402
+from kitty import PRESETS, get_preset  # noqa: E402
 from kitty import demo as kd  # noqa: E402
+from kitty import prompts as kp  # noqa: E402
+from kitty.generate import Sampling, make_cache, prompt_keys, prompt_query_scale  # noqa: E402
+from kitty.quant import inspect_keys  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -68,6 +71,8 @@ NOTE, TEXTS, READOUTS, PLOT, SUMMARY, JSON = 0, slice(1, 4), slice(4, 7), 7, 8, 
 
 
 def check_against_library(engine, final, prompt: str, new: int) -> None:
+    from app import fmt_bytes
+
     readouts = final[JSON]
     texts = final[TEXTS]
     assert len(readouts) == 3
@@ -86,7 +91,7 @@ def check_against_library(engine, final, prompt: str, new: int) -> None:
         # the readout under the column shows the same numbers
         md = final[READOUTS][i]
         assert f"<b>{report.bits_per_element:.2f}</b>" in md and f"<b>{report.compression:.2f}×</b>" in md
-        assert f"<b>{kd.fmt_bytes(report.stored_bytes)}</b> of {kd.fmt_bytes(report.fp16_bytes)}" in md
+        assert f"<b>{fmt_bytes(report.stored_bytes)}</b> of {fmt_bytes(report.fp16_bytes)}" in md
         assert f"<b>{report.tokens}</b> cached" in md
         assert f"qbuffer {counts['key_qbuffer']}" in md and f"local {counts['local']}" in md
 
@@ -116,14 +121,14 @@ def test_streams_all_three_columns_and_matches_library(app_module, client):
 def test_empty_prompt_gives_friendly_message(client):
     for prompt in ("", "   \n "):
         out = client.predict(*args(prompt), api_name="/generate")
-        assert out[NOTE] == kd.EMPTY_PROMPT_MESSAGE
+        assert out[NOTE] == kp.EMPTY_PROMPT_MESSAGE
         assert list(out[TEXTS]) == ["", "", ""]
     note, heat, pages, _ = client.predict("", True, "kitty", 0, 0, 8, api_name="/inspect")
-    assert note == kd.EMPTY_PROMPT_MESSAGE and heat is None
+    assert note == kp.EMPTY_PROMPT_MESSAGE and heat is None
 
 
 def test_over_long_prompt_is_truncated_with_a_visible_note(app_module, client):
-    text = (kd.ASSETS / "essay.txt").read_text() + "\n\nQuestion: what is this essay about?"
+    text = (kp.ASSETS / "essay.txt").read_text() + "\n\nQuestion: what is this essay about?"
     out = client.predict(*args(text, new=1), api_name="/generate")
     cap = app_module.ARGS.max_prompt_tokens
     assert "Truncated" in out[NOTE] and f"Prompt: {cap} tokens" in out[NOTE]
@@ -178,14 +183,14 @@ def test_stop_ends_generation_and_reports(client):
 
 
 def test_inside_the_cache_marks_boosted_channels(app_module, client):
-    prompt = kd.example_prompts()[1][0]  # the long document: several full pages
+    prompt = kp.example_prompts()[1][0]  # the long document: several full pages
     layer, head = 3, 1
     note, heat, pages, bits = client.predict(prompt, True, "kitty", layer, head, 8, api_name="/inspect")
     assert heat is not None and "page" in note
     engine = app_module.get_engine(app_module.ARGS.model)
     # independent check: top mean-|K| channels of each full page, from a DynamicCache run of the same prompt
-    ids = kd.prepare_prompt(engine.tokenizer, prompt, True).ids
-    keys = kd.prompt_keys(engine.model, ids)[layer][head].float()  # (T, D)
+    ids = kp.prepare_prompt(engine.tokenizer, prompt, True).ids
+    keys = prompt_keys(engine.model, ids)[layer][head].float()  # (T, D)
     cfg = PRESETS["kitty"]
     S, G, nb = cfg.sink_tokens, cfg.group_size, cfg.num_boosted(keys.shape[-1])
     rows = pages["data"]
@@ -200,21 +205,6 @@ def test_inside_the_cache_marks_boosted_channels(app_module, client):
     assert methods == list(PRESETS)
 
 
-def test_prompt_caps_and_truncation_note(app_module):
-    tok = app_module.get_engine(app_module.ARGS.model).tokenizer
-    text = (kd.ASSETS / "essay.txt").read_text()
-    p = kd.prepare_prompt(tok, text + "\nQuestion: what is this essay about?", True, max_prompt_tokens=300)
-    assert p.tokens <= 300 and "Truncated" in p.note
-    assert tok.decode(p.ids[0]).rstrip().endswith("assistant")  # the template and the question survive the cut
-    assert "what is this essay about?" in tok.decode(p.ids[0])
-    short = kd.prepare_prompt(tok, SHORT, False)
-    assert short.note == "" and short.ids[0].tolist() == tok(SHORT).input_ids
-    huge = kd.prepare_prompt(tok, "x " * (kd.MAX_PROMPT_CHARS // 2 + 10), False)
-    assert "characters" in huge.note and huge.tokens <= kd.MAX_PROMPT_TOKENS
-    with pytest.raises(kd.PromptError):
-        kd.prepare_prompt(tok, "  ", True)
-
-
 @pytest.mark.parametrize("schedule", kd.SCHEDULES)
 def test_stop_frees_every_cache(app_module, schedule):
     """Logic level: after Stop, every cache the run created is reset and released, readouts kept."""
@@ -222,41 +212,20 @@ def test_stop_frees_every_cache(app_module, schedule):
     made = []
 
     def factory(model, cfg):
-        cache = kd.make_cache(model, cfg)
+        cache = make_cache(model, cfg)
         made.append(cache)
         return cache
 
     stop = kd.StopFlag()
-    prompt = kd.prepare_prompt(engine.tokenizer, STORY, True)
-    gen = kd.stream_side_by_side(engine.model, engine.tokenizer, prompt, METHODS, 50, kd.Sampling(), stop, factory, schedule)
+    prompt = kp.prepare_prompt(engine.tokenizer, STORY, True)
+    gen = kd.stream_side_by_side(engine.model, engine.tokenizer, prompt, METHODS, 50, Sampling(), stop, factory, schedule)
     for snap in gen:
         if snap.phase == "decode" and all(len(c.ids) >= 2 for c in snap.columns):
             assert all(c.get_seq_length() > 0 for c in made)
             stop.set()
-    assert snap.phase == "stopped" and "Stopped" in snap.summary
+    assert snap.phase == "stopped" and "Stopped" in app_module.summarize(snap.columns, engine.tokenizer, True)
     assert len(made) == 3 and all(c.get_seq_length() == 0 for c in made)
     assert all(c.cache is None and c.readout is not None for c in snap.columns)
-
-
-def test_sampling_settings():
-    """Greedy is the argmax; top-p keeps the nucleus; the same seed gives the same draws (one per column)."""
-    logits = torch.randn(500, generator=torch.Generator().manual_seed(0)) * 3
-    top = int(logits.argmax())
-    assert kd.sample_next(logits, kd.Sampling()) == top
-    tiny_nucleus = kd.Sampling(temperature=1.0, top_p=1e-6)
-    assert {kd.sample_next(logits, tiny_nucleus, torch.Generator().manual_seed(s)) for s in range(20)} == {top}
-
-    def draws(seed: int, top_p: float) -> list[int]:
-        g = torch.Generator().manual_seed(seed)
-        return [kd.sample_next(logits, kd.Sampling(temperature=1.5, top_p=top_p), g) for _ in range(50)]
-
-    assert draws(7, 1.0) == draws(7, 1.0) and len(set(draws(7, 1.0))) > 5
-    probs = torch.softmax(logits / 1.5, -1)
-    order = probs.argsort(descending=True)
-    nucleus = set(order[: int((probs[order].cumsum(0) < 0.5).sum()) + 1].tolist())
-    assert set(draws(3, 0.5)) <= nucleus
-    with pytest.raises(ValueError):
-        kd.Sampling(temperature=-1)
 
 
 def test_cancelled_request_stops_workers_and_frees_caches(client, monkeypatch):
@@ -293,11 +262,11 @@ def test_inspector_shows_the_channels_the_cache_boosts(app_module, method):
     from kitty import KittyCache
 
     engine = app_module.get_engine(app_module.ARGS.model)
-    ids = kd.prepare_prompt(engine.tokenizer, kd.example_prompts()[1][0], True).ids
-    cfg, layer, head = kd.get_preset(method), 5, 2
-    qs = kd.prompt_query_scale(engine.model, ids, cfg, layer, head)
+    ids = kp.prepare_prompt(engine.tokenizer, kp.example_prompts()[1][0], True).ids
+    cfg, layer, head = get_preset(method), 5, 2
+    qs = prompt_query_scale(engine.model, ids, cfg, layer, head)
     assert qs is not None and qs.shape == (engine.head_dim,)
-    ins = kd.inspect_keys(kd.prompt_keys(engine.model, ids)[layer][head], cfg, layer, head, qs)
+    ins = inspect_keys(prompt_keys(engine.model, ids)[layer][head], cfg, layer, head, qs)
     cache = KittyCache(engine.model.config, cfg)
     with torch.no_grad():
         engine.model(ids, past_key_values=cache, use_cache=True)
@@ -306,4 +275,4 @@ def test_inspector_shows_the_channels_the_cache_boosts(app_module, method):
     for j, p in enumerate(full):
         page = cache.layers[layer].key_page(0, j)
         assert p.boosted == (page.boost_idx[head].long() < page.num_boosted).nonzero().flatten().tolist()
-    assert kd.prompt_query_scale(engine.model, ids, kd.get_preset("kitty"), layer, head) is None
+    assert prompt_query_scale(engine.model, ids, get_preset("kitty"), layer, head) is None

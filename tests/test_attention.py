@@ -14,16 +14,15 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kitty import PRESETS, KittyCache, token_layout
+from kitty import PRESETS, KittyCache
 from kitty.attention import (
     ATTN_NAME,
     KittyMask,
     attend_torch,
-    dequantize_cache,
     kitty_attention_forward,
-    paged_decode_attention_ref,
     resolve_backend,
 )
+from kitty.kernels import decode_attention_ref, dequantize_cache
 from kitty.storage import layer_state
 
 S, G, R = 4, 8, 8
@@ -106,12 +105,12 @@ def test_chunk_attention_matches_dense_reference():
 
 @pytest.mark.parametrize("name", ["fp16", "kitty", "kitty-pro"])
 def test_decode_steps_match_kernels_reference(name):
-    """Cross-check with the kernel team's reference (kernels.decode_attention_ref, one row at a time) on our storage.
+    """The generation path (SDPA over the cache read back by ``dequantize_cache``) equals the kernels' reference
+    ``decode_attention_ref`` (fp32 softmax attention) on the layer's storage.
 
     A step that completes no page equals it on the state after insertion; a step that fills a page attends that page
     in full precision (paper order: attend, then quantize), i.e. equals the reference on the state before.
     """
-    kernels = pytest.importorskip("kernels")
     torch.manual_seed(2)
     cfg = CFG[name]
     cache = KittyCache(config(), cfg)
@@ -126,9 +125,7 @@ def test_decode_steps_match_kernels_reference(name):
         fills = layer.append_fills_page(torch.ones(3, 1, dtype=torch.bool))
         out = feed(cache, k, v, torch.ones(3, 1, dtype=torch.bool), q)[:, 0]  # (B, Hq, D)
         state = layer_state(layer.storage())
-        ref = kernels.decode_attention_ref(q[:, :, 0], state, cfg, D**-0.5)
-        mine = paged_decode_attention_ref(q, layer.storage(), cfg, D**-0.5)[:, :, 0]
-        torch.testing.assert_close(mine, ref, atol=1e-5, rtol=1e-5)  # two references, one storage
+        ref = decode_attention_ref(q[:, :, 0], state, cfg, D**-0.5)
         if not fills:
             torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
             checked["after"] += 1
@@ -168,10 +165,13 @@ def test_backend_dispatch(monkeypatch):
     assert resolve_backend("auto", torch.device("cpu")) == "torch"
 
 
-def test_triton_backend_without_kernels_raises_not_implemented(monkeypatch):
+def test_triton_backend_without_triton_raises_not_implemented(monkeypatch):
+    import kitty.kernels
+
     monkeypatch.delenv("KITTY_BACKEND", raising=False)
-    monkeypatch.setitem(sys.modules, "kernels", types.ModuleType("kernels"))  # a kernels package without the kernel
-    with pytest.raises(NotImplementedError, match="decode_attention"):  # refused before any token is stored
+    monkeypatch.setattr(kitty.kernels, "HAS_TRITON", False)  # as on a machine without Triton
+    monkeypatch.setitem(sys.modules, "kernels", types.ModuleType("kernels"))  # Hugging Face's hub package: unrelated
+    with pytest.raises(NotImplementedError, match="Triton"):  # refused before any token is stored
         KittyCache(config(), CFG["kitty"], backend="triton")
 
 
@@ -194,7 +194,8 @@ def _empty_storage(B):
 
 TRITON_SCRIPT = textwrap.dedent(
     """
-    import torch, kernels
+    import torch
+    import kitty.kernels as kernels
     from transformers import LlamaConfig, LlamaForCausalLM
     from kitty import KittyCache, PRESETS
     calls = [0]
@@ -227,7 +228,6 @@ def test_triton_seam_end_to_end_under_interpreter():
     """backend="triton" through generate (kernels under TRITON_INTERPRET=1, in a subprocess so the flag is set before
     triton is imported): the fused kernel runs the decode steps and the tokens equal the torch backend's."""
     pytest.importorskip("triton")
-    pytest.importorskip("kernels")
     env = dict(os.environ, TRITON_INTERPRET="1")
     env.pop("KITTY_BACKEND", None)
     r = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], capture_output=True, text=True, timeout=600, env=env)

@@ -99,7 +99,7 @@ def test_generate_in_browser(demo_url, tmp_path):
         rep = analytic_report(PRESETS[method], r["tokens"], engine.head_dim, engine.num_kv_heads, engine.num_layers)
         assert r["bits"] == pytest.approx(round(rep.bits_per_element, 2))
         assert r["compression"] == pytest.approx(round(rep.compression, 2))
-        assert r["stored"] == (kd.fmt_bytes(rep.stored_bytes), kd.fmt_bytes(rep.fp16_bytes))
+        assert r["stored"] == (app.fmt_bytes(rep.stored_bytes), app.fmt_bytes(rep.fp16_bytes))
         assert r["tok_s"] > 0
         lay = token_layout(PRESETS[method], r["tokens"])  # where the tokens live, from the layout formula
         G = PRESETS[method].group_size

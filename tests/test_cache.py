@@ -12,7 +12,8 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from kitty import PRESETS, KittyCache, analytic_report, token_layout
-from kitty.attention import KittyMask, dequantize_cache, kitty_attention_forward
+from kitty.attention import KittyMask, kitty_attention_forward
+from kitty.kernels import dequantize_cache
 from kitty.quant import dequantize_key_page, dequantize_value_page, quantize_key_page, quantize_value_page
 
 S, G, R = 4, 8, 8  # tiny sink / page / local window: boundaries at 4, 12, 20
@@ -351,7 +352,7 @@ def test_zero_token_prompt_and_empty_row_raise_and_cache_stays_usable(default_mo
     assert torch.equal(greedy(model, enc, cache, 6), ref)
 
 
-# ---------------------------------------------------------------------- query-aware selection (issue 8)
+# ----------------------------------------------------------------------------------- query-aware selection
 
 
 def test_query_selection_tracks_mean_abs_query_and_boosts_the_channel_queries_use():

@@ -85,7 +85,7 @@ def test_quantized_logits_within_tolerance(kind, preset):
 
 
 def test_cache_uses_the_fused_kernel_on_cuda(monkeypatch):
-    import kernels
+    import kitty.kernels as kernels
 
     model = tiny_model("llama")
     calls = []

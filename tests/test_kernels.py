@@ -1,6 +1,6 @@
 """Triton kernels against their torch references, on CPU under the Triton interpreter.
 
-Tolerances (flash-attention's rule, docs: EXAMPLES.md): ``ref`` = torch reference in fp32, ``pt`` = the same
+Tolerances (flash-attention's rule, ``tests/test_flash_attn.py``): ``ref`` = torch reference in fp32, ``pt`` = the same
 reference computed in the kernel dtype, both on the *same* 2-bit codes; a kernel passes when
 ``max|out - ref| <= 2 * max|pt - ref| + FLOOR[dtype]`` (FLOOR: fp16 1e-4, bf16 1e-3, ~1/10 of an output ulp at
 |out| ~ 1). Pack and dequantization are exact: bit-identical to ``kitty.quant``.
@@ -14,12 +14,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / kernels are im
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+import kitty.kernels as kernels  # noqa: E402
 from kitty.config import PRESETS  # noqa: E402
-from kitty.memory import token_layout  # noqa: E402
-from kitty.quant import dequantize_key_page, dequantize_value_page, quantize_key_page, quantize_value_page  # noqa: E402
-
-import kernels  # noqa: E402
-from kernels import (  # noqa: E402
+from kitty.kernels import (  # noqa: E402
     KittyLayerState,
     decode_attention,
     decode_attention_ref,
@@ -29,7 +26,9 @@ from kernels import (  # noqa: E402
     pack_pages,
     pack_pages_ref,
 )
-from kernels.testing import make_state, planted_kv  # noqa: E402
+from kitty.kernels.testing import make_state, planted_kv  # noqa: E402
+from kitty.memory import token_layout  # noqa: E402
+from kitty.quant import dequantize_key_page, dequantize_value_page, quantize_key_page, quantize_value_page  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                 reason="needs CUDA or TRITON_INTERPRET=1")

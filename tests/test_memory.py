@@ -19,7 +19,7 @@ def test_token_layout_accounts_for_every_token(n):
 
 
 def test_design_card_bits_per_element():
-    """DESIGN.md: key pages 2.56 (kitty) / 2.81 (kitty-pro) bits at D=G=128, value pages 2.25 (D=128), 2.5 (D=64)."""
+    """The layout's bit budget: key pages 2.56 (kitty) / 2.81 (kitty-pro) bits at D=G=128, value pages 2.25 (D=128), 2.5 (D=64)."""
     assert asymptotic_bits(PRESETS["kitty"], 128)["key_total"] == pytest.approx(2.5625)
     assert asymptotic_bits(PRESETS["kitty-pro"], 128)["key_total"] == pytest.approx(2.8125)
     assert asymptotic_bits(PRESETS["kitty"], 128)["value_total"] == pytest.approx(2.25)

@@ -258,7 +258,7 @@ def test_presets_match_the_paper():
     assert p["fp16"].key_bits == p["fp16"].value_bits == 16
 
 
-# ------------------------------------------------------------------------- selection beyond the paper (issue 8)
+# ------------------------------------------------------------------------------ selection beyond the paper
 
 
 def test_range_selection_picks_wide_channels_not_offset_ones():

@@ -1,0 +1,101 @@
+"""Triton kernels for the Kitty cache (paper arXiv 2511.18643, §4), each with its torch reference: ``kitty.kernels``.
+
+    pack_pages                  quantize + pack full qbuffers into key/value pages, one launch (kernels/pack.py)
+    dequantize_key_page_triton  Algorithm 1 page dequantization (kernels/dequant.py)
+    decode_attention            fused split-K decode attention over sink | pages | qbuffers | local
+                                (kernels/decode_attention.py)
+    decode_attention_unfused    the paper's qk kernel -> torch softmax -> sv kernel path (kernels/unfused.py)
+    decode_attention_ref        the torch reference; dequantize_cache reads a layer back in position order
+                                (kernels/reference.py); KittyLayerState = the tensors of docs/LAYOUT.md
+
+The code lives in the repository's top-level ``kernels/`` folder; this module makes that folder the package
+``kitty.kernels`` (its ``__path__``), so that the name ``kernels`` stays free for Hugging Face's hub package,
+which transformers imports by that name. ``kernels/`` has no ``__init__.py`` on purpose: from the repository root
+it is then only a namespace directory, and an installed ``kernels`` hub package takes precedence over it (README,
+"Installing"). An installed wheel holds the folder as ``kitty/_kernels``.
+
+Importing this module imports neither Triton nor any kernel: names load on first use. Kernels run on CUDA
+tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` is set before Triton is first imported. Without Triton
+installed only the torch references are available, and ``decode_attention`` runs the reference.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from importlib import import_module
+from importlib.util import find_spec
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+# an installed wheel: kitty/_kernels; a source checkout or an editable install: <repository>/kernels
+__path__ = [str(p) for p in (_HERE / "_kernels", _HERE.parent / "kernels") if (p / "reference.py").is_file()][:1]
+
+HAS_TRITON = find_spec("triton") is not None
+
+_TORCH_ONLY = {  # name -> submodule, importable without Triton
+    "KittyLayerState": "reference",
+    "check_state": "reference",
+    "decode_attention_ref": "reference",
+    "dequantize_cache": "reference",
+}
+_WITH_TRITON = {
+    "BACKENDS": "decode_attention",
+    "decode_attention": "decode_attention",
+    "decode_attention_triton": "decode_attention",
+    "triton_supports": "decode_attention",
+    "dequantize_key_page_triton": "dequant",
+    "dequantize_value_page_triton": "dequant",
+    "pack_pages": "pack",
+    "pack_pages_ref": "pack",
+    "decode_attention_unfused": "unfused",
+}
+__all__ = ["HAS_TRITON", *_TORCH_ONLY, *(_WITH_TRITON if HAS_TRITON else ("BACKENDS", "decode_attention",
+                                                                          "triton_supports"))]
+
+
+def _triton_supports_without_triton(cfg, head_dim, compiled=None) -> bool:
+    """Without Triton no configuration runs a kernel."""
+    return False
+
+
+def _decode_attention_without_triton(q, state, cfg, scaling=None, backend="auto", full_qbuffer=False, **kernel_options):
+    """Torch reference only (Triton is not installed)."""
+    from .reference import check_state, decode_attention_ref
+
+    if backend not in ("auto", "torch"):
+        raise ValueError(f"backend must be one of ('auto', 'torch') without Triton installed, got {backend!r}")
+    check_state(q, state, cfg)
+    return decode_attention_ref(q, state, cfg, scaling, full_qbuffer=full_qbuffer)
+
+
+_WITHOUT_TRITON = {
+    "BACKENDS": ("auto", "torch"),
+    "decode_attention": _decode_attention_without_triton,
+    "triton_supports": _triton_supports_without_triton,
+}
+
+
+def __getattr__(name: str):
+    if name in _TORCH_ONLY:
+        return getattr(import_module(f"{__name__}.{_TORCH_ONLY[name]}"), name)
+    if name in _WITH_TRITON:
+        if HAS_TRITON:
+            return getattr(import_module(f"{__name__}.{_WITH_TRITON[name]}"), name)
+        if name in _WITHOUT_TRITON:
+            return _WITHOUT_TRITON[name]
+        raise AttributeError(f"kitty.kernels.{name} needs Triton, which is not installed")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _Kernels(types.ModuleType):
+    """This module's type: the import system binds every loaded submodule as an attribute of its package, which
+    would hide the function ``decode_attention`` behind the submodule ``decode_attention``; exported names win."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if isinstance(value, types.ModuleType) and (name in _TORCH_ONLY or name in _WITH_TRITON):
+            return  # the submodule stays reachable through sys.modules / importlib.import_module
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Kernels

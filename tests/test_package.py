@@ -1,0 +1,129 @@
+"""The package's shape: importing ``kitty`` does no work, and ``kitty.kernels`` coexists with Hugging Face's
+``kernels`` hub package (which transformers imports by that name) from any working directory.
+
+Each check runs in a fresh interpreter. The hub package is faked (a ``kernels`` package with distribution metadata
+in a temporary folder on ``PYTHONPATH``), so the checks need no network.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(code: str, cwd: Path, *paths: Path) -> str:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, paths)))
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=cwd, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    return r.stdout
+
+
+# What transformers imports from the hub package: layer decorators (identity here) and classes (inert stubs).
+HUB_STUB = """
+HUB = True
+
+
+def use_kernel_forward_from_hub(*args, **kwargs):
+    return lambda obj: obj
+
+
+use_kernelized_func = use_kernel_forward_from_hub
+
+
+class _Stub:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __call__(self, *args, **kwargs):
+        return self
+
+
+def __getattr__(name):
+    return type(name, (_Stub,), {})
+"""
+
+
+@pytest.fixture(scope="module")
+def hub_kernels(tmp_path_factory) -> Path:
+    """A folder holding a stand-in for Hugging Face's ``kernels`` package, at a version transformers accepts."""
+    from transformers.utils.import_utils import KERNELS_MIN_VERSION
+
+    site = tmp_path_factory.mktemp("site")
+    (site / "kernels").mkdir()
+    (site / "kernels" / "__init__.py").write_text(f"__version__ = {KERNELS_MIN_VERSION!r}\n" + HUB_STUB)
+    meta = site / f"kernels-{KERNELS_MIN_VERSION}.dist-info"
+    meta.mkdir()
+    (meta / "METADATA").write_text(f"Metadata-Version: 2.1\nName: kernels\nVersion: {KERNELS_MIN_VERSION}\n")
+    return site
+
+
+USE_BOTH = """
+    import torch
+    import kernels
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils.import_utils import is_kernels_available
+    import kitty.kernels
+    from kitty import KittyCache
+
+    assert kernels.HUB and is_kernels_available(), kernels  # the hub package, as transformers sees it
+    assert kitty.kernels.__path__ == [{kernels_dir!r}], kitty.kernels.__path__
+    assert callable(kitty.kernels.decode_attention_ref)
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=64)
+    model = LlamaForCausalLM(config).eval()
+    cfg = kitty.PRESETS["kitty"].with_(sink_tokens=2, group_size=8, local_window=4)
+    out = model.generate(torch.randint(0, 64, (1, 12)), cache=KittyCache(model.config, cfg), max_new_tokens=12,
+                         do_sample=False)
+    print("OK", out.shape[1])
+"""
+
+
+@pytest.mark.parametrize("where", ["repository root", "another folder"])
+def test_kitty_kernels_and_the_hub_kernels_package_coexist(hub_kernels, tmp_path, where):
+    """From the repository root the top-level ``kernels/`` folder (a namespace directory, no ``__init__.py``) does
+    not shadow the hub package; from another folder ``kitty`` finds its kernels by its own location."""
+    cwd = ROOT if where == "repository root" else tmp_path
+    out = run(USE_BOTH.format(kernels_dir=str(ROOT / "kernels")), cwd, hub_kernels, ROOT)
+    assert "OK 24" in out
+
+
+def test_without_the_hub_package_transformers_sees_no_kernels():
+    """transformers' probe imports a ``kernels`` it finds without metadata: ours is an empty namespace to it."""
+    out = run("""
+        from transformers.utils.import_utils import is_kernels_available
+        import kernels, sys
+        assert not is_kernels_available()
+        assert getattr(kernels, "__file__", None) is None  # the namespace directory, nothing executed
+        assert "triton" not in sys.modules
+        print("OK")
+    """, ROOT)
+    assert "OK" in out
+
+
+def test_import_kitty_reads_no_profile_and_loads_no_model_code():
+    """``import kitty`` only defines things: no profile JSON is read until a layer-adaptive preset is used."""
+    out = run("""
+        import builtins, pathlib, sys
+        reads = []
+        read_text, open_ = pathlib.Path.read_text, builtins.open
+        pathlib.Path.read_text = lambda self, *a, **k: reads.append(str(self)) or read_text(self, *a, **k)
+        builtins.open = lambda f, *a, **k: reads.append(str(f)) or open_(f, *a, **k)
+        import kitty
+        assert not [r for r in reads if r.endswith(".json")], reads
+        assert "transformers" not in sys.modules and "kitty.cache" not in sys.modules
+        names = list(kitty.PRESETS)
+        assert "kitty-fit-adaptive" in names and not [r for r in reads if r.endswith(".json")]
+        assert len(kitty.PRESETS["kitty-fit-adaptive"].boost_profile) == 30
+        assert [r for r in reads if r.endswith("SmolLM2-135M-Instruct.json")]
+        print("OK")
+    """, ROOT)
+    assert "OK" in out
