@@ -97,7 +97,11 @@ def get_engine(name: str | None = None) -> Engine:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags; ``--model`` defaults to ``$KITTY_MODEL`` (unset: the default embedded model)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=os.environ.get("KITTY_MODEL") or None, help="HF id or local path (default: SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model",
+        default=os.environ.get("KITTY_MODEL") or None,
+        help="HF id or local path (default: SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--host", default=DEFAULT_HOST, help="interface to listen on (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--share", action="store_true", help="also open a public gradio.live link")
@@ -144,8 +148,10 @@ def summarize(columns: Sequence[kd.Column], tokenizer, stopped: bool) -> str:
     """A readable markdown summary: memory per column and where each left the fp16 column's tokens."""
     ref = next((c for c in columns if c.method == "fp16"), None)
     lines = ["**Stopped** — caches freed." if stopped else "**Done** — caches freed.", ""]
-    lines += ["| column | tokens | KV stored | fp16-equivalent | bits/elem | compression | tok/s | vs fp16 |",
-              "|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines += [
+        "| column | tokens | KV stored | fp16-equivalent | bits/elem | compression | tok/s | vs fp16 |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for c in columns:
         r = c.readout
         if r is None:
@@ -159,8 +165,11 @@ def summarize(columns: Sequence[kd.Column], tokenizer, stopped: bool) -> str:
             d = divergence(ref.ids, c.ids)
             if d is None:
                 same = min(len(ref.ids), len(c.ids))
-                vs = (f"identical ({same} tokens)" if len(ref.ids) == len(c.ids)
-                      else f"identical over the {same} tokens both have")
+                vs = (
+                    f"identical ({same} tokens)"
+                    if len(ref.ids) == len(c.ids)
+                    else f"identical over the {same} tokens both have"
+                )
             else:
                 ctx = tokenizer.decode(ref.ids[max(0, d - 4) : d]).replace("\n", " ").replace("|", "\\|")
                 vs = f"diverges at token {d + 1} (after “…{ctx}”)"
@@ -191,14 +200,23 @@ def bits_table(engine: Engine, prompt_tokens: int, new_tokens: int) -> pd.DataFr
             continue  # a layer-adaptive profile calibrated for another model
         a = asymptotic_bits(cfg, engine.head_dim)
         rep = analytic_report(cfg, n, engine.head_dim, engine.num_kv_heads, engine.num_layers)
-        rows.append({
-            "method": name,
-            "key low": a["key_low"], "key high (boost)": a["key_high"], "key boost_idx": a["key_boost_idx"],
-            "key scale+zero": a["key_scale_zero"], "key raw": a["key_raw"], "key pages": a["key_total"],
-            "value codes": a["value_codes"], "value scale+zero": a["value_scale_zero"], "value pages": a["value_total"],
-            "pages (K+V)/2": a["total"], f"whole cache at {n} tokens": rep.bits_per_element,
-            "compression there": rep.compression,
-        })
+        rows.append(
+            {
+                "method": name,
+                "key low": a["key_low"],
+                "key high (boost)": a["key_high"],
+                "key boost_idx": a["key_boost_idx"],
+                "key scale+zero": a["key_scale_zero"],
+                "key raw": a["key_raw"],
+                "key pages": a["key_total"],
+                "value codes": a["value_codes"],
+                "value scale+zero": a["value_scale_zero"],
+                "value pages": a["value_total"],
+                "pages (K+V)/2": a["total"],
+                f"whole cache at {n} tokens": rep.bits_per_element,
+                "compression there": rep.compression,
+            }
+        )
     return pd.DataFrame(rows).round(3)
 
 
@@ -215,8 +233,16 @@ def heatmap_figure(ins: KeyInspection):
     fig, ax = plt.subplots(figsize=(12, 4.6), dpi=90)
     img = ins.abs_keys.T.numpy()
     vmax = float(ins.abs_keys.quantile(0.995)) if T * D < 2**24 else float(ins.abs_keys.max())
-    im = ax.imshow(img, aspect="auto", origin="lower", cmap="magma", vmin=0, vmax=vmax, interpolation="nearest",
-                   extent=(-0.5, T - 0.5, -0.5, D - 0.5))
+    im = ax.imshow(
+        img,
+        aspect="auto",
+        origin="lower",
+        cmap="magma",
+        vmin=0,
+        vmax=vmax,
+        interpolation="nearest",
+        extent=(-0.5, T - 0.5, -0.5, D - 0.5),
+    )
     fig.colorbar(im, ax=ax, pad=0.01, label="|K|")
     if ins.sink:
         ax.axvline(ins.sink - 0.5, color="white", lw=1.2)
@@ -224,16 +250,28 @@ def heatmap_figure(ins: KeyInspection):
     for pg in ins.pages:
         ax.axvline(pg.start - 0.5, color="white", lw=0.8, ls="--")
         for ch in pg.boosted:  # a hollow box around each boosted row keeps the |K| values inside visible
-            ax.add_patch(Rectangle((pg.start - 0.5, ch - 0.5), pg.end - pg.start, 1, fill=False, ec="#00e5ff", lw=0.9,
-                                   ls="-" if pg.quantized else ":"))
+            ax.add_patch(
+                Rectangle(
+                    (pg.start - 0.5, ch - 0.5),
+                    pg.end - pg.start,
+                    1,
+                    fill=False,
+                    ec="#00e5ff",
+                    lw=0.9,
+                    ls="-" if pg.quantized else ":",
+                )
+            )
         label = f"page {ins.pages.index(pg)}" if pg.quantized else "qbuffer"
         ax.text((pg.start + pg.end) / 2, D + 0.5, label, ha="center", va="bottom", fontsize=8)
     ax.set_xlim(-0.5, T - 0.5)
     ax.set_ylim(-0.5, D + 3)
     ax.set_xlabel("token position")
     ax.set_ylabel("key channel")
-    ax.set_title(f"|K| post-RoPE, layer {ins.layer}, KV head {ins.head} — cyan boxes: boosted channels under {ins.method} "
-                 "(solid: quantized page; dotted: qbuffer, if it were quantized now)", fontsize=9)
+    ax.set_title(
+        f"|K| post-RoPE, layer {ins.layer}, KV head {ins.head} — cyan boxes: boosted channels under {ins.method} "
+        "(solid: quantized page; dotted: qbuffer, if it were quantized now)",
+        fontsize=9,
+    )
     fig.tight_layout()
     plt.close(fig)
     return fig
@@ -246,8 +284,15 @@ def make_generate(engine: Engine, max_prompt_tokens: int, schedule: str = SCHEDU
     """The Generate handler: a generator yielding the whole output tuple after every decode step."""
 
     def generate(
-        prompt: str, chat_template: bool, max_new_tokens: float, temperature: float, top_p: float, seed: float,
-        method_1: str, method_2: str, method_3: str,
+        prompt: str,
+        chat_template: bool,
+        max_new_tokens: float,
+        temperature: float,
+        top_p: float,
+        seed: float,
+        method_1: str,
+        method_2: str,
+        method_3: str,
     ) -> Iterator[tuple]:
         stop = kd.StopFlag()
         idle = (gr.update(interactive=True), gr.update(interactive=False))
@@ -272,8 +317,9 @@ def make_generate(engine: Engine, max_prompt_tokens: int, schedule: str = SCHEDU
         note = head + (f"\n\n{prompt_.note}" if prompt_.note else "")
         last_plot = 0.0
         try:
-            for snap in kd.stream_side_by_side(engine.model, engine.tokenizer, prompt_, methods, n, sampling, stop,
-                                               schedule=schedule):
+            for snap in kd.stream_side_by_side(
+                engine.model, engine.tokenizer, prompt_, methods, n, sampling, stop, schedule=schedule
+            ):
                 final = snap.phase in ("done", "stopped")
                 now = time.perf_counter()
                 # Gradio fixes the plot's colors at its first value: send one only when all 3 lines have a point
@@ -332,17 +378,25 @@ def make_inspect(engine: Engine, max_prompt_tokens: int):
             ins = inspect_keys(keys, cfg, layer, head, query_scale)
         except (ValueError, TypeError, IndexError) as e:
             return (str(e) if isinstance(e, kp.PromptError) else f"⚠️ {e}"), None, None, bits_table(engine, 0, 0)
-        pages = pd.DataFrame([
-            {"group": (f"page {i}" if p.quantized else "qbuffer (not yet a page)"), "tokens": f"{p.start}–{p.end - 1}",
-             "boosted channels": ", ".join(map(str, p.boosted)),
-             "key error, boosted": round(p.error_boosted, 4), "key error, all 2-bit": round(p.error_2bit, 4),
-             "error ratio": round(p.error_boosted / p.error_2bit, 3) if p.error_2bit else None}
-            for i, p in enumerate(ins.pages)
-        ])
+        pages = pd.DataFrame(
+            [
+                {
+                    "group": (f"page {i}" if p.quantized else "qbuffer (not yet a page)"),
+                    "tokens": f"{p.start}–{p.end - 1}",
+                    "boosted channels": ", ".join(map(str, p.boosted)),
+                    "key error, boosted": round(p.error_boosted, 4),
+                    "key error, all 2-bit": round(p.error_2bit, 4),
+                    "error ratio": round(p.error_boosted / p.error_2bit, 3) if p.error_2bit else None,
+                }
+                for i, p in enumerate(ins.pages)
+            ]
+        )
         full = sum(p.quantized for p in ins.pages)
-        note = (f"{prompt_.tokens} prompt tokens: {ins.sink} sink, {full} full page(s) of {ins.group_size}, "
-                f"{prompt_.tokens - ins.sink - full * ins.group_size} in the qbuffer. "
-                "Key error = ‖K − dequant(quant(K))‖ / ‖K‖ for this page.")
+        note = (
+            f"{prompt_.tokens} prompt tokens: {ins.sink} sink, {full} full page(s) of {ins.group_size}, "
+            f"{prompt_.tokens - ins.sink - full * ins.group_size} in the qbuffer. "
+            "Key error = ‖K − dequant(quant(K))‖ / ‖K‖ for this page."
+        )
         if full == 0:
             note += f" No full page yet: pages start after {ins.sink + ins.group_size} tokens — try the long-document example."
         if prompt_.note:
@@ -360,12 +414,23 @@ def build_controls() -> dict:
     c: dict = {}
     with gr.Row():
         with gr.Column(scale=3):
-            c["prompt"] = gr.Textbox(label="Prompt", lines=5, max_lines=12, elem_id="prompt",
-                                     placeholder="Ask something, paste a document and a question, or pick an example below.")
+            c["prompt"] = gr.Textbox(
+                label="Prompt",
+                lines=5,
+                max_lines=12,
+                elem_id="prompt",
+                placeholder="Ask something, paste a document and a question, or pick an example below.",
+            )
         with gr.Column(scale=1, min_width=240):
             c["chat"] = gr.Checkbox(value=True, label="Use the chat template", elem_id="chat-template")
-            c["max_new"] = gr.Slider(1, kd.MAX_NEW_TOKENS_CAP, value=kd.DEFAULT_MAX_NEW_TOKENS, step=1,
-                                     label=f"Max new tokens per column (cap {kd.MAX_NEW_TOKENS_CAP})", elem_id="max-new")
+            c["max_new"] = gr.Slider(
+                1,
+                kd.MAX_NEW_TOKENS_CAP,
+                value=kd.DEFAULT_MAX_NEW_TOKENS,
+                step=1,
+                label=f"Max new tokens per column (cap {kd.MAX_NEW_TOKENS_CAP})",
+                elem_id="max-new",
+            )
             with gr.Accordion("Sampling", open=False):
                 c["temperature"] = gr.Slider(0.0, 1.5, value=0.0, step=0.05, label="Temperature (0 = greedy)")
                 c["top_p"] = gr.Slider(0.05, 1.0, value=0.95, step=0.05, label="Top-p")
@@ -383,9 +448,14 @@ def build_columns() -> dict:
     with gr.Row(equal_height=False):
         for i, default in enumerate(kd.DEFAULT_METHODS):
             with gr.Column(min_width=280):
-                c["methods"].append(gr.Dropdown(METHODS, value=default, label=f"Column {i + 1}: cache method", elem_id=f"method-{i}"))
-                c["outputs"].append(gr.Textbox(label="Generated", lines=9, max_lines=9, autoscroll=True,
-                                               interactive=False, elem_id=f"out-{i}"))
+                c["methods"].append(
+                    gr.Dropdown(METHODS, value=default, label=f"Column {i + 1}: cache method", elem_id=f"method-{i}")
+                )
+                c["outputs"].append(
+                    gr.Textbox(
+                        label="Generated", lines=9, max_lines=9, autoscroll=True, interactive=False, elem_id=f"out-{i}"
+                    )
+                )
                 c["readouts"].append(gr.HTML("<div class='readout'><i>idle</i></div>", elem_id=f"readout-{i}"))
     return c
 
@@ -396,17 +466,40 @@ def build_generate_tab(engine: Engine, max_prompt_tokens: int, schedule: str = S
     gr.Examples(
         examples=[list(e) for e in kp.example_prompts()],
         inputs=[c["prompt"], c["chat"], c["max_new"]],
-        example_labels=["Short chat question", "Long document + question (essay excerpt)", "Passkey in a haystack (plain)"],
+        example_labels=[
+            "Short chat question",
+            "Long document + question (essay excerpt)",
+            "Passkey in a haystack (plain)",
+        ],
         label="Examples",
     )
     c.update(build_columns())
     c["summary"] = gr.Markdown(elem_id="summary")
-    c["plot"] = gr.LinePlot(None, x="tokens", y="stored_KiB", color="column", title="Stored KV bytes vs cached tokens",
-                            x_title="cached tokens", y_title="KV stored (KiB)", height=280, elem_id="memory-plot")
+    c["plot"] = gr.LinePlot(
+        None,
+        x="tokens",
+        y="stored_KiB",
+        color="column",
+        title="Stored KV bytes vs cached tokens",
+        x_title="cached tokens",
+        y_title="KV stored (KiB)",
+        height=280,
+        elem_id="memory-plot",
+    )
     with gr.Accordion("Raw readouts (JSON, final)", open=False):
         c["json"] = gr.JSON(elem_id="readouts-json")
     c["state"] = gr.State(None)  # this session's StopFlag: set by Stop, replaced by every Generate
-    outputs = [c["note"], *c["outputs"], *c["readouts"], c["plot"], c["summary"], c["json"], c["state"], c["generate"], c["stop"]]
+    outputs = [
+        c["note"],
+        *c["outputs"],
+        *c["readouts"],
+        c["plot"],
+        c["summary"],
+        c["json"],
+        c["state"],
+        c["generate"],
+        c["stop"],
+    ]
     inputs = [c["prompt"], c["chat"], c["max_new"], c["temperature"], c["top_p"], c["seed"], *c["methods"]]
     handler = make_generate(engine, max_prompt_tokens, schedule)
     # one concurrency group: the button and Enter in the prompt box share the limit set in demo.queue()
@@ -425,14 +518,21 @@ def build_inside_tab(engine: Engine, max_prompt_tokens: int, controls: dict) -> 
     )
     with gr.Row():
         method = gr.Dropdown(BOOST_METHODS, value="kitty", label="Method (2-bit keys)", elem_id="inside-method")
-        layer = gr.Slider(0, engine.num_layers - 1, value=min(engine.num_layers - 1, engine.num_layers // 2), step=1, label="Layer")
+        layer = gr.Slider(
+            0, engine.num_layers - 1, value=min(engine.num_layers - 1, engine.num_layers // 2), step=1, label="Layer"
+        )
         head = gr.Slider(0, engine.num_kv_heads - 1, value=0, step=1, label="KV head")
         show = gr.Button("Look inside", variant="primary", elem_id="inside-show")
     note = gr.Markdown(elem_id="inside-note")
     heat = gr.Plot(label="|K| heatmap", elem_id="inside-heatmap")
     pages = gr.Dataframe(label="Pages: boosted channels and key error", wrap=True, elem_id="inside-pages")
-    bits = gr.Dataframe(bits_table(engine, 0, 0), label=f"Bits per element (head_dim {engine.head_dim}): pages alone, and the "
-                        "whole cache (sink, qbuffers, local window included) at the current length", wrap=True, elem_id="inside-bits")
+    bits = gr.Dataframe(
+        bits_table(engine, 0, 0),
+        label=f"Bits per element (head_dim {engine.head_dim}): pages alone, and the "
+        "whole cache (sink, qbuffers, local window included) at the current length",
+        wrap=True,
+        elem_id="inside-bits",
+    )
     inputs = [controls["prompt"], controls["chat"], method, layer, head, controls["max_new"]]
     handler = make_inspect(engine, max_prompt_tokens)
     outputs = [note, heat, pages, bits]
@@ -443,7 +543,10 @@ def build_inside_tab(engine: Engine, max_prompt_tokens: int, controls: dict) -> 
 
 
 def build_demo(
-    engine: Engine, max_prompt_tokens: int = kp.MAX_PROMPT_TOKENS, concurrency: int = CONCURRENCY_LIMIT, schedule: str = SCHEDULE
+    engine: Engine,
+    max_prompt_tokens: int = kp.MAX_PROMPT_TOKENS,
+    concurrency: int = CONCURRENCY_LIMIT,
+    schedule: str = SCHEDULE,
 ) -> gr.Blocks:
     """The whole app, queued with a concurrency limit."""
     with gr.Blocks(title="Kitty: 2-bit KV caches side by side") as demo:

@@ -81,11 +81,20 @@ def main() -> None:
     for preset, p in plans.items():
         tot = {k: sum(per_nb[c]["us"] for c in cs) for k, cs in p.items()}
         summary[preset] = {**tot, "profile_over_uniform": tot["profile"] / tot["uniform"], "counts": p["profile"]}
-        print(f"{preset}: one decode step over {LAYERS} layers: uniform {tot['uniform']:.1f} us, profile {tot['profile']:.1f} us "
-              f"({tot['profile'] / tot['uniform']:.3f}x)")
+        print(
+            f"{preset}: one decode step over {LAYERS} layers: uniform {tot['uniform']:.1f} us, profile {tot['profile']:.1f} us "
+            f"({tot['profile'] / tot['uniform']:.3f}x)"
+        )
     gpu = torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu-smoke"
-    res = {"gpu": gpu, "torch": torch.__version__, "batch": B, "context": L,
-           "shape": {"Hq": HQ, "Hkv": HKV, "D": D, "layers": LAYERS}, "per_nb": per_nb, "summary": summary}
+    res = {
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "batch": B,
+        "context": L,
+        "shape": {"Hq": HQ, "Hkv": HKV, "D": D, "layers": LAYERS},
+        "per_nb": per_nb,
+        "summary": summary,
+    }
     name = gpu.split()[-1].lower()
     path = os.path.join(a.out, f"boost_profile_{name}.json")
     os.makedirs(a.out, exist_ok=True)

@@ -26,8 +26,15 @@ from kitty.generate import Sampling  # noqa: E402
 from kitty.prompts import example_prompts, prepare_prompt  # noqa: E402
 
 
-def benchmark(model, tokenizer, prompt: str, new_tokens: int = 32, repeats: int = 3,
-              threads: Sequence[int] = (1, 2), methods: Sequence[str] = DEFAULT_METHODS) -> list[dict]:
+def benchmark(
+    model,
+    tokenizer,
+    prompt: str,
+    new_tokens: int = 32,
+    repeats: int = 3,
+    threads: Sequence[int] = (1, 2),
+    methods: Sequence[str] = DEFAULT_METHODS,
+) -> list[dict]:
     """Per-column decode tokens/s of each schedule x torch thread count, repeats interleaved (load drifts).
 
     Each row: schedule, torch threads, repeat, the slowest and mean column tokens/s and the prefill seconds.
@@ -41,15 +48,23 @@ def benchmark(model, tokenizer, prompt: str, new_tokens: int = 32, repeats: int 
                 for n in threads:
                     torch.set_num_threads(n)
                     t0 = time.perf_counter()
-                    for snap in stream_side_by_side(model, tokenizer, p, methods, new_tokens, Sampling(),
-                                                    schedule=schedule):
+                    for snap in stream_side_by_side(
+                        model, tokenizer, p, methods, new_tokens, Sampling(), schedule=schedule
+                    ):
                         pass
                     rates = [c.readout.tokens_per_s for c in snap.columns]
-                    rows.append({"schedule": schedule, "torch_threads": n, "repeat": rep,
-                                 "min_tok_s": min(rates), "mean_tok_s": sum(rates) / len(rates),
-                                 "prefill_s": max(c.prefill_s for c in snap.columns),
-                                 "wall_s": time.perf_counter() - t0,
-                                 "new_tokens": min(len(c.ids) for c in snap.columns)})
+                    rows.append(
+                        {
+                            "schedule": schedule,
+                            "torch_threads": n,
+                            "repeat": rep,
+                            "min_tok_s": min(rates),
+                            "mean_tok_s": sum(rates) / len(rates),
+                            "prefill_s": max(c.prefill_s for c in snap.columns),
+                            "wall_s": time.perf_counter() - t0,
+                            "new_tokens": min(len(c.ids) for c in snap.columns),
+                        }
+                    )
     finally:
         torch.set_num_threads(saved)
     return rows
@@ -67,9 +82,13 @@ def main(argv: list[str] | None = None) -> None:
     model, tok = load_model(a.model)
     torch.set_grad_enabled(False)
     rows = benchmark(model, tok, a.prompt, a.new_tokens, a.repeats)
-    print(f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}, load average {os.getloadavg()[0]:.1f}, "
-          f"{os.cpu_count()} CPUs, {a.new_tokens} new tokens per column, median of {a.repeats}")
-    print("| schedule | torch threads | slowest column tok/s | mean column tok/s | prefill s |\n|---|---:|---:|---:|---:|")
+    print(
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}, load average {os.getloadavg()[0]:.1f}, "
+        f"{os.cpu_count()} CPUs, {a.new_tokens} new tokens per column, median of {a.repeats}"
+    )
+    print(
+        "| schedule | torch threads | slowest column tok/s | mean column tok/s | prefill s |\n|---|---:|---:|---:|---:|"
+    )
     for schedule in SCHEDULES:
         for n in sorted({r["torch_threads"] for r in rows}):
             sel = [r for r in rows if r["schedule"] == schedule and r["torch_threads"] == n]

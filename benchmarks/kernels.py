@@ -63,8 +63,9 @@ LOG = []
 # one hot loop (page quarters, magic-number codes, scale/zero folded into q and p); earlier runs' variants (dequantized
 # tiles, FOLD, PREFETCH, byte vs word loads) are in RESULTS.md's history.
 # split_fold: q*scale / p*scale as two 16-bit operands (1 keys, 2 values, 3 both). block_h=16 lost everywhere.
-FUSED_CONFIGS = ([dict(num_warps=2, num_stages=1, maxnreg=128, block_h=4, split_fold=f) for f in (0, 1, 3)]
-                 + [dict(num_warps=4, num_stages=2, block_h=4, split_fold=f) for f in (0, 1)])
+FUSED_CONFIGS = [dict(num_warps=2, num_stages=1, maxnreg=128, block_h=4, split_fold=f) for f in (0, 1, 3)] + [
+    dict(num_warps=4, num_stages=2, block_h=4, split_fold=f) for f in (0, 1)
+]
 SWEEP_WAVES = (2, 4, 8, 16)
 
 
@@ -112,6 +113,7 @@ def bench(fns, reps: int = 30, target_ms: float = 3.0) -> float:
         def run():
             for i in range(calls):
                 fns[i % len(fns)]()
+
     run()
     torch.cuda.synchronize()
     return event_median(run, reps) / calls
@@ -158,14 +160,18 @@ def check_pack_and_dequant(results: dict) -> bool:
             k, v = planted_kv(16 if DEV == "cuda" else 2, HKV, cfg.group_size, D, dtype, DEV, seed=1)
             kp, vp = pack_pages(cfg, k, v)
             rk, rv = quantize_key_page(k, cfg), quantize_value_page(v, cfg)
-            bad = {f: int((getattr(kp, f) != getattr(rk, f)).sum()) for f in ("low", "high", "boost_idx", "scale", "zero")}
+            bad = {
+                f: int((getattr(kp, f) != getattr(rk, f)).sum()) for f in ("low", "high", "boost_idx", "scale", "zero")
+            }
             bad.update({"v_" + f: int((getattr(vp, f) != getattr(rv, f)).sum()) for f in ("codes", "scale", "zero")})
             same = not any(bad.values())
             ok &= same
             # dequantization: count differences and their size in ulps of the dtype
             stats = {}
-            for name, out, ref in (("key", dequantize_key_page_triton(rk), dequantize_key_page(rk)),
-                                   ("value", dequantize_value_page_triton(rv), dequantize_value_page(rv))):
+            for name, out, ref in (
+                ("key", dequantize_key_page_triton(rk), dequantize_key_page(rk)),
+                ("value", dequantize_value_page_triton(rv), dequantize_value_page(rv)),
+            ):
                 diff = out != ref
                 ulp = (out.view(torch.int16).int() - ref.view(torch.int16).int()).abs().max().item()
                 stats[name] = (int(diff.sum()), out.numel(), ulp)
@@ -173,8 +179,10 @@ def check_pack_and_dequant(results: dict) -> bool:
             key = f"{preset} {str(dtype)[6:]}"
             results["pack"][key] = bad
             results["dequant"][key] = stats
-            log(f"pack {key}: {'bit-identical' if same else 'MISMATCH ' + str(bad)}; dequant differing elements "
-                f"(count/total/max ulp) key {stats['key']} value {stats['value']}")
+            log(
+                f"pack {key}: {'bit-identical' if same else 'MISMATCH ' + str(bad)}; dequant differing elements "
+                f"(count/total/max ulp) key {stats['key']} value {stats['value']}"
+            )
     return ok
 
 
@@ -182,11 +190,17 @@ def check_attention(results: dict) -> bool:
     """Fused (and unfused) attention vs the fp32 reference on ragged rows: GQA 1/3/4/8, D 64/128, fp16/bf16, G 32/64/128,
     boost fractions 0 / 12.5% / 25% / 50% and 4-bit values, several split counts and warp counts."""
     ok = True
-    cases = [("kitty", 4, 128, torch.float16, 128, {}), ("kitty-pro", 4, 128, torch.bfloat16, 128, {}),
-             ("kitty", 1, 64, torch.bfloat16, 128, {}), ("kitty-pro", 8, 64, torch.float16, 64, {}),
-             ("kitty", 3, 128, torch.float16, 64, {}), ("kitty", 4, 128, torch.float16, 128, {"boost_fraction": 0.5}),
-             ("kivi-k2v2-sink", 4, 128, torch.bfloat16, 128, {}), ("kivi-k2v4-sink", 2, 64, torch.float16, 64, {}),
-             ("fp16", 4, 128, torch.float16, 128, {})]
+    cases = [
+        ("kitty", 4, 128, torch.float16, 128, {}),
+        ("kitty-pro", 4, 128, torch.bfloat16, 128, {}),
+        ("kitty", 1, 64, torch.bfloat16, 128, {}),
+        ("kitty-pro", 8, 64, torch.float16, 64, {}),
+        ("kitty", 3, 128, torch.float16, 64, {}),
+        ("kitty", 4, 128, torch.float16, 128, {"boost_fraction": 0.5}),
+        ("kivi-k2v2-sink", 4, 128, torch.bfloat16, 128, {}),
+        ("kivi-k2v4-sink", 2, 64, torch.float16, 64, {}),
+        ("fp16", 4, 128, torch.float16, 128, {}),
+    ]
     swept = {c[:5] for c in cases[:3]}
 
     def judge(key: str, out: torch.Tensor, ref: torch.Tensor, tol: float) -> bool:
@@ -209,15 +223,22 @@ def check_attention(results: dict) -> bool:
         extra = "".join(f" {k}={v}" for k, v in kw.items())
         tag = f"{preset}{extra} gqa{gqa} D{d} G{G} {str(dtype)[6:]}"
         # (each configuration compiles once per case: keep the list short, the correctness part took 248 s with 5)
-        runs = [("fused splits=3", lambda: decode_attention_triton(q, st, cfg, num_splits=3)),
-                ("fused auto", lambda: decode_attention_triton(q, st, cfg)),
-                ("fused split_fold=0", lambda: decode_attention_triton(q, st, cfg, split_fold=0)),
-                ("fused split_fold=3", lambda: decode_attention_triton(q, st, cfg, split_fold=3)),
-                ("fused warps=4 stages=2", lambda: decode_attention_triton(q, st, cfg, num_warps=4, num_stages=2)),
-                ("unfused", lambda: decode_attention_unfused(q, st, cfg, num_splits=2))]
+        runs = [
+            ("fused splits=3", lambda: decode_attention_triton(q, st, cfg, num_splits=3)),
+            ("fused auto", lambda: decode_attention_triton(q, st, cfg)),
+            ("fused split_fold=0", lambda: decode_attention_triton(q, st, cfg, split_fold=0)),
+            ("fused split_fold=3", lambda: decode_attention_triton(q, st, cfg, split_fold=3)),
+            ("fused warps=4 stages=2", lambda: decode_attention_triton(q, st, cfg, num_warps=4, num_stages=2)),
+            ("unfused", lambda: decode_attention_unfused(q, st, cfg, num_splits=2)),
+        ]
         if (preset, gqa, d, dtype, G) in swept:  # every configuration the sweep times, on the first cases
-            runs += [(f"fused {' '.join(f'{a}={b}' for a, b in kc.items())}",
-                      lambda kc=kc: decode_attention_triton(q, st, cfg, waves=8, **kc)) for kc in FUSED_CONFIGS]
+            runs += [
+                (
+                    f"fused {' '.join(f'{a}={b}' for a, b in kc.items())}",
+                    lambda kc=kc: decode_attention_triton(q, st, cfg, waves=8, **kc),
+                )
+                for kc in FUSED_CONFIGS
+            ]
         for name, fn in runs:
             ok &= judge(f"{name} {tag}", fn().float(), ref, tol)
         # mid-step layout (a qbuffer the new token filled is not packed yet), as the cache's decode step calls it
@@ -225,7 +246,9 @@ def check_attention(results: dict) -> bool:
         ref2 = decode_attention_ref(q, st2, cfg, upcast=True, full_qbuffer=True).float()
         pt2 = decode_attention_ref(q, st2, cfg, upcast=False, full_qbuffer=True).float()
         tol2 = 2 * (pt2 - ref2).abs().max().item() + {torch.float16: 1e-4, torch.bfloat16: 1e-3}[dtype]
-        ok &= judge(f"fused mid-step {tag}", decode_attention_triton(q, st2, cfg, full_qbuffer=True).float(), ref2, tol2)
+        ok &= judge(
+            f"fused mid-step {tag}", decode_attention_triton(q, st2, cfg, full_qbuffer=True).float(), ref2, tol2
+        )
     return ok
 
 
@@ -237,7 +260,7 @@ def gpu_kv(B, L, dtype=torch.float16, seed=0):
     g = torch.Generator(device=DEV).manual_seed(seed)
     chan = torch.ones(HKV, D, device=DEV)
     chan[:, :: D // 8] = 6.0  # 8 outlier channels per head
-    k = (torch.randn(B, HKV, L, D, device=DEV, generator=g, dtype=dtype) * chan[None, :, None, :].to(dtype))
+    k = torch.randn(B, HKV, L, D, device=DEV, generator=g, dtype=dtype) * chan[None, :, None, :].to(dtype)
     v = torch.randn(B, HKV, L, D, device=DEV, generator=g, dtype=dtype)
     return k, v
 
@@ -245,8 +268,11 @@ def gpu_kv(B, L, dtype=torch.float16, seed=0):
 def kitty_bytes(cfg, B, L, splits, block_h):
     lay = token_layout(cfg, L)
     pb = page_bytes(cfg, D, 2)
-    per_head = (lay.key_pages * (pb["key_payload"] + pb["key_meta"]) + lay.value_pages * (pb["value_payload"] + pb["value_meta"])
-                + (2 * lay.sink + lay.key_qbuffer + lay.value_qbuffer + lay.local) * D * 2)
+    per_head = (
+        lay.key_pages * (pb["key_payload"] + pb["key_meta"])
+        + lay.value_pages * (pb["value_payload"] + pb["value_meta"])
+        + (2 * lay.sink + lay.key_qbuffer + lay.value_qbuffer + lay.local) * D * 2
+    )
     cache = B * HKV * per_head + B * 2 * (lay.key_pages + lay.value_pages) * 4  # + page-table entries
     qo = 2 * B * HQ * D * 2
     ws = 2 * B * HKV * splits * block_h * (D + 2) * 4  # split partials written then read
@@ -264,9 +290,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="fewer sweep points")
-    ap.add_argument("--timing-only", action="store_true",
-                    help="skip the correctness part (when it was run on the same code before) and time only the "
-                         "configurations without split_fold")
+    ap.add_argument(
+        "--timing-only",
+        action="store_true",
+        help="skip the correctness part (when it was run on the same code before) and time only the "
+        "configurations without split_fold",
+    )
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny run on CPU under TRITON_INTERPRET=1 (plumbing only)")
     args = ap.parse_args()
     global DEV, SHAPES, TARGET_SHAPES, HQ, HKV, D
@@ -276,15 +305,30 @@ def main():
         torch.cuda.synchronize = lambda: None
     else:
         assert torch.cuda.is_available(), "needs a CUDA GPU"
-    props = torch.cuda.get_device_properties(0) if DEV == "cuda" else type("P", (), {"name": "cpu", "multi_processor_count": 0})
+    props = (
+        torch.cuda.get_device_properties(0)
+        if DEV == "cuda"
+        else type("P", (), {"name": "cpu", "multi_processor_count": 0})
+    )
     try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=30).stdout.strip()
+        driver = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
     except Exception:  # noqa: BLE001
         driver = "unknown"
-    env = {"gpu": props.name, "sms": props.multi_processor_count, "driver": driver, "torch": torch.__version__,
-           "triton": triton.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    env = {
+        "gpu": props.name,
+        "sms": props.multi_processor_count,
+        "driver": driver,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
     log("env", json.dumps(env))
     results = {"env": env, "pack": {}, "dequant": {}, "attention": {}, "timing": [], "pack_timing": [], "sweep": []}
 
@@ -297,8 +341,10 @@ def main():
         ok_pack = check_pack_and_dequant(results)
         ok_attn = check_attention(results)
         results["correct"] = {"pack_dequant": ok_pack, "attention": ok_attn}
-        log(f"correctness: pack/dequant {'PASS' if ok_pack else 'FAIL'}, attention {'PASS' if ok_attn else 'FAIL'} "
-            f"({time.time() - t0:.0f}s)")
+        log(
+            f"correctness: pack/dequant {'PASS' if ok_pack else 'FAIL'}, attention {'PASS' if ok_attn else 'FAIL'} "
+            f"({time.time() - t0:.0f}s)"
+        )
 
     # ---- 2) copy bandwidth
     x = torch.empty(2**30 if DEV == "cuda" else 2**20, dtype=torch.float16, device=DEV).normal_()
@@ -311,18 +357,31 @@ def main():
     t = min(t_graph, t_eager, t_add)
     copy_bw = 2 * x.nbytes / t
     results["copy_bw"] = copy_bw
-    results["copy_detail"] = {"graph_copy_TBps": 2 * x.nbytes / t_graph / 1e12, "eager_copy_TBps": 2 * x.nbytes / t_eager / 1e12,
-                              "eager_add_TBps": 2 * x.nbytes / t_add / 1e12}
+    results["copy_detail"] = {
+        "graph_copy_TBps": 2 * x.nbytes / t_graph / 1e12,
+        "eager_copy_TBps": 2 * x.nbytes / t_eager / 1e12,
+        "eager_add_TBps": 2 * x.nbytes / t_add / 1e12,
+    }
     log(f"copy: {2 * x.nbytes / 1e9:.2f} GB moved; TB/s: {results['copy_detail']} -> ceiling {copy_bw / 1e12:.3f} TB/s")
     del x, y
 
     rows = []
 
     def record(shape, method, t, nbytes, extra=""):
-        r = {"B": shape[0], "L": shape[1], "method": method, "us": t * 1e6, "bytes": nbytes,
-             "gbps": nbytes / t / 1e9, "pct_copy": 100 * nbytes / t / copy_bw, "extra": extra}
+        r = {
+            "B": shape[0],
+            "L": shape[1],
+            "method": method,
+            "us": t * 1e6,
+            "bytes": nbytes,
+            "gbps": nbytes / t / 1e9,
+            "pct_copy": 100 * nbytes / t / copy_bw,
+            "extra": extra,
+        }
         rows.append(r)
-        log(f"  {method:28s} {t * 1e6:9.1f} us  {nbytes / 1e6:9.2f} MB  {r['gbps']:7.0f} GB/s  {r['pct_copy']:5.1f}% copy  {extra}")
+        log(
+            f"  {method:28s} {t * 1e6:9.1f} us  {nbytes / 1e6:9.2f} MB  {r['gbps']:7.0f} GB/s  {r['pct_copy']:5.1f}% copy  {extra}"
+        )
         return r
 
     sweep_waves = SWEEP_WAVES if not args.quick else (4,)
@@ -337,7 +396,10 @@ def main():
         qs = [torch.randn(B, HQ, 1, D, device=DEV, dtype=torch.float16) for _ in range(nrot)]
         kvs = [gpu_kv(B, L, seed=i) for i in range(nrot)]
         sdpa_t, sdpa_name = None, None
-        ref = torch.softmax((qs[0].view(B, HKV, HQ // HKV, D).float() @ kvs[0][0].float().transpose(-1, -2)) / D**0.5, -1) @ kvs[0][1].float()
+        ref = (
+            torch.softmax((qs[0].view(B, HKV, HQ // HKV, D).float() @ kvs[0][0].float().transpose(-1, -2)) / D**0.5, -1)
+            @ kvs[0][1].float()
+        )
         for bname, backend in sdpa_backends():
             for form in ("enable_gqa", "gqa-folded"):
                 name = f"sdpa-{bname} {form}"
@@ -360,7 +422,7 @@ def main():
         # ---- Kitty presets (fp16 and, at the target shapes, bf16)
         for preset in ("kitty", "kitty-pro"):
             cfg = PRESETS[preset]
-            for dtype in (dtypes if target else dtypes[:1]):
+            for dtype in dtypes if target else dtypes[:1]:
                 tag_dt = str(dtype)[6:]
                 st0 = make_state(cfg, k_full.to(dtype), v_full.to(dtype), [L] * B, seed=B)
                 _, cache_b = kitty_bytes(cfg, B, L, 1, 16)
@@ -373,25 +435,44 @@ def main():
                     for waves in sweep_waves:
                         splits = default_num_splits(B, HKV, max_units, torch.device(DEV), waves=waves)
                         tag = " ".join(f"{k}={v}" for k, v in kc.items()) + f" splits={splits}"
-                        if any(sw["config"] == tag and sw["B"] == B and sw["L"] == L and sw["preset"] == preset
-                               and sw["dtype"] == tag_dt for sw in results["sweep"]):
+                        if any(
+                            sw["config"] == tag
+                            and sw["B"] == B
+                            and sw["L"] == L
+                            and sw["preset"] == preset
+                            and sw["dtype"] == tag_dt
+                            for sw in results["sweep"]
+                        ):
                             continue  # two wave counts gave the same split count
                         try:
-                            t = bench([lambda i=i: decode_attention_triton(qs[i], states[i], cfg, num_splits=splits, **kc)
-                                       for i in range(nrot)])
+                            t = bench(
+                                [
+                                    lambda i=i: decode_attention_triton(qs[i], states[i], cfg, num_splits=splits, **kc)
+                                    for i in range(nrot)
+                                ]
+                            )
                         except Exception as e:  # noqa: BLE001
                             log(f"    sweep {preset} {tag_dt} fused {tag}: failed: {type(e).__name__}: {str(e)[:300]}")
                             continue
                         nbytes, _ = kitty_bytes(cfg, B, L, splits, 16)
                         log(f"    sweep {preset} {tag_dt} fused {tag}: {t * 1e6:.1f} us ({nbytes / t / 1e9:.0f} GB/s)")
-                        results["sweep"].append({"B": B, "L": L, "preset": preset, "dtype": tag_dt, "config": tag, "us": t * 1e6})
+                        results["sweep"].append(
+                            {"B": B, "L": L, "preset": preset, "dtype": tag_dt, "config": tag, "us": t * 1e6}
+                        )
                         if best is None or t < best[0]:
                             best = (t, tag, nbytes)
                 try:  # decode_attention_triton's own default launch (kernels.decode_attention.default_launch)
                     t_def = bench([lambda i=i: decode_attention_triton(qs[i], states[i], cfg) for i in range(nrot)])
                     results.setdefault("default_launch", []).append(
-                        {"B": B, "L": L, "preset": preset, "dtype": tag_dt, "us": t_def * 1e6,
-                         "speedup_vs_sdpa": sdpa_t / t_def if sdpa_t else None})
+                        {
+                            "B": B,
+                            "L": L,
+                            "preset": preset,
+                            "dtype": tag_dt,
+                            "us": t_def * 1e6,
+                            "speedup_vs_sdpa": sdpa_t / t_def if sdpa_t else None,
+                        }
+                    )
                     log(f"    default launch {preset} {tag_dt}: {t_def * 1e6:.1f} us")
                 except Exception as e:  # noqa: BLE001
                     log(f"    default launch {preset} {tag_dt}: failed: {type(e).__name__}: {str(e)[:300]}")
@@ -399,8 +480,13 @@ def main():
                     log(f"  {preset} {tag_dt}: every fused configuration failed")
                     continue
                 t, tag, nbytes = best
-                r = record(shape, f"{preset} {tag_dt} fused", t, nbytes,
-                           f"best of sweep: {tag}" + (f"; {sdpa_t / t:.2f}x the fastest FP16 ({sdpa_name})" if sdpa_t else ""))
+                r = record(
+                    shape,
+                    f"{preset} {tag_dt} fused",
+                    t,
+                    nbytes,
+                    f"best of sweep: {tag}" + (f"; {sdpa_t / t:.2f}x the fastest FP16 ({sdpa_name})" if sdpa_t else ""),
+                )
                 r["speedup_vs_sdpa"] = sdpa_t / t if sdpa_t else None
                 r["preset"], r["dtype"] = preset, tag_dt
                 if dtype == torch.float16:
@@ -411,16 +497,34 @@ def main():
                     nrot_p = n_rotations(2 * kq.nbytes)
                     kqs = [kq.clone() for _ in range(nrot_p)]
                     vqs = [vq.clone() for _ in range(nrot_p)]
-                    pool = {name: x.clone() for name, x in st0.tensors().items()
-                            if name in ("k_low", "k_high", "k_boost_idx", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")}
+                    pool = {
+                        name: x.clone()
+                        for name, x in st0.tensors().items()
+                        if name
+                        in ("k_low", "k_high", "k_boost_idx", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
+                    }
                     pages = torch.arange(B, dtype=torch.int32, device=DEV)
                     try:
-                        tp = bench([lambda i=i: pack_pages(cfg, kqs[i], vqs[i], pool=pool, k_pages=pages, v_pages=pages)
-                                    for i in range(nrot_p)])
+                        tp = bench(
+                            [
+                                lambda i=i: pack_pages(cfg, kqs[i], vqs[i], pool=pool, k_pages=pages, v_pages=pages)
+                                for i in range(nrot_p)
+                            ]
+                        )
                         amort = tp / cfg.group_size / fused_t * 100
-                        results["pack_timing"].append({"B": B, "L": L, "preset": preset, "us": tp * 1e6,
-                                                       "us_per_page": tp * 1e6 / (B * HKV), "amortized_pct_of_fused": amort})
-                        log(f"  {preset} pack {B}x{HKV} pages (k+v): {tp * 1e6:.1f} us; /G = {amort:.2f}% of one fused decode step")
+                        results["pack_timing"].append(
+                            {
+                                "B": B,
+                                "L": L,
+                                "preset": preset,
+                                "us": tp * 1e6,
+                                "us_per_page": tp * 1e6 / (B * HKV),
+                                "amortized_pct_of_fused": amort,
+                            }
+                        )
+                        log(
+                            f"  {preset} pack {B}x{HKV} pages (k+v): {tp * 1e6:.1f} us; /G = {amort:.2f}% of one fused decode step"
+                        )
                     except Exception as e:  # noqa: BLE001
                         log(f"  {preset} pack failed: {type(e).__name__}: {str(e)[:300]}")
                     del kqs, vqs, pool
@@ -444,8 +548,11 @@ def main():
                         best = (t, " ".join(f"{k}={v}" for k, v in kc.items()) + f" splits={splits}")
             if best:
                 lay = token_layout(cfg, L)
-                nbytes = B * HKV * (lay.key_pages + lay.value_pages) * cfg.group_size * D * 2 + B * HKV * (
-                    2 * lay.sink + lay.key_qbuffer + lay.value_qbuffer + lay.local) * D * 2 + 2 * B * HQ * D * 2
+                nbytes = (
+                    B * HKV * (lay.key_pages + lay.value_pages) * cfg.group_size * D * 2
+                    + B * HKV * (2 * lay.sink + lay.key_qbuffer + lay.value_qbuffer + lay.local) * D * 2
+                    + 2 * B * HQ * D * 2
+                )
                 record(shape, "fp16 pages fused (diagnostic)", best[0], nbytes, f"same kernel, 16-bit pages: {best[1]}")
             del st
         for r in rows:
@@ -507,7 +614,7 @@ def write(results: dict, out_dir: str) -> str:
     if os.path.exists(here):
         old = open(here).read()
         if ANALYSIS_MARKER in old:
-            kept = old[old.index(ANALYSIS_MARKER):]
+            kept = old[old.index(ANALYSIS_MARKER) :]
     for path in (os.path.join(out_dir, "RESULTS.md"),) + ((here,) if DEV == "cuda" else ()):
         with open(path, "w") as f:
             f.write(md + ("\n" + kept if kept else ""))
@@ -518,52 +625,92 @@ def write(results: dict, out_dir: str) -> str:
 
 def render(res: dict) -> str:
     env = res["env"]
-    out = ["# Kitty kernel benchmarks", "",
-           f"Measured by `benchmarks/kernels.py` on **{env['gpu']}** ({env['sms']} SMs), driver {env['driver']}, "
-           f"torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, Python {env['python']}, {env['date']}.", "",
-           "Times: median of 30 CUDA-graph replays (many calls each, rotating inputs > 4x L2, after warm-up). "
-           "Bytes: what the method must move (cache read + query/output + split workspace; unfused adds its logit/"
-           "probability round trips), counted from the layout. 32 query / 8 KV heads, D=128, fp16, G=128, S=32, R=128; "
-           "all rows at full length L.", "",
-           f"Device copy bandwidth (read + write, 2 GiB D2D copy; the best of eager copy_, eager add and a graph-captured "
-           f"copy {res.get('copy_detail', {})}): **{res['copy_bw'] / 1e12:.3f} TB/s**.", "",
-           "## Correctness on the GPU (before timing)", ""]
+    out = [
+        "# Kitty kernel benchmarks",
+        "",
+        f"Measured by `benchmarks/kernels.py` on **{env['gpu']}** ({env['sms']} SMs), driver {env['driver']}, "
+        f"torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, Python {env['python']}, {env['date']}.",
+        "",
+        "Times: median of 30 CUDA-graph replays (many calls each, rotating inputs > 4x L2, after warm-up). "
+        "Bytes: what the method must move (cache read + query/output + split workspace; unfused adds its logit/"
+        "probability round trips), counted from the layout. 32 query / 8 KV heads, D=128, fp16, G=128, S=32, R=128; "
+        "all rows at full length L.",
+        "",
+        f"Device copy bandwidth (read + write, 2 GiB D2D copy; the best of eager copy_, eager add and a graph-captured "
+        f"copy {res.get('copy_detail', {})}): **{res['copy_bw'] / 1e12:.3f} TB/s**.",
+        "",
+        "## Correctness on the GPU (before timing)",
+        "",
+    ]
     if res["correct"] is None:
-        out += ["Not run in this invocation (`--timing-only`): the same code's GPU correctness run is "
-                "`benchmarks/kernels_h200_correctness.json`.", ""]
+        out += [
+            "Not run in this invocation (`--timing-only`): the same code's GPU correctness run is "
+            "`benchmarks/kernels_h200_correctness.json`.",
+            "",
+        ]
     else:
-        out += [f"- pack bit-identical to kitty.quant: {'yes' if res['correct']['pack_dequant'] else 'NO'} "
-           + "; ".join(f"{k}: {'ok' if not any(v.values()) else v}" for k, v in res["pack"].items()),
-           "- dequantization vs kitty.quant (differing elements / total / max ulp): "
-           + "; ".join(f"{k}: key {v['key']}, value {v['value']}" for k, v in res["dequant"].items()),
-           f"- attention (max|out-ref| <= 2 max|pt-ref| + floor): {'all pass' if res['correct']['attention'] else 'FAILURES'}", ""]
+        out += [
+            f"- pack bit-identical to kitty.quant: {'yes' if res['correct']['pack_dequant'] else 'NO'} "
+            + "; ".join(f"{k}: {'ok' if not any(v.values()) else v}" for k, v in res["pack"].items()),
+            "- dequantization vs kitty.quant (differing elements / total / max ulp): "
+            + "; ".join(f"{k}: key {v['key']}, value {v['value']}" for k, v in res["dequant"].items()),
+            f"- attention (max|out-ref| <= 2 max|pt-ref| + floor): {'all pass' if res['correct']['attention'] else 'FAILURES'}",
+            "",
+        ]
         out += ["| case | max abs err | tolerance | ok |", "|---|---|---|---|"]
         for k, v in res["attention"].items():
             out.append(f"| {k} | {v['err']:.2e} | {v['tol']:.2e} | {'yes' if v['ok'] else 'NO'} |")
-    out += ["", "## Decode attention", "",
-            f"Baseline: the fastest FP16 attention measured in the same run at each shape, over every SDPA backend "
-            f"({', '.join(n for n, _ in sdpa_backends())}) with GQA as `enable_gqa` or folded into the query length.", "",
-            "| B | L | method | time (us) | MB moved | GB/s | % of copy BW | vs fastest FP16 | notes |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    out += [
+        "",
+        "## Decode attention",
+        "",
+        f"Baseline: the fastest FP16 attention measured in the same run at each shape, over every SDPA backend "
+        f"({', '.join(n for n, _ in sdpa_backends())}) with GQA as `enable_gqa` or folded into the query length.",
+        "",
+        "| B | L | method | time (us) | MB moved | GB/s | % of copy BW | vs fastest FP16 | notes |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in res["timing"]:
         sp = r.get("speedup_vs_sdpa")
-        out.append(f"| {r['B']} | {r['L']} | {r['method']} | {r['us']:.1f} | {r['bytes'] / 1e6:.2f} | {r['gbps']:.0f} | "
-                   f"{r['pct_copy']:.1f} | {'' if sp is None else f'{sp:.2f}x'} | {r['extra']} |")
-    out += ["", "## Fused-kernel sweep (time in us per configuration; the best is reported above)", "",
-            "| B | L | preset | dtype | configuration | time (us) |", "|---|---|---|---|---|---|"]
+        out.append(
+            f"| {r['B']} | {r['L']} | {r['method']} | {r['us']:.1f} | {r['bytes'] / 1e6:.2f} | {r['gbps']:.0f} | "
+            f"{r['pct_copy']:.1f} | {'' if sp is None else f'{sp:.2f}x'} | {r['extra']} |"
+        )
+    out += [
+        "",
+        "## Fused-kernel sweep (time in us per configuration; the best is reported above)",
+        "",
+        "| B | L | preset | dtype | configuration | time (us) |",
+        "|---|---|---|---|---|---|",
+    ]
     for sw in sorted(res["sweep"], key=lambda x: (x["B"], x["L"], x["preset"], x.get("dtype", ""), x["us"])):
-        out.append(f"| {sw['B']} | {sw['L']} | {sw['preset']} | {sw.get('dtype', '')} | {sw['config']} | {sw['us']:.1f} |")
-    out += ["", "## Default launch (`decode_attention_triton(q, state, cfg)`, no tuning arguments)", "",
-            "| B | L | preset | dtype | time (us) | vs fastest FP16 |", "|---|---|---|---|---|---|"]
+        out.append(
+            f"| {sw['B']} | {sw['L']} | {sw['preset']} | {sw.get('dtype', '')} | {sw['config']} | {sw['us']:.1f} |"
+        )
+    out += [
+        "",
+        "## Default launch (`decode_attention_triton(q, state, cfg)`, no tuning arguments)",
+        "",
+        "| B | L | preset | dtype | time (us) | vs fastest FP16 |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in res.get("default_launch", []):
         sp = r.get("speedup_vs_sdpa")
-        out.append(f"| {r['B']} | {r['L']} | {r['preset']} | {r['dtype']} | {r['us']:.1f} | "
-                   f"{'' if sp is None else f'{sp:.2f}x'} |")
-    out += ["", "## Pack (quantize + pack one full qbuffer per row and KV head, keys and values, one launch)", "",
-            "| B | L | preset | time (us) | us per page (one head, k+v) | amortized over G steps, % of fused decode |",
-            "|---|---|---|---|---|---|"]
+        out.append(
+            f"| {r['B']} | {r['L']} | {r['preset']} | {r['dtype']} | {r['us']:.1f} | "
+            f"{'' if sp is None else f'{sp:.2f}x'} |"
+        )
+    out += [
+        "",
+        "## Pack (quantize + pack one full qbuffer per row and KV head, keys and values, one launch)",
+        "",
+        "| B | L | preset | time (us) | us per page (one head, k+v) | amortized over G steps, % of fused decode |",
+        "|---|---|---|---|---|---|",
+    ]
     for p in res["pack_timing"]:
-        out.append(f"| {p['B']} | {p['L']} | {p['preset']} | {p['us']:.1f} | {p['us_per_page']:.2f} | {p['amortized_pct_of_fused']:.2f} |")
+        out.append(
+            f"| {p['B']} | {p['L']} | {p['preset']} | {p['us']:.1f} | {p['us_per_page']:.2f} | {p['amortized_pct_of_fused']:.2f} |"
+        )
     out += ["", "## Targets", ""]
     for r in res["timing"]:
         if "preset" not in r:
@@ -572,8 +719,10 @@ def render(res: dict) -> str:
         official = OFFICIAL_KITTY_MS.get(shape)
         line = f"- {r['method']} {shape}: {'n/a' if sp is None else f'{sp:.2f}x'} the fastest FP16"
         if shape in TARGET_SHAPES:
-            line += (f" (target >= 4x: {'met' if sp and sp >= 4 else 'missed'}); {r['pct_copy']:.0f}% of copy BW "
-                     f"(target >= 70%: {'met' if r['pct_copy'] >= 70 else 'missed'})")
+            line += (
+                f" (target >= 4x: {'met' if sp and sp >= 4 else 'missed'}); {r['pct_copy']:.0f}% of copy BW "
+                f"(target >= 70%: {'met' if r['pct_copy'] >= 70 else 'missed'})"
+            )
         else:
             line += f" (target >= 1x: {'met' if sp and sp >= 1 else 'missed'})"
         if official:
@@ -582,8 +731,10 @@ def render(res: dict) -> str:
         out.append(line)
     for p in res["pack_timing"]:
         if (p["B"], p["L"]) in TARGET_SHAPES:
-            out.append(f"- pack {p['preset']} ({p['B']}, {p['L']}): {p['amortized_pct_of_fused']:.2f}% amortized "
-                       f"(target <= 2%: {'met' if p['amortized_pct_of_fused'] <= 2 else 'missed'})")
+            out.append(
+                f"- pack {p['preset']} ({p['B']}, {p['L']}): {p['amortized_pct_of_fused']:.2f}% amortized "
+                f"(target <= 2%: {'met' if p['amortized_pct_of_fused'] <= 2 else 'missed'})"
+            )
     return "\n".join(out) + "\n"
 
 

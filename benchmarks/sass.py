@@ -30,30 +30,94 @@ from triton.compiler import ASTSource  # noqa: E402
 from kitty.config import PRESETS  # noqa: E402
 from kitty.kernels import _tiles  # noqa: E402
 
-da = importlib.import_module("kitty.kernels.decode_attention")  # the module (the package exports a function of that name)
+da = importlib.import_module(
+    "kitty.kernels.decode_attention"
+)  # the module (the package exports a function of that name)
 
-POINTERS = ["q_ptr", "ws_m_ptr", "ws_l_ptr", "ws_acc_ptr", "len_ptr", "sink_k_ptr", "sink_v_ptr", "k_qbuf_ptr",
-            "v_qbuf_ptr", "v_local_ptr", "k_pt_ptr", "v_pt_ptr", "k_low_ptr", "k_high_ptr", "k_idx_ptr",
-            "k_scale_ptr", "k_zero_ptr", "k_raw_ptr", "v_codes_ptr", "v_scale_ptr", "v_zero_ptr", "v_raw_ptr"]
+POINTERS = [
+    "q_ptr",
+    "ws_m_ptr",
+    "ws_l_ptr",
+    "ws_acc_ptr",
+    "len_ptr",
+    "sink_k_ptr",
+    "sink_v_ptr",
+    "k_qbuf_ptr",
+    "v_qbuf_ptr",
+    "v_local_ptr",
+    "k_pt_ptr",
+    "v_pt_ptr",
+    "k_low_ptr",
+    "k_high_ptr",
+    "k_idx_ptr",
+    "k_scale_ptr",
+    "k_zero_ptr",
+    "k_raw_ptr",
+    "v_codes_ptr",
+    "v_scale_ptr",
+    "v_zero_ptr",
+    "v_raw_ptr",
+]
 
 
-def compile_kernel(preset: str, dtype: torch.dtype, num_warps: int = 4, D: int = 128, QH: int = 4,
-                   arch: int = 90, block_h: int = 4, split_fold: int = 1) -> dict:
+def compile_kernel(
+    preset: str,
+    dtype: torch.dtype,
+    num_warps: int = 4,
+    D: int = 128,
+    QH: int = 4,
+    arch: int = 90,
+    block_h: int = 4,
+    split_fold: int = 1,
+) -> dict:
     cfg = PRESETS[preset]
     G, S, R = cfg.group_size, cfg.sink_tokens, cfg.local_window
     nb = cfg.num_boosted(D)
     tdt = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-    ptr_types = {"ws_m_ptr": "fp32", "ws_l_ptr": "fp32", "ws_acc_ptr": "fp32", "len_ptr": "i32", "k_pt_ptr": "i32",
-                 "v_pt_ptr": "i32", "k_low_ptr": "u8", "k_high_ptr": "u8", "k_idx_ptr": "u8", "v_codes_ptr": "u8"}
+    ptr_types = {
+        "ws_m_ptr": "fp32",
+        "ws_l_ptr": "fp32",
+        "ws_acc_ptr": "fp32",
+        "len_ptr": "i32",
+        "k_pt_ptr": "i32",
+        "v_pt_ptr": "i32",
+        "k_low_ptr": "u8",
+        "k_high_ptr": "u8",
+        "k_idx_ptr": "u8",
+        "v_codes_ptr": "u8",
+    }
     fn = da._decode_split_kernel
     vbits = cfg.value_bits
     ka = [da.magic_code(dtype, 2, s) for s in (0, 2, 4, 6)]
     va = [da.magic_code(dtype, vbits, vbits * r) for r in range(4)]
-    constexprs = dict(S=S, G=G, R=R, D=D, NB=nb, NBP=max(16, triton.next_power_of_2(max(nb, 1))), VBITS=vbits,
-                      KEY_RAW=False, VALUE_RAW=False, BLOCK_H=max(block_h, triton.next_power_of_2(QH)), FULL_QBUF=True, SPLIT=split_fold,
-                      BLOCK_S=max(16, triton.next_power_of_2(S)), DOT=_tiles.TLTYPE[dtype],
-                      KA0=ka[0][0], KA1=ka[1][0], KA2=ka[2][0], KA3=ka[3][0], KOFF=ka[0][1], KUNIT=ka[0][2],
-                      VA0=va[0][0], VA1=va[1][0], VA2=va[2][0], VA3=va[3][0], VOFF=va[0][1], VUNIT=va[0][2])
+    constexprs = dict(
+        S=S,
+        G=G,
+        R=R,
+        D=D,
+        NB=nb,
+        NBP=max(16, triton.next_power_of_2(max(nb, 1))),
+        VBITS=vbits,
+        KEY_RAW=False,
+        VALUE_RAW=False,
+        BLOCK_H=max(block_h, triton.next_power_of_2(QH)),
+        FULL_QBUF=True,
+        SPLIT=split_fold,
+        BLOCK_S=max(16, triton.next_power_of_2(S)),
+        DOT=_tiles.TLTYPE[dtype],
+        KA0=ka[0][0],
+        KA1=ka[1][0],
+        KA2=ka[2][0],
+        KA3=ka[3][0],
+        KOFF=ka[0][1],
+        KUNIT=ka[0][2],
+        VA0=va[0][0],
+        VA1=va[1][0],
+        VA2=va[2][0],
+        VA3=va[3][0],
+        VOFF=va[0][1],
+        VUNIT=va[0][2],
+    )
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -67,8 +131,15 @@ def compile_kernel(preset: str, dtype: torch.dtype, num_warps: int = 4, D: int =
             signature[name] = "i32"
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": 1})
-    return {"ptx": k.asm["ptx"], "cubin": k.asm["cubin"], "n_regs": getattr(k, "n_regs", None),
-            "shared": k.metadata.shared, "G": G, "D": D, "threads": 32 * num_warps}
+    return {
+        "ptx": k.asm["ptx"],
+        "cubin": k.asm["cubin"],
+        "n_regs": getattr(k, "n_regs", None),
+        "shared": k.metadata.shared,
+        "G": G,
+        "D": D,
+        "threads": 32 * num_warps,
+    }
 
 
 def sass_text(cubin: bytes) -> str:
@@ -97,7 +168,7 @@ def hot_loop(sass: str) -> list[tuple[str, str]]:
             continue
         t = int(tgt.group(1), 16)
         if t < a and t in addr:
-            body = lines[addr[t]: i + 1]
+            body = lines[addr[t] : i + 1]
             if sum("HMMA" in x for _, x in body) > sum("HMMA" in x for _, x in best):
                 best = body
     out = []
@@ -113,7 +184,9 @@ def main():
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--num-warps", type=int, default=2)
     ap.add_argument("--block-h", type=int, default=4, help="query rows per program (the kernel's block_h)")
-    ap.add_argument("--split-fold", type=int, default=1, help="operands as two 16-bit parts: 1 q*scale, 2 p*scale, 3 both")
+    ap.add_argument(
+        "--split-fold", type=int, default=1, help="operands as two 16-bit parts: 1 q*scale, 2 p*scale, 3 both"
+    )
     ap.add_argument("--out", default=None, help="folder to write the PTX and SASS to")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -128,8 +201,10 @@ def main():
     per_thread = elems / k["threads"]
     ops = collections.Counter(op.split(".")[0] for op, _ in loop)
     print(f"{args.preset} {args.dtype} warps={args.num_warps}: registers {k['n_regs']}, shared {k['shared']} B")
-    print(f"hot loop: {len(loop)} instructions per thread per page = {len(loop) / per_thread:.2f} per cached element "
-          f"({per_thread:.0f} codes per thread per page)")
+    print(
+        f"hot loop: {len(loop)} instructions per thread per page = {len(loop) / per_thread:.2f} per cached element "
+        f"({per_thread:.0f} codes per thread per page)"
+    )
     print("  " + ", ".join(f"{op} {c}" for op, c in ops.most_common(24)))
 
 

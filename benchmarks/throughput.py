@@ -41,12 +41,28 @@ def qwen3_8b_config(num_layers: int | None = None, smoke: bool = False):
     from transformers import Qwen3Config
 
     if smoke:
-        return Qwen3Config(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
+        return Qwen3Config(
+            vocab_size=1000,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            max_position_embeddings=4096,
+        )
     return Qwen3Config(
-        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=num_layers or 36,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=num_layers or 36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
     )
 
 
@@ -107,7 +123,12 @@ def fill_cache(method: str, model, batch: int, context: int, extra: int):
             cache.update(rand(context), rand(context), i, {"cache_position": pos})
         return cache
     # pools sized exactly (no doubling slack), so the allocated KV memory is what the budget allowed
-    cache = KittyCache(c, PRESETS[method], backend="triton" if DEVICE == "cuda" else "torch", max_pages=batch * pages_per_row(method, context + extra))
+    cache = KittyCache(
+        c,
+        PRESETS[method],
+        backend="triton" if DEVICE == "cuda" else "torch",
+        max_pages=batch * pages_per_row(method, context + extra),
+    )
     for layer in cache.layers:
         for start in range(0, context, chunk):
             t = min(chunk, context - start)
@@ -148,7 +169,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="fewer layers for a smoke run")
     ap.add_argument("--methods", default="fp16-dynamic,fp16-static,quantized-hf,kitty,kitty-pro")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the plumbing, measures nothing useful")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny model on CPU: checks the plumbing, measures nothing useful"
+    )
     a = ap.parse_args()
     global DEVICE
     if a.smoke:
@@ -169,7 +192,9 @@ def main() -> None:
                 from transformers import QuantizedCache  # noqa: F401
                 import optimum.quanto  # noqa: F401
             except Exception as e:  # noqa: BLE001
-                notes.append(f"transformers' QuantizedCache: not run ({type(e).__name__}: {e}); it needs optimum-quanto or hqq, absent on the device")
+                notes.append(
+                    f"transformers' QuantizedCache: not run ({type(e).__name__}: {e}); it needs optimum-quanto or hqq, absent on the device"
+                )
                 continue
         per_seq = kv_bytes_per_seq(method, model.config, a.context + a.warmup + a.steps)
         max_batch = budget // per_seq
@@ -187,9 +212,21 @@ def main() -> None:
                 kv = mem() - weights
                 rate = decode_rate(model, cache, b, a.context, a.steps, a.warmup, method == "fp16-static")
                 peak = torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0
-                rows.append(dict(method=method, context=a.context, batch=b, max_batch=max_batch, kv_gib=kv / 2**30, peak_gib=peak / 2**30, tokens_per_s=rate))
+                rows.append(
+                    dict(
+                        method=method,
+                        context=a.context,
+                        batch=b,
+                        max_batch=max_batch,
+                        kv_gib=kv / 2**30,
+                        peak_gib=peak / 2**30,
+                        tokens_per_s=rate,
+                    )
+                )
                 print(rows[-1], flush=True)
-                (out / "throughput.json").write_text(json.dumps(dict(rows=rows, notes=notes), indent=1))  # partial results survive a timeout
+                (out / "throughput.json").write_text(
+                    json.dumps(dict(rows=rows, notes=notes), indent=1)
+                )  # partial results survive a timeout
             except torch.cuda.OutOfMemoryError as e:
                 notes.append(f"{method} batch {b}: out of memory ({e})")
             finally:
@@ -214,9 +251,20 @@ def main() -> None:
     for m, r in best.items():
         rel_b = r["batch"] / base["batch"] if base else float("nan")
         rel_t = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
-        lines.append(f"| {m} | {r['batch']} | {rel_b:.1f}x | {r['kv_gib']:.2f} | {r['peak_gib']:.2f} | {r['tokens_per_s']:.0f} | {rel_t:.2f}x |")
-    lines += ["", "All points (batch sweep):", "", "| method | batch | KV GiB | peak GiB | tokens/s |", "|---|---|---|---|---|"]
-    lines += [f"| {r['method']} | {r['batch']} | {r['kv_gib']:.2f} | {r['peak_gib']:.2f} | {r['tokens_per_s']:.0f} |" for r in rows]
+        lines.append(
+            f"| {m} | {r['batch']} | {rel_b:.1f}x | {r['kv_gib']:.2f} | {r['peak_gib']:.2f} | {r['tokens_per_s']:.0f} | {rel_t:.2f}x |"
+        )
+    lines += [
+        "",
+        "All points (batch sweep):",
+        "",
+        "| method | batch | KV GiB | peak GiB | tokens/s |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['method']} | {r['batch']} | {r['kv_gib']:.2f} | {r['peak_gib']:.2f} | {r['tokens_per_s']:.0f} |"
+        for r in rows
+    ]
     lines += [""] + [f"- {n}" for n in notes] + [f"", f"_run took {time.time() - t0:.0f} s_", ""]
     (out / "throughput.md").write_text("\n".join(lines))
     (out / "throughput.json").write_text(json.dumps(dict(rows=rows, notes=notes), indent=1))

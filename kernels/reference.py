@@ -88,8 +88,14 @@ def dequantize_cache(
     return keys, values, valid
 
 
-def decode_attention_ref(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig, scaling: float | None = None,
-                         upcast: bool = True, full_qbuffer: bool = False) -> torch.Tensor:
+def decode_attention_ref(
+    q: torch.Tensor,
+    state: KittyLayerState,
+    cfg: KVQuantConfig,
+    scaling: float | None = None,
+    upcast: bool = True,
+    full_qbuffer: bool = False,
+) -> torch.Tensor:
     """Torch reference of :func:`kitty.kernels.decode_attention`: ``[B, Hq, D]`` in ``q.dtype``.
 
     ``q`` ``[B, Hq, D]``: the token at position ``lengths[b] - 1`` of each row (already in ``state``). GQA: query

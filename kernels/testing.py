@@ -17,8 +17,9 @@ from kitty.quant import quantize_key_page, quantize_value_page
 from .reference import KittyLayerState
 
 
-def planted_kv(B: int, Hkv: int, L: int, D: int, dtype: torch.dtype, device="cpu", seed: int = 0,
-               outliers: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+def planted_kv(
+    B: int, Hkv: int, L: int, D: int, dtype: torch.dtype, device="cpu", seed: int = 0, outliers: int = 4
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random keys/values ``[B, Hkv, L, D]`` with ``outliers`` planted high-magnitude key channels per head."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     k = torch.randn(B, Hkv, L, D, generator=g)
@@ -30,8 +31,18 @@ def planted_kv(B: int, Hkv: int, L: int, D: int, dtype: torch.dtype, device="cpu
     return k.to(dtype).to(device), v.to(dtype).to(device)
 
 
-def make_state(cfg: KVQuantConfig, k: torch.Tensor, v: torch.Tensor, lengths, *, seed: int = 0,
-               fill: float = float("nan"), extra_pages: int = 3, pack=None, full_qbuffer: bool = False) -> KittyLayerState:
+def make_state(
+    cfg: KVQuantConfig,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths,
+    *,
+    seed: int = 0,
+    fill: float = float("nan"),
+    extra_pages: int = 3,
+    pack=None,
+    full_qbuffer: bool = False,
+) -> KittyLayerState:
     """Lay out ``k``/``v`` ``[B, Hkv, L, D]`` (row ``b`` holds ``lengths[b]`` valid tokens) as a Kitty layer.
 
     ``pack``: ``None`` quantizes pages with ``kitty.quant``; ``"triton"`` with :func:`kernels.pack.pack_pages`.
@@ -78,11 +89,14 @@ def make_state(cfg: KVQuantConfig, k: torch.Tensor, v: torch.Tensor, lengths, *,
     nb = cfg.num_boosted(D)
     u8 = dict(dtype=torch.uint8, device=dev)
     pool = dict(
-        k_low=torch.zeros(P, Hkv, D, G // 4, **u8), k_high=torch.zeros(P, Hkv, nb, G // 4, **u8),
-        k_boost_idx=torch.zeros(P, Hkv, D, **u8), k_scale=torch.zeros(P, Hkv, D, dtype=dt, device=dev),
+        k_low=torch.zeros(P, Hkv, D, G // 4, **u8),
+        k_high=torch.zeros(P, Hkv, nb, G // 4, **u8),
+        k_boost_idx=torch.zeros(P, Hkv, D, **u8),
+        k_scale=torch.zeros(P, Hkv, D, dtype=dt, device=dev),
         k_zero=torch.zeros(P, Hkv, D, dtype=dt, device=dev),
         v_codes=torch.zeros(P, Hkv, G, D * cfg.value_bits // 8, **u8),
-        v_scale=torch.zeros(P, Hkv, G, dtype=dt, device=dev), v_zero=torch.zeros(P, Hkv, G, dtype=dt, device=dev),
+        v_scale=torch.zeros(P, Hkv, G, dtype=dt, device=dev),
+        v_zero=torch.zeros(P, Hkv, G, dtype=dt, device=dev),
     )
     k_raw = v_raw = None
     if not cfg.quantizes_keys:
@@ -98,13 +112,19 @@ def make_state(cfg: KVQuantConfig, k: torch.Tensor, v: torch.Tensor, lengths, *,
     if pack == "triton" and (kq is not None or vq is not None):
         from .pack import pack_pages
 
-        pack_pages(cfg, kq, vq, pool=pool, k_pages=k_ids if kq is not None else None,
-                   v_pages=v_ids if vq is not None else None)
+        pack_pages(
+            cfg, kq, vq, pool=pool, k_pages=k_ids if kq is not None else None, v_pages=v_ids if vq is not None else None
+        )
     else:
         if kq is not None:
             kp = quantize_key_page(kq, cfg)
-            for name, t in (("k_low", kp.low), ("k_high", kp.high), ("k_boost_idx", kp.boost_idx),
-                            ("k_scale", kp.scale), ("k_zero", kp.zero)):
+            for name, t in (
+                ("k_low", kp.low),
+                ("k_high", kp.high),
+                ("k_boost_idx", kp.boost_idx),
+                ("k_scale", kp.scale),
+                ("k_zero", kp.zero),
+            ):
                 pool[name][k_ids] = t
         if vq is not None:
             vp = quantize_value_page(vq, cfg)

@@ -3,7 +3,16 @@
 from .config import PRESETS, KVQuantConfig, get_preset
 from .memory import MemoryReport, analytic_report, token_layout
 
-__all__ = ["KVQuantConfig", "PRESETS", "get_preset", "MemoryReport", "analytic_report", "token_layout", "KittyCache", "load_model"]
+__all__ = [
+    "KVQuantConfig",
+    "PRESETS",
+    "get_preset",
+    "MemoryReport",
+    "analytic_report",
+    "token_layout",
+    "KittyCache",
+    "load_model",
+]
 __version__ = "0.1.0"
 
 

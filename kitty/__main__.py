@@ -1,7 +1,7 @@
 """Command line: generate through a Kitty cache and print what the cache holds, or compare presets.
 
-    python -m kitty "What is a KV cache?" --method kitty --max-new-tokens 64 --chat
-    python -m kitty "What is a KV cache?" --compare --methods fp16,kivi-k2v2,kitty,kitty-pro
+python -m kitty "What is a KV cache?" --method kitty --max-new-tokens 64 --chat
+python -m kitty "What is a KV cache?" --compare --methods fp16,kivi-k2v2,kitty,kitty-pro
 """
 
 from __future__ import annotations
@@ -37,9 +37,20 @@ class Result:
         return self.new_tokens / self.seconds if self.seconds else 0.0
 
 
-def generate(model, tokenizer, prompt: str, method: str, max_new_tokens: int = 64, chat: bool = False,
-             on_text: Callable[[str], None] | None = None, do_sample: bool = False, temperature: float = 1.0,
-             top_p: float = 1.0, seed: int = 0, backend: str = "auto") -> Result:
+def generate(
+    model,
+    tokenizer,
+    prompt: str,
+    method: str,
+    max_new_tokens: int = 64,
+    chat: bool = False,
+    on_text: Callable[[str], None] | None = None,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    backend: str = "auto",
+) -> Result:
     """Generate from ``prompt`` with the preset ``method``; return the text, speed and the cache's memory report.
 
     ``on_text``: called with each new piece of text as tokens arrive (the terminal's streamed output).
@@ -69,14 +80,16 @@ def describe(result: Result) -> str:
     """Memory report and token placement of one run, for the terminal."""
     c = result.counts
     r = result.report
-    return "\n".join([
-        f"[{result.method}] {result.new_tokens} new tokens in {result.seconds:.1f} s ({result.tokens_per_second:.1f} tokens/s)",
-        f"KV cache: {r.summary()}",
-        f"  quantized payload {r.payload_bytes / 2**10:.1f} KiB | metadata {r.metadata_bytes / 2**10:.1f} KiB | "
-        f"full precision {r.full_precision_bytes / 2**10:.1f} KiB",
-        f"  tokens per layer: sink {c['sink']} | key pages {c['key_pages']} | key qbuffer {c['key_qbuffer']} | "
-        f"value pages {c['value_pages']} | value qbuffer {c['value_qbuffer']} | local {c['local']}",
-    ])
+    return "\n".join(
+        [
+            f"[{result.method}] {result.new_tokens} new tokens in {result.seconds:.1f} s ({result.tokens_per_second:.1f} tokens/s)",
+            f"KV cache: {r.summary()}",
+            f"  quantized payload {r.payload_bytes / 2**10:.1f} KiB | metadata {r.metadata_bytes / 2**10:.1f} KiB | "
+            f"full precision {r.full_precision_bytes / 2**10:.1f} KiB",
+            f"  tokens per layer: sink {c['sink']} | key pages {c['key_pages']} | key qbuffer {c['key_qbuffer']} | "
+            f"value pages {c['value_pages']} | value qbuffer {c['value_qbuffer']} | local {c['local']}",
+        ]
+    )
 
 
 def table(results: list[Result], width: int = 60) -> str:
@@ -85,25 +98,34 @@ def table(results: list[Result], width: int = 60) -> str:
     for r in results:
         text = " ".join(r.text.split())
         text = text if len(text) <= width else text[: width - 1] + "…"
-        lines.append(f"| {r.method} | {r.report.bits_per_element:.2f} | {r.report.compression:.2f}x | {r.tokens_per_second:.1f} | {text.replace('|', '/')} |")
+        lines.append(
+            f"| {r.method} | {r.report.bits_per_element:.2f} | {r.report.compression:.2f}x | {r.tokens_per_second:.1f} | {text.replace('|', '/')} |"
+        )
     return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kitty", description="Generate with a 2-bit Kitty KV cache (arXiv 2511.18643).")
+    p = argparse.ArgumentParser(
+        prog="python -m kitty", description="Generate with a 2-bit Kitty KV cache (arXiv 2511.18643)."
+    )
     p.add_argument("prompt", help="the prompt text")
     p.add_argument("--method", default="kitty", help="cache preset, optionally +field=value... (default: kitty)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--model", default=None, help="hub id or local path (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--compare", action="store_true", help="run several presets on the same prompt and print a table")
-    p.add_argument("--methods", default=None, help=f"presets for --compare, comma-separated, each optionally +field=value... "
-                   f"(default: {DEFAULT_COMPARE})")
+    p.add_argument(
+        "--methods",
+        default=None,
+        help=f"presets for --compare, comma-separated, each optionally +field=value... (default: {DEFAULT_COMPARE})",
+    )
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", default=None, choices=("auto", "torch", "triton"), help="default: $KITTY_BACKEND, else auto")
+    p.add_argument(
+        "--backend", default=None, choices=("auto", "torch", "triton"), help="default: $KITTY_BACKEND, else auto"
+    )
     return p
 
 
@@ -129,13 +151,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_new_tokens < 1:
         return _fail(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.sample and not args.temperature > 0:
-        return _fail(f"--temperature must be > 0 with --sample (use greedy decoding without --sample), got {args.temperature}")
+        return _fail(
+            f"--temperature must be > 0 with --sample (use greedy decoding without --sample), got {args.temperature}"
+        )
     if args.sample and not 0 < args.top_p <= 1:
         return _fail(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.methods is not None and not args.compare:
         return _fail("--methods is for --compare; use --method for a single preset")
     if args.compare:
-        methods = [m.strip() for m in (args.methods if args.methods is not None else DEFAULT_COMPARE).split(",") if m.strip()]
+        methods = [
+            m.strip() for m in (args.methods if args.methods is not None else DEFAULT_COMPARE).split(",") if m.strip()
+        ]
         if not methods:
             return _fail(f"--methods names no preset; choose from {sorted(PRESETS)}")
     else:
@@ -155,9 +181,17 @@ def main(argv: list[str] | None = None) -> int:
         model, tokenizer = load_model(args.model)
     except (OSError, ValueError, RuntimeError) as e:
         return _fail(f"cannot load the model {args.model!r}: {e}")
-    options = dict(max_new_tokens=args.max_new_tokens, chat=args.chat, do_sample=args.sample, temperature=args.temperature,
-                   top_p=args.top_p, seed=args.seed, backend=args.backend)
+    options = dict(
+        max_new_tokens=args.max_new_tokens,
+        chat=args.chat,
+        do_sample=args.sample,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        backend=args.backend,
+    )
     if not args.compare:
+
         def show(piece: str) -> None:
             print(piece, end="", flush=True)
 

@@ -98,7 +98,9 @@ def use_kitty_attention(config) -> None:
     if issubclass(cls, _KittyAttentionConfig):
         return
     if cls not in _PATCHED:
-        _PATCHED[cls] = type(cls.__name__, (_KittyAttentionConfig, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        _PATCHED[cls] = type(
+            cls.__name__, (_KittyAttentionConfig, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        )
     config.__class__ = _PATCHED[cls]
 
 
@@ -118,6 +120,7 @@ def requested_backend(backend: str | None) -> str:
     if choice not in BACKENDS:
         raise ValueError(f"${BACKEND_ENV} must be one of {BACKENDS}, got {choice!r}")
     return choice
+
 
 # ------------------------------------------------------------------------------------------------------ the mask
 
@@ -144,7 +147,9 @@ class KittyMask:
             return torch.ones(batch_size, q_length, dtype=torch.bool, device=device)
         m = self.padding_mask
         if m.dim() != 2 or m.shape[0] != batch_size or m.shape[1] < q_length:
-            raise ValueError(f"attention_mask must be 2-D [batch, past + new] with batch {batch_size} and >= {q_length} columns, got {tuple(m.shape)}")
+            raise ValueError(
+                f"attention_mask must be 2-D [batch, past + new] with batch {batch_size} and >= {q_length} columns, got {tuple(m.shape)}"
+            )
         if self._new_cpu is None or self._new_cpu.shape[1] != q_length:
             self._new_cpu = m[:, -q_length:].to(device="cpu", dtype=torch.bool)
         return self._new_cpu.to(device)
@@ -160,16 +165,40 @@ class KittyMask:
         return self._sdpa[0] if self._sdpa else None
 
 
-def kitty_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0, attention_mask: torch.Tensor | None = None, **kwargs) -> KittyMask:
+def kitty_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> KittyMask:
     """Mask function registered as ``"kitty"``: keep the 2-D padding mask (bool ``[B, kv_length]`` or ``None``)."""
-    sdpa_kwargs = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset, attention_mask=attention_mask, **kwargs)
+    sdpa_kwargs = dict(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        attention_mask=attention_mask,
+        **kwargs,
+    )
     return KittyMask(attention_mask, sdpa_kwargs)
 
 
 # ---------------------------------------------------------------------------------------- the torch path
 
 
-def attend_torch(query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, valid: torch.Tensor, storage: dict[str, torch.Tensor], cfg: KVQuantConfig, scale: float) -> torch.Tensor:
+def attend_torch(
+    query: torch.Tensor,
+    key_states: torch.Tensor,
+    value_states: torch.Tensor,
+    valid: torch.Tensor,
+    storage: dict[str, torch.Tensor],
+    cfg: KVQuantConfig,
+    scale: float,
+) -> torch.Tensor:
     """Attention of ``T`` new queries over the cached tokens (dequantized) and the new tokens (full precision).
 
     ``query`` ``[B, Hq, T, D]``; ``key_states``/``value_states`` ``[B, Hkv, T, D]``; ``valid`` bool ``[B, T]``
@@ -188,15 +217,21 @@ def attend_torch(query: torch.Tensor, key_states: torch.Tensor, value_states: to
     if needs_mask:
         i = torch.arange(T, device=query.device)
         causal = i[:, None] >= i[None, :]  # (T, T)
-        new = (causal & valid[:, None, :]) | torch.eye(T, dtype=torch.bool, device=query.device)  # (B, T, T); a padding query sees itself
+        new = (causal & valid[:, None, :]) | torch.eye(
+            T, dtype=torch.bool, device=query.device
+        )  # (B, T, T); a padding query sees itself
         mask = torch.cat([past_valid[:, None, :].expand(B, T, L), new], dim=2)[:, None]  # (B, 1, T, L+T)
-    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=Hq != keys.shape[1])
+    return F.scaled_dot_product_attention(
+        query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=Hq != keys.shape[1]
+    )
 
 
 # ------------------------------------------------------------------------------------------- backend dispatch
 
 
-def resolve_backend(requested: str, device: torch.device, cfg: KVQuantConfig | None = None, head_dim: int | None = None) -> str:
+def resolve_backend(
+    requested: str, device: torch.device, cfg: KVQuantConfig | None = None, head_dim: int | None = None
+) -> str:
     """``"torch"`` or ``"triton"`` for tensors on ``device``; ``requested`` as in :func:`requested_backend`.
 
     ``"auto"`` picks Triton only for CUDA tensors, when Triton is installed and (per
@@ -231,8 +266,9 @@ def _kernels(required: bool = True):
     return kernels
 
 
-def triton_decode(query: torch.Tensor, storage: dict[str, torch.Tensor], cfg: KVQuantConfig, scale: float,
-                  full_qbuffer: bool = False) -> torch.Tensor:
+def triton_decode(
+    query: torch.Tensor, storage: dict[str, torch.Tensor], cfg: KVQuantConfig, scale: float, full_qbuffer: bool = False
+) -> torch.Tensor:
     """The Triton seam: ``query`` ``[B, Hq, 1, D]`` over one layer's storage (new token already inserted).
 
     Calls ``kitty.kernels.decode_attention(q [B, Hq, D], KittyLayerState, cfg, scaling=scale, backend="triton",
@@ -240,8 +276,9 @@ def triton_decode(query: torch.Tensor, storage: dict[str, torch.Tensor], cfg: KV
     Pool tensors of a 16-bit side are passed empty (the kernel reads ``k_raw``/``v_raw`` then).
     """
     kernels = _kernels(required=True)
-    out = kernels.decode_attention(query[:, :, 0], layer_state(storage), cfg, scaling=scale, backend="triton",
-                                   full_qbuffer=full_qbuffer)  # (B, Hq, D)
+    out = kernels.decode_attention(
+        query[:, :, 0], layer_state(storage), cfg, scaling=scale, backend="triton", full_qbuffer=full_qbuffer
+    )  # (B, Hq, D)
     return out[:, :, None]  # (B, Hq, 1, D)
 
 
@@ -269,7 +306,9 @@ def kitty_attention_forward(
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
         attention_mask = KittyMask(attention_mask)  # a plain 2-D padding mask (no mask function ran)
     if attention_mask is not None and not isinstance(attention_mask, KittyMask):
-        raise ValueError(f"KittyCache needs the 2-D padding mask (the 'kitty' mask function); got a {type(attention_mask).__name__} of shape {tuple(getattr(attention_mask, 'shape', ()))}")
+        raise ValueError(
+            f"KittyCache needs the 2-D padding mask (the 'kitty' mask function); got a {type(attention_mask).__name__} of shape {tuple(getattr(attention_mask, 'shape', ()))}"
+        )
     layer = key.layer
     cache = layer._owner()
     B, Hq, T, D = query.shape
@@ -305,13 +344,17 @@ def _attend_and_insert(layer, query: torch.Tensor, key: PendingKV, valid: torch.
         # token filled included), then pack what filled -- the paper's order, with no torch path for the batch
         kernels = _kernels(required=True)  # fail before inserting if the kernels are missing
         if not kernels.triton_supports(layer.cfg, D):  # the kernel's own rule, checked before anything changes
-            raise ValueError(f"backend='triton' cannot run group_size={layer.cfg.group_size}, head_dim={D}, "
-                             f"value_bits={layer.cfg.value_bits} on {query.device} (see kitty.kernels.triton_supports); use backend='auto'")
+            raise ValueError(
+                f"backend='triton' cannot run group_size={layer.cfg.group_size}, head_dim={D}, "
+                f"value_bits={layer.cfg.value_bits} on {query.device} (see kitty.kernels.triton_supports); use backend='auto'"
+            )
         filled = layer.insert_decode(key.key_states, key.value_states)
         out = triton_decode(query, layer.storage(), layer.cfg, scale, full_qbuffer=True)  # (B, Hq, 1, D)
         layer.pack_filled(filled)
     else:
-        out = attend_torch(query, key.key_states, key.value_states, valid.to(query.device), layer.storage(), layer.cfg, scale)
+        out = attend_torch(
+            query, key.key_states, key.value_states, valid.to(query.device), layer.storage(), layer.cfg, scale
+        )
         layer.append(key.key_states, key.value_states, valid)
     return out
 
@@ -321,7 +364,11 @@ def _user_attention(module: torch.nn.Module | None):
     ``"eager"``, SDPA when nothing says otherwise)."""
     config = getattr(module, "config", None)
     name = user_implementation(config) if config is not None else "sdpa"
-    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None) if module is not None else None
+    eager = (
+        getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if module is not None
+        else None
+    )
     if name == "eager" and eager is not None:
         return eager
     if name in ALL_ATTENTION_FUNCTIONS and name != ATTN_NAME:

@@ -67,19 +67,25 @@ def check_triton_backend(cfg: KVQuantConfig, head_dim: int) -> None:
     kernel does not handle (``kernels.triton_supports``)."""
     kernels = kattention._kernels(required=True)  # NotImplementedError without Triton
     if not torch.cuda.is_available() and not _interpreting():
-        raise ValueError("backend='triton' needs a CUDA GPU, and torch sees none (CPU runs need TRITON_INTERPRET=1 set "
-                         "before triton is imported); use backend='auto' or 'torch'")
+        raise ValueError(
+            "backend='triton' needs a CUDA GPU, and torch sees none (CPU runs need TRITON_INTERPRET=1 set "
+            "before triton is imported); use backend='auto' or 'torch'"
+        )
     supports = getattr(kernels, "triton_supports", None)
     if supports is not None and not supports(cfg, head_dim):
-        raise ValueError(f"backend='triton' cannot run group_size={cfg.group_size}, head_dim={head_dim}, "
-                         f"value_bits={cfg.value_bits} (see kernels.triton_supports); use backend='auto'")
+        raise ValueError(
+            f"backend='triton' cannot run group_size={cfg.group_size}, head_dim={head_dim}, "
+            f"value_bits={cfg.value_bits} (see kernels.triton_supports); use backend='auto'"
+        )
 
 
 def check_triton_device(device: torch.device) -> None:
     """``ValueError`` if ``backend="triton"`` cannot run on tensors of ``device`` (CPU without the interpreter)."""
     if device.type != "cuda" and not _interpreting():
-        raise ValueError(f"backend='triton' runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1), got tensors "
-                         f"on {device}; move the model to the GPU or use backend='auto' or 'torch'")
+        raise ValueError(
+            f"backend='triton' runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1), got tensors "
+            f"on {device}; move the model to the GPU or use backend='auto' or 'torch'"
+        )
 
 
 class PagePool:
@@ -89,7 +95,13 @@ class PagePool:
     the tensors grow by doubling when full, never beyond ``max_pages``. Only ``[:used]`` holds live pages.
     """
 
-    def __init__(self, fields: dict[str, tuple[tuple[int, ...], torch.dtype]], device: torch.device, max_pages: int | None, kind: str):
+    def __init__(
+        self,
+        fields: dict[str, tuple[tuple[int, ...], torch.dtype]],
+        device: torch.device,
+        max_pages: int | None,
+        kind: str,
+    ):
         self.fields = fields  # name -> (shape of one page, dtype)
         self.max_pages = max_pages
         self.kind = kind  # "key" or "value", for messages
@@ -176,8 +188,16 @@ class KittyLayer(CacheLayerMixin):
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, cfg: KVQuantConfig, num_kv_heads: int, head_dim: int, layer_idx: int = 0, backend: str = "auto",
-                 max_pages: int | None = None, model_kv_heads: int | None = None):
+    def __init__(
+        self,
+        cfg: KVQuantConfig,
+        num_kv_heads: int,
+        head_dim: int,
+        layer_idx: int = 0,
+        backend: str = "auto",
+        max_pages: int | None = None,
+        model_kv_heads: int | None = None,
+    ):
         super().__init__()
         self.cfg, self.num_kv_heads, self.head_dim = cfg, num_kv_heads, head_dim
         # the model's KV heads; a tensor-parallel rank holds ``num_kv_heads`` of them (resized from the first tensors)
@@ -195,8 +215,10 @@ class KittyLayer(CacheLayerMixin):
         B, H, _, D = key_states.shape
         # sized from the tensors: under tensor parallelism each rank receives its shard of the model's KV heads
         if D != self.head_dim or H < 1 or self.model_kv_heads % H:
-            raise ValueError(f"key_states must have head_dim {self.head_dim} and a number of KV heads dividing the "
-                             f"model's {self.model_kv_heads} (a tensor-parallel shard), got shape {tuple(key_states.shape)}")
+            raise ValueError(
+                f"key_states must have head_dim {self.head_dim} and a number of KV heads dividing the "
+                f"model's {self.model_kv_heads} (a tensor-parallel shard), got shape {tuple(key_states.shape)}"
+            )
         self.num_kv_heads = H
         cfg, dtype, device = self.cfg, key_states.dtype, key_states.device
         if self.backend == "triton":
@@ -229,17 +251,28 @@ class KittyLayer(CacheLayerMixin):
             raise ValueError(f"key_states must be [B, H, T, D], got shape {tuple(key_states.shape)}")
         B = key_states.shape[0]
         if (key_states.shape[1], key_states.shape[3]) != (self.num_kv_heads, self.head_dim):
-            raise ValueError(f"key_states must have {self.num_kv_heads} KV heads of head_dim {self.head_dim}, got shape {tuple(key_states.shape)}")
-        if not self.is_initialized or (self.seen_tokens == 0 and (B != len(self._n) or key_states.dtype != self.dtype or key_states.device != self.device)):
+            raise ValueError(
+                f"key_states must have {self.num_kv_heads} KV heads of head_dim {self.head_dim}, got shape {tuple(key_states.shape)}"
+            )
+        if not self.is_initialized or (
+            self.seen_tokens == 0
+            and (B != len(self._n) or key_states.dtype != self.dtype or key_states.device != self.device)
+        ):
             self.lazy_initialization(key_states, key_states)
         elif B != len(self._n):
-            raise ValueError(f"the cache holds {len(self._n)} rows but got a batch of {B}; call cache.reset() before a new batch")
+            raise ValueError(
+                f"the cache holds {len(self._n)} rows but got a batch of {B}; call cache.reset() before a new batch"
+            )
         elif key_states.dtype != self.dtype:
-            raise ValueError(f"the cache holds {self.dtype} tensors but got {key_states.dtype}; call cache.reset() first")
+            raise ValueError(
+                f"the cache holds {self.dtype} tensors but got {key_states.dtype}; call cache.reset() first"
+            )
 
     # -------------------------------------------------------------------------------------- transformers API
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[PendingKV, PendingKV]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[PendingKV, PendingKV]:
         """Hand the new keys/values ``[B, H, T, D]`` to the ``"kitty"`` attention function (nothing stored yet).
 
         The attention function knows the padding of the new tokens; it attends and then calls :meth:`append`.
@@ -280,7 +313,9 @@ class KittyLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove != 0:
-            raise NotImplementedError("KittyCache cannot crop: quantized pages cannot give tokens back (assisted decoding is unsupported)")
+            raise NotImplementedError(
+                "KittyCache cannot crop: quantized pages cannot give tokens back (assisted decoding is unsupported)"
+            )
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise NotImplementedError(_BEAM_MESSAGE)
@@ -297,8 +332,16 @@ class KittyLayer(CacheLayerMixin):
         or replaced by the next step. ``forward`` names the cache's forward pass, so that a failure in a later
         layer rolls back the layers this pass already changed (:meth:`KittyCache.rollback_forward`).
         """
-        self._undo = _Undo(forward, list(self._n), self.lengths, self.seen_tokens, self.key_pool.used,
-                           self.value_pool.used, self.k_page_table, self.v_page_table)
+        self._undo = _Undo(
+            forward,
+            list(self._n),
+            self.lengths,
+            self.seen_tokens,
+            self.key_pool.used,
+            self.value_pool.used,
+            self.k_page_table,
+            self.v_page_table,
+        )
 
     def end_step(self) -> None:
         """Keep what the open step did (frees its record)."""
@@ -350,7 +393,9 @@ class KittyLayer(CacheLayerMixin):
         n0, n1, new_key_pages, new_value_pages = self._growth(valid)
         empty = [b for b, n in enumerate(n1) if n == 0]
         if empty:
-            raise ValueError(f"row(s) {empty} of the batch hold no tokens (attention_mask is all zeros): every prompt needs at least one token")
+            raise ValueError(
+                f"row(s) {empty} of the batch hold no tokens (attention_mask is all zeros): every prompt needs at least one token"
+            )
         self.key_pool.check(sum(new_key_pages))
         self.value_pool.check(sum(new_value_pages))
         return n0, n1
@@ -440,7 +485,9 @@ class KittyLayer(CacheLayerMixin):
                 self.v_local[b][:, new_local] = v_stream[:, full + l1.value_qbuffer :]
 
         if key_groups:
-            page = quantize_key_page(torch.cat(key_groups), cfg, salt=self.layer_idx, query_scale=self.query_scale(key_rows))
+            page = quantize_key_page(
+                torch.cat(key_groups), cfg, salt=self.layer_idx, query_scale=self.query_scale(key_rows)
+            )
             self._store(self.key_pool, self.k_page_table, key_dest, page_fields(page))
         if value_groups:
             page = quantize_value_page(torch.cat(value_groups), cfg)
@@ -494,11 +541,15 @@ class KittyLayer(CacheLayerMixin):
             # the local window is full: its oldest value (position p - R) moves to the value qbuffer first
             leaving = past & (m >= R)[:, None, None]
             qslot = (m - R).clamp(min=0) % G
-            self.v_qbuf[rows, :, qslot] = torch.where(leaving, self.v_local[rows, :, local], self.v_qbuf[rows, :, qslot])
+            self.v_qbuf[rows, :, qslot] = torch.where(
+                leaving, self.v_local[rows, :, local], self.v_qbuf[rows, :, qslot]
+            )
             self.v_local[rows, :, local] = torch.where(past, v, self.v_local[rows, :, local])
 
             def undo_local() -> None:  # the value that left the local window is still in its qbuffer slot
-                self.v_local[rows, :, local] = torch.where(leaving, self.v_qbuf[rows, :, qslot], self.v_local[rows, :, local])
+                self.v_local[rows, :, local] = torch.where(
+                    leaving, self.v_qbuf[rows, :, qslot], self.v_local[rows, :, local]
+                )
 
             self._on_undo(undo_local)
         else:
@@ -535,7 +586,9 @@ class KittyLayer(CacheLayerMixin):
 
         return HAS_TRITON
 
-    def _pack(self, pool: PagePool, table: torch.Tensor, dest: list[tuple[int, int, int]], rows: list[int], keys: bool) -> None:
+    def _pack(
+        self, pool: PagePool, table: torch.Tensor, dest: list[tuple[int, int, int]], rows: list[int], keys: bool
+    ) -> None:
         """Quantize the full qbuffers of ``rows`` into fresh pages of ``pool`` and point ``table`` at them."""
         idx = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
         if self._triton_pack(keys):
@@ -543,9 +596,17 @@ class KittyLayer(CacheLayerMixin):
 
             ids = pool.allocate(len(rows))
             qbuf = self.k_qbuf if keys else self.v_qbuf
-            pack_pages(self.cfg, qbuf if keys else None, None if keys else qbuf, k_rows=idx if keys else None,
-                       v_rows=None if keys else idx, pool=pool.tensors, k_pages=ids if keys else None,
-                       v_pages=None if keys else ids, salt=self.layer_idx)
+            pack_pages(
+                self.cfg,
+                qbuf if keys else None,
+                None if keys else qbuf,
+                k_rows=idx if keys else None,
+                v_rows=None if keys else idx,
+                pool=pool.tensors,
+                k_pages=ids if keys else None,
+                v_pages=None if keys else ids,
+                salt=self.layer_idx,
+            )
             self._point(table, dest, ids)
         elif keys:
             page = quantize_key_page(self.k_qbuf[idx], self.cfg, salt=self.layer_idx, query_scale=self.query_scale(idx))
@@ -577,7 +638,9 @@ class KittyLayer(CacheLayerMixin):
         scale = query_scale_from(self.q_stat_sum / self.q_count.clamp_min(1), sel)
         return scale if rows is None else scale[rows]
 
-    def _store(self, pool: PagePool, table: torch.Tensor, dest: list[tuple[int, int, int]], fields: dict[str, torch.Tensor]) -> None:
+    def _store(
+        self, pool: PagePool, table: torch.Tensor, dest: list[tuple[int, int, int]], fields: dict[str, torch.Tensor]
+    ) -> None:
         ids = pool.allocate(sum(n for *_, n in dest))
         pool.write(ids, fields)
         self._point(table, dest, ids)
@@ -594,7 +657,9 @@ class KittyLayer(CacheLayerMixin):
         def grow(table: torch.Tensor, need: int) -> torch.Tensor:
             if need <= table.shape[1]:
                 return table
-            new = torch.full((table.shape[0], max(need, 2 * table.shape[1])), -1, dtype=torch.int32, device=table.device)
+            new = torch.full(
+                (table.shape[0], max(need, 2 * table.shape[1])), -1, dtype=torch.int32, device=table.device
+            )
             new[:, : table.shape[1]] = table
             return new
 
@@ -647,8 +712,14 @@ class KittyLayer(CacheLayerMixin):
             full += self.v_local[b, :, : lay.local].nbytes
         tokens = sum(self._n)
         fp16_bytes = 2 * tokens * self.num_kv_heads * self.head_dim * 2  # keys and values at 2 bytes
-        return MemoryReport(tokens, fp16_bytes, kp.payload_nbytes + vp.payload_nbytes, kp.metadata_nbytes + vp.metadata_nbytes, full,
-                            ranks=ranks)
+        return MemoryReport(
+            tokens,
+            fp16_bytes,
+            kp.payload_nbytes + vp.payload_nbytes,
+            kp.metadata_nbytes + vp.metadata_nbytes,
+            full,
+            ranks=ranks,
+        )
 
 
 class SlidingWindowLayer(DynamicSlidingWindowLayer):
@@ -674,8 +745,9 @@ class SlidingWindowLayer(DynamicSlidingWindowLayer):
     def begin_step(self, forward: int = 0) -> None:
         """Record the window before an update (``update`` replaces its tensors, never writes them in place), so
         that a failure later in the same forward pass can put it back (:meth:`KittyCache.rollback_forward`)."""
-        self._undo = SimpleNamespace(forward=forward, state=(self.is_initialized, self.keys, self.values,
-                                                             self.cumulative_length))
+        self._undo = SimpleNamespace(
+            forward=forward, state=(self.is_initialized, self.keys, self.values, self.cumulative_length)
+        )
 
     def end_step(self) -> None:
         """Keep what the open step did (frees its record)."""
@@ -726,7 +798,9 @@ class KittyCache(Cache):
     input, a full pool, a failing kernel in any layer) leaves every layer as it was before that forward pass.
     """
 
-    def __init__(self, config, cfg: KVQuantConfig | str = "kitty", backend: str | None = None, max_pages: int | None = None):
+    def __init__(
+        self, config, cfg: KVQuantConfig | str = "kitty", backend: str | None = None, max_pages: int | None = None
+    ):
         if isinstance(cfg, str):
             cfg = get_preset(cfg)
         if not isinstance(cfg, KVQuantConfig):
@@ -755,12 +829,16 @@ class KittyCache(Cache):
         self.layer_types = list(layer_types)
         layers = [
             KittyLayer(cfg.for_layer(i, num_layers), self.num_kv_heads, head_dim, i, backend, max_pages, num_kv_heads)
-            if kind == "full_attention" else SlidingWindowLayer(kw["sliding_window"], num_kv_heads, tp_size)
+            if kind == "full_attention"
+            else SlidingWindowLayer(kw["sliding_window"], num_kv_heads, tp_size)
             for i, (kind, kw) in enumerate(zip(layer_types, layer_kwargs))
         ]
         if not any(kind == "full_attention" for kind in layer_types):
-            warnings.warn("every layer of this model is a sliding-window layer: KittyCache quantizes nothing here "
-                          "(each window is held in full precision, as DynamicCache holds it)", stacklevel=2)
+            warnings.warn(
+                "every layer of this model is a sliding-window layer: KittyCache quantizes nothing here "
+                "(each window is held in full precision, as DynamicCache holds it)",
+                stacklevel=2,
+            )
         super().__init__(layers=layers)
         owner = weakref.ref(self)
         for layer in layers:
@@ -820,9 +898,11 @@ class KittyCache(Cache):
         plan = getattr(text, "base_model_tp_plan", None) or {}
         per_rank = get_kv_heads_per_rank(plan, num_kv_heads, tp_size)
         if per_rank is None:
-            raise ValueError(f"the model's {num_kv_heads} KV heads do not divide by the tensor-parallel size "
-                             f"tp_size={tp_size}: every rank must hold whole, equal KV heads; choose a tp_size dividing "
-                             f"{num_kv_heads}")
+            raise ValueError(
+                f"the model's {num_kv_heads} KV heads do not divide by the tensor-parallel size "
+                f"tp_size={tp_size}: every rank must hold whole, equal KV heads; choose a tp_size dividing "
+                f"{num_kv_heads}"
+            )
         return num_kv_heads // per_rank
 
     def reset(self) -> None:
@@ -861,8 +941,17 @@ class KittyCache(Cache):
             lay = token_layout(self.cfg, n)
             pk = int((layer.k_page_table[b] >= 0).sum()) if layer.is_initialized else 0
             pv = int((layer.v_page_table[b] >= 0).sum()) if layer.is_initialized else 0
-            rows.append({"tokens": n, "sink": lay.sink, "key_pages": pk * G, "key_qbuffer": n - lay.sink - pk * G,
-                         "value_pages": pv * G, "value_qbuffer": n - lay.sink - pv * G - lay.local, "local": lay.local})
+            rows.append(
+                {
+                    "tokens": n,
+                    "sink": lay.sink,
+                    "key_pages": pk * G,
+                    "key_qbuffer": n - lay.sink - pk * G,
+                    "value_pages": pv * G,
+                    "value_qbuffer": n - lay.sink - pv * G - lay.local,
+                    "local": lay.local,
+                }
+            )
         if per_row:
             return rows
         keys = ("tokens", "sink", "key_pages", "key_qbuffer", "value_pages", "value_qbuffer", "local")

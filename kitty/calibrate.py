@@ -71,14 +71,17 @@ def fake_quantize_keys(key: torch.Tensor, query: torch.Tensor, cfg: KVQuantConfi
     body = key[:, :, S : S + pages * G].reshape(B, H, pages, G, D).transpose(1, 2)  # (B, pages, H, G, D)
     sel, qs = cfg.channel_selection, None
     if sel in QUERY_SELECTIONS:
-        qs = query_scale_from(query_statistic(query.reshape(B, H, -1, T, D), sel).mean((2, 3)), sel)[:, None]  # (B, 1, H, D)
+        qs = query_scale_from(query_statistic(query.reshape(B, H, -1, T, D), sel).mean((2, 3)), sel)[
+            :, None
+        ]  # (B, 1, H, D)
     page = quantize_key_page(body, cfg, salt=salt, query_scale=qs)
     body_hat = dequantize_key_page(page).transpose(1, 2).reshape(B, H, pages * G, D)
     return torch.cat([key[:, :, :S], body_hat, key[:, :, S + pages * G :]], dim=2)
 
 
-def _calibration_attention(module, query, key, value, attention_mask,
-                           kitty_calibration: CalibrationTarget | None = None, **kwargs):
+def _calibration_attention(
+    module, query, key, value, attention_mask, kitty_calibration: CalibrationTarget | None = None, **kwargs
+):
     """SDPA, with the keys of ``kitty_calibration``'s layers fake-quantized (see :func:`fake_quantize_keys`)."""
     target = kitty_calibration or CalibrationTarget()
     layer = getattr(module, "layer_idx", None)
@@ -94,7 +97,11 @@ AttentionMaskInterface.register(CALIB_ATTN, sdpa_mask)
 
 @torch.no_grad()
 def layer_sensitivity(
-    model, ids: torch.Tensor, cfg: KVQuantConfig, counts: tuple[int, ...] = DEFAULT_COUNTS, progress: bool = True,
+    model,
+    ids: torch.Tensor,
+    cfg: KVQuantConfig,
+    counts: tuple[int, ...] = DEFAULT_COUNTS,
+    progress: bool = True,
     context: KVQuantConfig | None = None,
 ) -> torch.Tensor:
     """``KL[l, j]``: mean KL divergence (nats/token) from fp16 when layer ``l``'s keys are quantized by ``cfg`` with
@@ -154,7 +161,9 @@ def allocate(kl: torch.Tensor, counts: tuple[int, ...], total: int) -> list[int]
     return out[::-1]
 
 
-def calibration_ids(tokenizer, n_tokens: int = 1024, text: str = CALIB_TEXT, offset: int = CALIB_OFFSET) -> torch.Tensor:
+def calibration_ids(
+    tokenizer, n_tokens: int = 1024, text: str = CALIB_TEXT, offset: int = CALIB_OFFSET
+) -> torch.Tensor:
     """``n_tokens`` token ids of a shipped text from ``assets/``, starting at token ``offset``."""
     ids = tokenizer((ASSETS / text).read_text(), return_tensors="pt").input_ids[0]
     if ids.numel() < offset + n_tokens:
@@ -163,8 +172,14 @@ def calibration_ids(tokenizer, n_tokens: int = 1024, text: str = CALIB_TEXT, off
 
 
 def calibrate_profile(
-    model, tokenizer, base: KVQuantConfig, fractions: tuple[float, ...] = (0.125, 0.25), counts=DEFAULT_COUNTS,
-    n_tokens: int = 1024, in_context: bool = False, progress: bool = True,
+    model,
+    tokenizer,
+    base: KVQuantConfig,
+    fractions: tuple[float, ...] = (0.125, 0.25),
+    counts=DEFAULT_COUNTS,
+    n_tokens: int = 1024,
+    in_context: bool = False,
+    progress: bool = True,
 ) -> dict:
     """Measure :func:`layer_sensitivity` and allocate a profile for each average boost fraction.
 
@@ -202,10 +217,18 @@ def calibrate_profile(
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m kitty.calibrate", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="hub id or local path (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--base", default="kitty-query+key_range=fit", help="method (preset[+field=value...]) whose selection and key ranges are calibrated")
+    p.add_argument(
+        "--base",
+        default="kitty-query+key_range=fit",
+        help="method (preset[+field=value...]) whose selection and key ranges are calibrated",
+    )
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--fractions", default="0.125,0.25", help="average boost fractions to allocate (comma-separated)")
-    p.add_argument("--in-context", action="store_true", help="measure each layer with the other layers quantized uniformly at each fraction (default: the other layers exact)")
+    p.add_argument(
+        "--in-context",
+        action="store_true",
+        help="measure each layer with the other layers quantized uniformly at each fraction (default: the other layers exact)",
+    )
     p.add_argument("--out", default=None, help="JSON path (default: kitty/profiles/<model name>.json)")
     a = p.parse_args(argv)
     from .models import DEFAULT_MODEL_NAME, load_model
@@ -219,7 +242,9 @@ def main(argv: list[str] | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.exists():  # keep the other fractions' profiles of an earlier run with the same settings
         old = json.loads(out.read_text())
-        if {k: old.get(k) for k in ("base", "other_layers", "counts", "text")} == {k: data[k] for k in ("base", "other_layers", "counts", "text")}:
+        if {k: old.get(k) for k in ("base", "other_layers", "counts", "text")} == {
+            k: data[k] for k in ("base", "other_layers", "counts", "text")
+        }:
             data["kl"] = {**old["kl"], **data["kl"]}
             data["profiles"] = {**old["profiles"], **data["profiles"]}
     out.write_text(json.dumps(data, indent=1) + "\n")

@@ -60,12 +60,16 @@ class KVQuantConfig:
         if not is_number(self.boost_fraction) or not 0.0 <= self.boost_fraction <= 1.0:
             raise ValueError(f"boost_fraction must be a number in [0, 1], got {self.boost_fraction!r}")
         if self.boost_fraction > 0 and self.key_bits != 2:
-            raise ValueError(f"boost_fraction > 0 needs key_bits=2 (boosting 2-bit channels to 4), got key_bits={self.key_bits}")
+            raise ValueError(
+                f"boost_fraction > 0 needs key_bits=2 (boosting 2-bit channels to 4), got key_bits={self.key_bits}"
+            )
         for f, low in (("sink_tokens", 0), ("group_size", 4), ("local_window", 0)):
             n = getattr(self, f)
             if not is_int(n) or not low <= n <= MAX_BUFFER_TOKENS:
-                raise ValueError(f"{f} must be an integer in [{low}, {MAX_BUFFER_TOKENS}] (buffers of this many tokens "
-                                 f"are allocated per row and layer), got {n!r}")
+                raise ValueError(
+                    f"{f} must be an integer in [{low}, {MAX_BUFFER_TOKENS}] (buffers of this many tokens "
+                    f"are allocated per row and layer), got {n!r}"
+                )
         if self.group_size % 4:
             raise ValueError(f"group_size must be a positive multiple of 4, got {self.group_size!r}")
         if self.channel_selection not in CHANNEL_SELECTIONS:
@@ -78,7 +82,9 @@ class KVQuantConfig:
         if self.boost_profile is not None:
             prof = self.boost_profile
             if not isinstance(prof, tuple) or not prof or not all(is_number(f) and 0.0 <= f <= 1.0 for f in prof):
-                raise ValueError(f"boost_profile must be a non-empty tuple of fractions in [0, 1] (one per layer), got {prof!r}")
+                raise ValueError(
+                    f"boost_profile must be a non-empty tuple of fractions in [0, 1] (one per layer), got {prof!r}"
+                )
             if self.key_bits != 2:
                 raise ValueError(f"boost_profile needs key_bits=2, got key_bits={self.key_bits}")
             if abs(sum(prof) / len(prof) - self.boost_fraction) > 1e-6:
@@ -184,31 +190,84 @@ class PresetTable(Mapping[str, KVQuantConfig]):
         return len(self._names)
 
 
-PRESETS = PresetTable({
-    p.name: p
-    for p in (
-        _preset("fp16", "No quantization: every key and value in full precision (the reference).", key_bits=16, value_bits=16),
-        _preset("kivi-k2v2", "KIVI: 2-bit keys per channel, 2-bit values per token, no sink.", sink_tokens=0),
-        _preset("kivi-k2v2-sink", "KIVI-K2V2*: KIVI 2-bit keys and values, first 32 tokens kept in full precision."),
-        _preset("kivi-k2v4-sink", "K2V4*: 2-bit keys, 4-bit values, 32 sink tokens.", value_bits=4),
-        _preset("kivi-k4v2-sink", "K4V2*: 4-bit keys, 2-bit values, 32 sink tokens.", key_bits=4),
-        _preset("kivi-k4v4", "KIVI-K4V4: 4-bit keys and values, no sink.", key_bits=4, value_bits=4, sink_tokens=0),
-        _preset("kitty", "Kitty: 2-bit keys with the top 12.5% channels by mean |K| boosted to 4 bits, 2-bit values, sink.", boost_fraction=0.125),
-        _preset("kitty-pro", "Kitty-Pro: like Kitty with 25% of key channels boosted to 4 bits.", boost_fraction=0.25),
-        _preset("kitty-random", "Ablation: Kitty with 12.5% of key channels boosted at random instead of by magnitude.", boost_fraction=0.125, channel_selection="random"),
-        _preset("kitty-range", "Beyond the paper (negative result): Kitty boosting the 12.5% of key channels with the widest range (max - min).", boost_fraction=0.125, channel_selection="range"),
-        _preset("kitty-query", "Beyond the paper: Kitty boosting the 12.5% of key channels with the largest mean |q| x range (query-aware).", boost_fraction=0.125, channel_selection="query"),
-        _preset("kitty-pro-query", "Beyond the paper: Kitty-Pro (25% boosted) with query-aware channel selection.", boost_fraction=0.25, channel_selection="query"),
-        _preset("kitty-oracle", "Beyond the paper: Kitty boosting the 12.5% of key channels whose boost removes the most expected attention-logit error (E[q^2] x error drop).", boost_fraction=0.125, channel_selection="oracle"),
-        _preset("kitty-fit", "Beyond the paper: Kitty with oracle channel selection and per-channel key ranges fitted by a clipping search (same bits as kitty).", boost_fraction=0.125, channel_selection="oracle", key_range="fit"),
-        _preset("kitty-pro-fit", "Beyond the paper: Kitty-Pro (25% boosted) with oracle channel selection and fitted key ranges (same bits as kitty-pro).", boost_fraction=0.25, channel_selection="oracle", key_range="fit"),
-    )
-})
+PRESETS = PresetTable(
+    {
+        p.name: p
+        for p in (
+            _preset(
+                "fp16",
+                "No quantization: every key and value in full precision (the reference).",
+                key_bits=16,
+                value_bits=16,
+            ),
+            _preset("kivi-k2v2", "KIVI: 2-bit keys per channel, 2-bit values per token, no sink.", sink_tokens=0),
+            _preset(
+                "kivi-k2v2-sink", "KIVI-K2V2*: KIVI 2-bit keys and values, first 32 tokens kept in full precision."
+            ),
+            _preset("kivi-k2v4-sink", "K2V4*: 2-bit keys, 4-bit values, 32 sink tokens.", value_bits=4),
+            _preset("kivi-k4v2-sink", "K4V2*: 4-bit keys, 2-bit values, 32 sink tokens.", key_bits=4),
+            _preset("kivi-k4v4", "KIVI-K4V4: 4-bit keys and values, no sink.", key_bits=4, value_bits=4, sink_tokens=0),
+            _preset(
+                "kitty",
+                "Kitty: 2-bit keys with the top 12.5% channels by mean |K| boosted to 4 bits, 2-bit values, sink.",
+                boost_fraction=0.125,
+            ),
+            _preset(
+                "kitty-pro", "Kitty-Pro: like Kitty with 25% of key channels boosted to 4 bits.", boost_fraction=0.25
+            ),
+            _preset(
+                "kitty-random",
+                "Ablation: Kitty with 12.5% of key channels boosted at random instead of by magnitude.",
+                boost_fraction=0.125,
+                channel_selection="random",
+            ),
+            _preset(
+                "kitty-range",
+                "Beyond the paper (negative result): Kitty boosting the 12.5% of key channels with the widest range (max - min).",
+                boost_fraction=0.125,
+                channel_selection="range",
+            ),
+            _preset(
+                "kitty-query",
+                "Beyond the paper: Kitty boosting the 12.5% of key channels with the largest mean |q| x range (query-aware).",
+                boost_fraction=0.125,
+                channel_selection="query",
+            ),
+            _preset(
+                "kitty-pro-query",
+                "Beyond the paper: Kitty-Pro (25% boosted) with query-aware channel selection.",
+                boost_fraction=0.25,
+                channel_selection="query",
+            ),
+            _preset(
+                "kitty-oracle",
+                "Beyond the paper: Kitty boosting the 12.5% of key channels whose boost removes the most expected attention-logit error (E[q^2] x error drop).",
+                boost_fraction=0.125,
+                channel_selection="oracle",
+            ),
+            _preset(
+                "kitty-fit",
+                "Beyond the paper: Kitty with oracle channel selection and per-channel key ranges fitted by a clipping search (same bits as kitty).",
+                boost_fraction=0.125,
+                channel_selection="oracle",
+                key_range="fit",
+            ),
+            _preset(
+                "kitty-pro-fit",
+                "Beyond the paper: Kitty-Pro (25% boosted) with oracle channel selection and fitted key ranges (same bits as kitty-pro).",
+                boost_fraction=0.25,
+                channel_selection="oracle",
+                key_range="fit",
+            ),
+        )
+    }
+)
 
 
 def _adaptive(name: str, base: str, fraction: float) -> KVQuantConfig:
     return PRESETS[base].with_(
-        name=name, boost_profile=load_boost_profile(DEFAULT_PROFILE, fraction),
+        name=name,
+        boost_profile=load_boost_profile(DEFAULT_PROFILE, fraction),
         description=f"Beyond the paper: {base} with the same total of boosted channels spread over layers by a calibrated "
         f"profile (kitty/profiles/{DEFAULT_PROFILE}.json; models with its 30 layers only).",
     )
@@ -234,7 +293,9 @@ def get_preset(name: str) -> KVQuantConfig:
     for change in changes:
         key, eq, value = change.partition("=")
         if not eq or key not in names:
-            raise ValueError(f"method override must be field=value with a field in {sorted(names)}, got {change!r} in {name!r}")
+            raise ValueError(
+                f"method override must be field=value with a field in {sorted(names)}, got {change!r} in {name!r}"
+            )
         try:
             kw[key] = int(value)
         except ValueError:

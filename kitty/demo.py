@@ -138,8 +138,16 @@ def _free(col: Column, status: str) -> None:
     col.status = status
 
 
-def run_column(model, tokenizer, col: Column, prompt: PreparedPrompt, max_new_tokens: int, sampling: Sampling,
-               eos: set[int], stop: StopFlag) -> Iterator[Column]:
+def run_column(
+    model,
+    tokenizer,
+    col: Column,
+    prompt: PreparedPrompt,
+    max_new_tokens: int,
+    sampling: Sampling,
+    eos: set[int],
+    stop: StopFlag,
+) -> Iterator[Column]:
     """One column's generation as a generator: prefill, then one decode step per ``next()``; yields after each token.
 
     Ends (after freeing the cache) on EOS or ``max_new_tokens``; leaves the cache to the caller when ``stop`` is set.
@@ -205,7 +213,9 @@ def _threads(runs: list[Iterator[Column]], stop: StopFlag, min_interval: float) 
         finally:
             events.put(done)
 
-    workers = [threading.Thread(target=work, args=(r,), daemon=True, name=f"kitty-column-{i}") for i, r in enumerate(runs)]
+    workers = [
+        threading.Thread(target=work, args=(r,), daemon=True, name=f"kitty-column-{i}") for i, r in enumerate(runs)
+    ]
     for w in workers:
         w.start()
     running, last = len(workers), 0.0

@@ -51,7 +51,9 @@ def decode_nll(model, ids: torch.Tensor, cfg: KVQuantConfig, prefill: int) -> to
     return torch.stack(nll)
 
 
-def text_windows(tokenizer, names=TEXTS, prefill: int = 1024, scored: int = 256, per_text: int = 2, with_names: bool = False) -> list:
+def text_windows(
+    tokenizer, names=TEXTS, prefill: int = 1024, scored: int = 256, per_text: int = 2, with_names: bool = False
+) -> list:
     """Non-overlapping windows of ``prefill + scored`` tokens from texts shipped in ``assets/``.
 
     Returns ``[T]`` id tensors, or ``(text name, ids)`` pairs with ``with_names``.
@@ -122,7 +124,9 @@ def perplexity_table(
         from concurrent.futures import ProcessPoolExecutor
 
         ctx = mp.get_context("spawn")
-        with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=(model.config._name_or_path,)) as pool:
+        with ProcessPoolExecutor(
+            jobs, mp_context=ctx, initializer=_worker_init, initargs=(model.config._name_or_path,)
+        ) as pool:
             futures = [pool.submit(_worker_nll, c, windows, prefill) for c in cfgs]
             nlls = [f.result() for f in tqdm(futures, desc=f"perplexity ({jobs} processes)")]
     groups = [("all", list(range(len(windows))))]
@@ -133,7 +137,11 @@ def perplexity_table(
         rows = []
         for c, per_window in zip(cfgs, nlls):
             nll = torch.cat([per_window[i] for i in idx]).mean().item()
-            rows.append(PerplexityResult(c.name, nll, math.exp(nll), 0.0, _bits_after(model, c, prefill + scored), len(idx) * scored, text))
+            rows.append(
+                PerplexityResult(
+                    c.name, nll, math.exp(nll), 0.0, _bits_after(model, c, prefill + scored), len(idx) * scored, text
+                )
+            )
         for r in rows:
             r.ppl_change = r.ppl / rows[0].ppl - 1
         results += rows
@@ -154,8 +162,15 @@ class PackCost:
     vs_paper_rule: float  # (key + value page time) / the same with magnitude selection and min-max ranges
 
 
-def pack_cost_table(methods, head_dim: int = 64, heads: int = 3, pages: int = 8, repeats: int = 7, dtype=torch.bfloat16,
-                    device: str | torch.device = "cpu") -> list[PackCost]:
+def pack_cost_table(
+    methods,
+    head_dim: int = 64,
+    heads: int = 3,
+    pages: int = 8,
+    repeats: int = 7,
+    dtype=torch.bfloat16,
+    device: str | torch.device = "cpu",
+) -> list[PackCost]:
     """Time to pack ``pages x heads`` pages per call with the torch quantizers, per page, for each method
     (on ``device``; CUDA calls are synchronized before the clock stops).
 
@@ -204,6 +219,7 @@ def _bits_after(model, cfg, n_tokens: int) -> float:
 
 
 # -------------------------------------------------------------------------------------- greedy agreement
+
 
 def agreement_prompts(tokenizer, n: int = 6, length: int = 512, names=TEXTS) -> list[str]:
     """``n`` plain-text prompts of about ``length`` tokens cut from the texts in ``assets/`` (alternating texts).
@@ -278,12 +294,18 @@ class PasskeyResult:
     total: int  # prompts fp16 solves
 
 
-def passkey_table(model, tokenizer, methods, lengths=(1024, 2048, 4096), depths=(0.1, 0.3, 0.5, 0.7, 0.9), trials=2, seed=0) -> list[PasskeyResult]:
+def passkey_table(
+    model, tokenizer, methods, lengths=(1024, 2048, 4096), depths=(0.1, 0.3, 0.5, 0.7, 0.9), trials=2, seed=0
+) -> list[PasskeyResult]:
     """Passkey accuracy per (length, depth) on the prompts that ``fp16`` solves."""
     rng = random.Random(seed)
     cases = [(n, d, rng.randint(10000, 99999)) for n in lengths for d in depths for _ in range(trials)]
     prompts = {c: passkey_prompt(tokenizer, c[0], c[1], c[2]) for c in cases}
-    fp16_ok = [c for c in tqdm(cases, desc="passkey fp16") if str(c[2]) in passkey_answer(model, tokenizer, prompts[c], PRESETS["fp16"])]
+    fp16_ok = [
+        c
+        for c in tqdm(cases, desc="passkey fp16")
+        if str(c[2]) in passkey_answer(model, tokenizer, prompts[c], PRESETS["fp16"])
+    ]
     results = []
     bar = tqdm(total=len(methods) * len(fp16_ok), desc="passkey", unit="prompt")
     for m in methods:
@@ -320,11 +342,16 @@ def ppl_markdown(rows: list[PerplexityResult]) -> str:
     """Perplexity rows as one markdown table: bits, ppl and change over all windows, then the change per text."""
     texts = list(dict.fromkeys(r.text for r in rows if r.text != "all"))
     by = {(r.method, r.text): r for r in rows}
-    lines = ["| method | bits/element | ppl | change | " + " | ".join(f"change ({t})" for t in texts) + " |", "|---" * (4 + len(texts)) + "|"]
+    lines = [
+        "| method | bits/element | ppl | change | " + " | ".join(f"change ({t})" for t in texts) + " |",
+        "|---" * (4 + len(texts)) + "|",
+    ]
     for r in rows:
         if r.text == "all":
             per = " | ".join(f"{100 * by[(r.method, t)].ppl_change:+.1f}%" for t in texts)
-            lines.append(f"| {r.method} | {r.bits_per_element:.3f} | {r.ppl:.2f} | {100 * r.ppl_change:+.1f}% | {per} |")
+            lines.append(
+                f"| {r.method} | {r.bits_per_element:.3f} | {r.ppl:.2f} | {100 * r.ppl_change:+.1f}% | {per} |"
+            )
     return "\n".join(lines)
 
 
@@ -345,7 +372,9 @@ def plot_pareto(ppl: list[PerplexityResult], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in ppl:
         ax.scatter(r.bits_per_element, 100 * r.ppl_change)
-        ax.annotate(r.method, (r.bits_per_element, 100 * r.ppl_change), fontsize=8, xytext=(3, 3), textcoords="offset points")
+        ax.annotate(
+            r.method, (r.bits_per_element, 100 * r.ppl_change), fontsize=8, xytext=(3, 3), textcoords="offset points"
+        )
     ax.set_xlabel("KV bits per element (whole cache, incl. full-precision parts)")
     ax.set_ylabel("decode perplexity change vs fp16 (%)")
     ax.set_xscale("log", base=2)
@@ -368,8 +397,29 @@ def plot_passkey(results: list[PasskeyResult], path: Path) -> None:
     depths = sorted({r.depth for r in results})
     fig, axes = plt.subplots(1, len(methods), figsize=(2.2 * len(methods) + 1, 2.8), squeeze=False)
     for ax, m in zip(axes[0], methods):
-        grid = [[next((r.solved / r.total if r.total else float("nan")) for r in results if r.method == m and r.length == n and r.depth == d) for n in lengths] for d in depths]
-        sns.heatmap(grid, ax=ax, vmin=0, vmax=1, cmap="viridis", cbar=False, annot=True, fmt=".1f", xticklabels=lengths, yticklabels=depths)
+        grid = [
+            [
+                next(
+                    (r.solved / r.total if r.total else float("nan"))
+                    for r in results
+                    if r.method == m and r.length == n and r.depth == d
+                )
+                for n in lengths
+            ]
+            for d in depths
+        ]
+        sns.heatmap(
+            grid,
+            ax=ax,
+            vmin=0,
+            vmax=1,
+            cmap="viridis",
+            cbar=False,
+            annot=True,
+            fmt=".1f",
+            xticklabels=lengths,
+            yticklabels=depths,
+        )
         ax.set_title(m, fontsize=9)
         ax.set_xlabel("context")
     axes[0][0].set_ylabel("depth")
@@ -381,8 +431,14 @@ def plot_passkey(results: list[PasskeyResult], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m kitty.eval", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="hub id or local path (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--methods", default=None, help="comma-separated presets, each optionally +field=value... (default: all presets that fit the model)")
-    p.add_argument("--out", default=DEFAULT_OUT, help=f"folder for results (markdown, CSV, plots; default ./{DEFAULT_OUT})")
+    p.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated presets, each optionally +field=value... (default: all presets that fit the model)",
+    )
+    p.add_argument(
+        "--out", default=DEFAULT_OUT, help=f"folder for results (markdown, CSV, plots; default ./{DEFAULT_OUT})"
+    )
     p.add_argument("--prefill", type=int, default=1024)
     p.add_argument("--scored", type=int, default=256)
     p.add_argument("--windows-per-text", type=int, default=2)
@@ -404,7 +460,9 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer = load_model(a.model)
     num_layers = kv_dims(model.config)[0]
     if a.methods is None:  # layer-adaptive presets are calibrated for one model: keep those that fit this one
-        methods = [m for m in methods if PRESETS[m].boost_profile is None or len(PRESETS[m].boost_profile) == num_layers]
+        methods = [
+            m for m in methods if PRESETS[m].boost_profile is None or len(PRESETS[m].boost_profile) == num_layers
+        ]
     for m in methods:
         get_preset(m).for_layer(0, num_layers)  # ValueError naming boost_profile before any work
     out = Path(a.out)
@@ -415,16 +473,26 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.time()
     report = [f"# Kitty evaluation ({tag})\n", f"model: {a.model or 'SmolLM2-135M-Instruct (embedded)'}\n"]
     if "ppl" not in skip:
-        ppl = perplexity_table(model, tokenizer, methods, a.prefill, a.scored, a.windows_per_text, by_text=True, jobs=a.jobs)
+        ppl = perplexity_table(
+            model, tokenizer, methods, a.prefill, a.scored, a.windows_per_text, by_text=True, jobs=a.jobs
+        )
         write_csv(ppl, out / f"eval_ppl_{tag}.csv")
         plot_pareto([r for r in ppl if r.text == "all"], out / f"eval_pareto_{tag}.png")
-        report += [f"## Decode perplexity (prefill {a.prefill}, {a.scored} scored tokens per window, {a.windows_per_text} windows per text)\n", ppl_markdown(ppl), ""]
+        report += [
+            f"## Decode perplexity (prefill {a.prefill}, {a.scored} scored tokens per window, {a.windows_per_text} windows per text)\n",
+            ppl_markdown(ppl),
+            "",
+        ]
     if "agreement" not in skip:
         n_prompts, length, n_new = (2, 200, 16) if a.quick else (a.agreement_prompts, 512, a.agreement_tokens)
         prompts = agreement_prompts(tokenizer, n_prompts, length)
         agr = agreement_table(model, tokenizer, [m for m in methods if m != "fp16"], prompts, n_new)
         write_csv(agr, out / f"eval_agreement_{tag}.csv")
-        report += [f"## Greedy agreement with fp16 ({n_prompts} plain-text prompts of {length} tokens from assets/, {n_new} new tokens)\n", markdown_table(agr), ""]
+        report += [
+            f"## Greedy agreement with fp16 ({n_prompts} plain-text prompts of {length} tokens from assets/, {n_new} new tokens)\n",
+            markdown_table(agr),
+            "",
+        ]
     if "passkey" not in skip:
         lengths = (256,) if a.quick else tuple(int(x) for x in a.passkey_lengths.split(","))
         depths = (0.5,) if a.quick else (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -442,7 +510,11 @@ def main(argv: list[str] | None = None) -> None:
     if "pack" not in skip and pack_methods:
         pack = pack_cost_table(pack_methods, repeats=3 if a.quick else 7)
         write_csv(pack, out / f"eval_pack_{tag}.csv")
-        report += ["## Pack-time cost per page (torch quantizers on this CPU; decode attention is unchanged)\n", markdown_table(pack, ".1f"), ""]
+        report += [
+            "## Pack-time cost per page (torch quantizers on this CPU; decode attention is unchanged)\n",
+            markdown_table(pack, ".1f"),
+            "",
+        ]
     report.append(f"_{time.time() - t0:.0f} s on {torch.get_num_threads()} CPU threads_\n")
     text = "\n".join(report)
     (out / f"eval_{tag}.md").write_text(text)

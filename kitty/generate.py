@@ -123,8 +123,15 @@ def stream_tokens(
         logits = decode_one_token(model, cache, tok)
 
 
-def generate_tokens(model, ids: torch.Tensor, cache, max_new_tokens: int, sampling: Sampling = Sampling(),
-                    eos: Collection[int] = (), min_new_tokens: int = 0) -> list[int]:
+def generate_tokens(
+    model,
+    ids: torch.Tensor,
+    cache,
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    eos: Collection[int] = (),
+    min_new_tokens: int = 0,
+) -> list[int]:
     """The new token ids of :func:`stream_tokens`, as a list."""
     return list(stream_tokens(model, ids, cache, max_new_tokens, sampling, eos, min_new_tokens=min_new_tokens))
 

@@ -50,8 +50,11 @@ _WITH_TRITON = {
     "pack_pages_ref": "pack",
     "decode_attention_unfused": "unfused",
 }
-__all__ = ["HAS_TRITON", *_TORCH_ONLY, *(_WITH_TRITON if HAS_TRITON else ("BACKENDS", "decode_attention",
-                                                                          "triton_supports"))]
+__all__ = [
+    "HAS_TRITON",
+    *_TORCH_ONLY,
+    *(_WITH_TRITON if HAS_TRITON else ("BACKENDS", "decode_attention", "triton_supports")),
+]
 
 
 def _triton_supports_without_triton(cfg, head_dim, compiled=None) -> bool:

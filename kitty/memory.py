@@ -104,8 +104,10 @@ class MemoryReport:
         if self.window_bytes:
             text += f"; {self.window_bytes / 2**20:.2f} MiB of it in sliding-window layers"
         if self.ranks > 1:
-            text += (f"; per rank of {self.ranks}, total {self.total_stored_bytes / 2**20:.2f} MiB vs "
-                     f"{self.total_fp16_bytes / 2**20:.2f} MiB fp16")
+            text += (
+                f"; per rank of {self.ranks}, total {self.total_stored_bytes / 2**20:.2f} MiB vs "
+                f"{self.total_fp16_bytes / 2**20:.2f} MiB fp16"
+            )
         return text
 
 
@@ -144,7 +146,10 @@ def analytic_report(
     """
     lengths = [lengths] if isinstance(lengths, int) else list(lengths)
     if cfg.boost_profile is not None:  # layer-adaptive boost: each layer's pages hold its own number of high planes
-        layers = [analytic_report(cfg.for_layer(i, num_layers), lengths, head_dim, num_kv_heads, 1, dtype_bytes) for i in range(num_layers)]
+        layers = [
+            analytic_report(cfg.for_layer(i, num_layers), lengths, head_dim, num_kv_heads, 1, dtype_bytes)
+            for i in range(num_layers)
+        ]
         return replace(sum(layers[1:], layers[0]), tokens=sum(lengths))
     pb = page_bytes(cfg, head_dim, dtype_bytes)
     payload = meta = full = 0

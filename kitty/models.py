@@ -148,8 +148,9 @@ def resolve_default_model() -> str | Path:
     except MissingModelPackage as e:
         source = hub_fallback_id()
         where = "local folder" if Path(source).is_dir() else "Hugging Face hub id"
-        warnings.warn(f"{e}. Loading the default model from the {where} {source!r} instead "
-                      "(its original bf16 weights).")
+        warnings.warn(
+            f"{e}. Loading the default model from the {where} {source!r} instead (its original bf16 weights)."
+        )
         return source
 
 

@@ -41,7 +41,9 @@ def pack_bits(codes: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
     per_byte = 8 // bits
     dim = dim % codes.dim()
     if codes.shape[dim] % per_byte:
-        raise ValueError(f"size of dim {dim} must be a multiple of {per_byte} to pack {bits}-bit codes, got {codes.shape[dim]}")
+        raise ValueError(
+            f"size of dim {dim} must be a multiple of {per_byte} to pack {bits}-bit codes, got {codes.shape[dim]}"
+        )
     c = codes.to(torch.uint8).movedim(dim, -1)
     c = c.reshape(*c.shape[:-1], c.shape[-1] // per_byte, per_byte)  # (..., n/per_byte, per_byte)
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
@@ -118,7 +120,13 @@ CLIP_GRID = tuple(i / 16 for i in range(6))  # share of the range cut off below 
 REFINE_STEPS = 2  # least-squares refits of (scale, zero) after the grid search
 
 
-def fitted_params(x: torch.Tensor, levels: torch.Tensor | int, dtype: torch.dtype, grid: tuple[float, ...] = CLIP_GRID, refine: int = REFINE_STEPS):
+def fitted_params(
+    x: torch.Tensor,
+    levels: torch.Tensor | int,
+    dtype: torch.dtype,
+    grid: tuple[float, ...] = CLIP_GRID,
+    refine: int = REFINE_STEPS,
+):
     """Clipped asymmetric parameters over the last dim: a ``(scale, zero)`` with small squared error.
 
     1. grid search: ``lo = min + a * range``, ``hi = max - b * range`` for every ``a, b`` in ``grid`` (min-max itself
@@ -179,7 +187,9 @@ def range_params(x: torch.Tensor, levels: torch.Tensor | int, dtype: torch.dtype
     raise ValueError(f"range method must be 'minmax' or 'fit', got {method!r}")
 
 
-def quantize_codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: torch.Tensor | int) -> torch.Tensor:
+def quantize_codes(
+    x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: torch.Tensor | int
+) -> torch.Tensor:
     """``code = clamp(floor((x - zero) / scale + 1/2), 0, levels)`` in fp32 (0 where scale is 0), as uint8."""
     s = scale.float()
     q = torch.where(s > 0, (x.float() - zero.float()) / torch.where(s > 0, s, 1.0), 0.0)
@@ -246,7 +256,9 @@ class KeyPage(_Page):
         return self.boost_idx.nbytes + self.scale.nbytes + self.zero.nbytes
 
 
-def channel_importance(k: torch.Tensor, cfg: KVQuantConfig, salt: int = 0, query_scale: torch.Tensor | None = None) -> torch.Tensor:
+def channel_importance(
+    k: torch.Tensor, cfg: KVQuantConfig, salt: int = 0, query_scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """Score of each key channel, higher = boosted first. ``k``: ``[..., G, D]`` -> ``[..., D]`` fp32.
 
     - ``magnitude``: the paper's ``s_i = mean_t |K[t, i]|``.
@@ -283,7 +295,9 @@ def channel_importance(k: torch.Tensor, cfg: KVQuantConfig, salt: int = 0, query
 def _require_query_scale(cfg: KVQuantConfig, query_scale: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     """``query_scale`` as fp32 on ``device``; a ``ValueError`` naming it if a query-aware selection lacks it."""
     if query_scale is None:
-        raise ValueError(f"channel_selection={cfg.channel_selection!r} needs query_scale [..., D] (per-channel query magnitude of the GQA group)")
+        raise ValueError(
+            f"channel_selection={cfg.channel_selection!r} needs query_scale [..., D] (per-channel query magnitude of the GQA group)"
+        )
     return query_scale.float().to(device)
 
 
@@ -293,7 +307,9 @@ def _both_precisions(k: torch.Tensor, cfg: KVQuantConfig) -> dict[int, tuple[tor
     return {lv: range_params(x, lv, k.dtype, cfg.key_range) for lv in (2**cfg.key_bits - 1, 2**cfg.boost_bits - 1)}
 
 
-def _oracle_scores(x: torch.Tensor, params: dict[int, tuple[torch.Tensor, torch.Tensor]], query_scale: torch.Tensor) -> torch.Tensor:
+def _oracle_scores(
+    x: torch.Tensor, params: dict[int, tuple[torch.Tensor, torch.Tensor]], query_scale: torch.Tensor
+) -> torch.Tensor:
     """``query_scale**2 * (err_low - err_high)`` per channel row of ``x`` ``[..., D, G]`` (see channel_importance)."""
     (lo, p_lo), (hi, p_hi) = sorted(params.items())
     return query_scale.square() * (_sq_error(x.float(), *p_lo, lo) - _sq_error(x.float(), *p_hi, hi))
@@ -314,7 +330,11 @@ def boost_slots(mask: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_key_page(
-    k: torch.Tensor, cfg: KVQuantConfig, salt: int = 0, boost_mask: torch.Tensor | None = None, query_scale: torch.Tensor | None = None
+    k: torch.Tensor,
+    cfg: KVQuantConfig,
+    salt: int = 0,
+    boost_mask: torch.Tensor | None = None,
+    query_scale: torch.Tensor | None = None,
 ) -> KeyPage:
     """Quantize keys ``[..., G, D]`` per channel into a :class:`KeyPage`.
 
@@ -471,8 +491,9 @@ class KeyInspection:
     group_size: int
 
 
-def inspect_keys(keys: torch.Tensor, cfg: KVQuantConfig, layer: int = 0, head: int = 0,
-                 query_scale: torch.Tensor | None = None) -> KeyInspection:
+def inspect_keys(
+    keys: torch.Tensor, cfg: KVQuantConfig, layer: int = 0, head: int = 0, query_scale: torch.Tensor | None = None
+) -> KeyInspection:
     """Boosted channels and key error of every page of ``keys`` ``[T, D]`` (one layer, one KV head) under ``cfg``.
 
     Follows the cache layout: the first ``sink_tokens`` stay full precision, then pages of ``group_size`` tokens;
@@ -481,7 +502,9 @@ def inspect_keys(keys: torch.Tensor, cfg: KVQuantConfig, layer: int = 0, head: i
     ``boost_profile`` is applied for ``layer``.
     """
     if cfg.key_bits != 2:
-        raise ValueError(f"pick a method with 2-bit keys to see boosted channels, got {cfg.name} (key_bits={cfg.key_bits})")
+        raise ValueError(
+            f"pick a method with 2-bit keys to see boosted channels, got {cfg.name} (key_bits={cfg.key_bits})"
+        )
     cfg = cfg.for_layer(layer)
     T, D = keys.shape
     S, G = min(cfg.sink_tokens, T), cfg.group_size

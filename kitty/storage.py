@@ -25,7 +25,9 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FieldSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (shape of one page, dtype)
 
 
-def pool_fields(cfg: KVQuantConfig, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[FieldSpec, FieldSpec]:
+def pool_fields(
+    cfg: KVQuantConfig, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> tuple[FieldSpec, FieldSpec]:
     """The key-pool and value-pool tensors of one layer: ``name -> (shape of one page, dtype)`` (``docs/LAYOUT.md``)."""
     H, D, G = num_kv_heads, head_dim, cfg.group_size
     if cfg.quantizes_keys:
@@ -91,8 +93,16 @@ def layer_state(storage: dict[str, torch.Tensor]) -> KittyLayerState:
     dev, dtype = storage["k_qbuf"].device, storage["k_qbuf"].dtype
     empty_u8 = torch.empty(0, dtype=torch.uint8, device=dev)
     empty = torch.empty(0, dtype=dtype, device=dev)
-    out = dict(k_low=empty_u8, k_high=empty_u8, k_boost_idx=empty_u8, k_scale=empty, k_zero=empty, v_codes=empty_u8,
-               v_scale=empty, v_zero=empty)
+    out = dict(
+        k_low=empty_u8,
+        k_high=empty_u8,
+        k_boost_idx=empty_u8,
+        k_scale=empty,
+        k_zero=empty,
+        v_codes=empty_u8,
+        v_scale=empty,
+        v_zero=empty,
+    )
     out.update(storage)
     return KittyLayerState(**out)
 
@@ -119,13 +129,17 @@ def check_state(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig) -> 
     for name in ("sink_k", "sink_v", "k_qbuf", "v_qbuf", "v_local"):
         x = getattr(state, name)
         if x.dtype != q.dtype or (x.numel() and x.stride(-1) != 1) or (x.shape[2] > 1 and x.stride(2) != D):
-            raise ValueError(f"{name} must be {q.dtype} with contiguous (token, channel) dims, got {x.dtype} strides {x.stride()}")
+            raise ValueError(
+                f"{name} must be {q.dtype} with contiguous (token, channel) dims, got {x.dtype} strides {x.stride()}"
+            )
     if tuple(state.lengths.shape) != (B,):
         raise ValueError(f"lengths must be [B={B}], got {tuple(state.lengths.shape)}")
     for name in ("k_page_table", "v_page_table"):
         pt = getattr(state, name)
         if pt.dim() != 2 or pt.shape[0] != B or pt.dtype != torch.int32 or (pt.numel() and pt.stride(1) != 1):
-            raise ValueError(f"{name} must be int32 [B={B}, max_pages] with contiguous columns, got {pt.dtype} {tuple(pt.shape)}")
+            raise ValueError(
+                f"{name} must be int32 [B={B}, max_pages] with contiguous columns, got {pt.dtype} {tuple(pt.shape)}"
+            )
     nb = cfg.num_boosted(D)
     if not cfg.quantizes_keys and state.k_raw is None:
         raise ValueError("key_bits=16 needs state.k_raw [P, Hkv, G, D]")
@@ -136,7 +150,9 @@ def check_state(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig) -> 
     for name, shape in pool.items():
         x = getattr(state, name)
         if x.dim() != 4 - (len(shape) == 2) or tuple(x.shape[1:]) != shape or not x.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous pool [P, {', '.join(map(str, shape))}], got {tuple(x.shape)}")
+            raise ValueError(
+                f"{name} must be a contiguous pool [P, {', '.join(map(str, shape))}], got {tuple(x.shape)}"
+            )
     return dict(B=B, Hq=Hq, Hkv=Hkv, D=D, S=S, G=G, R=R, nb=nb)
 
 
@@ -146,7 +162,13 @@ def check_state(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig) -> 
 def _key_fields(page: KeyPage) -> dict[str, torch.Tensor]:
     if page.raw.numel():
         return {"k_raw": page.raw}
-    return {"k_low": page.low, "k_high": page.high, "k_boost_idx": page.boost_idx, "k_scale": page.scale, "k_zero": page.zero}
+    return {
+        "k_low": page.low,
+        "k_high": page.high,
+        "k_boost_idx": page.boost_idx,
+        "k_scale": page.scale,
+        "k_zero": page.zero,
+    }
 
 
 def _value_fields(page: ValuePage) -> dict[str, torch.Tensor]:
@@ -160,7 +182,9 @@ def _page_getter(storage: dict[str, torch.Tensor], ids: torch.Tensor | None):
     return lambda name: storage[name] if ids is None else storage[name][ids]
 
 
-def key_page_from_storage(storage: dict[str, torch.Tensor], ids: torch.Tensor | None, cfg: KVQuantConfig, dtype: torch.dtype) -> KeyPage:
+def key_page_from_storage(
+    storage: dict[str, torch.Tensor], ids: torch.Tensor | None, cfg: KVQuantConfig, dtype: torch.dtype
+) -> KeyPage:
     """A :class:`KeyPage` over pool pages ``ids`` (any shape; ``None``: the whole pool) of a LAYOUT storage dict."""
     get = _page_getter(storage, ids)
     u8 = torch.empty(0, dtype=torch.uint8)
@@ -169,7 +193,9 @@ def key_page_from_storage(storage: dict[str, torch.Tensor], ids: torch.Tensor | 
     return KeyPage(get("k_low"), get("k_high"), get("k_boost_idx"), get("k_scale"), get("k_zero"), u8.to(dtype), dtype)
 
 
-def value_page_from_storage(storage: dict[str, torch.Tensor], ids: torch.Tensor | None, cfg: KVQuantConfig, dtype: torch.dtype) -> ValuePage:
+def value_page_from_storage(
+    storage: dict[str, torch.Tensor], ids: torch.Tensor | None, cfg: KVQuantConfig, dtype: torch.dtype
+) -> ValuePage:
     """A :class:`ValuePage` over pool pages ``ids`` (any shape; ``None``: the whole pool) of a LAYOUT storage dict."""
     get = _page_getter(storage, ids)
     u8 = torch.empty(0, dtype=torch.uint8)

@@ -57,12 +57,14 @@ def library_run(engine, prompt: str, method: str, new: int):
     from kitty.cache import KittyCache
 
     tok, model = engine.tokenizer, engine.model
-    ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt")
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt"
+    )
     ids = ids["input_ids"] if not torch.is_tensor(ids) else ids
     cache = KittyCache(model.config, PRESETS[method])
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new, do_sample=False)
-    new_ids = out[0, ids.shape[1]:]
+    new_ids = out[0, ids.shape[1] :]
     return tok.decode(new_ids, skip_special_tokens=True), cache.memory_report(), cache.token_counts(), ids.shape[1]
 
 
@@ -218,7 +220,9 @@ def test_stop_frees_every_cache(app_module, schedule):
 
     stop = kd.StopFlag()
     prompt = kp.prepare_prompt(engine.tokenizer, STORY, True)
-    gen = kd.stream_side_by_side(engine.model, engine.tokenizer, prompt, METHODS, 50, Sampling(), stop, factory, schedule)
+    gen = kd.stream_side_by_side(
+        engine.model, engine.tokenizer, prompt, METHODS, 50, Sampling(), stop, factory, schedule
+    )
     for snap in gen:
         if snap.phase == "decode" and all(len(c.ids) >= 2 for c in snap.columns):
             assert all(c.get_seq_length() > 0 for c in made)

@@ -27,12 +27,21 @@ from kitty.storage import layer_state
 
 S, G, R = 4, 8, 8
 HKV, HQ, D = 2, 6, 16  # GQA ratio 3
-CFG = {name: PRESETS[name].with_(sink_tokens=S, group_size=G, local_window=R) for name in ("fp16", "kitty", "kitty-pro")}
+CFG = {
+    name: PRESETS[name].with_(sink_tokens=S, group_size=G, local_window=R) for name in ("fp16", "kitty", "kitty-pro")
+}
 
 
 def config(**kw) -> LlamaConfig:
-    args = dict(hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=HQ, num_key_value_heads=HKV,
-                head_dim=D, vocab_size=128)
+    args = dict(
+        hidden_size=96,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=HQ,
+        num_key_value_heads=HKV,
+        head_dim=D,
+        vocab_size=128,
+    )
     args.update(kw)
     return LlamaConfig(**args)
 
@@ -40,7 +49,11 @@ def config(**kw) -> LlamaConfig:
 def feed(cache, k, v, valid=None, q=None):
     B, _, T, _ = k.shape
     q = torch.randn(B, HQ, T, D) if q is None else q
-    mask = None if valid is None else KittyMask(torch.cat([torch.ones(B, cache.get_seq_length(), dtype=torch.bool), valid], 1))
+    mask = (
+        None
+        if valid is None
+        else KittyMask(torch.cat([torch.ones(B, cache.get_seq_length(), dtype=torch.bool), valid], 1))
+    )
     return kitty_attention_forward(None, q, *cache.update(k, v, 0), mask, scaling=D**-0.5)[0]  # (B, T, Hq, D)
 
 
@@ -65,7 +78,11 @@ def test_plain_tensors_fall_back_to_sdpa_exactly():
         with torch.no_grad():
             cache = DynamicCache(config=model.config)
             first = model(input_ids=ids, attention_mask=mask, cache=cache).logits
-            step = model(input_ids=ids[:, :1], attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1), cache=cache).logits
+            step = model(
+                input_ids=ids[:, :1],
+                attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1),
+                cache=cache,
+            ).logits
             no_cache = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
         outs[impl] = (first, step, no_cache)
     for a, b in zip(outs["sdpa"], outs[ATTN_NAME]):
@@ -144,7 +161,9 @@ def test_page_filling_step_attends_that_page_in_full_precision():
     feed(cache, k0, v0)
     k, v, q = torch.randn(1, HKV, 1, D), torch.randn(1, HKV, 1, D), torch.randn(1, HQ, 1, D)
     out = feed(cache, k, v, None, q)[:, 0]
-    full = torch.nn.functional.scaled_dot_product_attention(q, torch.cat([k0, k], 2), torch.cat([v0, v], 2), enable_gqa=True)[:, :, 0]
+    full = torch.nn.functional.scaled_dot_product_attention(
+        q, torch.cat([k0, k], 2), torch.cat([v0, v], 2), enable_gqa=True
+    )[:, :, 0]
     torch.testing.assert_close(out, full, atol=1e-5, rtol=1e-5)
     assert cache.token_counts()["key_pages"] == G  # and now the page exists
 

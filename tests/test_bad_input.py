@@ -12,7 +12,13 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kitty import PRESETS, KittyCache, KVQuantConfig
 from kitty.attention import KittyMask, dequantize_cache, kitty_attention_forward
-from kitty.quant import dequantize_key_page, dequantize_value_page, minmax_params, quantize_key_page, quantize_value_page
+from kitty.quant import (
+    dequantize_key_page,
+    dequantize_value_page,
+    minmax_params,
+    quantize_key_page,
+    quantize_value_page,
+)
 
 HKV, HQ, D = 2, 4, 16
 SMALL = PRESETS["kitty"].with_(sink_tokens=4, group_size=8, local_window=8)
@@ -20,17 +26,32 @@ SMALL = PRESETS["kitty"].with_(sink_tokens=4, group_size=8, local_window=8)
 
 def tiny_model(layers: int = 4, attn: str = "sdpa", seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=HQ,
-                         num_key_value_heads=HKV, head_dim=D, vocab_size=128, max_position_embeddings=512)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=HQ,
+        num_key_value_heads=HKV,
+        head_dim=D,
+        vocab_size=128,
+        max_position_embeddings=512,
+    )
     config._attn_implementation = attn
     return LlamaForCausalLM(config).eval()
 
 
 def greedy(model, ids, mask, cache, n: int) -> torch.Tensor:
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, pad_token_id=0)
-    return out[:, ids.shape[1]:]
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            cache=cache,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[:, ids.shape[1] :]
 
 
 BUFFERS = ("sink_k", "sink_v", "k_qbuf", "v_qbuf", "v_local")  # slots past a row's tokens hold dead data
@@ -43,7 +64,9 @@ def snapshot(cache: KittyCache) -> list[dict]:
         storage = layer.storage()
         keys, values, valid = dequantize_cache(storage, layer.cfg)
         state = {k: v.clone() for k, v in storage.items() if k not in BUFFERS}
-        out.append({**state, "keys": keys, "values": values, "valid": valid, "n": list(layer._n), "seen": layer.seen_tokens})
+        out.append(
+            {**state, "keys": keys, "values": values, "valid": valid, "n": list(layer._n), "seen": layer.seen_tokens}
+        )
     return out
 
 
@@ -95,7 +118,11 @@ def test_failure_in_a_late_layer_leaves_every_layer_as_it_was(monkeypatch, phase
     tokens = greedy(model, ids, mask, cache, 12)  # 12 tokens in: a decode step now fills a key page in row 0
     greedy(model, ids, mask, clean, 12)
     full_mask = torch.cat([mask, torch.ones(2, 11, dtype=mask.dtype)], 1)
-    new = tokens[:, -1:] if phase == "decode" else torch.randint(3, 128, (2, 10), generator=torch.Generator().manual_seed(2))
+    new = (
+        tokens[:, -1:]
+        if phase == "decode"
+        else torch.randint(3, 128, (2, 10), generator=torch.Generator().manual_seed(2))
+    )
     inputs = dict(input_ids=new, attention_mask=torch.cat([full_mask, torch.ones_like(new)], 1), use_cache=True)
     before = snapshot(cache)
     last = model.config.num_hidden_layers - 1
@@ -187,13 +214,16 @@ def test_cli_accepts_field_overrides(cli_model, capsys):
     assert rows == ["fp16", "kitty+key_range=fit"]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["hi", "--compare", "--methods", ","], "names no preset"),
-    (["hi", "--methods", "fp16"], "--methods is for --compare"),
-    (["hi", "--sample", "--temperature", "0"], "--temperature must be > 0"),
-    (["hi", "--method", "kitty+value_bits=2.0"], "value_bits"),
-    (["hi", "--model", "/nonexistent"], "no such folder"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["hi", "--compare", "--methods", ","], "names no preset"),
+        (["hi", "--methods", "fp16"], "--methods is for --compare"),
+        (["hi", "--sample", "--temperature", "0"], "--temperature must be > 0"),
+        (["hi", "--method", "kitty+value_bits=2.0"], "value_bits"),
+        (["hi", "--model", "/nonexistent"], "no such folder"),
+    ],
+)
 def test_cli_refuses_before_loading_the_model(argv, message, capsys, monkeypatch):
     import kitty.models
 
@@ -217,10 +247,20 @@ def test_eval_writes_to_a_working_folder_by_default(default_model, monkeypatch, 
 # ------------------------------------------------------------------------------------- 4: validation gaps
 
 
-@pytest.mark.parametrize("field, value", [
-    ("value_bits", 2.0), ("key_bits", True), ("boost_fraction", True), ("sink_tokens", True), ("local_window", False),
-    ("group_size", 2**20), ("sink_tokens", 10**9), ("local_window", 10**9), ("seed", True),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("value_bits", 2.0),
+        ("key_bits", True),
+        ("boost_fraction", True),
+        ("sink_tokens", True),
+        ("local_window", False),
+        ("group_size", 2**20),
+        ("sink_tokens", 10**9),
+        ("local_window", 10**9),
+        ("seed", True),
+    ],
+)
 def test_config_rejects_bools_floats_and_absurd_sizes(field, value):
     with pytest.raises(ValueError, match=field):
         KVQuantConfig(**{field: value})
@@ -242,8 +282,10 @@ def test_finite_input_near_the_dtype_limits_never_comes_back_nan(dtype):
     x[1, 7, :2] = torch.tensor([top, -top])  # a value token doing the same
     x = x.to(dtype)
     cfg = PRESETS["kitty"]
-    for quantize, dequantize, step in ((quantize_key_page, dequantize_key_page, lambda p: p.scale[..., None, :]),
-                                       (quantize_value_page, dequantize_value_page, lambda p: p.scale[..., None])):
+    for quantize, dequantize, step in (
+        (quantize_key_page, dequantize_key_page, lambda p: p.scale[..., None, :]),
+        (quantize_value_page, dequantize_value_page, lambda p: p.scale[..., None]),
+    ):
         page = quantize(x, cfg)
         out = dequantize(page)
         assert torch.isfinite(page.scale).all() and torch.isfinite(out).all()
@@ -287,8 +329,10 @@ def test_error_is_half_a_step_plus_the_output_rounding(dtype):
     half a step alone is not a bound in 16-bit (the fp32 reconstruction is rounded once more)."""
     x = (torch.randn(8, 4, 128, 64, generator=torch.Generator().manual_seed(5)) * 3).to(dtype)
     beyond = 0
-    for quantize, dequantize, step in ((quantize_key_page, dequantize_key_page, lambda p: p.scale.float()[..., None, :]),
-                                       (quantize_value_page, dequantize_value_page, lambda p: p.scale.float()[..., None])):
+    for quantize, dequantize, step in (
+        (quantize_key_page, dequantize_key_page, lambda p: p.scale.float()[..., None, :]),
+        (quantize_value_page, dequantize_value_page, lambda p: p.scale.float()[..., None]),
+    ):
         page = quantize(x, PRESETS["kitty"])
         out = dequantize(page)
         err = (out.float() - x.float()).abs()
@@ -316,8 +360,14 @@ def run_handler(app_module, method_1="fp16", seed=0, new=1) -> list[tuple]:
     return list(handler("Hi", True, new, 0.0, 1.0, seed, method_1, "kivi-k2v2", "kitty"))
 
 
-@pytest.mark.parametrize("method, seed, message", [(None, 0, "choose a cache method for column 1"),
-                                                   ("fp16", 1e30, "seed must be in"), ("fp16", None, "whole number")])
+@pytest.mark.parametrize(
+    "method, seed, message",
+    [
+        (None, 0, "choose a cache method for column 1"),
+        ("fp16", 1e30, "seed must be in"),
+        ("fp16", None, "whole number"),
+    ],
+)
 def test_app_shows_bad_input_in_the_ui(app_module, method, seed, message):
     (out,) = run_handler(app_module, method, seed)
     assert message in out[0]

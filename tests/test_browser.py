@@ -18,14 +18,23 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 # The README's screenshot is rewritten only on request (KITTY_UPDATE_SCREENSHOT=1), so `make test` leaves the tree clean.
 README_SCREENSHOT = Path(__file__).resolve().parent.parent / "assets" / "demo_screenshot.png"
 NEW_TOKENS = 24
 
 pytestmark = [
-    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is missing (`make chromium` installs Debian's chromium)"),
+    pytest.mark.skipif(
+        not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is missing (`make chromium` installs Debian's chromium)"
+    ),
     pytest.mark.timeout(300),
 ]
 
@@ -85,7 +94,11 @@ def test_generate_in_browser(demo_url, tmp_path):
             methods = [page.locator(f"#method-{i} input").input_value() for i in range(3)]
             summary = page.locator("#summary").inner_text()
             note = page.locator("#note").inner_text()
-            shot = README_SCREENSHOT if os.environ.get("KITTY_UPDATE_SCREENSHOT") == "1" else tmp_path / "demo_screenshot.png"
+            shot = (
+                README_SCREENSHOT
+                if os.environ.get("KITTY_UPDATE_SCREENSHOT") == "1"
+                else tmp_path / "demo_screenshot.png"
+            )
             page.screenshot(path=str(shot), full_page=True)
         finally:
             browser.close()
@@ -93,7 +106,9 @@ def test_generate_in_browser(demo_url, tmp_path):
     assert methods == list(kd.DEFAULT_METHODS)
     prompt_tokens = int(re.search(r"Prompt: (\d+) tokens", note).group(1))
     for i, (method, text, r) in enumerate(zip(methods, texts, readouts)):
-        assert text.strip() and text.startswith(early[i][: len(early[i]) // 2]), f"column {i} text did not grow in place"
+        assert text.strip() and text.startswith(early[i][: len(early[i]) // 2]), (
+            f"column {i} text did not grow in place"
+        )
         assert 1 <= r["new"] <= NEW_TOKENS and r["tokens"] == prompt_tokens + r["new"] - 1
         # the readout agrees with the analytic memory model for this many tokens
         rep = analytic_report(PRESETS[method], r["tokens"], engine.head_dim, engine.num_kv_heads, engine.num_layers)

@@ -17,23 +17,40 @@ from kitty.kernels import dequantize_cache
 from kitty.quant import dequantize_key_page, dequantize_value_page, quantize_key_page, quantize_value_page
 
 S, G, R = 4, 8, 8  # tiny sink / page / local window: boundaries at 4, 12, 20
-SMALL = {name: PRESETS[name].with_(sink_tokens=S, group_size=G, local_window=R) for name in ("fp16", "kivi-k2v2", "kitty", "kitty-pro")}
+SMALL = {
+    name: PRESETS[name].with_(sink_tokens=S, group_size=G, local_window=R)
+    for name in ("fp16", "kivi-k2v2", "kitty", "kitty-pro")
+}
 SMALL["kivi-k2v2"] = SMALL["kivi-k2v2"].with_(sink_tokens=0)  # KIVI keeps no sink
 HKV, HQ, D = 2, 4, 16
 
 
 def tiny_llama_config(**kw) -> LlamaConfig:
-    args = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=HQ, num_key_value_heads=HKV,
-                head_dim=D, vocab_size=128, max_position_embeddings=512)
+    args = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=HQ,
+        num_key_value_heads=HKV,
+        head_dim=D,
+        vocab_size=128,
+        max_position_embeddings=512,
+    )
     args.update(kw)
     return LlamaConfig(**args)
 
 
-def feed(cache: KittyCache, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None = None, layer_idx: int = 0) -> torch.Tensor:
+def feed(
+    cache: KittyCache, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None = None, layer_idx: int = 0
+) -> torch.Tensor:
     """One forward step of one layer through the real path: update -> kitty attention (-> append)."""
     B, _, T, _ = k.shape
     q = torch.randn(B, HQ, T, D, dtype=k.dtype)
-    mask = None if valid is None else KittyMask(torch.cat([torch.ones(B, cache.get_seq_length(), dtype=torch.bool), valid], 1))
+    mask = (
+        None
+        if valid is None
+        else KittyMask(torch.cat([torch.ones(B, cache.get_seq_length(), dtype=torch.bool), valid], 1))
+    )
     out, _ = kitty_attention_forward(None, q, *cache.update(k, v, layer_idx), mask, scaling=D**-0.5)
     return out
 
@@ -45,16 +62,27 @@ def check_state(cache: KittyCache, cfg, rows_k: list[torch.Tensor], rows_v: list
     for b, (kb, vb) in enumerate(zip(rows_k, rows_v)):  # (H, n, D) valid tokens of row b, in position order
         n = kb.shape[1]
         lay = token_layout(cfg, n)
-        expect = {"tokens": n, "sink": lay.sink, "key_pages": lay.key_pages * G, "key_qbuffer": lay.key_qbuffer,
-                  "value_pages": lay.value_pages * G, "value_qbuffer": lay.value_qbuffer, "local": lay.local}
+        expect = {
+            "tokens": n,
+            "sink": lay.sink,
+            "key_pages": lay.key_pages * G,
+            "key_qbuffer": lay.key_qbuffer,
+            "value_pages": lay.value_pages * G,
+            "value_qbuffer": lay.value_qbuffer,
+            "local": lay.local,
+        }
         assert counts[b] == expect
         assert int(layer.lengths[b]) == n
         Sc = cfg.sink_tokens
         assert torch.equal(layer.sink_k[b, :, : lay.sink], kb[:, : lay.sink])
         assert torch.equal(layer.sink_v[b, :, : lay.sink], vb[:, : lay.sink])
         # page tables: exactly key_pages / value_pages entries, then -1
-        assert (layer.k_page_table[b] >= 0).sum() == lay.key_pages and (layer.k_page_table[b, : lay.key_pages] >= 0).all()
-        assert (layer.v_page_table[b] >= 0).sum() == lay.value_pages and (layer.v_page_table[b, : lay.value_pages] >= 0).all()
+        assert (layer.k_page_table[b] >= 0).sum() == lay.key_pages and (
+            layer.k_page_table[b, : lay.key_pages] >= 0
+        ).all()
+        assert (layer.v_page_table[b] >= 0).sum() == lay.value_pages and (
+            layer.v_page_table[b, : lay.value_pages] >= 0
+        ).all()
         for j in range(lay.key_pages):  # the stored page is bit-identical to quantizing that group of valid keys
             want = quantize_key_page(kb[:, Sc + j * G : Sc + (j + 1) * G], cfg, salt=0)
             got = layer.key_page(b, j)
@@ -74,7 +102,10 @@ def check_state(cache: KittyCache, cfg, rows_k: list[torch.Tensor], rows_v: list
 
 
 @pytest.mark.parametrize("name", ["fp16", "kitty", "kivi-k2v2"])
-@pytest.mark.parametrize("prefill", [1, S - 1, S, S + 1, S + G - 1, S + G, S + G + 1, S + G + R - 1, S + G + R, S + G + R + 1, S + 5 * G + R + 3])
+@pytest.mark.parametrize(
+    "prefill",
+    [1, S - 1, S, S + 1, S + G - 1, S + G, S + G + 1, S + G + R - 1, S + G + R, S + G + R + 1, S + 5 * G + R + 3],
+)
 def test_state_matches_layout_every_step(name, prefill):
     """Ragged left-padded batch: counts, buffers and pages equal the formula and the fed tokens at every step."""
     torch.manual_seed(prefill)
@@ -122,9 +153,13 @@ def test_dequantized_cache_is_positions_in_order(name):
         assert torch.equal(keys[b, :, :S], kb[:, :S]) and torch.equal(keys[b, :, kq0:n], kb[:, kq0:])
         assert torch.equal(values[b, :, :S], vb[:, :S]) and torch.equal(values[b, :, vq0:n], vb[:, vq0:])
         for j in range(lay.key_pages):
-            assert torch.equal(keys[b, :, S + j * G : S + (j + 1) * G], dequantize_key_page(cache.layers[0].key_page(b, j)))
+            assert torch.equal(
+                keys[b, :, S + j * G : S + (j + 1) * G], dequantize_key_page(cache.layers[0].key_page(b, j))
+            )
         for j in range(lay.value_pages):
-            assert torch.equal(values[b, :, S + j * G : S + (j + 1) * G], dequantize_value_page(cache.layers[0].value_page(b, j)))
+            assert torch.equal(
+                values[b, :, S + j * G : S + (j + 1) * G], dequantize_value_page(cache.layers[0].value_page(b, j))
+            )
         if cfg.quantizes_keys and lay.key_pages:  # quantization really happened
             assert not torch.equal(keys[b, :, S : S + G], kb[:, S : S + G])
 
@@ -137,10 +172,30 @@ def test_no_full_precision_copy_of_quantized_tokens():
     n = S + 20 * G
     feed(cache, torch.randn(1, HKV, n, D), torch.randn(1, HKV, n, D))
     layer = cache.layers[0]
-    fp_elems = sum(t.numel() for name, t in layer.storage().items() if t.is_floating_point() and name not in ("k_scale", "k_zero", "v_scale", "v_zero"))
+    fp_elems = sum(
+        t.numel()
+        for name, t in layer.storage().items()
+        if t.is_floating_point() and name not in ("k_scale", "k_zero", "v_scale", "v_zero")
+    )
     assert fp_elems == 2 * HKV * (S * D + G * D) + HKV * R * D  # sink_k/v + k/v qbuffers + local: independent of n
-    assert set(layer.storage()) == {"lengths", "sink_k", "sink_v", "k_qbuf", "v_qbuf", "v_local", "k_page_table", "v_page_table",
-                                    "k_low", "k_high", "k_boost_idx", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero"}
+    assert set(layer.storage()) == {
+        "lengths",
+        "sink_k",
+        "sink_v",
+        "k_qbuf",
+        "v_qbuf",
+        "v_local",
+        "k_page_table",
+        "v_page_table",
+        "k_low",
+        "k_high",
+        "k_boost_idx",
+        "k_scale",
+        "k_zero",
+        "v_codes",
+        "v_scale",
+        "v_zero",
+    }
 
 
 def test_page_pool_grows_and_max_pages_errors_leave_cache_usable():
@@ -246,8 +301,17 @@ def test_fp16_matches_dynamic_cache_tiny_random_models(arch):
     if arch == "llama":
         model = LlamaForCausalLM(tiny_llama_config()).eval()
     else:
-        model = Qwen3ForCausalLM(Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=HQ,
-                                             num_key_value_heads=HKV, head_dim=D, vocab_size=128)).eval()
+        model = Qwen3ForCausalLM(
+            Qwen3Config(
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=HQ,
+                num_key_value_heads=HKV,
+                head_dim=D,
+                vocab_size=128,
+            )
+        ).eval()
     ids = torch.randint(3, 128, (2, 7))
     mask = torch.ones_like(ids)
     enc = {"input_ids": ids, "attention_mask": mask}
@@ -259,7 +323,9 @@ def test_fp16_matches_dynamic_cache_tiny_random_models(arch):
     # quantized presets run through the same model and change nothing about the layout bookkeeping
     cache = KittyCache(model.config, SMALL["kitty"])
     out = greedy(model, enc, cache, n)
-    assert out.shape == ref.shape and cache.memory_report() == analytic_report(SMALL["kitty"], cache.lengths, D, HKV, 2, 4)
+    assert out.shape == ref.shape and cache.memory_report() == analytic_report(
+        SMALL["kitty"], cache.lengths, D, HKV, 2, 4
+    )
 
 
 @pytest.fixture(scope="module")
@@ -314,7 +380,9 @@ def test_nll_direction_kitty_closer_to_fp16_than_kivi(default_model):
     assert gap["kitty"] < gap["kivi-k2v2"] and gap["kitty-pro"] < gap["kivi-k2v2"], nll
 
 
-@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")  # the old name is used on purpose: both are accepted
+@pytest.mark.filterwarnings(
+    "ignore:`past_key_values` is deprecated"
+)  # the old name is used on purpose: both are accepted
 def test_sampling_reset_kwargs_and_beam_search(default_model):
     model, tok = default_model
     enc = tok(["Tell me a story about a cat."], return_tensors="pt")
@@ -324,7 +392,17 @@ def test_sampling_reset_kwargs_and_beam_search(default_model):
         cache.reset()
         torch.manual_seed(0)
         with torch.no_grad():
-            outs.append(model.generate(**enc, past_key_values=cache, max_new_tokens=12, min_new_tokens=12, do_sample=True, temperature=1.0, top_k=50))
+            outs.append(
+                model.generate(
+                    **enc,
+                    past_key_values=cache,
+                    max_new_tokens=12,
+                    min_new_tokens=12,
+                    do_sample=True,
+                    temperature=1.0,
+                    top_k=50,
+                )
+            )
         assert cache.lengths == [enc.input_ids.shape[1] + 11]
     assert torch.equal(outs[0], outs[1])  # reset makes the cache reusable; sampling is seeded
     greedy_out = greedy(model, enc, KittyCache(model.config, SMALL["kitty"]), 12)

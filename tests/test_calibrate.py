@@ -48,8 +48,17 @@ def test_allocate_is_the_exact_optimum(rows, units):
 
 def test_layer_sensitivity_on_a_tiny_model():
     torch.manual_seed(1)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, vocab_size=128, max_position_embeddings=256, initializer_range=0.3)  # peaked attention and logits
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=128,
+        max_position_embeddings=256,
+        initializer_range=0.3,
+    )  # peaked attention and logits
     model = LlamaForCausalLM(config).eval()
     cfg = PRESETS["kitty"].with_(sink_tokens=4, group_size=16)
     ids = torch.randint(0, 128, (100,))

@@ -30,8 +30,14 @@ def test_cli_compare_prints_a_table_per_preset():
     assert "16.00 | 1.00x" in rows[1]  # fp16 stores every token at 16 bits
 
 
-@pytest.mark.parametrize("argv, message", [(["  "], "prompt is empty"), (["hi", "--compare", "--methods", "fp16,nope"], "unknown method"),
-                                           (["hi", "--max-new-tokens", "0"], "max-new-tokens")])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["  "], "prompt is empty"),
+        (["hi", "--compare", "--methods", "fp16,nope"], "unknown method"),
+        (["hi", "--max-new-tokens", "0"], "max-new-tokens"),
+    ],
+)
 def test_cli_rejects_bad_input(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err

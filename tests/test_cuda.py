@@ -24,17 +24,32 @@ LOGIT_RTOL = 0.02
 def tiny_model(kind: str):
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-    common = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
-                  num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, initializer_range=0.1)
+    common = dict(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        initializer_range=0.1,
+    )
     config = LlamaConfig(**common) if kind == "llama" else Qwen3Config(**common)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float16).cuda().eval()
 
 
 def generate(model, cache, prompt, n):
-    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache, max_new_tokens=n,
-                         min_new_tokens=n, do_sample=False)
-    return out[:, prompt.shape[1]:]
+    out = model.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        past_key_values=cache,
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+    )
+    return out[:, prompt.shape[1] :]
 
 
 def teacher_forced_logits(model, cache, ids, mask, prompt_len):
@@ -43,16 +58,22 @@ def teacher_forced_logits(model, cache, ids, mask, prompt_len):
     cols = (lambda t: {}) if mask is None else (lambda t: {"attention_mask": mask[:, :t]})
     with torch.no_grad():
         model(ids[:, :prompt_len], past_key_values=cache, use_cache=True, **cols(prompt_len))
-        steps = [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, **cols(t + 1)).logits[:, -1]
-                 for t in range(prompt_len, ids.shape[1])]
+        steps = [
+            model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, **cols(t + 1)).logits[:, -1]
+            for t in range(prompt_len, ids.shape[1])
+        ]
     return torch.stack(steps, 1).float()
 
 
 def compare(logits):
     """``(first-step max |diff|, max |diff|, logit scale, argmax agreement)`` of the torch vs triton logits."""
     ref, out = logits["torch"], logits["triton"]
-    return ((ref[:, 0] - out[:, 0]).abs().max().item(), (ref - out).abs().max().item(), ref.abs().max().item(),
-            (ref.argmax(-1) == out.argmax(-1)).float().mean().item())
+    return (
+        (ref[:, 0] - out[:, 0]).abs().max().item(),
+        (ref - out).abs().max().item(),
+        ref.abs().max().item(),
+        (ref.argmax(-1) == out.argmax(-1)).float().mean().item(),
+    )
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -64,10 +85,14 @@ def test_fp16_preset_triton_matches_torch(kind):
     model = tiny_model(kind)
     ids = torch.randint(0, 512, (2, 420), generator=torch.Generator().manual_seed(1)).cuda()
     mask = torch.ones_like(ids)
-    logits = {b: teacher_forced_logits(model, KittyCache(model.config, "fp16", backend=b), ids, mask, 150)
-              for b in ("torch", "triton")}
+    logits = {
+        b: teacher_forced_logits(model, KittyCache(model.config, "fp16", backend=b), ids, mask, 150)
+        for b in ("torch", "triton")
+    }
     _, diff, scale, agree = compare(logits)
-    print(f"{kind} fp16: max |logit diff| {diff:.4f} over 270 steps (logit scale {scale:.2f}), argmax agreement {agree:.4f}")
+    print(
+        f"{kind} fp16: max |logit diff| {diff:.4f} over 270 steps (logit scale {scale:.2f}), argmax agreement {agree:.4f}"
+    )
     assert diff <= 0.01 * scale and agree >= 0.99
 
 
@@ -76,10 +101,14 @@ def test_fp16_preset_triton_matches_torch(kind):
 def test_quantized_logits_within_tolerance(kind, preset):
     model = tiny_model(kind)
     ids = torch.randint(0, 512, (2, 420), generator=torch.Generator().manual_seed(2)).cuda()
-    logits = {b: teacher_forced_logits(model, KittyCache(model.config, preset, backend=b), ids, None, 150)
-              for b in ("torch", "triton")}  # (B, steps, vocab)
+    logits = {
+        b: teacher_forced_logits(model, KittyCache(model.config, preset, backend=b), ids, None, 150)
+        for b in ("torch", "triton")
+    }  # (B, steps, vocab)
     first, diff, scale, agree = compare(logits)
-    print(f"{kind} {preset}: first-step max |logit diff| {first:.4f}, over all steps {diff:.4f} (logit scale {scale:.2f}), argmax agreement {agree:.4f}")
+    print(
+        f"{kind} {preset}: first-step max |logit diff| {first:.4f}, over all steps {diff:.4f} (logit scale {scale:.2f}), argmax agreement {agree:.4f}"
+    )
     assert first <= LOGIT_RTOL * scale
     assert agree >= 0.97
 
@@ -115,11 +144,15 @@ def test_ragged_batch_decode_never_takes_the_torch_path(monkeypatch):
         logits = {}
         for backend in ("triton", "torch"):
             torch_calls.clear()
-            logits[backend] = teacher_forced_logits(model, KittyCache(model.config, preset, backend=backend), ids, mask, 200)
+            logits[backend] = teacher_forced_logits(
+                model, KittyCache(model.config, preset, backend=backend), ids, mask, 200
+            )
             decode_calls = sum(1 for t in torch_calls if t == 1)
             print(f"{preset} {backend}: torch-path layer calls {len(torch_calls)} (decode steps: {decode_calls})")
             if backend == "triton":
                 assert decode_calls == 0 and len(torch_calls) == L  # the prompt only
         first, _, scale, agree = compare(logits)
-        print(f"{preset} ragged: first-step max |logit diff| {first:.4f} (scale {scale:.2f}), argmax agreement {agree:.4f}")
+        print(
+            f"{preset} ragged: first-step max |logit diff| {first:.4f} (scale {scale:.2f}), argmax agreement {agree:.4f}"
+        )
         assert first <= LOGIT_RTOL * scale and agree >= min_agree

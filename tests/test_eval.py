@@ -10,7 +10,15 @@ from kitty import eval as keval
 
 def test_eval_quick_writes_tables_and_plots(tmp_path):
     keval.main(["--quick", "--methods", "fp16,kivi-k2v2,kitty", "--out", str(tmp_path)])
-    for name in ("eval_quick.md", "eval_ppl_quick.csv", "eval_pack_quick.csv", "eval_pareto_quick.png", "eval_agreement_quick.csv", "eval_passkey_quick.csv", "eval_passkey_quick.png"):
+    for name in (
+        "eval_quick.md",
+        "eval_ppl_quick.csv",
+        "eval_pack_quick.csv",
+        "eval_pareto_quick.png",
+        "eval_agreement_quick.csv",
+        "eval_passkey_quick.csv",
+        "eval_passkey_quick.png",
+    ):
         assert (tmp_path / name).stat().st_size > 0, name
     rows = list(csv.DictReader(open(tmp_path / "eval_ppl_quick.csv")))
     ppl = {r["method"]: r for r in rows if r["text"] == "all"}

@@ -19,8 +19,14 @@ SMALL = PRESETS["kitty"].with_(sink_tokens=4, group_size=16, local_window=8)
 
 def hf_greedy(model, ids: torch.Tensor, cfg, new: int, **kw) -> list[int]:
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=make_cache(model, cfg),
-                             max_new_tokens=new, do_sample=False, **kw)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            cache=make_cache(model, cfg),
+            max_new_tokens=new,
+            do_sample=False,
+            **kw,
+        )
     return out[0, ids.shape[1] :].tolist()
 
 
@@ -71,6 +77,7 @@ def test_prompt_caps_and_truncation_note(default_model):
     assert "characters" in huge.note and huge.tokens <= kp.MAX_PROMPT_TOKENS
     with pytest.raises(kp.PromptError):
         kp.prepare_prompt(tok, "  ", True)
+
 
 def test_sampling_settings():
     """Greedy is the argmax; top-p keeps the nucleus; the same seed gives the same draws (one per column)."""

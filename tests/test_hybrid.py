@@ -27,15 +27,26 @@ from kitty.cache import KittyLayer, SlidingWindowLayer
 
 W = 16  # sliding window (transformers keeps the newest W - 1 columns)
 SMALL = {name: PRESETS[name].with_(sink_tokens=4, group_size=8, local_window=8) for name in ("fp16", "kitty")}
-COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-              vocab_size=128, max_position_embeddings=256)
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=128,
+    max_position_embeddings=256,
+)
 
 
 def build(family: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if family == "gemma3":
-        config = Gemma3TextConfig(num_hidden_layers=3, sliding_window=W, **COMMON,
-                                  layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+        config = Gemma3TextConfig(
+            num_hidden_layers=3,
+            sliding_window=W,
+            **COMMON,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        )
         return Gemma3ForCausalLM(config).eval()
     if family == "mistral":
         return MistralForCausalLM(MistralConfig(num_hidden_layers=2, sliding_window=W, **COMMON)).eval()
@@ -50,8 +61,16 @@ def kitty_cache(model, name: str) -> KittyCache:
 
 
 def generate(model, ids, cache, mask=None, n: int = 24):
-    return model.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=n, do_sample=False,
-                          output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    return model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        cache=cache,
+        max_new_tokens=n,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
 
 
 @pytest.mark.parametrize("family", ["gemma3", "mistral", "qwen2"])
@@ -87,12 +106,14 @@ def test_padded_batch_rows_equal_alone_and_windows_stay_bounded(family, monkeypa
         return out
 
     monkeypatch.setattr(SlidingWindowLayer, "update", recording_update)
-    alone = [generate(model, p[None], kitty_cache(model, "kitty"), n=16).sequences[0, len(p):].tolist() for p in prompts]
+    alone = [
+        generate(model, p[None], kitty_cache(model, "kitty"), n=16).sequences[0, len(p) :].tolist() for p in prompts
+    ]
     L = max(len(p) for p in prompts)
     ids = torch.zeros(2, L, dtype=torch.long)
     mask = torch.zeros(2, L, dtype=torch.long)
     for b, p in enumerate(prompts):
-        ids[b, L - len(p):], mask[b, L - len(p):] = p, 1
+        ids[b, L - len(p) :], mask[b, L - len(p) :] = p, 1
     cache = kitty_cache(model, "kitty")
     out = generate(model, ids, cache, mask, n=16).sequences[:, L:].tolist()
     assert out == alone
@@ -107,7 +128,10 @@ def test_padded_batch_rows_equal_alone_and_windows_stay_bounded(family, monkeypa
         assert cache.token_counts()["key_pages"] > 0
         paged = analytic_report(SMALL["kitty"], cache.lengths, 16, 2, len(full), 4)
         assert (report.payload_bytes, report.metadata_bytes, report.full_precision_bytes) == (
-            paged.payload_bytes, paged.metadata_bytes, paged.full_precision_bytes)
+            paged.payload_bytes,
+            paged.metadata_bytes,
+            paged.full_precision_bytes,
+        )
         assert report.stored_bytes == paged.stored_bytes + report.window_bytes
 
 

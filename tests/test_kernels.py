@@ -30,10 +30,15 @@ from kitty.kernels.testing import make_state, planted_kv  # noqa: E402
 from kitty.memory import token_layout  # noqa: E402
 from kitty.quant import dequantize_key_page, dequantize_value_page, quantize_key_page, quantize_value_page  # noqa: E402
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-                                reason="needs CUDA or TRITON_INTERPRET=1")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="needs CUDA or TRITON_INTERPRET=1",
+)
 DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-FLOOR = {torch.float16: 1e-4, torch.bfloat16: 1e-3}  # interpreter: tl.dot runs bf16 inputs in fp32 (its bf16 dot is wrong)
+FLOOR = {
+    torch.float16: 1e-4,
+    torch.bfloat16: 1e-3,
+}  # interpreter: tl.dot runs bf16 inputs in fp32 (its bf16 dot is wrong)
 KEY_FIELDS = ("low", "high", "boost_idx", "scale", "zero")
 VALUE_FIELDS = ("codes", "scale", "zero")
 
@@ -84,10 +89,13 @@ def test_pack_into_pool_at_page_ids():
     nb = cfg.num_boosted(D)
     u8 = dict(dtype=torch.uint8, device=DEVICE)
     pool = dict(
-        k_low=torch.full((P, Hkv, D, G // 4), 0xAB, **u8), k_high=torch.full((P, Hkv, nb, G // 4), 0xAB, **u8),
-        k_boost_idx=torch.full((P, Hkv, D), 0xAB, **u8), k_scale=torch.full((P, Hkv, D), 7.0, dtype=torch.float16, device=DEVICE),
+        k_low=torch.full((P, Hkv, D, G // 4), 0xAB, **u8),
+        k_high=torch.full((P, Hkv, nb, G // 4), 0xAB, **u8),
+        k_boost_idx=torch.full((P, Hkv, D), 0xAB, **u8),
+        k_scale=torch.full((P, Hkv, D), 7.0, dtype=torch.float16, device=DEVICE),
         k_zero=torch.full((P, Hkv, D), 7.0, dtype=torch.float16, device=DEVICE),
-        v_codes=torch.full((P, Hkv, G, D // 4), 0xAB, **u8), v_scale=torch.full((P, Hkv, G), 7.0, dtype=torch.float16, device=DEVICE),
+        v_codes=torch.full((P, Hkv, G, D // 4), 0xAB, **u8),
+        v_scale=torch.full((P, Hkv, G), 7.0, dtype=torch.float16, device=DEVICE),
         v_zero=torch.full((P, Hkv, G), 7.0, dtype=torch.float16, device=DEVICE),
     )
     before = {name: t.clone() for name, t in pool.items()}
@@ -122,8 +130,10 @@ def test_pack_rejects_bad_shapes():
 # --------------------------------------------------------------------------------------------------- dequant
 
 
-@pytest.mark.parametrize("preset,D,dtype", [("kitty-pro", 128, torch.bfloat16), ("kitty", 64, torch.float16),
-                                            ("kivi-k4v4", 64, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "preset,D,dtype",
+    [("kitty-pro", 128, torch.bfloat16), ("kitty", 64, torch.float16), ("kivi-k4v4", 64, torch.bfloat16)],
+)
 @pytest.mark.parametrize("unpack_reshape", [True, False])
 def test_dequantize_pages_bit_identical(preset, D, dtype, unpack_reshape):
     G = 128 if D == 128 else 32  # G=128: high-plane row = 32 bytes, so slot 8 * 32 wraps a uint8 index
@@ -259,8 +269,14 @@ def test_dispatch_and_checks():
     torch.testing.assert_close(decode_attention(q, state8, cfg8), decode_attention_ref(q, state8, cfg8))
     with pytest.raises(ValueError, match="group_size"):
         decode_attention(q, state8, cfg8, backend="triton")
-    assert {"decode_attention", "KittyLayerState", "pack_pages", "dequantize_key_page_triton",
-            "decode_attention_unfused", "decode_attention_ref"} <= set(kernels.__all__)
+    assert {
+        "decode_attention",
+        "KittyLayerState",
+        "pack_pages",
+        "dequantize_key_page_triton",
+        "decode_attention_unfused",
+        "decode_attention_ref",
+    } <= set(kernels.__all__)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -20,8 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run(code: str, cwd: Path, *paths: Path) -> str:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, paths)))
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=cwd, env=env, capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     return r.stdout
 
@@ -98,20 +99,24 @@ def test_kitty_kernels_and_the_hub_kernels_package_coexist(hub_kernels, tmp_path
 
 def test_without_the_hub_package_transformers_sees_no_kernels():
     """transformers' probe imports a ``kernels`` it finds without metadata: ours is an empty namespace to it."""
-    out = run("""
+    out = run(
+        """
         from transformers.utils.import_utils import is_kernels_available
         import kernels, sys
         assert not is_kernels_available()
         assert getattr(kernels, "__file__", None) is None  # the namespace directory, nothing executed
         assert "triton" not in sys.modules
         print("OK")
-    """, ROOT)
+    """,
+        ROOT,
+    )
     assert "OK" in out
 
 
 def test_import_kitty_reads_no_profile_and_loads_no_model_code():
     """``import kitty`` only defines things: no profile JSON is read until a layer-adaptive preset is used."""
-    out = run("""
+    out = run(
+        """
         import builtins, pathlib, sys
         reads = []
         read_text, open_ = pathlib.Path.read_text, builtins.open
@@ -125,5 +130,7 @@ def test_import_kitty_reads_no_profile_and_loads_no_model_code():
         assert len(kitty.PRESETS["kitty-fit-adaptive"].boost_profile) == 30
         assert [r for r in reads if r.endswith("SmolLM2-135M-Instruct.json")]
         print("OK")
-    """, ROOT)
+    """,
+        ROOT,
+    )
     assert "OK" in out

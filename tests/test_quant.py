@@ -248,7 +248,17 @@ def test_head_dim_checks():
 
 def test_presets_match_the_paper():
     p = PRESETS
-    assert set(p) >= {"fp16", "kivi-k2v2", "kivi-k2v2-sink", "kivi-k2v4-sink", "kivi-k4v2-sink", "kivi-k4v4", "kitty", "kitty-pro", "kitty-random"}
+    assert set(p) >= {
+        "fp16",
+        "kivi-k2v2",
+        "kivi-k2v2-sink",
+        "kivi-k2v4-sink",
+        "kivi-k4v2-sink",
+        "kivi-k4v4",
+        "kitty",
+        "kitty-pro",
+        "kitty-random",
+    }
     assert all(c.description for c in p.values())
     assert p["kitty"].num_boosted(128) == 16 and p["kitty-pro"].num_boosted(128) == 32
     assert p["kivi-k2v2"].sink_tokens == 0 and p["kivi-k2v2-sink"].sink_tokens == 32
@@ -292,8 +302,16 @@ def test_query_selection_weights_channels_by_mean_abs_query():
 def test_new_presets_cost_the_same_bits_as_the_paper_presets():
     from kitty import analytic_report
 
-    pairs = [("kitty-range", "kitty"), ("kitty-query", "kitty"), ("kitty-pro-query", "kitty-pro"), ("kitty-oracle", "kitty"),
-             ("kitty-fit", "kitty"), ("kitty-pro-fit", "kitty-pro"), ("kitty-fit-adaptive", "kitty"), ("kitty-pro-fit-adaptive", "kitty-pro")]
+    pairs = [
+        ("kitty-range", "kitty"),
+        ("kitty-query", "kitty"),
+        ("kitty-pro-query", "kitty-pro"),
+        ("kitty-oracle", "kitty"),
+        ("kitty-fit", "kitty"),
+        ("kitty-pro-fit", "kitty-pro"),
+        ("kitty-fit-adaptive", "kitty"),
+        ("kitty-pro-fit-adaptive", "kitty-pro"),
+    ]
     for new, old in pairs:
         assert PRESETS[new].num_boosted(128) == PRESETS[old].num_boosted(128)
         for n in (300, 4096):  # the default model's shape (30 layers, 3 KV heads, D=64)

