@@ -186,7 +186,7 @@ def check_pack_and_dequant(results: dict) -> bool:
     return ok
 
 
-def check_attention(results: dict) -> bool:
+def check_attention(results: dict, every_config: bool = True) -> bool:
     """Fused (and unfused) attention vs the fp32 reference on ragged rows: GQA 1/3/4/8, D 64/128, fp16/bf16, G 32/64/128,
     boost fractions 0 / 12.5% / 25% / 50% and 4-bit values, several split counts and warp counts."""
     ok = True
@@ -231,7 +231,16 @@ def check_attention(results: dict) -> bool:
             ("fused warps=4 stages=2", lambda: decode_attention_triton(q, st, cfg, num_warps=4, num_stages=2)),
             ("unfused", lambda: decode_attention_unfused(q, st, cfg, num_splits=2)),
         ]
-        if (preset, gqa, d, dtype, G) in swept:  # every configuration the sweep times, on the first cases
+        if not every_config:  # --check-only: the default launch everywhere, the B >= 8 launch on the first cases
+            runs = [("fused auto", runs[1][1])]
+            if (preset, gqa, d, dtype, G) in swept:
+                runs.append(
+                    (
+                        "fused 2 warps maxnreg=128",
+                        lambda: decode_attention_triton(q, st, cfg, num_warps=2, num_stages=1, maxnreg=128, waves=8),
+                    )
+                )
+        elif (preset, gqa, d, dtype, G) in swept:  # every configuration the sweep times, on the first cases
             runs += [
                 (
                     f"fused {' '.join(f'{a}={b}' for a, b in kc.items())}",
@@ -296,6 +305,12 @@ def main():
         help="skip the correctness part (when it was run on the same code before) and time only the "
         "configurations without split_fold",
     )
+    ap.add_argument(
+        "--check-only",
+        action="store_true",
+        help="only the correctness part, with the default launch (and the B >= 8 launch on the first cases); "
+        "writes kernels_check.json to --out",
+    )
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny run on CPU under TRITON_INTERPRET=1 (plumbing only)")
     args = ap.parse_args()
     global DEV, SHAPES, TARGET_SHAPES, HQ, HKV, D
@@ -334,6 +349,18 @@ def main():
 
     # ---- 1) correctness
     t0 = time.time()
+    if args.check_only:
+        ok_pack = check_pack_and_dequant(results)
+        ok_attn = check_attention(results, every_config=False)
+        results["correct"] = {"pack_dequant": ok_pack, "attention": ok_attn}
+        log(
+            f"check-only: pack/dequant {'PASS' if ok_pack else 'FAIL'}, attention {'PASS' if ok_attn else 'FAIL'} "
+            f"({time.time() - t0:.0f}s)"
+        )
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "kernels_check.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        return
     if args.timing_only:
         results["correct"] = None
         FUSED_CONFIGS[:] = [kc for kc in FUSED_CONFIGS if not kc.get("split_fold")]
