@@ -16,7 +16,7 @@ Algorithm, one program per (page, KV head), keys or values (``IS_KEY`` picks the
     boost  = rank < nb ;  slot[c] = #{c' < c : boost[c']}  # compact high-plane slot, ascending channel index
     levels = boost ? 15 : 3
     # min-max over tokens, scale rounded UP to the next 16-bit value (kitty.quant.minmax_params)
-    zero   = min_t x ;  scale = roundup16((max_t x - zero) / levels)
+    zero   = min_t x ;  scale = roundup16((max_t x - zero) / levels)   (a range past fp32: max/levels - zero/levels)
     code   = clamp(floor((x - zero) / scale + 1/2), 0, levels)
     low[c, j]       = OR_s (code[4j+s, c] & 3) << 2s
     high[slot[c], j]= OR_s (code[4j+s, c] >> 2) << 2s        (boosted c only)
@@ -55,6 +55,16 @@ def _roundup_to(scale, DTYPE: tl.constexpr, ITYPE: tl.constexpr):
     s_q = scale.to(DTYPE)
     bump = (s_q.to(tl.float32) < scale).to(ITYPE)
     return (s_q.to(ITYPE, bitcast=True) + bump).to(DTYPE, bitcast=True)
+
+
+@triton.jit
+def _range_scale(mx, mn, levels):
+    """``(mx - mn) / levels`` in fp32; where the range overflows fp32 (finite inputs near the fp32/bf16 limits),
+    ``mx / levels - mn / levels`` bumped up two ulps instead, as ``kitty.quant.minmax_params`` does."""
+    scale = tl.div_rn(mx - mn, levels)
+    split = tl.div_rn(mx, levels) - tl.div_rn(mn, levels)  # > 0 wherever the range overflowed
+    split_up = (split.to(tl.int32, bitcast=True) + 2).to(tl.float32, bitcast=True)  # nextafter twice, towards +inf
+    return tl.where(scale == float("inf"), split_up, scale)
 
 
 @triton.jit
@@ -137,9 +147,9 @@ def _pack_kernel(
         mn = tl.min(tl.min(x, axis=1), axis=0)
         mx = tl.max(tl.max(x, axis=1), axis=0)
         if ROUND_UP:
-            scale_q = _roundup_to(tl.div_rn(mx - mn, levels), DTYPE, ITYPE)
+            scale_q = _roundup_to(_range_scale(mx, mn, levels), DTYPE, ITYPE)
         else:
-            scale_q = tl.div_rn(mx - mn, levels).to(DTYPE)
+            scale_q = _range_scale(mx, mn, levels).to(DTYPE)
         zero_q = mn.to(DTYPE)
         code = _quantize(
             x, zero_q.to(tl.float32)[None, None, :], scale_q.to(tl.float32)[None, None, :], levels[None, None, :]
@@ -174,9 +184,9 @@ def _pack_kernel(
         vmx = tl.max(tl.max(vx, axis=2), axis=1)
         VLEVELS: tl.constexpr = (1 << VBITS) - 1
         if ROUND_UP:
-            vscale_q = _roundup_to(tl.div_rn(vmx - vmn, tl.full(vmx.shape, VLEVELS, tl.float32)), DTYPE, ITYPE)
+            vscale_q = _roundup_to(_range_scale(vmx, vmn, tl.full(vmx.shape, VLEVELS, tl.float32)), DTYPE, ITYPE)
         else:
-            vscale_q = tl.div_rn(vmx - vmn, tl.full(vmx.shape, VLEVELS, tl.float32)).to(DTYPE)
+            vscale_q = _range_scale(vmx, vmn, tl.full(vmx.shape, VLEVELS, tl.float32)).to(DTYPE)
         vzero_q = vmn.to(DTYPE)
         vcode = _quantize(
             vx, vzero_q.to(tl.float32)[:, None, None], vscale_q.to(tl.float32)[:, None, None], VLEVELS * 1.0

@@ -82,6 +82,23 @@ def test_pack_bit_identical(preset, D, dtype):
         assert (kp.boost_idx[0].gather(-1, top[:, None].long()) < cfg.num_boosted(D)).all()
 
 
+def test_pack_range_past_fp32_stays_finite_and_bit_identical():
+    """A key channel and a value token spanning more than fp32 can hold (finite bf16 near its limits) pack to finite
+    scales, exactly as kitty.quant does (its overflow-safe range), never to inf/NaN."""
+    cfg = small("kitty", group_size=32)
+    k, v = planted_kv(1, 2, 32, 64, torch.bfloat16, DEVICE, seed=9)
+    k[0, 0, ::2, 5], k[0, 0, 1::2, 5] = 3.0e38, -3.0e38  # one channel's range: 6e38 > fp32 max
+    v[0, 1, 7, ::2], v[0, 1, 7, 1::2] = 3.0e38, -3.0e38  # one token's range
+    kp, vp = pack_pages(cfg, k, v)
+    rk, rv = pack_pages_ref(cfg, k, v)
+    for f in KEY_FIELDS:
+        assert torch.equal(getattr(kp, f), getattr(rk, f)), f"key {f} differs"
+    for f in VALUE_FIELDS:
+        assert torch.equal(getattr(vp, f), getattr(rv, f)), f"value {f} differs"
+    assert torch.isfinite(kp.scale.float()).all() and torch.isfinite(vp.scale.float()).all()
+    assert kp.scale[0, 0, 5].float() * 15 >= 6e38 and vp.scale[0, 1, 7].float() * 3 >= 6e38  # covers the range
+
+
 def test_pack_into_pool_at_page_ids():
     cfg = small("kitty-pro")
     D, G, Hkv, P = 64, cfg.group_size, 2, 6
