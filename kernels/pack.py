@@ -46,6 +46,8 @@ from kitty.quant import (
     select_boosted,
 )
 
+from ._tiles import TLTYPE, check_power_of_two
+
 __all__ = ["pack_pages", "pack_pages_ref"]
 
 
@@ -199,7 +201,6 @@ def _pack_kernel(
 
 
 _ITYPE = {torch.float16: tl.int16, torch.bfloat16: tl.int16, torch.float32: tl.int32}
-_TLTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 KEY_POOL = ("k_low", "k_high", "k_boost_idx", "k_scale", "k_zero")
 VALUE_POOL = ("v_codes", "v_scale", "v_zero")
 
@@ -257,14 +258,12 @@ def pack_pages(
             )
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must have contiguous channels (stride(-1) == 1)")
-    if dtype not in _TLTYPE:
-        raise ValueError(f"qbuffer dtype must be one of {tuple(_TLTYPE)}, got {dtype}")
+    if dtype not in TLTYPE:
+        raise ValueError(f"qbuffer dtype must be one of {tuple(TLTYPE)}, got {dtype}")
     cfg.check_head_dim(D)
     if G != cfg.group_size:
         raise ValueError(f"qbuffer holds {G} tokens but cfg.group_size is {cfg.group_size}")
-    for n, what in ((G, "group_size"), (D, "head_dim")):
-        if n & (n - 1) or n < 4:
-            raise ValueError(f"the Triton pack kernel needs a power-of-two {what} >= 4, got {n}")
+    check_power_of_two({"group_size": G, "head_dim": D}, 4, "Triton pack kernel")
     if cfg.key_range != "minmax" or cfg.value_range != "minmax":
         raise ValueError(
             f"pack_pages implements min-max ranges; fitted ranges (key_range={cfg.key_range!r}, value_range={cfg.value_range!r}) pack with kitty.quant"
@@ -359,7 +358,7 @@ def pack_pages(
         KEY_LEVELS=(1 << cfg.key_bits) - 1,
         VBITS=cfg.value_bits,
         USE_MASK=use_mask,
-        DTYPE=_TLTYPE[dtype],
+        DTYPE=TLTYPE[dtype],
         ITYPE=_ITYPE[dtype],
         ROUND_UP=dtype != torch.float32,
         num_warps=4,

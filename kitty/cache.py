@@ -29,7 +29,6 @@ function), attends, then calls :meth:`KittyLayer.append`. ``KittyCache`` makes `
 
 from __future__ import annotations
 
-import os
 import warnings
 import weakref
 from collections.abc import Callable
@@ -43,6 +42,7 @@ from transformers.distributed.tensor_parallel import get_kv_heads_per_rank
 
 from . import attention as kattention
 from .config import KVQuantConfig, get_preset, is_int
+from .kernels import interpreting
 from .memory import MemoryReport, token_layout
 from .models import kv_dims
 from .quant import KeyPage, ValuePage, quantize_key_page, quantize_value_page, query_scale_from, query_statistic
@@ -57,16 +57,12 @@ _BEAM_MESSAGE = (
 )
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def check_triton_backend(cfg: KVQuantConfig, head_dim: int) -> None:
     """Refuse ``backend="triton"`` where it cannot run, before any token is stored: ``NotImplementedError`` without
     the kernels, ``ValueError`` without a CUDA GPU (and not under ``TRITON_INTERPRET=1``) or for a config the fused
     kernel does not handle (``kernels.triton_supports``)."""
     kernels = kattention._kernels(required=True)  # NotImplementedError without Triton
-    if not torch.cuda.is_available() and not _interpreting():
+    if not torch.cuda.is_available() and not interpreting():
         raise ValueError(
             "backend='triton' needs a CUDA GPU, and torch sees none (CPU runs need TRITON_INTERPRET=1 set "
             "before triton is imported); use backend='auto' or 'torch'"
@@ -81,7 +77,7 @@ def check_triton_backend(cfg: KVQuantConfig, head_dim: int) -> None:
 
 def check_triton_device(device: torch.device) -> None:
     """``ValueError`` if ``backend="triton"`` cannot run on tensors of ``device`` (CPU without the interpreter)."""
-    if device.type != "cuda" and not _interpreting():
+    if device.type != "cuda" and not interpreting():
         raise ValueError(
             f"backend='triton' runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1), got tensors "
             f"on {device}; move the model to the GPU or use backend='auto' or 'torch'"

@@ -21,6 +21,7 @@ installed only the torch references are available, and ``decode_attention`` runs
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 from importlib import import_module
@@ -32,6 +33,14 @@ _HERE = Path(__file__).resolve().parent
 __path__ = [str(p) for p in (_HERE / "_kernels", _HERE.parent / "kernels") if (p / "reference.py").is_file()][:1]
 
 HAS_TRITON = find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run under Triton's interpreter (``TRITON_INTERPRET=1``): the kernels' own reading,
+    taken once when they are imported (as Triton reads it), or the environment's before that."""
+    tiles = sys.modules.get(__name__ + "._tiles")
+    return tiles.INTERPRETING if tiles is not None else os.environ.get("TRITON_INTERPRET", "0") == "1"
+
 
 _TORCH_ONLY = {  # name -> submodule, importable without Triton
     "KittyLayerState": "reference",
