@@ -38,7 +38,6 @@ from types import SimpleNamespace
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
-from transformers.distributed.tensor_parallel import get_kv_heads_per_rank
 
 from . import attention as kattention
 from .config import KVQuantConfig, get_preset, is_int
@@ -47,6 +46,23 @@ from .memory import MemoryReport, token_layout
 from .models import kv_dims
 from .quant import KeyPage, ValuePage, quantize_key_page, quantize_value_page, query_scale_from, query_statistic
 from .storage import PendingKV, key_page_from_storage, page_fields, pool_fields, value_page_from_storage
+
+
+def kv_heads_per_rank(tp_plan: dict[str, str], num_heads: int, tp_size: int) -> int | None:
+    """KV heads per rank under ``tp_plan``: all of them unless a key projection is split column-wise, else an
+    equal share, ``None`` when ``num_heads`` does not divide by ``tp_size`` (transformers' rule, for releases
+    without ``get_kv_heads_per_rank``, such as 5.17)."""
+    names = ("k_proj", "qkv_proj", "query_key_value")
+    if not any(k.rsplit(".", 1)[-1] in names and style == "colwise" for k, style in tp_plan.items()):
+        return num_heads
+    return None if num_heads % tp_size else num_heads // tp_size
+
+
+try:
+    from transformers.distributed.tensor_parallel import get_kv_heads_per_rank
+except ImportError:
+    get_kv_heads_per_rank = kv_heads_per_rank
+
 
 BACKENDS = ("auto", "torch", "triton")
 LAYER_TYPES = ("full_attention", "sliding_attention")  # Kitty pages, or a bounded full-precision window

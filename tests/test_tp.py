@@ -181,3 +181,22 @@ def test_kv_heads_that_do_not_divide_by_the_ranks_raise_at_construction():
 
 if __name__ == "__main__":
     worker(Path(sys.argv[1]))
+
+
+def test_kv_heads_rule_matches_transformers():
+    """The fallback rule (for transformers releases without ``get_kv_heads_per_rank``) agrees with transformers'."""
+    from transformers.distributed.tensor_parallel import get_kv_heads_per_rank
+
+    from kitty.cache import kv_heads_per_rank
+
+    plans = [
+        {},
+        {"layers.*.self_attn.k_proj": "colwise"},
+        {"layers.*.self_attn.o_proj": "rowwise"},
+        {"layers.*.self_attn.qkv_proj": "colwise"},
+        {"layers.*.self_attn.k_proj": "rowwise"},
+    ]
+    for plan in plans:
+        for heads in (1, 2, 3, 4, 8):
+            for tp in (1, 2, 4):
+                assert kv_heads_per_rank(plan, heads, tp) == get_kv_heads_per_rank(plan, heads, tp), (plan, heads, tp)
