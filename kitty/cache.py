@@ -58,6 +58,27 @@ def kv_heads_per_rank(tp_plan: dict[str, str], num_heads: int, tp_size: int) -> 
     return None if num_heads % tp_size else num_heads // tp_size
 
 
+def layer_types_of(text) -> tuple[list[str], list[dict]]:
+    """Per layer of the text config: its attention type and the keyword arguments of its cache layer, inferred as
+    ``DynamicCache`` infers them (``transformers.cache_utils.get_layer_types_and_kwargs``). Releases whose function
+    returns no entry per layer (transformers 5.17) get the same rule here: ``config.layer_types`` when given, else
+    sliding layers where ``sliding_window`` is set, chunked where ``attention_chunk_size`` is."""
+    num_layers = kv_dims(text)[0]
+    try:
+        types, kwargs = get_layer_types_and_kwargs(text)
+    except (AttributeError, TypeError, ValueError):  # a release whose function reads other config fields
+        types, kwargs = [], []
+    if len(types) == num_layers:
+        return list(types), list(kwargs)
+    types = getattr(text, "layer_types", None)
+    if types is None:
+        window, chunk = getattr(text, "sliding_window", None), getattr(text, "attention_chunk_size", None)
+        kind = "sliding_attention" if window is not None else "chunked_attention" if chunk is not None else None
+        types = [kind or "full_attention"] * num_layers
+    window = getattr(text, "sliding_window", None)
+    return list(types), [{"sliding_window": window} if t == "sliding_attention" else {} for t in types]
+
+
 try:
     from transformers.distributed.tensor_parallel import get_kv_heads_per_rank
 except ImportError:
@@ -821,7 +842,7 @@ class KittyCache(Cache):
         if max_pages is not None and (not is_int(max_pages) or max_pages < 1):
             raise ValueError(f"max_pages must be a positive integer or None, got {max_pages!r}")
         text = config.get_text_config(decoder=True)
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(text)  # inferred as DynamicCache does
+        layer_types, layer_kwargs = layer_types_of(text)
         unsupported = sorted(set(layer_types) - set(LAYER_TYPES))
         if unsupported:
             raise ValueError(f"KittyCache supports layer types {LAYER_TYPES}, config has {unsupported}")
@@ -868,7 +889,8 @@ class KittyCache(Cache):
         self._last_layer = layer_idx
         kattention.kitty_forward(True)
         try:
-            if isinstance(self.layers[layer_idx], SlidingWindowLayer):  # its attention is the user's: open it here
+            if layer_idx < len(self.layers) and isinstance(self.layers[layer_idx], SlidingWindowLayer):
+                # a sliding layer's attention is the user's own: its step opens here
                 self.layers[layer_idx].begin_step(self._forward)
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         except BaseException:

@@ -145,3 +145,15 @@ def test_bad_hybrid_configs_raise_before_any_work():
         KittyCache(config, "kitty")
     with pytest.warns(UserWarning, match="quantizes nothing"):
         KittyCache(MistralConfig(sliding_window=W, **base), "kitty")
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral", "qwen2"])
+def test_layer_types_without_transformers_inference(family, monkeypatch):
+    """Releases whose ``get_layer_types_and_kwargs`` gives no entry per layer (transformers 5.17) get the same layer
+    types and windows from the cache's own rule."""
+    import kitty.cache as kc
+
+    text = build(family).config.get_text_config(decoder=True)
+    expected = kc.layer_types_of(text)
+    monkeypatch.setattr(kc, "get_layer_types_and_kwargs", lambda config: ([], []))
+    assert kc.layer_types_of(text) == expected
