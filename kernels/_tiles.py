@@ -59,9 +59,8 @@ def cast_to(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _load_packed(
-    ptr, row_off, mask_rows, ROWS: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr, UNPACK_RESHAPE: tl.constexpr
-):
+def _load_packed(ptr, row_off, mask_rows, ROWS: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr,
+                 UNPACK_RESHAPE: tl.constexpr):
     """Packed codes of a ``(ROWS, N)`` tile at ``ptr + row_off[r] + byte`` (rows where ``mask_rows`` is False read
     0, no memory traffic). With ``UNPACK_RESHAPE`` the bytes are read as little-endian 32-bit words,
     ``(ROWS, N / codes_per_word)`` (code ``k`` of a row at bits ``BITS * (k % codes_per_word)`` of word
@@ -99,21 +98,9 @@ def _expand_packed(b, ROWS: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr, U
 
 
 @triton.jit
-def _load_key_raw(
-    low_ptr,
-    high_ptr,
-    idx_ptr,
-    scale_ptr,
-    zero_ptr,
-    pbase,
-    n0,
-    ok,
-    G: tl.constexpr,
-    BN: tl.constexpr,
-    D: tl.constexpr,
-    NB: tl.constexpr,
-    UNPACK_RESHAPE: tl.constexpr,
-):
+def _load_key_raw(low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, pbase, n0, ok,
+                  G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
+                  UNPACK_RESHAPE: tl.constexpr):
     """Algorithm 1, the loads (lines 4-12 before unpacking) of tokens ``n0 .. n0+BN-1`` of one key page:
     ``(low bytes, high bytes, scale, zero)``. Nothing is read where the scalar ``ok`` is False."""
     G4: tl.constexpr = G // 4
@@ -139,17 +126,8 @@ def _load_key_raw(
 
 
 @triton.jit
-def _key_from_raw(
-    low,
-    high,
-    scale,
-    zero,
-    BN: tl.constexpr,
-    D: tl.constexpr,
-    NB: tl.constexpr,
-    DTYPE: tl.constexpr,
-    UNPACK_RESHAPE: tl.constexpr,
-):
+def _key_from_raw(low, high, scale, zero, BN: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, DTYPE: tl.constexpr,
+                  UNPACK_RESHAPE: tl.constexpr):
     """Algorithm 1, lines 9, 12, 14, 15: unpack, ``X_low | X_high << 2``, ``X * scale + zero`` -> ``(D, BN)``."""
     code = _expand_packed(low, D, BN, 2, UNPACK_RESHAPE)
     if NB > 0:
@@ -161,23 +139,12 @@ def _key_from_raw(
 @triton.jit
 def _key_page_T(
     # pool pointers (docs/LAYOUT.md): k_low [P, Hkv, D, G/4], k_high [P, Hkv, NB, G/4], k_boost_idx/scale/zero [P, Hkv, D]
-    low_ptr,
-    high_ptr,
-    idx_ptr,
-    scale_ptr,
-    zero_ptr,
-    raw_ptr,
+    low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, raw_ptr,
     # which (page, head): pbase = page * Hkv + head, int64; tokens n0 .. n0 + BN - 1 of the page (n0 % 4 == 0)
-    pbase,
-    n0,
+    pbase, n0,
     # meta-parameters
-    G: tl.constexpr,
-    BN: tl.constexpr,
-    D: tl.constexpr,
-    NB: tl.constexpr,
-    KEY_RAW: tl.constexpr,
-    DTYPE: tl.constexpr,
-    UNPACK_RESHAPE: tl.constexpr,
+    G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, KEY_RAW: tl.constexpr,
+    DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr,
 ):
     """Algorithm 1: the dequantized keys ``(D, BN)`` of one page in ``DTYPE`` (channel-major, ``K^T``)."""
     d = tl.arange(0, D)
@@ -185,9 +152,8 @@ def _key_page_T(
         t = n0 + tl.arange(0, BN)
         kT = tl.load(raw_ptr + pbase * (G * D) + t[None, :] * D + d[:, None])
     else:
-        low, high, scale, zero = _load_key_raw(
-            low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, pbase, n0, True, G, BN, D, NB, UNPACK_RESHAPE
-        )
+        low, high, scale, zero = _load_key_raw(low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, pbase, n0, True,
+                                               G, BN, D, NB, UNPACK_RESHAPE)
         kT = _key_from_raw(low, high, scale, zero, BN, D, NB, DTYPE, UNPACK_RESHAPE)
     return kT
 
@@ -196,19 +162,8 @@ def _key_page_T(
 
 
 @triton.jit
-def _load_value_raw(
-    codes_ptr,
-    scale_ptr,
-    zero_ptr,
-    pbase,
-    n0,
-    ok,
-    G: tl.constexpr,
-    BN: tl.constexpr,
-    D: tl.constexpr,
-    VBITS: tl.constexpr,
-    UNPACK_RESHAPE: tl.constexpr,
-):
+def _load_value_raw(codes_ptr, scale_ptr, zero_ptr, pbase, n0, ok, G: tl.constexpr, BN: tl.constexpr,
+                    D: tl.constexpr, VBITS: tl.constexpr, UNPACK_RESHAPE: tl.constexpr):
     """Loads of tokens ``n0 .. n0+BN-1`` of one value page: ``(code bytes, scale, zero)``; nothing if not ``ok``."""
     DB: tl.constexpr = D * VBITS // 8
     t = n0 + tl.arange(0, BN)
@@ -220,16 +175,8 @@ def _load_value_raw(
 
 
 @triton.jit
-def _value_from_raw(
-    codes,
-    scale,
-    zero,
-    BN: tl.constexpr,
-    D: tl.constexpr,
-    VBITS: tl.constexpr,
-    DTYPE: tl.constexpr,
-    UNPACK_RESHAPE: tl.constexpr,
-):
+def _value_from_raw(codes, scale, zero, BN: tl.constexpr, D: tl.constexpr, VBITS: tl.constexpr, DTYPE: tl.constexpr,
+                    UNPACK_RESHAPE: tl.constexpr):
     code = _expand_packed(codes, BN, D, VBITS, UNPACK_RESHAPE)  # (BN, D)
     return cast_to(code.to(tl.float32) * scale.to(tl.float32)[:, None] + zero.to(tl.float32)[:, None], DTYPE)
 
@@ -237,19 +184,10 @@ def _value_from_raw(
 @triton.jit
 def _value_page(
     # pool pointers: v_codes [P, Hkv, G, D*VBITS/8], v_scale/v_zero [P, Hkv, G], v_raw [P, Hkv, G, D]
-    codes_ptr,
-    scale_ptr,
-    zero_ptr,
-    raw_ptr,
-    pbase,
-    n0,
-    G: tl.constexpr,
-    BN: tl.constexpr,
-    D: tl.constexpr,
-    VBITS: tl.constexpr,
-    VALUE_RAW: tl.constexpr,
-    DTYPE: tl.constexpr,
-    UNPACK_RESHAPE: tl.constexpr,
+    codes_ptr, scale_ptr, zero_ptr, raw_ptr,
+    pbase, n0,
+    G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, VBITS: tl.constexpr, VALUE_RAW: tl.constexpr,
+    DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr,
 ):
     """The dequantized values ``(BN, D)`` of tokens ``n0 ..`` of one page in ``DTYPE`` (per-token scale/zero)."""
     if VALUE_RAW:
@@ -257,9 +195,8 @@ def _value_page(
         d = tl.arange(0, D)
         v = tl.load(raw_ptr + pbase * (G * D) + t[:, None] * D + d[None, :])
     else:
-        codes, scale, zero = _load_value_raw(
-            codes_ptr, scale_ptr, zero_ptr, pbase, n0, True, G, BN, D, VBITS, UNPACK_RESHAPE
-        )
+        codes, scale, zero = _load_value_raw(codes_ptr, scale_ptr, zero_ptr, pbase, n0, True, G, BN, D, VBITS,
+                                             UNPACK_RESHAPE)
         v = _value_from_raw(codes, scale, zero, BN, D, VBITS, DTYPE, UNPACK_RESHAPE)
     return v
 

@@ -93,34 +93,23 @@ def magic_code(dtype: torch.dtype, bits: int, shift: int) -> tuple[str, float, f
     """
     if dtype == torch.float16:
         mask = ((1 << bits) - 1) * 0x01010101
-        asm = (
-            "{ .reg .b32 t; "
-            f"shr.b32 t, $2, {shift}; and.b32 t, t, 0x{mask:08X}; "
-            "prmt.b32 $0, t, 0, 0x4140; prmt.b32 $1, t, 0, 0x4342; }"
-        )
+        asm = ("{ .reg .b32 t; "
+               f"shr.b32 t, $2, {shift}; and.b32 t, t, 0x{mask:08X}; "
+               "prmt.b32 $0, t, 0, 0x4140; prmt.b32 $1, t, 0, 0x4342; }")
         return asm, 0.0, 2.0**-24
     if dtype == torch.bfloat16:
         mask = (0xFF00 | ((1 << bits) - 1)) * 0x10001  # keep the OFF byte and the code bits of both lanes
-        asm = (
-            "{ .reg .b32 t, c; "
-            f"mov.b32 c, 0x43434343; shr.b32 t, $2, {shift}; "
-            "prmt.b32 $0, t, c, 0x4140; prmt.b32 $1, t, c, 0x4342; "
-            f"and.b32 $0, $0, 0x{mask:08X}; and.b32 $1, $1, 0x{mask:08X}; }}"
-        )
+        asm = ("{ .reg .b32 t, c; "
+               f"mov.b32 c, 0x43434343; shr.b32 t, $2, {shift}; "
+               "prmt.b32 $0, t, c, 0x4140; prmt.b32 $1, t, c, 0x4342; "
+               f"and.b32 $0, $0, 0x{mask:08X}; and.b32 $1, $1, 0x{mask:08X}; }}")
         return asm, 128.0, 1.0
     return "", 0.0, 1.0
 
 
 @triton.jit
-def _codes(
-    b,
-    SHIFT: tl.constexpr,
-    BITS: tl.constexpr,
-    ASM: tl.constexpr,
-    OFF: tl.constexpr,
-    UNIT: tl.constexpr,
-    DOT: tl.constexpr,
-):
+def _codes(b, SHIFT: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, OFF: tl.constexpr, UNIT: tl.constexpr,
+           DOT: tl.constexpr):
     """``OFF + UNIT * ((b >> SHIFT) & (2^BITS - 1))`` in ``DOT`` for a uint8 tensor ``b`` (see :func:`magic_code`)."""
     if INTERPRET or ASM == "":
         c = ((b.to(tl.int32) >> SHIFT) & ((1 << BITS) - 1)).to(tl.float32)
@@ -158,30 +147,10 @@ def _mm2(a, a_lo, b, DOT: tl.constexpr, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _key_page_scores(
-    q,
-    low_ptr,
-    high_ptr,
-    idx_ptr,
-    scale_ptr,
-    zero_ptr,
-    raw_ptr,
-    pbase,
-    qk_scale,
-    G: tl.constexpr,
-    D: tl.constexpr,
-    NB: tl.constexpr,
-    NBP: tl.constexpr,
-    KEY_RAW: tl.constexpr,
-    DOT: tl.constexpr,
-    KA0: tl.constexpr,
-    KA1: tl.constexpr,
-    KA2: tl.constexpr,
-    KA3: tl.constexpr,
-    KOFF: tl.constexpr,
-    KUNIT: tl.constexpr,
-    SPLIT: tl.constexpr,
-):
+def _key_page_scores(q, low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, raw_ptr, pbase, qk_scale,
+                     G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr, KEY_RAW: tl.constexpr,
+                     DOT: tl.constexpr, KA0: tl.constexpr, KA1: tl.constexpr, KA2: tl.constexpr, KA3: tl.constexpr,
+                     KOFF: tl.constexpr, KUNIT: tl.constexpr, SPLIT: tl.constexpr):
     """Base-2 logits ``(BLOCK_H, G/4)`` of the four token quarters ``{4i + s}`` of one key page (``pbase`` = pool
     page * Hkv + head, int64), from the 2-bit planes (or ``k_raw`` rows when ``KEY_RAW``). ``SPLIT``: ``q * scale``
     is carried as two 16-bit operands (rounded part + remainder), one more product over the same codes."""
@@ -220,9 +189,8 @@ def _key_page_scores(
                 sel = (idx[:, None] == slots[None, :]).to(DOT)  # (D, NBP)
                 qb4 = (_mm(qs, sel, DOT) * 4.0).to(DOT)
                 qb4_lo = (_mm(qs_lo, sel, DOT) * 4.0).to(DOT)
-            high = tl.load(
-                high_ptr + pbase * (NB * G4) + slots[:, None] * G4 + i[None, :], mask=(slots < NB)[:, None], other=0
-            )  # (NBP, G/4) bytes of the compact high plane
+            high = tl.load(high_ptr + pbase * (NB * G4) + slots[:, None] * G4 + i[None, :],
+                           mask=(slots < NB)[:, None], other=0)  # (NBP, G/4) bytes of the compact high plane
         qz = tl.sum(q.to(tl.float32) * zero[None, :], 1)
         a = qk_scale * (1.0 / KUNIT)
         if KOFF != 0:
@@ -274,68 +242,18 @@ def _page_softmax(s0, s1, s2, s3, m_i):
     m_new = tl.maximum(m_i, tl.max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), 1))
     m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
     alpha = tl.exp2(m_i - m_safe)
-    return (
-        tl.exp2(s0 - m_safe[:, None]),
-        tl.exp2(s1 - m_safe[:, None]),
-        tl.exp2(s2 - m_safe[:, None]),
-        tl.exp2(s3 - m_safe[:, None]),
-        alpha,
-        m_new,
-    )
+    return (tl.exp2(s0 - m_safe[:, None]), tl.exp2(s1 - m_safe[:, None]), tl.exp2(s2 - m_safe[:, None]),
+            tl.exp2(s3 - m_safe[:, None]), alpha, m_new)
 
 
 @triton.jit
-def _key_page_step(
-    q,
-    low_ptr,
-    high_ptr,
-    idx_ptr,
-    scale_ptr,
-    zero_ptr,
-    raw_ptr,
-    kpage,
-    qk_scale,
-    m_i,
-    l_i,
-    G: tl.constexpr,
-    D: tl.constexpr,
-    NB: tl.constexpr,
-    NBP: tl.constexpr,
-    KEY_RAW: tl.constexpr,
-    DOT: tl.constexpr,
-    KA0: tl.constexpr,
-    KA1: tl.constexpr,
-    KA2: tl.constexpr,
-    KA3: tl.constexpr,
-    KOFF: tl.constexpr,
-    KUNIT: tl.constexpr,
-    SPLIT: tl.constexpr,
-):
+def _key_page_step(q, low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, raw_ptr, kpage, qk_scale, m_i, l_i,
+                   G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr, KEY_RAW: tl.constexpr,
+                   DOT: tl.constexpr, KA0: tl.constexpr, KA1: tl.constexpr, KA2: tl.constexpr, KA3: tl.constexpr,
+                   KOFF: tl.constexpr, KUNIT: tl.constexpr, SPLIT: tl.constexpr):
     """Scores of a stored key page and their online-softmax step: ``(p0, p1, p2, p3, alpha, m_i, l_i)``."""
-    s0, s1, s2, s3 = _key_page_scores(
-        q,
-        low_ptr,
-        high_ptr,
-        idx_ptr,
-        scale_ptr,
-        zero_ptr,
-        raw_ptr,
-        kpage,
-        qk_scale,
-        G,
-        D,
-        NB,
-        NBP,
-        KEY_RAW,
-        DOT,
-        KA0,
-        KA1,
-        KA2,
-        KA3,
-        KOFF,
-        KUNIT,
-        SPLIT,
-    )
+    s0, s1, s2, s3 = _key_page_scores(q, low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, raw_ptr, kpage, qk_scale,
+                                      G, D, NB, NBP, KEY_RAW, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, SPLIT)
     p0, p1, p2, p3, alpha, m_i = _page_softmax(s0, s1, s2, s3, m_i)
     return p0, p1, p2, p3, alpha, m_i, l_i * alpha[:, None] + ((p0 + p1) + (p2 + p3))
 
@@ -351,31 +269,10 @@ def _rescale(alpha, acc0, acc1, acc2, acc3, cq, az):
 
 
 @triton.jit
-def _value_quarter(
-    p,
-    t,
-    codes_ptr,
-    vscale_ptr,
-    vzero_ptr,
-    pbase,
-    acc0,
-    acc1,
-    acc2,
-    acc3,
-    cq,
-    az,
-    G: tl.constexpr,
-    D: tl.constexpr,
-    VBITS: tl.constexpr,
-    DOT: tl.constexpr,
-    VA0: tl.constexpr,
-    VA1: tl.constexpr,
-    VA2: tl.constexpr,
-    VA3: tl.constexpr,
-    VOFF: tl.constexpr,
-    VUNIT: tl.constexpr,
-    SPLIT: tl.constexpr,
-):
+def _value_quarter(p, t, codes_ptr, vscale_ptr, vzero_ptr, pbase, acc0, acc1, acc2, acc3, cq, az,
+                   G: tl.constexpr, D: tl.constexpr, VBITS: tl.constexpr, DOT: tl.constexpr,
+                   VA0: tl.constexpr, VA1: tl.constexpr, VA2: tl.constexpr, VA3: tl.constexpr,
+                   VOFF: tl.constexpr, VUNIT: tl.constexpr, SPLIT: tl.constexpr):
     """Add ``p @ V`` of value rows ``t`` (one quarter, ``(G/4,)``) of a quantized value page: per channel group
     ``r`` (channels ``VPER*j + r``) into ``acc_r`` in units of the magic codes; ``cq += sum p*scale`` (their OFF
     term) and ``az += sum p*zero``. ``SPLIT``: ``p * scale`` as two 16-bit operands, as for the keys."""
@@ -402,22 +299,8 @@ def _value_quarter(
 
 
 @triton.jit
-def _fp_value_page(
-    p0,
-    p1,
-    p2,
-    p3,
-    acc_nat,
-    vq_ptr,
-    vl_ptr,
-    rel0,
-    m,
-    mv,
-    G: tl.constexpr,
-    D: tl.constexpr,
-    R: tl.constexpr,
-    DOT: tl.constexpr,
-):
+def _fp_value_page(p0, p1, p2, p3, acc_nat, vq_ptr, vl_ptr, rel0, m, mv, G: tl.constexpr, D: tl.constexpr,
+                   R: tl.constexpr, DOT: tl.constexpr):
     """``acc_nat += p @ V`` over the four quarters of the page at ``rel0`` with full-precision values."""
     G4: tl.constexpr = G // 4
     d = tl.arange(0, D)
@@ -449,77 +332,23 @@ def _raw_value_page(p0, p1, p2, p3, acc_nat, raw_ptr, pbase, G: tl.constexpr, D:
 @triton.jit
 def _decode_split_kernel(
     # ---- pointers: query, split outputs
-    q_ptr,
-    ws_m_ptr,
-    ws_l_ptr,
-    ws_acc_ptr,
+    q_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
     # ---- per-row state
-    len_ptr,
-    sink_k_ptr,
-    sink_v_ptr,
-    k_qbuf_ptr,
-    v_qbuf_ptr,
-    v_local_ptr,
-    k_pt_ptr,
-    v_pt_ptr,
+    len_ptr, sink_k_ptr, sink_v_ptr, k_qbuf_ptr, v_qbuf_ptr, v_local_ptr, k_pt_ptr, v_pt_ptr,
     # ---- page pool
-    k_low_ptr,
-    k_high_ptr,
-    k_idx_ptr,
-    k_scale_ptr,
-    k_zero_ptr,
-    k_raw_ptr,
-    v_codes_ptr,
-    v_scale_ptr,
-    v_zero_ptr,
-    v_raw_ptr,
+    k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, k_raw_ptr,
+    v_codes_ptr, v_scale_ptr, v_zero_ptr, v_raw_ptr,
     # ---- sizes
-    Hkv,
-    QH,
-    NUM_SPLITS,
-    qk_scale,
+    Hkv, QH, NUM_SPLITS, qk_scale,
     # ---- strides (row, head) of q and the per-row buffers; page-table row strides
-    sq_b,
-    sq_h,
-    ssk_b,
-    ssk_h,
-    ssv_b,
-    ssv_h,
-    skq_b,
-    skq_h,
-    svq_b,
-    svq_h,
-    svl_b,
-    svl_h,
-    spk_b,
-    spv_b,
+    sq_b, sq_h, ssk_b, ssk_h, ssv_b, ssv_h, skq_b, skq_h, svq_b, svq_h, svl_b, svl_h, spk_b, spv_b,
     # ---- meta-parameters
-    S: tl.constexpr,
-    G: tl.constexpr,
-    R: tl.constexpr,
-    D: tl.constexpr,
-    NB: tl.constexpr,
-    NBP: tl.constexpr,
-    VBITS: tl.constexpr,
-    KEY_RAW: tl.constexpr,
-    VALUE_RAW: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    DOT: tl.constexpr,
-    FULL_QBUF: tl.constexpr,
-    KA0: tl.constexpr,
-    KA1: tl.constexpr,
-    KA2: tl.constexpr,
-    KA3: tl.constexpr,
-    KOFF: tl.constexpr,
-    KUNIT: tl.constexpr,
-    VA0: tl.constexpr,
-    VA1: tl.constexpr,
-    VA2: tl.constexpr,
-    VA3: tl.constexpr,
-    VOFF: tl.constexpr,
-    VUNIT: tl.constexpr,
-    SPLIT: tl.constexpr,
+    S: tl.constexpr, G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
+    VBITS: tl.constexpr, KEY_RAW: tl.constexpr, VALUE_RAW: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr, DOT: tl.constexpr, FULL_QBUF: tl.constexpr,
+    KA0: tl.constexpr, KA1: tl.constexpr, KA2: tl.constexpr, KA3: tl.constexpr, KOFF: tl.constexpr,
+    KUNIT: tl.constexpr, VA0: tl.constexpr, VA1: tl.constexpr, VA2: tl.constexpr, VA3: tl.constexpr,
+    VOFF: tl.constexpr, VUNIT: tl.constexpr, SPLIT: tl.constexpr,
 ):
     tl.static_assert(G % 4 == 0 and D % 4 == 0, "4 codes per byte")
     G4: tl.constexpr = G // 4
@@ -559,165 +388,31 @@ def _decode_split_kernel(
     for j in range(start, tl.minimum(end, vp)):
         kpage = tl.load(k_pt_ptr + b64 * spk_b + j).to(tl.int64) * Hkv + h
         vpage = tl.load(v_pt_ptr + b64 * spv_b + j).to(tl.int64) * Hkv + h
-        p0, p1, p2, p3, alpha, m_i, l_i = _key_page_step(
-            q,
-            k_low_ptr,
-            k_high_ptr,
-            k_idx_ptr,
-            k_scale_ptr,
-            k_zero_ptr,
-            k_raw_ptr,
-            kpage,
-            qk_scale,
-            m_i,
-            l_i,
-            G,
-            D,
-            NB,
-            NBP,
-            KEY_RAW,
-            DOT,
-            KA0,
-            KA1,
-            KA2,
-            KA3,
-            KOFF,
-            KUNIT,
-            SPLIT,
-        )
+        p0, p1, p2, p3, alpha, m_i, l_i = _key_page_step(q, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr,
+                                                         k_raw_ptr, kpage, qk_scale, m_i, l_i, G, D, NB, NBP, KEY_RAW,
+                                                         DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, SPLIT)
         if VALUE_RAW:
             acc_nat = _raw_value_page(p0, p1, p2, p3, acc_nat * alpha[:, None], v_raw_ptr, vpage, G, D, DOT)
         else:
             acc0, acc1, acc2, acc3, cq, az = _rescale(alpha, acc0, acc1, acc2, acc3, cq, az)
-            acc0, acc1, acc2, acc3, cq, az = _value_quarter(
-                p0,
-                4 * i,
-                v_codes_ptr,
-                v_scale_ptr,
-                v_zero_ptr,
-                vpage,
-                acc0,
-                acc1,
-                acc2,
-                acc3,
-                cq,
-                az,
-                G,
-                D,
-                VBITS,
-                DOT,
-                VA0,
-                VA1,
-                VA2,
-                VA3,
-                VOFF,
-                VUNIT,
-                SPLIT,
-            )
-            acc0, acc1, acc2, acc3, cq, az = _value_quarter(
-                p1,
-                4 * i + 1,
-                v_codes_ptr,
-                v_scale_ptr,
-                v_zero_ptr,
-                vpage,
-                acc0,
-                acc1,
-                acc2,
-                acc3,
-                cq,
-                az,
-                G,
-                D,
-                VBITS,
-                DOT,
-                VA0,
-                VA1,
-                VA2,
-                VA3,
-                VOFF,
-                VUNIT,
-                SPLIT,
-            )
-            acc0, acc1, acc2, acc3, cq, az = _value_quarter(
-                p2,
-                4 * i + 2,
-                v_codes_ptr,
-                v_scale_ptr,
-                v_zero_ptr,
-                vpage,
-                acc0,
-                acc1,
-                acc2,
-                acc3,
-                cq,
-                az,
-                G,
-                D,
-                VBITS,
-                DOT,
-                VA0,
-                VA1,
-                VA2,
-                VA3,
-                VOFF,
-                VUNIT,
-                SPLIT,
-            )
-            acc0, acc1, acc2, acc3, cq, az = _value_quarter(
-                p3,
-                4 * i + 3,
-                v_codes_ptr,
-                v_scale_ptr,
-                v_zero_ptr,
-                vpage,
-                acc0,
-                acc1,
-                acc2,
-                acc3,
-                cq,
-                az,
-                G,
-                D,
-                VBITS,
-                DOT,
-                VA0,
-                VA1,
-                VA2,
-                VA3,
-                VOFF,
-                VUNIT,
-                SPLIT,
-            )
+            acc0, acc1, acc2, acc3, cq, az = _value_quarter(p0, 4 * i, v_codes_ptr, v_scale_ptr, v_zero_ptr, vpage,
+                                                            acc0, acc1, acc2, acc3, cq, az, G, D, VBITS, DOT,
+                                                            VA0, VA1, VA2, VA3, VOFF, VUNIT, SPLIT)
+            acc0, acc1, acc2, acc3, cq, az = _value_quarter(p1, 4 * i + 1, v_codes_ptr, v_scale_ptr, v_zero_ptr,
+                                                            vpage, acc0, acc1, acc2, acc3, cq, az, G, D, VBITS, DOT,
+                                                            VA0, VA1, VA2, VA3, VOFF, VUNIT, SPLIT)
+            acc0, acc1, acc2, acc3, cq, az = _value_quarter(p2, 4 * i + 2, v_codes_ptr, v_scale_ptr, v_zero_ptr,
+                                                            vpage, acc0, acc1, acc2, acc3, cq, az, G, D, VBITS, DOT,
+                                                            VA0, VA1, VA2, VA3, VOFF, VUNIT, SPLIT)
+            acc0, acc1, acc2, acc3, cq, az = _value_quarter(p3, 4 * i + 3, v_codes_ptr, v_scale_ptr, v_zero_ptr,
+                                                            vpage, acc0, acc1, acc2, acc3, cq, az, G, D, VBITS, DOT,
+                                                            VA0, VA1, VA2, VA3, VOFF, VUNIT, SPLIT)
     # ---- pages with a key page whose values are still in full precision (value qbuffer / local window)
     for j in range(tl.maximum(start, vp), tl.minimum(end, kp)):
         kpage = tl.load(k_pt_ptr + b64 * spk_b + j).to(tl.int64) * Hkv + h
-        p0, p1, p2, p3, alpha, m_i, l_i = _key_page_step(
-            q,
-            k_low_ptr,
-            k_high_ptr,
-            k_idx_ptr,
-            k_scale_ptr,
-            k_zero_ptr,
-            k_raw_ptr,
-            kpage,
-            qk_scale,
-            m_i,
-            l_i,
-            G,
-            D,
-            NB,
-            NBP,
-            KEY_RAW,
-            DOT,
-            KA0,
-            KA1,
-            KA2,
-            KA3,
-            KOFF,
-            KUNIT,
-            SPLIT,
-        )
+        p0, p1, p2, p3, alpha, m_i, l_i = _key_page_step(q, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr,
+                                                         k_raw_ptr, kpage, qk_scale, m_i, l_i, G, D, NB, NBP, KEY_RAW,
+                                                         DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, SPLIT)
         acc0, acc1, acc2, acc3, cq, az = _rescale(alpha, acc0, acc1, acc2, acc3, cq, az)
         acc_nat = _fp_value_page(p0, p1, p2, p3, acc_nat * alpha[:, None], vq_ptr, vl_ptr, j * G, m, mv, G, D, R, DOT)
     # ---- the last, partial page: keys from the key qbuffer
@@ -733,12 +428,8 @@ def _decode_split_kernel(
         if (split == 0) & (n > 0):
             ps = tl.arange(0, BLOCK_S)
             vs = (ps < S) & (ps < n)
-            kT = tl.load(
-                sink_k_ptr + b64 * ssk_b + h * ssk_h + ps[None, :] * D + d[:, None], mask=vs[None, :], other=0.0
-            )
-            v = tl.load(
-                sink_v_ptr + b64 * ssv_b + h * ssv_h + ps[:, None] * D + d[None, :], mask=vs[:, None], other=0.0
-            )
+            kT = tl.load(sink_k_ptr + b64 * ssk_b + h * ssk_h + ps[None, :] * D + d[:, None], mask=vs[None, :], other=0.0)
+            v = tl.load(sink_v_ptr + b64 * ssv_b + h * ssv_h + ps[:, None] * D + d[None, :], mask=vs[:, None], other=0.0)
             s = tl.where(vs[None, :], _mm(q, kT.to(DOT), DOT) * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)  # m_new is finite: the sink holds >= 1 token here
@@ -756,10 +447,8 @@ def _decode_split_kernel(
         o0 = acc0 * (1.0 / VUNIT) + zero_term[:, None]
         o1 = acc1 * (1.0 / VUNIT) + zero_term[:, None]
         if VPER == 4:  # channel 4j + r <- o_r[:, j]
-            o = tl.join(
-                tl.join(o0, acc2 * (1.0 / VUNIT) + zero_term[:, None]),
-                tl.join(o1, acc3 * (1.0 / VUNIT) + zero_term[:, None]),
-            )
+            o = tl.join(tl.join(o0, acc2 * (1.0 / VUNIT) + zero_term[:, None]),
+                        tl.join(o1, acc3 * (1.0 / VUNIT) + zero_term[:, None]))
         else:  # channel 2j + r <- o_r[:, j]
             o = tl.join(o0, o1)
         acc += tl.reshape(o, (BLOCK_H, D))
@@ -771,18 +460,9 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    ws_m_ptr,
-    ws_l_ptr,
-    ws_acc_ptr,
-    out_ptr,
-    Hkv,
-    QH,
-    NUM_SPLITS,
-    so_b,
-    so_h,
-    D: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    SPLITS_P2: tl.constexpr,
+    ws_m_ptr, ws_l_ptr, ws_acc_ptr, out_ptr,
+    Hkv, QH, NUM_SPLITS, so_b, so_h,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS_P2: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     r = tl.program_id(1)  # query head within the group
@@ -846,20 +526,11 @@ def _dot_dtype(dtype: torch.dtype):
     return dtype
 
 
-def decode_attention_triton(
-    q: torch.Tensor,
-    state: KittyLayerState,
-    cfg: KVQuantConfig,
-    scaling: float | None = None,
-    num_splits: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    maxnreg: int | None = None,
-    waves: int | None = None,
-    full_qbuffer: bool = False,
-    block_h: int = 4,
-    split_fold: int = 0,
-) -> torch.Tensor:
+def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig, scaling: float | None = None,
+                            num_splits: int | None = None, num_warps: int | None = None,
+                            num_stages: int | None = None, maxnreg: int | None = None, waves: int | None = None,
+                            full_qbuffer: bool = False, block_h: int = 4,
+                            split_fold: int = 0) -> torch.Tensor:
     """The fused Triton kernel (see module docstring). ``q``: ``[B, Hq, D]`` -> ``[B, Hq, D]`` in ``q.dtype``.
 
     ``full_qbuffer``: the state is mid-step, after the new token was inserted and before a qbuffer it filled is
@@ -883,10 +554,8 @@ def decode_attention_triton(
     if cfg.quantizes_values and cfg.value_bits not in (2, 4):
         raise ValueError(f"value_bits must be 2, 4 or 16, got {cfg.value_bits}")
     if not INTERPRETING and not triton_supports(cfg, D, compiled=True):
-        raise ValueError(
-            f"on the GPU the fused kernel needs group_size >= 64 and head_dim * value_bits / 8 >= 16, got "
-            f"group_size={G}, head_dim={D}, value_bits={cfg.value_bits} (use the torch backend)"
-        )
+        raise ValueError(f"on the GPU the fused kernel needs group_size >= 64 and head_dim * value_bits / 8 >= 16, got "
+                         f"group_size={G}, head_dim={D}, value_bits={cfg.value_bits} (use the torch backend)")
     scaling = 1.0 / math.sqrt(D) if scaling is None else float(scaling)
     QH = Hq // Hkv
     BLOCK_H = max(block_h, triton.next_power_of_2(QH))
@@ -916,85 +585,25 @@ def decode_attention_triton(
         ka = [("",) + x[1:] for x in ka]
         va = [("",) + x[1:] for x in va]
     _decode_split_kernel[(B * Hkv, splits)](
-        q,
-        ws_m,
-        ws_l,
-        ws_acc,
-        lengths,
-        st.sink_k,
-        st.sink_v,
-        st.k_qbuf,
-        st.v_qbuf,
-        st.v_local,
-        st.k_page_table,
-        st.v_page_table,
-        *(
-            (st.k_low, st.k_high if nb else dummy, st.k_boost_idx, st.k_scale, st.k_zero, dummy)
-            if cfg.quantizes_keys
-            else (dummy,) * 5 + (st.k_raw,)
-        ),
+        q, ws_m, ws_l, ws_acc,
+        lengths, st.sink_k, st.sink_v, st.k_qbuf, st.v_qbuf, st.v_local, st.k_page_table, st.v_page_table,
+        *((st.k_low, st.k_high if nb else dummy, st.k_boost_idx, st.k_scale, st.k_zero, dummy)
+          if cfg.quantizes_keys else (dummy,) * 5 + (st.k_raw,)),
         *((st.v_codes, st.v_scale, st.v_zero, dummy) if cfg.quantizes_values else (dummy,) * 3 + (st.v_raw,)),
-        Hkv,
-        QH,
-        splits,
-        scaling * LOG2E,
-        q.stride(0),
-        q.stride(1),
-        st.sink_k.stride(0),
-        st.sink_k.stride(1),
-        st.sink_v.stride(0),
-        st.sink_v.stride(1),
-        st.k_qbuf.stride(0),
-        st.k_qbuf.stride(1),
-        st.v_qbuf.stride(0),
-        st.v_qbuf.stride(1),
-        st.v_local.stride(0),
-        st.v_local.stride(1),
-        st.k_page_table.stride(0),
-        st.v_page_table.stride(0),
-        S=S,
-        G=G,
-        R=R,
-        D=D,
-        NB=nb,
-        NBP=max(16, triton.next_power_of_2(max(nb, 1))),
-        VBITS=vbits,
-        KEY_RAW=not cfg.quantizes_keys,
-        VALUE_RAW=not cfg.quantizes_values,
-        BLOCK_H=BLOCK_H,
-        BLOCK_S=BLOCK_S,
-        DOT=TLTYPE[dot],
-        FULL_QBUF=bool(full_qbuffer),
-        SPLIT=0 if dot == torch.float32 else int(split_fold),
-        KA0=ka[0][0],
-        KA1=ka[1][0],
-        KA2=ka[2][0],
-        KA3=ka[3][0],
-        KOFF=ka[0][1],
-        KUNIT=ka[0][2],
-        VA0=va[0][0],
-        VA1=va[1][0],
-        VA2=va[2][0],
-        VA3=va[3][0],
-        VOFF=va[0][1],
-        VUNIT=va[0][2],
-        num_warps=num_warps,
-        num_stages=num_stages,
-        **register_cap(maxnreg),
+        Hkv, QH, splits, scaling * LOG2E,
+        q.stride(0), q.stride(1), st.sink_k.stride(0), st.sink_k.stride(1), st.sink_v.stride(0), st.sink_v.stride(1),
+        st.k_qbuf.stride(0), st.k_qbuf.stride(1), st.v_qbuf.stride(0), st.v_qbuf.stride(1),
+        st.v_local.stride(0), st.v_local.stride(1), st.k_page_table.stride(0), st.v_page_table.stride(0),
+        S=S, G=G, R=R, D=D, NB=nb, NBP=max(16, triton.next_power_of_2(max(nb, 1))), VBITS=vbits,
+        KEY_RAW=not cfg.quantizes_keys, VALUE_RAW=not cfg.quantizes_values, BLOCK_H=BLOCK_H, BLOCK_S=BLOCK_S,
+        DOT=TLTYPE[dot], FULL_QBUF=bool(full_qbuffer), SPLIT=0 if dot == torch.float32 else int(split_fold),
+        KA0=ka[0][0], KA1=ka[1][0], KA2=ka[2][0], KA3=ka[3][0], KOFF=ka[0][1], KUNIT=ka[0][2],
+        VA0=va[0][0], VA1=va[1][0], VA2=va[2][0], VA3=va[3][0], VOFF=va[0][1], VUNIT=va[0][2],
+        num_warps=num_warps, num_stages=num_stages, **register_cap(maxnreg),
     )
     _decode_reduce_kernel[(B * Hkv, QH)](
-        ws_m,
-        ws_l,
-        ws_acc,
-        out,
-        Hkv,
-        QH,
-        splits,
-        out.stride(0),
-        out.stride(1),
-        D=D,
-        BLOCK_H=BLOCK_H,
-        SPLITS_P2=triton.next_power_of_2(splits),
+        ws_m, ws_l, ws_acc, out, Hkv, QH, splits, out.stride(0), out.stride(1),
+        D=D, BLOCK_H=BLOCK_H, SPLITS_P2=triton.next_power_of_2(splits),
     )
     return out
 
@@ -1007,26 +616,14 @@ def triton_supports(cfg: KVQuantConfig, head_dim: int, compiled: bool | None = N
     head_dim >= 16, 2/4/16-bit keys and values. ``compiled`` (default: not under ``TRITON_INTERPRET=1``): on the
     GPU the kernel also needs page quarters and value rows of >= 16 (``group_size >= 64``, ``head_dim * value_bits
     / 8 >= 16``); smaller tiles were measured wrong there (H200, triton 3.6) and take the torch path."""
-    ok = (
-        is_power_of_two(cfg.group_size, 16)
-        and is_power_of_two(head_dim, 16)
-        and cfg.key_bits in (2, 4, 16)
-        and cfg.value_bits in (2, 4, 16)
-    )
+    ok = is_power_of_two(cfg.group_size, 16) and is_power_of_two(head_dim, 16) and cfg.key_bits in (2, 4, 16) and cfg.value_bits in (2, 4, 16)
     if compiled if compiled is not None else not INTERPRETING:
         ok = ok and cfg.group_size >= 64 and (not cfg.quantizes_values or head_dim * cfg.value_bits // 8 >= 16)
     return ok
 
 
-def decode_attention(
-    q: torch.Tensor,
-    state: KittyLayerState,
-    cfg: KVQuantConfig,
-    scaling: float | None = None,
-    backend: str = "auto",
-    full_qbuffer: bool = False,
-    **kernel_options,
-) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig, scaling: float | None = None,
+                     backend: str = "auto", full_qbuffer: bool = False, **kernel_options) -> torch.Tensor:
     """Decode attention of one new query token per row over a Kitty layer: ``[B, Hq, D]`` -> ``[B, Hq, D]``.
 
     ``backend="auto"`` runs the fused Triton kernel on CUDA tensors or under ``TRITON_INTERPRET=1`` when

@@ -27,34 +27,20 @@ from kitty.quant import dequantize_value_page as dequantize_value_page_ref
 
 from ._tiles import TLTYPE, _key_page_T, _value_page, check_power_of_two
 
-__all__ = [
-    "dequantize_key_page_triton",
-    "dequantize_value_page_triton",
-    "dequantize_key_page_ref",
-    "dequantize_value_page_ref",
-]
+__all__ = ["dequantize_key_page_triton", "dequantize_value_page_triton", "dequantize_key_page_ref", "dequantize_value_page_ref"]
+
 
 
 @triton.jit
 def _dequant_key_kernel(
     # pointers
-    low_ptr,
-    high_ptr,
-    idx_ptr,
-    scale_ptr,
-    zero_ptr,
-    out_ptr,
+    low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, out_ptr,
     # meta-parameters
-    G: tl.constexpr,
-    D: tl.constexpr,
-    NB: tl.constexpr,
-    DTYPE: tl.constexpr,
-    UNPACK_RESHAPE: tl.constexpr,
+    G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)  # flattened (page, head)
-    kT = _key_page_T(
-        low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, low_ptr, pid, 0, G, G, D, NB, False, DTYPE, UNPACK_RESHAPE
-    )  # (D, G)
+    kT = _key_page_T(low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, low_ptr, pid, 0,
+                     G, G, D, NB, False, DTYPE, UNPACK_RESHAPE)  # (D, G)
     d = tl.arange(0, D)
     t = tl.arange(0, G)
     tl.store(out_ptr + pid * (G * D) + t[None, :] * D + d[:, None], kT)
@@ -62,15 +48,8 @@ def _dequant_key_kernel(
 
 @triton.jit
 def _dequant_value_kernel(
-    codes_ptr,
-    scale_ptr,
-    zero_ptr,
-    out_ptr,
-    G: tl.constexpr,
-    D: tl.constexpr,
-    VBITS: tl.constexpr,
-    DTYPE: tl.constexpr,
-    UNPACK_RESHAPE: tl.constexpr,
+    codes_ptr, scale_ptr, zero_ptr, out_ptr,
+    G: tl.constexpr, D: tl.constexpr, VBITS: tl.constexpr, DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     v = _value_page(codes_ptr, scale_ptr, zero_ptr, codes_ptr, pid, 0, G, G, D, VBITS, False, DTYPE, UNPACK_RESHAPE)
@@ -99,9 +78,7 @@ def dequantize_key_page_triton(page: KeyPage, unpack_reshape: bool = True) -> to
     *lead, D, G4 = low.shape
     G, nb = 4 * G4, high.shape[-2]
     if tuple(high.shape) != (*lead, nb, G4) or tuple(idx.shape) != (*lead, D):
-        raise ValueError(
-            f"inconsistent page: low {tuple(low.shape)}, high {tuple(high.shape)}, boost_idx {tuple(idx.shape)}"
-        )
+        raise ValueError(f"inconsistent page: low {tuple(low.shape)}, high {tuple(high.shape)}, boost_idx {tuple(idx.shape)}")
     out = _checked_output(page, lead, D, G, D)
     n = low.numel() // (D * G4)
     if n == 0:
@@ -110,17 +87,8 @@ def dequantize_key_page_triton(page: KeyPage, unpack_reshape: bool = True) -> to
     if nb == 0:
         high = low  # never read (NB == 0); any valid pointer
     _dequant_key_kernel[(n,)](
-        low,
-        high,
-        idx,
-        page.scale.contiguous(),
-        page.zero.contiguous(),
-        out,
-        G=G,
-        D=D,
-        NB=nb,
-        DTYPE=TLTYPE[page.dtype],
-        UNPACK_RESHAPE=unpack_reshape and G % 16 == 0,  # word loads
+        low, high, idx, page.scale.contiguous(), page.zero.contiguous(), out,
+        G=G, D=D, NB=nb, DTYPE=TLTYPE[page.dtype], UNPACK_RESHAPE=unpack_reshape and G % 16 == 0,  # word loads
     )
     return out
 
@@ -139,14 +107,7 @@ def dequantize_value_page_triton(page: ValuePage, unpack_reshape: bool = True) -
     if n == 0:
         return out
     _dequant_value_kernel[(n,)](
-        codes.contiguous(),
-        page.scale.contiguous(),
-        page.zero.contiguous(),
-        out,
-        G=G,
-        D=D,
-        VBITS=page.bits,
-        DTYPE=TLTYPE[page.dtype],
-        UNPACK_RESHAPE=unpack_reshape and D * page.bits % 32 == 0,
+        codes.contiguous(), page.scale.contiguous(), page.zero.contiguous(), out,
+        G=G, D=D, VBITS=page.bits, DTYPE=TLTYPE[page.dtype], UNPACK_RESHAPE=unpack_reshape and D * page.bits % 32 == 0,
     )
     return out

@@ -82,42 +82,19 @@ def _quantize(x, zero, scale, levels):
 @triton.jit
 def _pack_kernel(
     # key side: qbuffer [*, Hkv, G, D], rows to pack, destination pages in the pool
-    kq_ptr,
-    k_rows_ptr,
-    k_pages_ptr,
-    k_mask_ptr,
-    k_low_ptr,
-    k_high_ptr,
-    k_idx_ptr,
-    k_scale_ptr,
-    k_zero_ptr,
+    kq_ptr, k_rows_ptr, k_pages_ptr, k_mask_ptr,
+    k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr,
     # value side
-    vq_ptr,
-    v_rows_ptr,
-    v_pages_ptr,
-    v_codes_ptr,
-    v_scale_ptr,
-    v_zero_ptr,
+    vq_ptr, v_rows_ptr, v_pages_ptr,
+    v_codes_ptr, v_scale_ptr, v_zero_ptr,
     # sizes
-    n_key_progs,
-    Hkv,
+    n_key_progs, Hkv,
     # strides of the two qbuffers (row, head, token); channels are contiguous
-    skq_b,
-    skq_h,
-    skq_t,
-    svq_b,
-    svq_h,
-    svq_t,
+    skq_b, skq_h, skq_t, svq_b, svq_h, svq_t,
     # meta-parameters
-    G: tl.constexpr,
-    D: tl.constexpr,
-    NB: tl.constexpr,
-    KEY_LEVELS: tl.constexpr,
-    VBITS: tl.constexpr,
-    USE_MASK: tl.constexpr,
-    DTYPE: tl.constexpr,
-    ITYPE: tl.constexpr,
-    ROUND_UP: tl.constexpr,
+    G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, KEY_LEVELS: tl.constexpr,
+    VBITS: tl.constexpr, USE_MASK: tl.constexpr,
+    DTYPE: tl.constexpr, ITYPE: tl.constexpr, ROUND_UP: tl.constexpr,
 ):
     G4: tl.constexpr = G // 4
     pid = tl.program_id(0)
@@ -153,9 +130,8 @@ def _pack_kernel(
         else:
             scale_q = _range_scale(mx, mn, levels).to(DTYPE)
         zero_q = mn.to(DTYPE)
-        code = _quantize(
-            x, zero_q.to(tl.float32)[None, None, :], scale_q.to(tl.float32)[None, None, :], levels[None, None, :]
-        )  # (G4, 4, D) int32
+        code = _quantize(x, zero_q.to(tl.float32)[None, None, :], scale_q.to(tl.float32)[None, None, :],
+                         levels[None, None, :])  # (G4, 4, D) int32
         # -- pack: 4 tokens per byte, token 4j+s at bits 2s
         shifts = 2 * s[None, :, None]
         low = tl.sum((code & 3) << shifts, axis=1)  # (G4, D), disjoint bits: sum == or
@@ -163,9 +139,8 @@ def _pack_kernel(
         tl.store(k_low_ptr + pbase * (D * G4) + c[None, :] * G4 + j[:, None], low.to(tl.uint8))
         if NB > 0:
             high = tl.sum((code >> 2) << shifts, axis=1)
-            tl.store(
-                k_high_ptr + pbase * (NB * G4) + slot[None, :] * G4 + j[:, None], high.to(tl.uint8), mask=boost[None, :]
-            )
+            tl.store(k_high_ptr + pbase * (NB * G4) + slot[None, :] * G4 + j[:, None], high.to(tl.uint8),
+                     mask=boost[None, :])
         tl.store(k_idx_ptr + pbase * D + c, tl.where(boost, slot, 255).to(tl.uint8))
         tl.store(k_scale_ptr + pbase * D + c, scale_q)
         tl.store(k_zero_ptr + pbase * D + c, zero_q)
@@ -186,13 +161,12 @@ def _pack_kernel(
         vmx = tl.max(tl.max(vx, axis=2), axis=1)
         VLEVELS: tl.constexpr = (1 << VBITS) - 1
         if ROUND_UP:
-            vscale_q = _roundup_to(_range_scale(vmx, vmn, tl.full(vmx.shape, VLEVELS, tl.float32)), DTYPE, ITYPE)
+            vlevels = tl.full(vmx.shape, VLEVELS, tl.float32)
+            vscale_q = _roundup_to(_range_scale(vmx, vmn, vlevels), DTYPE, ITYPE)
         else:
             vscale_q = _range_scale(vmx, vmn, tl.full(vmx.shape, VLEVELS, tl.float32)).to(DTYPE)
         vzero_q = vmn.to(DTYPE)
-        vcode = _quantize(
-            vx, vzero_q.to(tl.float32)[:, None, None], vscale_q.to(tl.float32)[:, None, None], VLEVELS * 1.0
-        )
+        vcode = _quantize(vx, vzero_q.to(tl.float32)[:, None, None], vscale_q.to(tl.float32)[:, None, None], VLEVELS * 1.0)
         packed = tl.sum(vcode << (VBITS * e[None, None, :]), axis=2)  # (G, DP)
         vbase = vpage * Hkv + vh
         tl.store(v_codes_ptr + vbase * (G * DP) + t[:, None] * DP + k[None, :], packed.to(tl.uint8))
@@ -253,9 +227,7 @@ def pack_pages(
         if x is None:
             continue
         if x.shape[1:] != (Hkv, G, D) or x.dtype != dtype or x.device != device:
-            raise ValueError(
-                f"{name} must be [B, {Hkv}, {G}, {D}] {dtype} on {device}, got {tuple(x.shape)} {x.dtype} {x.device}"
-            )
+            raise ValueError(f"{name} must be [B, {Hkv}, {G}, {D}] {dtype} on {device}, got {tuple(x.shape)} {x.dtype} {x.device}")
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must have contiguous channels (stride(-1) == 1)")
     if dtype not in TLTYPE:
@@ -265,9 +237,7 @@ def pack_pages(
         raise ValueError(f"qbuffer holds {G} tokens but cfg.group_size is {cfg.group_size}")
     check_power_of_two({"group_size": G, "head_dim": D}, 4, "Triton pack kernel")
     if cfg.key_range != "minmax" or cfg.value_range != "minmax":
-        raise ValueError(
-            f"pack_pages implements min-max ranges; fitted ranges (key_range={cfg.key_range!r}, value_range={cfg.value_range!r}) pack with kitty.quant"
-        )
+        raise ValueError(f"pack_pages implements min-max ranges; fitted ranges (key_range={cfg.key_range!r}, value_range={cfg.value_range!r}) pack with kitty.quant")
     if cfg.boost_profile is not None:
         raise ValueError("cfg has a per-layer boost_profile: pass the layer's config, cfg.for_layer(layer_idx)")
     if k_qbuf is not None and cfg.key_bits not in (2, 4):
@@ -284,8 +254,7 @@ def pack_pages(
     u8 = dict(dtype=torch.uint8, device=device)
     if pool is None:
         out = {
-            "k_low": torch.empty(nk, Hkv, D, G4, **u8),
-            "k_high": torch.empty(nk, Hkv, nb, G4, **u8),
+            "k_low": torch.empty(nk, Hkv, D, G4, **u8), "k_high": torch.empty(nk, Hkv, nb, G4, **u8),
             "k_boost_idx": torch.empty(nk, Hkv, D, **u8),
             "k_scale": torch.empty(nk, Hkv, D, dtype=dtype, device=device),
             "k_zero": torch.empty(nk, Hkv, D, dtype=dtype, device=device),
@@ -297,24 +266,14 @@ def pack_pages(
     else:
         out = pool
         need = (KEY_POOL if nk else ()) + (VALUE_POOL if nv else ())
-        shapes = {
-            "k_low": (Hkv, D, G4),
-            "k_high": (Hkv, nb, G4),
-            "k_boost_idx": (Hkv, D),
-            "k_scale": (Hkv, D),
-            "k_zero": (Hkv, D),
-            "v_codes": (Hkv, G, D * cfg.value_bits // 8),
-            "v_scale": (Hkv, G),
-            "v_zero": (Hkv, G),
-        }
+        shapes = {"k_low": (Hkv, D, G4), "k_high": (Hkv, nb, G4), "k_boost_idx": (Hkv, D), "k_scale": (Hkv, D),
+                  "k_zero": (Hkv, D), "v_codes": (Hkv, G, D * cfg.value_bits // 8), "v_scale": (Hkv, G), "v_zero": (Hkv, G)}
         for name in need:
             if name not in pool:
                 raise ValueError(f"pool is missing {name!r}; needs {need}")
             t = pool[name]
             if tuple(t.shape[1:]) != shapes[name] or not t.is_contiguous() or t.device != device:
-                raise ValueError(
-                    f"pool[{name!r}] must be contiguous [P, {', '.join(map(str, shapes[name]))}] on {device}, got {tuple(t.shape)}"
-                )
+                raise ValueError(f"pool[{name!r}] must be contiguous [P, {', '.join(map(str, shapes[name]))}] on {device}, got {tuple(t.shape)}")
         k_pages = _index(k_pages, nk, device, "k_pages")
         v_pages = _index(v_pages, nv, device, "v_pages")
     # ---- random selection: the torch reference picks the mask, the kernel packs with it
@@ -329,48 +288,21 @@ def pack_pages(
     if grid[0] == 0:
         return None if pool is not None else (None, None)
     _pack_kernel[grid](
-        kq,
-        k_rows,
-        k_pages,
-        k_mask,
-        out.get("k_low", dummy),
-        out.get("k_high", dummy),
-        out.get("k_boost_idx", dummy),
-        out.get("k_scale", dummy),
-        out.get("k_zero", dummy),
-        vq,
-        v_rows,
-        v_pages,
-        out.get("v_codes", dummy),
-        out.get("v_scale", dummy),
-        out.get("v_zero", dummy),
-        nk * Hkv,
-        Hkv,
-        kq.stride(0),
-        kq.stride(1),
-        kq.stride(2),
-        vq.stride(0),
-        vq.stride(1),
-        vq.stride(2),
-        G=G,
-        D=D,
-        NB=nb,
-        KEY_LEVELS=(1 << cfg.key_bits) - 1,
-        VBITS=cfg.value_bits,
-        USE_MASK=use_mask,
-        DTYPE=TLTYPE[dtype],
-        ITYPE=_ITYPE[dtype],
-        ROUND_UP=dtype != torch.float32,
+        kq, k_rows, k_pages, k_mask,
+        out.get("k_low", dummy), out.get("k_high", dummy), out.get("k_boost_idx", dummy),
+        out.get("k_scale", dummy), out.get("k_zero", dummy),
+        vq, v_rows, v_pages,
+        out.get("v_codes", dummy), out.get("v_scale", dummy), out.get("v_zero", dummy),
+        nk * Hkv, Hkv,
+        kq.stride(0), kq.stride(1), kq.stride(2), vq.stride(0), vq.stride(1), vq.stride(2),
+        G=G, D=D, NB=nb, KEY_LEVELS=(1 << cfg.key_bits) - 1, VBITS=cfg.value_bits, USE_MASK=use_mask,
+        DTYPE=TLTYPE[dtype], ITYPE=_ITYPE[dtype], ROUND_UP=dtype != torch.float32,
         num_warps=4,
     )
     if pool is not None:
         return None
     empty = torch.empty(0, dtype=dtype, device=device)
-    kp = (
-        None
-        if not nk
-        else KeyPage(out["k_low"], out["k_high"], out["k_boost_idx"], out["k_scale"], out["k_zero"], empty, dtype)
-    )
+    kp = None if not nk else KeyPage(out["k_low"], out["k_high"], out["k_boost_idx"], out["k_scale"], out["k_zero"], empty, dtype)
     vp = None if not nv else ValuePage(out["v_codes"], out["v_scale"], out["v_zero"], empty, cfg.value_bits, dtype)
     return kp, vp
 
