@@ -165,7 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _is_rank0() -> bool:
-    return tp_rank_and_size()[0] == 0
+    try:
+        return tp_rank_and_size()[0] == 0
+    except ValueError:  # a malformed RANK: say the error anyway
+        return True
 
 
 def _fail(message: str) -> int:
@@ -224,6 +227,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.model is not None and args.model.startswith(("/", ".", "~")) and not Path(args.model).expanduser().exists():
         return _fail(f"--model {args.model!r}: no such folder (give a local model folder or a hub id)")
+    if args.json is not None and not Path(args.json).expanduser().parent.is_dir():
+        return _fail(f"--json {args.json!r}: its folder does not exist")
     try:
         rank, world = tp_rank_and_size()
     except ValueError as e:
@@ -279,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
         for r in results:
             out(describe(r))
     if args.json is not None and rank == 0:
-        Path(args.json).write_text(json.dumps([r.as_dict() for r in results], indent=1))
+        Path(args.json).expanduser().write_text(json.dumps([r.as_dict() for r in results], indent=1))
     return 0
 
 

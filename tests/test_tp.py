@@ -12,6 +12,12 @@ whole heads; the only difference between 1 and 2 ranks is the order of the fp32 
 projections (all-reduce), which could in principle flip a 2-bit code that lies on a rounding boundary. The test
 therefore also compares every step's logits (within 1e-4), so such a flip would show as a failure, not pass
 silently; in these runs tokens were identical for both presets and both families.
+
+The command line and the evaluation are launched the same way (``torchrun ... -m kitty``, ``-m kitty.eval``) on a
+random-weight Llama saved with the default model's tokenizer: the sharded CLI prints once (rank 0) the texts and
+token placement of one process, with the report's total over ranks; the sharded quick eval writes one set of results
+whose perplexities match one process's within bf16 rounding. A model whose KV heads do not divide by ``WORLD_SIZE``
+is refused with a message, before its weights load.
 """
 
 from __future__ import annotations
@@ -242,6 +248,8 @@ def test_cli_refuses_heads_that_do_not_divide_before_loading(tmp_path, monkeypat
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert main(["hello", "--model", str(tmp_path), "--tp"]) == 2
     assert "--tp needs a launch by torchrun" in capsys.readouterr().err
+    assert main(["hello", "--model", str(tmp_path), "--json", str(tmp_path / "no" / "such.json")]) == 2
+    assert "--json" in capsys.readouterr().err
 
 
 def test_eval_sharded_smoke_matches_one_process(cli_model, tmp_path):
@@ -261,9 +269,9 @@ def test_eval_sharded_smoke_matches_one_process(cli_model, tmp_path):
 
     one, two = rows("one", "eval_ppl_quick.csv"), rows("two", "eval_ppl_quick.csv")
     assert [(r["method"], r["text"]) for r in two] == [(r["method"], r["text"]) for r in one] and len(two) == 6
-    # bf16 weights: each rank's partial sums are rounded before the all-reduce, so the NLL differs in rounding only
+    # bf16 weights: each rank's partial sums are rounded before the all-reduce (measured: NLL within 1e-5 relative)
     torch.testing.assert_close(
-        torch.tensor([float(r["nll"]) for r in two]), torch.tensor([float(r["nll"]) for r in one]), rtol=1e-2, atol=0
+        torch.tensor([float(r["nll"]) for r in two]), torch.tensor([float(r["nll"]) for r in one]), rtol=1e-4, atol=0
     )
     assert rows("two", "eval_agreement_quick.csv")[0]["method"] == "kitty"
 
