@@ -2,23 +2,32 @@
 
 python -m kitty "What is a KV cache?" --method kitty --max-new-tokens 64 --chat
 python -m kitty "What is a KV cache?" --compare --methods fp16,kivi-k2v2,kitty,kitty-pro
+torchrun --nproc-per-node 2 -m kitty "What is a KV cache?" --model PATH   # sharded: tensor parallelism
+
+Launched by ``torchrun`` (``WORLD_SIZE`` > 1, or with ``--tp``) the model is loaded with ``tp_plan="auto"``: every
+rank holds its shard of the weights and of the KV heads and runs the same loop; only rank 0 prints and writes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import torch
 
 from .config import PRESETS, get_preset
 from .generate import Sampling, eos_ids, make_cache, stream_tokens
 from .memory import MemoryReport
+from .models import tp_rank_and_size
 from .prompts import encode_prompt
 
 DEFAULT_COMPARE = "fp16,kivi-k2v2,kitty,kitty-pro"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass
@@ -35,6 +44,23 @@ class Result:
     @property
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    def as_dict(self) -> dict:
+        """The result as plain JSON-ready values; the report with its totals over tensor-parallel ranks."""
+        report = asdict(self.report) | {
+            "stored_bytes": self.report.stored_bytes,
+            "total_stored_bytes": self.report.total_stored_bytes,
+            "total_fp16_bytes": self.report.total_fp16_bytes,
+            "bits_per_element": self.report.bits_per_element,
+        }
+        return {
+            "method": self.method,
+            "text": self.text,
+            "new_tokens": self.new_tokens,
+            "seconds": self.seconds,
+            "report": report,
+            "counts": self.counts,
+        }
 
 
 def generate(
@@ -80,11 +106,12 @@ def describe(result: Result) -> str:
     """Memory report and token placement of one run, for the terminal."""
     c = result.counts
     r = result.report
+    rank = f" (per rank of {r.ranks})" if r.ranks > 1 else ""
     return "\n".join(
         [
             f"[{result.method}] {result.new_tokens} new tokens in {result.seconds:.1f} s ({result.tokens_per_second:.1f} tokens/s)",
             f"KV cache: {r.summary()}",
-            f"  quantized payload {r.payload_bytes / 2**10:.1f} KiB | metadata {r.metadata_bytes / 2**10:.1f} KiB | "
+            f"  quantized payload{rank} {r.payload_bytes / 2**10:.1f} KiB | metadata {r.metadata_bytes / 2**10:.1f} KiB | "
             f"full precision {r.full_precision_bytes / 2**10:.1f} KiB",
             f"  tokens per layer: sink {c['sink']} | key pages {c['key_pages']} | key qbuffer {c['key_qbuffer']} | "
             f"value pages {c['value_pages']} | value qbuffer {c['value_qbuffer']} | local {c['local']}",
@@ -126,11 +153,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--backend", default=None, choices=("auto", "torch", "triton"), help="default: $KITTY_BACKEND, else auto"
     )
+    p.add_argument("--dtype", default="bfloat16", choices=tuple(DTYPES), help="weight dtype (default: bfloat16)")
+    p.add_argument(
+        "--tp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="shard the model over the torchrun ranks (tp_plan='auto'); default: on when WORLD_SIZE > 1",
+    )
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results (text, memory report) as JSON")
     return p
 
 
+def _is_rank0() -> bool:
+    try:
+        return tp_rank_and_size()[0] == 0
+    except ValueError:  # a malformed RANK: say the error anyway
+        return True
+
+
 def _fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
+    if _is_rank0():  # every rank meets the same error: say it once
+        print(f"error: {message}", file=sys.stderr)
     return 2
 
 
@@ -141,7 +184,17 @@ def utf8_text(arg: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        return run(build_parser().parse_args(argv))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # from_pretrained(tp_plan=...) opened it; close it on every path
+            dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace) -> int:
+    """The command for parsed ``args``; returns the exit status."""
     prompt = utf8_text(args.prompt)
     if prompt != args.prompt:
         print("warning: the prompt holds bytes that are not UTF-8; they were replaced by U+FFFD", file=sys.stderr)
@@ -174,13 +227,35 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.model is not None and args.model.startswith(("/", ".", "~")) and not Path(args.model).expanduser().exists():
         return _fail(f"--model {args.model!r}: no such folder (give a local model folder or a hub id)")
-
-    from .models import load_model
-
+    if args.json is not None and not Path(args.json).expanduser().parent.is_dir():
+        return _fail(f"--json {args.json!r}: its folder does not exist")
     try:
-        model, tokenizer = load_model(args.model)
+        rank, world = tp_rank_and_size()
+    except ValueError as e:
+        return _fail(str(e))
+    tp = world > 1 if args.tp is None else args.tp
+    if tp and world < 2:
+        return _fail(f"--tp needs a launch by torchrun --nproc-per-node N with N >= 2 (WORLD_SIZE is {world})")
+
+    from .models import check_tensor_parallel, load_model
+
+    if tp:
+        try:
+            check_tensor_parallel(args.model, world)  # before the weights load
+        except ValueError as e:
+            return _fail(f"cannot shard the model over {world} ranks: {e}")
+        except OSError as e:
+            return _fail(f"cannot load the model {args.model!r}: {e}")
+    try:
+        model, tokenizer = load_model(args.model, DTYPES[args.dtype], tp_plan="auto" if tp else None)
     except (OSError, ValueError, RuntimeError) as e:
         return _fail(f"cannot load the model {args.model!r}: {e}")
+    for m in methods:
+        try:
+            make_cache(model, get_preset(m), backend=args.backend)  # the cache's own checks, before any generation
+        except ValueError as e:
+            return _fail(f"method {m!r} does not fit this model: {e}")
+    out = print if rank == 0 else (lambda *a, **k: None)
     options = dict(
         max_new_tokens=args.max_new_tokens,
         chat=args.chat,
@@ -193,22 +268,23 @@ def main(argv: list[str] | None = None) -> int:
     if not args.compare:
 
         def show(piece: str) -> None:
-            print(piece, end="", flush=True)
+            out(piece, end="", flush=True)
 
-        result = generate(model, tokenizer, args.prompt, args.method, on_text=show, **options)
-        print()
-        print(describe(result))
-        return 0
+        results = [generate(model, tokenizer, args.prompt, args.method, on_text=show, **options)]
+        out()
+        out(describe(results[0]))
+    else:
+        from tqdm import tqdm
 
-    from tqdm import tqdm
-
-    results = []
-    for method in tqdm(methods, desc="presets", unit="preset"):
-        results.append(generate(model, tokenizer, args.prompt, method, **options))
-    print(table(results))
-    print()
-    for r in results:
-        print(describe(r))
+        results = []
+        for method in tqdm(methods, desc="presets", unit="preset", disable=rank != 0):
+            results.append(generate(model, tokenizer, args.prompt, method, **options))
+        out(table(results))
+        out()
+        for r in results:
+            out(describe(r))
+    if args.json is not None and rank == 0:
+        Path(args.json).expanduser().write_text(json.dumps([r.as_dict() for r in results], indent=1))
     return 0
 
 

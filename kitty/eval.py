@@ -3,6 +3,9 @@
 ``python -m kitty.eval [--model NAME] [--methods a,b,...] [--quick]`` writes a markdown table, a CSV and plots
 into ``./kitty-eval/`` under the working folder (or ``--out``; ``--out assets`` refreshes the files the README cites). Every number is measured through :class:`kitty.KittyCache` exactly as generation
 uses it: the prompt (prefill) is attended in full precision, every later token reads the quantized cache.
+
+``torchrun --nproc-per-node N -m kitty.eval --model PATH ...`` shards the model over N ranks (``tp_plan="auto"``,
+or ``--tp``); every rank runs the same evaluation on its KV heads, rank 0 alone shows progress and writes results.
 """
 
 from __future__ import annotations
@@ -11,21 +14,29 @@ import argparse
 import csv
 import math
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
+from tqdm.auto import tqdm as _tqdm
 
 from . import generate as gen
 from .config import PRESETS, KVQuantConfig, get_preset
 from .generate import eos_ids, generate_tokens, make_cache
+from .models import tp_rank_and_size
 from .prompts import ASSETS, encode_prompt, passkey_prompt
 
 TEXTS = ("essay.txt", "python_reference.txt")
 DEFAULT_OUT = "kitty-eval"  # relative to the working folder: a run never overwrites the shipped assets/ unless asked
+
+
+def tqdm(*args, **kwargs):
+    """A progress bar shown by rank 0 only: under tensor parallelism every rank runs the same loops."""
+    kwargs.setdefault("disable", tp_rank_and_size()[0] != 0)
+    return _tqdm(*args, **kwargs)
 
 
 # ------------------------------------------------------------------------------------- decode perplexity
@@ -450,14 +461,48 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--skip", default="", help="comma-separated parts to skip: ppl,agreement,passkey,pack")
     p.add_argument("--jobs", type=int, default=1, help="worker processes for perplexity (one torch thread each)")
     p.add_argument("--tag", default=None, help="suffix of the output files (default: full, or quick with --quick)")
+    p.add_argument(
+        "--tp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="shard the model over the torchrun ranks (tp_plan='auto'); default: on when WORLD_SIZE > 1",
+    )
     a = p.parse_args(argv)
+    try:
+        _run(a)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # from_pretrained(tp_plan=...) opened it
+            dist.destroy_process_group()
+
+
+def _fail(message: str) -> None:
+    """Exit with status 2 and ``message`` (said once, by rank 0: every rank meets the same error)."""
+    if tp_rank_and_size()[0] == 0:
+        print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _run(a: argparse.Namespace) -> None:
     methods = [m.strip() for m in (a.methods or ",".join(PRESETS)).split(",") if m.strip()]
     for m in methods:
         get_preset(m)  # ValueError naming the choices
     skip = set(a.skip.split(",")) - {""}
-    from .models import kv_dims, load_model
+    from .models import check_tensor_parallel, kv_dims, load_model
 
-    model, tokenizer = load_model(a.model)
+    rank, world = tp_rank_and_size()
+    tp = world > 1 if a.tp is None else a.tp
+    if tp and world < 2:
+        _fail(f"--tp needs a launch by torchrun --nproc-per-node N with N >= 2 (WORLD_SIZE is {world})")
+    if tp and a.jobs > 1:
+        _fail("--jobs > 1 starts unsharded worker processes; under tensor parallelism use --jobs 1")
+    if tp:
+        try:
+            check_tensor_parallel(a.model, world)  # before the weights load
+        except ValueError as e:
+            _fail(f"cannot shard the model over {world} ranks: {e}")
+    model, tokenizer = load_model(a.model, tp_plan="auto" if tp else None)
     num_layers = kv_dims(model.config)[0]
     if a.methods is None:  # layer-adaptive presets are calibrated for one model: keep those that fit this one
         methods = [
@@ -466,7 +511,8 @@ def main(argv: list[str] | None = None) -> None:
     for m in methods:
         get_preset(m).for_layer(0, num_layers)  # ValueError naming boost_profile before any work
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
     tag = a.tag or ("quick" if a.quick else "full")
     if a.quick:
         a.prefill, a.scored, a.windows_per_text = 160, 32, 1
@@ -476,8 +522,9 @@ def main(argv: list[str] | None = None) -> None:
         ppl = perplexity_table(
             model, tokenizer, methods, a.prefill, a.scored, a.windows_per_text, by_text=True, jobs=a.jobs
         )
-        write_csv(ppl, out / f"eval_ppl_{tag}.csv")
-        plot_pareto([r for r in ppl if r.text == "all"], out / f"eval_pareto_{tag}.png")
+        if rank == 0:
+            write_csv(ppl, out / f"eval_ppl_{tag}.csv")
+            plot_pareto([r for r in ppl if r.text == "all"], out / f"eval_pareto_{tag}.png")
         report += [
             f"## Decode perplexity (prefill {a.prefill}, {a.scored} scored tokens per window, {a.windows_per_text} windows per text)\n",
             ppl_markdown(ppl),
@@ -487,7 +534,8 @@ def main(argv: list[str] | None = None) -> None:
         n_prompts, length, n_new = (2, 200, 16) if a.quick else (a.agreement_prompts, 512, a.agreement_tokens)
         prompts = agreement_prompts(tokenizer, n_prompts, length)
         agr = agreement_table(model, tokenizer, [m for m in methods if m != "fp16"], prompts, n_new)
-        write_csv(agr, out / f"eval_agreement_{tag}.csv")
+        if rank == 0:
+            write_csv(agr, out / f"eval_agreement_{tag}.csv")
         report += [
             f"## Greedy agreement with fp16 ({n_prompts} plain-text prompts of {length} tokens from assets/, {n_new} new tokens)\n",
             markdown_table(agr),
@@ -498,8 +546,9 @@ def main(argv: list[str] | None = None) -> None:
         depths = (0.5,) if a.quick else (0.1, 0.3, 0.5, 0.7, 0.9)
         trials = 1 if a.quick else a.passkey_trials
         pk = passkey_table(model, tokenizer, [m for m in methods if m != "fp16"], lengths, depths, trials)
-        write_csv(pk, out / f"eval_passkey_{tag}.csv")
-        plot_passkey(pk, out / f"eval_passkey_{tag}.png")
+        if rank == 0:
+            write_csv(pk, out / f"eval_passkey_{tag}.csv")
+            plot_passkey(pk, out / f"eval_passkey_{tag}.png")
         totals = {}
         for r in pk:
             s, t = totals.get(r.method, (0, 0))
@@ -509,16 +558,19 @@ def main(argv: list[str] | None = None) -> None:
     pack_methods = [m for m in methods if get_preset(m).quantizes_keys]
     if "pack" not in skip and pack_methods:
         pack = pack_cost_table(pack_methods, repeats=3 if a.quick else 7)
-        write_csv(pack, out / f"eval_pack_{tag}.csv")
+        if rank == 0:
+            write_csv(pack, out / f"eval_pack_{tag}.csv")
         report += [
             "## Pack-time cost per page (torch quantizers on this CPU; decode attention is unchanged)\n",
             markdown_table(pack, ".1f"),
             "",
         ]
-    report.append(f"_{time.time() - t0:.0f} s on {torch.get_num_threads()} CPU threads_\n")
-    text = "\n".join(report)
-    (out / f"eval_{tag}.md").write_text(text)
-    print(text)
+    where = f" per rank, {world} tensor-parallel ranks" if tp else ""
+    report.append(f"_{time.time() - t0:.0f} s on {torch.get_num_threads()} CPU threads{where}_\n")
+    if rank == 0:
+        text = "\n".join(report)
+        (out / f"eval_{tag}.md").write_text(text)
+        print(text)
 
 
 if __name__ == "__main__":

