@@ -83,13 +83,16 @@ def assert_same(before: list[dict], after: list[dict]) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
 def test_triton_backend_refused_before_anything_changes(monkeypatch):
+    import kitty.cache as kcache
+
     monkeypatch.delenv("KITTY_BACKEND", raising=False)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    # the kernels read TRITON_INTERPRET once, at import (tests/conftest.py sets it): simulate its absence
+    monkeypatch.setattr(kcache, "interpreting", lambda: False)
     with pytest.raises(ValueError, match="backend='triton' needs a CUDA GPU"):
         KittyCache(tiny_model(2).config, SMALL, backend="triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # constructed for interpreted CPU runs ...
+    monkeypatch.setattr(kcache, "interpreting", lambda: True)  # constructed for interpreted CPU runs ...
     cache = KittyCache(tiny_model(2).config, SMALL.with_(group_size=16), backend="triton")
-    monkeypatch.delenv("TRITON_INTERPRET")  # ... then fed CPU tensors without the interpreter
+    monkeypatch.setattr(kcache, "interpreting", lambda: False)  # ... then fed CPU tensors without the interpreter
     with pytest.raises(ValueError, match="CUDA tensors"):
         cache.update(torch.randn(1, HKV, 3, D), torch.randn(1, HKV, 3, D), 0)
     assert cache.lengths == [] and cache.get_seq_length() == 0
@@ -192,7 +195,7 @@ def cli_model(default_model, monkeypatch):
     """``python -m kitty``'s main() with the session's model instead of a fresh load."""
     import kitty.models
 
-    monkeypatch.setattr(kitty.models, "load_model", lambda name=None: default_model)
+    monkeypatch.setattr(kitty.models, "load_model", lambda name=None, *a, **kw: default_model)
     monkeypatch.delenv("KITTY_BACKEND", raising=False)
     from kitty.__main__ import main
 
@@ -227,7 +230,7 @@ def test_cli_accepts_field_overrides(cli_model, capsys):
 def test_cli_refuses_before_loading_the_model(argv, message, capsys, monkeypatch):
     import kitty.models
 
-    monkeypatch.setattr(kitty.models, "load_model", lambda name=None: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(kitty.models, "load_model", lambda name=None, *a, **kw: pytest.fail("the model was loaded"))
     from kitty.__main__ import main
 
     assert main(argv) == 2
@@ -238,7 +241,7 @@ def test_eval_writes_to_a_working_folder_by_default(default_model, monkeypatch, 
     import kitty.eval
     import kitty.models
 
-    monkeypatch.setattr(kitty.models, "load_model", lambda name=None: default_model)
+    monkeypatch.setattr(kitty.models, "load_model", lambda name=None, *a, **kw: default_model)
     monkeypatch.chdir(tmp_path)
     kitty.eval.main(["--methods", "fp16", "--skip", "ppl,agreement,passkey,pack", "--quick"])
     assert (tmp_path / "kitty-eval" / "eval_quick.md").exists()
