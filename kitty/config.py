@@ -9,7 +9,7 @@ from pathlib import Path
 
 VALID_BITS = (2, 4, 16)  # 16 = kept in full precision (no quantization)
 CHANNEL_SELECTIONS = ("magnitude", "random", "range", "query", "oracle")
-RANGE_FITS = ("minmax", "fit")  # how a quantization group's [lo, hi] is chosen: min-max, or a clipping search
+RANGE_FITS = ("minmax", "fit", "fit-peak")  # a group's [lo, hi]: min-max, a clipping search, or one sparing the peak
 MAX_HEAD_DIM = 256  # boost_idx is uint8: one slot per channel
 # sink, qbuffers and local window are allocated per row and layer up front: sizes beyond this are typing mistakes
 # (the paper uses S = 32, G = R = 128), refused before they allocate gigabytes
