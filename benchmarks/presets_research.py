@@ -109,6 +109,16 @@ def table(a, out: Path) -> str:
         if m in pk and ok16 is not None:
             solved = f"{sum(s and f for s, f in zip(pk[m], ok16))}/{sum(ok16)}"
         lines.append(f"| {m} | {bits} | " + " | ".join(cells) + f" | {solved} |")
+    for pair in a.pairs:  # candidate:reference at equal bits, their paired perplexity ratio over both texts
+        m, ref = pair.split(":")
+        if m not in store or ref not in store:
+            continue
+        if store[m]["bits"] != store[ref]["bits"]:
+            raise ValueError(f"{m} holds {store[m]['bits']} bits/element, {ref} {store[ref]['bits']}: not equal bits")
+        c, lo, hi = paired_interval(torch.cat(store[m]["nll"]), torch.cat(store[ref]["nll"]))
+        lines.append(
+            f"\n{m} vs {ref} ({store[m]['bits']:.4f} bits each): ppl {100 * c:+.1f}% [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+        )
     return "\n".join(lines)
 
 
@@ -122,10 +132,12 @@ def main() -> None:
     p.add_argument("--windows-per-text", type=int, default=2)
     p.add_argument("--passkey-lengths", default="1024,2048,4096")
     p.add_argument("--passkey-trials", type=int, default=2)
+    p.add_argument("--pairs", default="", help="table: candidate:reference,... compared at (asserted) equal bits")
     a = p.parse_args()
     a.order = [m for m in a.methods.split(",") if m]
     a.methods = [m for m in a.order if m != "fp16"]
     a.lengths = [int(x) for x in a.passkey_lengths.split(",")]
+    a.pairs = [x for x in a.pairs.split(",") if x]
     a.depths, a.trials = (0.1, 0.3, 0.5, 0.7, 0.9), a.passkey_trials
     for m in a.methods:
         get_preset(m)  # ValueError naming the choices before any work

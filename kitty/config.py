@@ -45,7 +45,8 @@ class KVQuantConfig:
     local_window: int = 128  # R: newest values kept in full precision
     channel_selection: str = "magnitude"  # how boosted channels are chosen: see CHANNEL_SELECTIONS
     seed: int = 0  # for channel_selection="random"
-    key_range: str = "minmax"  # "fit": per-channel clipping search minimizing reconstruction error at pack time
+    key_range: str = "minmax"  # "fit": per-channel clipping search minimizing reconstruction error at pack time;
+    # "fit-peak": the same search, never clipping a channel's largest-|k| token (quant.fitted_params keep_peak)
     value_range: str = "minmax"  # "fit": the same per token for values
     boost_profile: tuple[float, ...] | None = None  # per-layer boost fractions (mean = boost_fraction), or uniform
     name: str = field(default="custom", compare=False)
