@@ -260,6 +260,14 @@ PRESETS = PresetTable(
                 channel_selection="oracle",
                 key_range="fit",
             ),
+            _preset(
+                "kitty-pro-fit-peak",
+                "Beyond the paper: kitty-pro-fit whose clipping search never clips a channel's largest-|k| token "
+                "in a page (same bits as kitty-pro).",
+                boost_fraction=0.25,
+                channel_selection="oracle",
+                key_range="fit-peak",
+            ),
         )
     }
 )

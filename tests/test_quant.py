@@ -309,6 +309,7 @@ def test_new_presets_cost_the_same_bits_as_the_paper_presets():
         ("kitty-oracle", "kitty"),
         ("kitty-fit", "kitty"),
         ("kitty-pro-fit", "kitty-pro"),
+        ("kitty-pro-fit-peak", "kitty-pro"),
         ("kitty-fit-adaptive", "kitty"),
         ("kitty-pro-fit-adaptive", "kitty-pro"),
     ]
@@ -453,8 +454,10 @@ def test_fit_peak_is_a_range_option_at_equal_bytes():
         rel
         < (dequantize_key_page(quantize_key_page(k, PRESETS["kitty"])).float() - k.float()).norm() / k.float().norm()
     )
+    from kitty.config import get_preset
     from kitty.quant import range_params
 
+    assert PRESETS["kitty-pro-fit-peak"] == get_preset("kitty-pro-fit+key_range=fit-peak")  # the measured config
     with pytest.raises(ValueError, match="fit-peak"):
         range_params(k, 3, k.dtype, "peak")
 
