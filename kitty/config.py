@@ -9,7 +9,7 @@ from pathlib import Path
 
 VALID_BITS = (2, 4, 16)  # 16 = kept in full precision (no quantization)
 CHANNEL_SELECTIONS = ("magnitude", "random", "range", "query", "oracle")
-RANGE_FITS = ("minmax", "fit")  # how a quantization group's [lo, hi] is chosen: min-max, or a clipping search
+RANGE_FITS = ("minmax", "fit", "fit-peak")  # a group's [lo, hi]: min-max, a clipping search, or one sparing the peak
 MAX_HEAD_DIM = 256  # boost_idx is uint8: one slot per channel
 # sink, qbuffers and local window are allocated per row and layer up front: sizes beyond this are typing mistakes
 # (the paper uses S = 32, G = R = 128), refused before they allocate gigabytes
@@ -45,7 +45,8 @@ class KVQuantConfig:
     local_window: int = 128  # R: newest values kept in full precision
     channel_selection: str = "magnitude"  # how boosted channels are chosen: see CHANNEL_SELECTIONS
     seed: int = 0  # for channel_selection="random"
-    key_range: str = "minmax"  # "fit": per-channel clipping search minimizing reconstruction error at pack time
+    key_range: str = "minmax"  # "fit": per-channel clipping search minimizing reconstruction error at pack time;
+    # "fit-peak": the same search, never clipping a channel's largest-|k| token (quant.fitted_params keep_peak)
     value_range: str = "minmax"  # "fit": the same per token for values
     boost_profile: tuple[float, ...] | None = None  # per-layer boost fractions (mean = boost_fraction), or uniform
     name: str = field(default="custom", compare=False)
@@ -258,6 +259,14 @@ PRESETS = PresetTable(
                 boost_fraction=0.25,
                 channel_selection="oracle",
                 key_range="fit",
+            ),
+            _preset(
+                "kitty-pro-fit-peak",
+                "Beyond the paper: kitty-pro-fit whose clipping search never clips a channel's largest-|k| token "
+                "in a page (same bits as kitty-pro).",
+                boost_fraction=0.25,
+                channel_selection="oracle",
+                key_range="fit-peak",
             ),
         )
     }

@@ -126,6 +126,7 @@ def fitted_params(
     dtype: torch.dtype,
     grid: tuple[float, ...] = CLIP_GRID,
     refine: int = REFINE_STEPS,
+    keep_peak: bool = False,
 ):
     """Clipped asymmetric parameters over the last dim: a ``(scale, zero)`` with small squared error.
 
@@ -138,30 +139,48 @@ def fitted_params(
     constant ``q_i^2``, and for values (per token) the weight of a token in the output is its attention
     probability, so the least-squares fit of each group is also its least logit (output) error fit. Cost:
     ``len(grid)**2 + 2 * refine`` quantizations of the group.
+
+    ``keep_peak``: never clip the group's *peak*, its value of largest ``|x|`` (of a key channel: the token that
+    moves that channel's logit most, e.g. the one a retrieval head looks for). Only the opposite tail is cut
+    (``len(grid) - 1`` candidates), and a refit is kept only where the peak still reconstructs within half a step.
     """
     xf = x.float()
     levels = torch.as_tensor(levels, device=x.device)
     lv = levels[..., None] if levels.dim() else levels
     best_scale, best_zero = minmax_params(x, levels, -1, dtype)
     best_err = _sq_error(xf, best_scale, best_zero, levels)
+    lo0, hi0 = xf.amin(-1), xf.amax(-1)
+    span = hi0 - lo0
+    peak_on_top = hi0.abs() >= lo0.abs()  # [...]: which tail holds the largest |x|
+    peak = torch.where(peak_on_top, hi0, lo0)
 
     def keep(scale: torch.Tensor, zero: torch.Tensor) -> None:
         nonlocal best_err, best_scale, best_zero
         scale, zero = scale.to(dtype), zero.to(dtype)
         err = _sq_error(xf, scale, zero, levels)
         better = err < best_err
+        if keep_peak:  # the peak's own error stays within half a step (the min-max guarantee), up to fp32 rounding
+            s = scale.float()
+            code = quantize_codes(peak, s, zero, levels)
+            peak_err = (dequantize_codes(code, s, zero, torch.float32) - peak).abs()
+            better &= peak_err <= 0.5 * s * (1 + 2**-10) + 2**-20 * peak.abs()
         best_err = torch.where(better, err, best_err)
         best_scale = torch.where(better, scale, best_scale)
         best_zero = torch.where(better, zero, best_zero)
 
-    lo0, hi0 = xf.amin(-1), xf.amax(-1)
-    span = hi0 - lo0
-    for a in grid:
-        for b in grid:
-            if a + b == 0 or a + b >= 0.9:
-                continue
-            lo, hi = lo0 + a * span, hi0 - b * span
-            keep((hi - lo) / levels, lo)
+    if keep_peak:  # one-sided cuts: the tail opposite the peak loses a share of the range
+        for a in grid:
+            if 0 < a < 0.9:
+                lo = torch.where(peak_on_top, lo0 + a * span, lo0)
+                hi = torch.where(peak_on_top, hi0, hi0 - a * span)
+                keep((hi - lo) / levels, lo)
+    else:
+        for a in grid:
+            for b in grid:
+                if a + b == 0 or a + b >= 0.9:
+                    continue
+                lo, hi = lo0 + a * span, hi0 - b * span
+                keep((hi - lo) / levels, lo)
     for _ in range(refine):
         c = quantize_codes(xf, best_scale[..., None], best_zero[..., None], lv).float()
         cc, xc = c - c.mean(-1, keepdim=True), xf - xf.mean(-1, keepdim=True)
@@ -179,12 +198,15 @@ def _sq_error(xf: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels:
 
 
 def range_params(x: torch.Tensor, levels: torch.Tensor | int, dtype: torch.dtype, method: str):
-    """``(scale, zero)`` over the last dim by ``method``: ``"minmax"`` or ``"fit"`` (:func:`fitted_params`)."""
+    """``(scale, zero)`` over the last dim by ``method``: ``"minmax"``, ``"fit"`` (:func:`fitted_params`) or
+    ``"fit-peak"`` (the same search, never clipping the group's largest-``|x|`` value: ``keep_peak=True``)."""
     if method == "minmax":
         return minmax_params(x, levels, -1, dtype)
     if method == "fit":
         return fitted_params(x, levels, dtype)
-    raise ValueError(f"range method must be 'minmax' or 'fit', got {method!r}")
+    if method == "fit-peak":
+        return fitted_params(x, levels, dtype, keep_peak=True)
+    raise ValueError(f"range method must be 'minmax', 'fit' or 'fit-peak', got {method!r}")
 
 
 def quantize_codes(

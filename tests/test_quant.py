@@ -309,6 +309,7 @@ def test_new_presets_cost_the_same_bits_as_the_paper_presets():
         ("kitty-oracle", "kitty"),
         ("kitty-fit", "kitty"),
         ("kitty-pro-fit", "kitty-pro"),
+        ("kitty-pro-fit-peak", "kitty-pro"),
         ("kitty-fit-adaptive", "kitty"),
         ("kitty-pro-fit-adaptive", "kitty-pro"),
     ]
@@ -379,6 +380,86 @@ def test_fitted_ranges_clip_outliers_and_halve_gaussian_error():
     verr = lambda c: (dequantize_value_page(quantize_value_page(v, c)) - v).square().mean().item()  # noqa: E731
     assert verr(KITTY.with_(value_range="fit")) < 0.5 * verr(KITTY)
     assert quantize_key_page(k, fit).nbytes == quantize_key_page(k, fit.with_(key_range="minmax")).nbytes
+
+
+def _peaked_rows(dtype, seed, rows=24, n=128):
+    """Gaussian rows ``[rows, n]`` (random offset and spread), each with one outlier token of random sign: its peak."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n, generator=g) * (torch.rand(rows, 1, generator=g) * 3 + 0.2) + torch.randn(
+        rows, 1, generator=g
+    )
+    sign = torch.where(torch.rand(rows, generator=g) < 0.5, -1.0, 1.0)
+    x[torch.arange(rows), torch.randint(0, n, (rows,), generator=g)] = sign * (6 + 4 * torch.rand(rows, generator=g))
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fit_peak_keeps_every_rows_largest_value_within_half_a_step(dtype, seed):
+    """``fit-peak``: each row's largest-|x| value reconstructs within half a step (the min-max guarantee), where
+    ``fit`` clips it; the error stays at most min-max's; 2-bit and 4-bit rows mixed in one call."""
+    from kitty.quant import _sq_error, dequantize_codes, minmax_params, quantize_codes, range_params
+
+    x = _peaked_rows(dtype, seed)
+    levels = torch.where(torch.arange(x.shape[0]) % 3 == 0, 15, 3)  # per-row levels, like boosted channels
+    xf = x.float()
+    peak = xf.gather(-1, xf.abs().argmax(-1, keepdim=True))[:, 0]
+
+    def peak_error(method: str) -> tuple[torch.Tensor, torch.Tensor]:
+        scale, zero = range_params(x, levels, dtype, method)
+        back = dequantize_codes(quantize_codes(peak, scale, zero, levels), scale, zero, torch.float32)
+        return (back - peak).abs(), scale.float()
+
+    err, step = peak_error("fit-peak")
+    assert (err <= 0.5 * step * (1 + 2**-10) + 2**-20 * peak.abs()).all()
+    clipped, step_fit = peak_error("fit")
+    assert (clipped > step_fit).any()  # the unconstrained fit does clip peaks on these rows
+    e_peak = _sq_error(xf, *range_params(x, levels, dtype, "fit-peak"), levels)
+    e_mm = _sq_error(xf, *minmax_params(x, levels, -1, dtype), levels)
+    assert (e_peak <= e_mm * (1 + 1e-6)).all() and (e_peak < 0.9 * e_mm).any()  # it still clips the other tail
+
+
+def test_fit_peak_grid_matches_a_per_row_loop():
+    """Without refits, ``fit-peak`` is exactly the best one-sided cut (opposite the peak) of ``CLIP_GRID`` per row,
+    min-max first and the first of equal errors kept, found here by a plain loop over rows and cuts."""
+    from kitty.quant import CLIP_GRID, _sq_error, fitted_params, minmax_params
+
+    x = _peaked_rows(torch.float32, seed=2, rows=10, n=100)
+    scale, zero = fitted_params(x, 3, torch.float32, refine=0, keep_peak=True)
+    for r in range(x.shape[0]):
+        row = x[r : r + 1]
+        lo0, hi0 = row.amin(), row.amax()
+        best = minmax_params(row, 3, -1, torch.float32)
+        best_err = _sq_error(row, *best, 3)
+        for a in CLIP_GRID[1:]:
+            cut = a * (hi0 - lo0)
+            lo, hi = (lo0 + cut, hi0) if hi0.abs() >= lo0.abs() else (lo0, hi0 - cut)
+            cand = (((hi - lo) / 3).reshape(1), lo.reshape(1))
+            err = _sq_error(row, *cand, 3)
+            if err < best_err:
+                best, best_err = cand, err
+        assert torch.equal(scale[r : r + 1], best[0]) and torch.equal(zero[r : r + 1], best[1])
+
+
+def test_fit_peak_is_a_range_option_at_equal_bytes():
+    g = torch.Generator().manual_seed(9)
+    k = torch.randn(2, 128, 64, generator=g).to(torch.float16)
+    q = torch.rand(2, 64, generator=g) + 0.5
+    peak = PRESETS["kitty-fit"].with_(key_range="fit-peak")
+    page = quantize_key_page(k, peak, query_scale=q)
+    assert page.nbytes == quantize_key_page(k, PRESETS["kitty"]).nbytes
+    assert not torch.equal(page.scale, quantize_key_page(k, PRESETS["kitty-fit"], query_scale=q).scale)
+    rel = (dequantize_key_page(page).float() - k.float()).norm() / k.float().norm()
+    assert (
+        rel
+        < (dequantize_key_page(quantize_key_page(k, PRESETS["kitty"])).float() - k.float()).norm() / k.float().norm()
+    )
+    from kitty.config import get_preset
+    from kitty.quant import range_params
+
+    assert PRESETS["kitty-pro-fit-peak"] == get_preset("kitty-pro-fit+key_range=fit-peak")  # the measured config
+    with pytest.raises(ValueError, match="fit-peak"):
+        range_params(k, 3, k.dtype, "peak")
 
 
 def test_boost_profile_validation_and_layers():
