@@ -232,7 +232,7 @@ def check_attention(results: dict, every_config: bool = True) -> bool:
             ("unfused", lambda: decode_attention_unfused(q, st, cfg, num_splits=2)),
         ]
         if not every_config:  # --check-only: the default launch everywhere, the B >= 8 launch on the first cases
-            runs = [("fused auto", runs[1][1])]
+            runs = [run for run in runs if run[0] == "fused auto"]
             if (preset, gqa, d, dtype, G) in swept:
                 runs.append(
                     (

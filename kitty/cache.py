@@ -774,6 +774,14 @@ class SlidingWindowLayer(DynamicSlidingWindowLayer):
         super().__init__(sliding_window=sliding_window, **kwargs)
         self.model_kv_heads, self.ranks = model_kv_heads, ranks  # ranks: expected until the first tensors arrive
         self._undo: SimpleNamespace | None = None  # the open step, if any (see begin_step)
+        self._owner: Callable[[], "KittyCache | None"] = lambda: None  # the cache this layer belongs to (weak)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """transformers' window update, its step opened first: the attention over the window is the user's own
+        function, so the record is taken here rather than by Kitty's attention function."""
+        owner = self._owner()
+        self.begin_step(owner._forward if owner is not None else 0)
+        return super().update(key_states, value_states, *args, **kwargs)
 
     def begin_step(self, forward: int = 0) -> None:
         """Record the window before an update (``update`` replaces its tensors, never writes them in place), so
@@ -889,9 +897,6 @@ class KittyCache(Cache):
         self._last_layer = layer_idx
         kattention.kitty_forward(True)
         try:
-            if layer_idx < len(self.layers) and isinstance(self.layers[layer_idx], SlidingWindowLayer):
-                # a sliding layer's attention is the user's own: its step opens here
-                self.layers[layer_idx].begin_step(self._forward)
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         except BaseException:
             self.rollback_forward()

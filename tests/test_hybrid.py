@@ -157,3 +157,29 @@ def test_layer_types_without_transformers_inference(family, monkeypatch):
     expected = kc.layer_types_of(text)
     monkeypatch.setattr(kc, "get_layer_types_and_kwargs", lambda config: ([], []))
     assert kc.layer_types_of(text) == expected
+
+
+def test_failure_in_a_later_full_layer_restores_the_windows(monkeypatch):
+    """Gemma 3 here runs sliding, sliding, full: a failure in the full layer's step puts the windows the same forward
+    pass already updated back as they were."""
+    model = build("gemma3")
+    cache = kitty_cache(model, "kitty")
+    ids = torch.randint(3, 100, (1, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+    windows = [
+        (layer.keys.clone(), layer.values.clone(), layer.cumulative_length)
+        for layer in cache.layers
+        if isinstance(layer, SlidingWindowLayer)
+    ]
+    assert windows
+
+    def fail(self, valid):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(KittyLayer, "check_append", fail)
+    with pytest.raises(RuntimeError, match="injected"), torch.no_grad():
+        model(ids[:, :1], cache=cache, use_cache=True)
+    after = [layer for layer in cache.layers if isinstance(layer, SlidingWindowLayer)]
+    for (k, v, n), layer in zip(windows, after):
+        assert torch.equal(layer.keys, k) and torch.equal(layer.values, v) and layer.cumulative_length == n
