@@ -15,7 +15,7 @@ from . import attention as kattention
 from .config import KVQuantConfig
 from .kernels import interpreting
 from .memory import MemoryReport, token_layout
-from .pages import PagePool
+from .pages import PagePool, grow_page_table, pages_completed, point
 from .quant import KeyPage, ValuePage, quantize_key_page, quantize_value_page, query_scale_from, query_statistic
 from .step import StepRecord
 from .storage import PendingKV, key_page_from_storage, page_fields, pool_fields, value_page_from_storage
@@ -295,11 +295,7 @@ class KittyLayer(CacheLayerMixin):
         counts = valid.sum(1).tolist()
         n0 = list(self._n)
         n1 = [a + c for a, c in zip(n0, counts)]
-        lay0 = [token_layout(self.cfg, n) for n in n0]
-        lay1 = [token_layout(self.cfg, n) for n in n1]
-        new_key_pages = [b.key_pages - a.key_pages for a, b in zip(lay0, lay1)]
-        new_value_pages = [b.value_pages - a.value_pages for a, b in zip(lay0, lay1)]
-        return n0, n1, new_key_pages, new_value_pages
+        return n0, n1, *pages_completed(self.cfg, n0, n1)
 
     def append_fills_page(self, valid: torch.Tensor) -> bool:
         """Whether inserting these tokens completes a key or value page in some row (stage 3 would run)."""
@@ -408,8 +404,9 @@ class KittyLayer(CacheLayerMixin):
         n0 = self._n
         n1 = [n + 1 for n in n0]
         k, v = key_states[:, :, 0], value_states[:, :, 0]  # (B, H, D)
-        key_rows = [b for b, n in enumerate(n1) if n > S and (n - S) % G == 0]  # key qbuffer completes a page
-        value_rows = [b for b, n in enumerate(n1) if n - S - R > 0 and (n - S - R) % G == 0]  # value qbuffer does
+        new_key_pages, new_value_pages = pages_completed(cfg, n0, n1)
+        key_rows = [b for b, c in enumerate(new_key_pages) if c]  # rows whose key qbuffer completes a page
+        value_rows = [b for b, c in enumerate(new_value_pages) if c]  # rows whose value qbuffer does
         self.key_pool.check(len(key_rows))
         self.value_pool.check(len(value_rows))
 
@@ -536,25 +533,13 @@ class KittyLayer(CacheLayerMixin):
         self._point(table, dest, ids)
 
     def _point(self, table: torch.Tensor, dest: list[tuple[int, int, int]], ids: torch.Tensor) -> None:
-        """Page-table entries ``table[b, first : first + n]`` = the next ``n`` of ``ids``, for each ``dest``."""
+        """Point ``table`` at ``ids`` (:func:`kitty.pages.point`), undoable within the open step."""
         self._on_undo(lambda: [table[b, first : first + n].fill_(-1) for b, first, n in dest])
-        i = 0
-        for b, first, n in dest:
-            table[b, first : first + n] = ids[i : i + n]
-            i += n
+        point(table, dest, ids)
 
     def _grow_page_tables(self, key_pages: int, value_pages: int) -> None:
-        def grow(table: torch.Tensor, need: int) -> torch.Tensor:
-            if need <= table.shape[1]:
-                return table
-            new = torch.full(
-                (table.shape[0], max(need, 2 * table.shape[1])), -1, dtype=torch.int32, device=table.device
-            )
-            new[:, : table.shape[1]] = table
-            return new
-
-        self.k_page_table = grow(self.k_page_table, key_pages)
-        self.v_page_table = grow(self.v_page_table, value_pages)
+        self.k_page_table = grow_page_table(self.k_page_table, key_pages)
+        self.v_page_table = grow_page_table(self.v_page_table, value_pages)
 
     # ------------------------------------------------------------------------------------------------ reading
 

@@ -1,5 +1,6 @@
-"""The page pool of one layer side (keys or values): ``[P, ...]`` tensors named as in ``docs/LAYOUT.md``, a bump
-allocator over them; and the rule for when tokens complete a page."""
+"""Pages of one layer: the page pool of a side (keys or values: ``[P, ...]`` tensors named as in ``docs/LAYOUT.md``,
+a bump allocator over them), the page tables (int32 ``[B, W]``, the pool id of a row's j-th page, -1 unused) and the
+rule for when tokens complete a page."""
 
 from __future__ import annotations
 
@@ -78,3 +79,20 @@ class PagePool:
 
     def reset(self) -> None:
         self.used = 0
+
+
+def grow_page_table(table: torch.Tensor, need: int) -> torch.Tensor:
+    """``table`` with at least ``need`` columns (doubling; new entries -1); ``table`` itself if it has them."""
+    if need <= table.shape[1]:
+        return table
+    new = torch.full((table.shape[0], max(need, 2 * table.shape[1])), -1, dtype=torch.int32, device=table.device)
+    new[:, : table.shape[1]] = table
+    return new
+
+
+def point(table: torch.Tensor, dest: list[tuple[int, int, int]], ids: torch.Tensor) -> None:
+    """Page-table entries ``table[b, first : first + n]`` = the next ``n`` of ``ids``, for each ``(b, first, n)``."""
+    i = 0
+    for b, first, n in dest:
+        table[b, first : first + n] = ids[i : i + n]
+        i += n

@@ -496,3 +496,17 @@ def test_layer_adaptive_profile_moves_boost_between_layers_at_equal_bits():
     assert reports[1] == analytic_report(adaptive, caches[1].lengths, D, HKV, 2, 4)
     with pytest.raises(ValueError, match="boost_profile"):
         KittyCache(tiny_llama_config(num_hidden_layers=3), adaptive)
+
+
+@pytest.mark.parametrize("S, G, R", [(4, 8, 16), (0, 16, 0), (3, 8, 5)])
+def test_pages_completed_agrees_with_token_layout(S, G, R):
+    """The one "does this growth complete a page?" rule equals the difference of token_layout's page counts."""
+    from kitty.pages import pages_completed
+
+    cfg = PRESETS["kitty"].with_(sink_tokens=S, group_size=G, local_window=R)
+    n0 = [n for n in range(0, 70) for _ in range(3)]
+    n1 = [n + step for n, step in zip(n0, [1, 7, 40] * 70)]
+    key, value = pages_completed(cfg, n0, n1)
+    for a, b, k, v in zip(n0, n1, key, value):
+        la, lb = token_layout(cfg, a), token_layout(cfg, b)
+        assert (k, v) == (lb.key_pages - la.key_pages, lb.value_pages - la.value_pages), (a, b)
