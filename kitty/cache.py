@@ -37,10 +37,9 @@ import torch
 from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
 from . import attention as kattention
-from .config import KVQuantConfig, get_preset, is_int
+from .config import KVQuantConfig, get_preset, is_int, kv_dims
 from .layer import _BEAM_MESSAGE, KittyLayer, SlidingWindowLayer, check_triton_backend
 from .memory import MemoryReport, token_layout
-from .models import kv_dims
 
 
 def kv_heads_per_rank(tp_plan: dict[str, str], num_heads: int, tp_size: int) -> int | None:

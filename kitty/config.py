@@ -21,6 +21,14 @@ def is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def kv_dims(config) -> tuple[int, int, int]:
+    """``(num_layers, num_kv_heads, head_dim)`` of a transformers config (its text part for multimodal ones)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    return text.num_hidden_layers, num_kv_heads, head_dim
+
+
 def is_number(x: object) -> bool:
     """An ``int`` or ``float`` that is not a ``bool``."""
     return isinstance(x, (int, float)) and not isinstance(x, bool)

