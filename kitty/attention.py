@@ -13,27 +13,21 @@ thread that is running a forward pass with a KittyCache (:func:`use_kitty_attent
 other cache, or none) both functions run the implementation the user chose (eager, sdpa, ...), so a model whose
 config says ``"kitty"`` keeps working without a KittyCache.
 
-Backends (``KittyCache(..., backend=)``; the environment variable ``KITTY_BACKEND`` is only its default):
+Backends (``KittyCache(..., backend=)``, resolved once per layer into its ops object: ``kitty/backend.py``):
 
-- ``torch``: read the layer back in position order with the kernels' torch reference
-  (:func:`kitty.kernels.reference.dequantize_cache`, pages dequantized transiently), then SDPA over
-  ``[cached tokens | new tokens]`` with a causal + padding mask. The prompt (prefill) is attended in full precision;
-  decode steps read the quantized cache. Nothing dequantized is kept.
-- ``triton``: decode steps (one new token per row) insert the token, then call
-  ``kitty.kernels.decode_attention(q [B, Hq, D], layer_state(layer.storage()), cfg, scaling=scale,
-  backend="triton")`` on the storage of ``docs/LAYOUT.md`` (see :func:`triton_decode`). Steps whose token completes
-  a page (1-2 of every G) and multi-token chunks take the torch path, so both backends attend that page in full
-  precision, as the paper does.
-- ``auto``: ``triton`` for CUDA tensors when Triton is installed and ``kitty.kernels.triton_supports(cfg, head_dim)``,
-  else ``torch``. A forced ``triton`` without Triton raises ``NotImplementedError``.
+- every step with more than one new token per row (a prompt, a chunk, padding), on either backend: read the layer
+  back in position order with the kernels' torch reference (:func:`kitty.kernels.reference.dequantize_cache`, pages
+  dequantized transiently), then SDPA over ``[cached tokens | new tokens]`` with a causal + padding mask; the new
+  tokens are attended in full precision. Nothing dequantized is kept. The torch backend runs decode steps so too.
+- decode steps (one new token per row) of a Triton layer: insert the token, attend with
+  ``layer.ops.decode_attention`` (the fused kernel) over the storage of ``docs/LAYOUT.md`` with a qbuffer the token
+  filled still in full precision, then pack what filled, as the paper does.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,13 +38,12 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .backend import BACKEND_ENV, requested_backend, resolve_backend  # noqa: F401 (public here too)
 from .config import KVQuantConfig
 from .kernels.reference import dequantize_cache
 from .storage import PendingKV, layer_state
 
 ATTN_NAME = "kitty"
-BACKEND_ENV = "KITTY_BACKEND"
-BACKENDS = ("auto", "torch", "triton")
 
 # ------------------------------------------------------------------------- the user's attention implementation
 
@@ -108,18 +101,6 @@ def user_implementation(config) -> str:
     """The attention implementation the user chose for ``config`` (never ``"kitty"``; ``"sdpa"`` if unset)."""
     name = getattr(config, "_attn_implementation_internal", None)
     return "sdpa" if name in (None, ATTN_NAME) else name
-
-
-def requested_backend(backend: str | None) -> str:
-    """``backend``, or ``$KITTY_BACKEND`` when it is ``None``, or ``"auto"``; ``ValueError`` if not in ``BACKENDS``."""
-    if backend is not None:
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS} (or None for ${BACKEND_ENV}), got {backend!r}")
-        return backend
-    choice = os.environ.get(BACKEND_ENV) or "auto"
-    if choice not in BACKENDS:
-        raise ValueError(f"${BACKEND_ENV} must be one of {BACKENDS}, got {choice!r}")
-    return choice
 
 
 # ------------------------------------------------------------------------------------------------------ the mask
@@ -226,62 +207,6 @@ def attend_torch(
     )
 
 
-# ------------------------------------------------------------------------------------------- backend dispatch
-
-
-def resolve_backend(
-    requested: str, device: torch.device, cfg: KVQuantConfig | None = None, head_dim: int | None = None
-) -> str:
-    """``"torch"`` or ``"triton"`` for tensors on ``device``; ``requested`` as in :func:`requested_backend`.
-
-    ``"auto"`` picks Triton only for CUDA tensors, when Triton is installed and (per
-    ``kitty.kernels.triton_supports``) the fused kernel handles ``cfg`` at ``head_dim``.
-    """
-    choice = requested_backend(requested)
-    if choice != "auto":
-        return choice
-    if device.type != "cuda":
-        return "torch"
-    kernels = _kernels(required=False)
-    if kernels is None:
-        return "torch"
-    supports = getattr(kernels, "triton_supports", None)
-    if cfg is not None and supports is not None and not supports(cfg, head_dim):
-        return "torch"
-    return "triton"
-
-
-def _kernels(required: bool = True):
-    """``kitty.kernels`` when Triton is installed (its fused ``decode_attention`` can run), else ``None`` or an error."""
-    from . import kernels
-
-    if not kernels.HAS_TRITON:
-        if required:
-            raise NotImplementedError(
-                "backend='triton' needs Triton for kitty.kernels.decode_attention, which is not installed; "
-                "use backend='torch' or KITTY_BACKEND=torch"
-            )
-        warnings.warn("Triton is not installed: KittyCache(backend='auto') uses the torch backend", stacklevel=3)
-        return None
-    return kernels
-
-
-def triton_decode(
-    query: torch.Tensor, storage: dict[str, torch.Tensor], cfg: KVQuantConfig, scale: float, full_qbuffer: bool = False
-) -> torch.Tensor:
-    """The Triton seam: ``query`` ``[B, Hq, 1, D]`` over one layer's storage (new token already inserted).
-
-    Calls ``kitty.kernels.decode_attention(q [B, Hq, D], KittyLayerState, cfg, scaling=scale, backend="triton",
-    full_qbuffer=...)``; ``full_qbuffer``: the layer is mid-step (a qbuffer the new token filled is not packed yet).
-    Pool tensors of a 16-bit side are passed empty (the kernel reads ``k_raw``/``v_raw`` then).
-    """
-    kernels = _kernels(required=True)
-    out = kernels.decode_attention(
-        query[:, :, 0], layer_state(storage), cfg, scaling=scale, backend="triton", full_qbuffer=full_qbuffer
-    )  # (B, Hq, D)
-    return out[:, :, None]  # (B, Hq, 1, D)
-
-
 # -------------------------------------------------------------------------------------- the attention function
 
 
@@ -338,18 +263,12 @@ def _attend_and_insert(layer, query: torch.Tensor, key: PendingKV, valid: torch.
     B, Hq, T, D = query.shape
     layer.check_append(valid)  # errors before anything changes
     layer.observe_queries(query, valid)  # channel_selection="query" ranks the channels of pages packed below
-    backend = resolve_backend(layer.backend, query.device, layer.cfg, D)
-    if backend == "triton" and T == 1 and bool(valid.all()):
+    if layer.ops.name == "triton" and T == 1 and bool(valid.all()):
         # a decode step, every row at once: insert, attend over the qbuffers in full precision (a qbuffer this
         # token filled included), then pack what filled -- the paper's order, with no torch path for the batch
-        kernels = _kernels(required=True)  # fail before inserting if the kernels are missing
-        if not kernels.triton_supports(layer.cfg, D):  # the kernel's own rule, checked before anything changes
-            raise ValueError(
-                f"backend='triton' cannot run group_size={layer.cfg.group_size}, head_dim={D}, "
-                f"value_bits={layer.cfg.value_bits} on {query.device} (see kitty.kernels.triton_supports); use backend='auto'"
-            )
         filled = layer.insert_decode(key.key_states, key.value_states)
-        out = triton_decode(query, layer.storage(), layer.cfg, scale, full_qbuffer=True)  # (B, Hq, 1, D)
+        state = layer_state(layer.storage())
+        out = layer.ops.decode_attention(query[:, :, 0], state, scale, full_qbuffer=True)[:, :, None]  # (B, Hq, 1, D)
         layer.pack_filled(filled)
     else:
         out = attend_torch(

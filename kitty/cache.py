@@ -37,8 +37,9 @@ import torch
 from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
 from . import attention as kattention
+from .backend import check_triton, requested_backend
 from .config import KVQuantConfig, get_preset, is_int, kv_dims
-from .layer import _BEAM_MESSAGE, KittyLayer, SlidingWindowLayer, check_triton_backend
+from .layer import _BEAM_MESSAGE, KittyLayer, SlidingWindowLayer
 from .memory import MemoryReport, token_layout
 
 
@@ -110,7 +111,7 @@ class KittyCache(Cache):
             cfg = get_preset(cfg)
         if not isinstance(cfg, KVQuantConfig):
             raise ValueError(f"cfg must be a KVQuantConfig or a preset name, got {type(cfg).__name__}")
-        backend = kattention.requested_backend(backend)
+        backend = requested_backend(backend)
         if max_pages is not None and (not is_int(max_pages) or max_pages < 1):
             raise ValueError(f"max_pages must be a positive integer or None, got {max_pages!r}")
         text = config.get_text_config(decoder=True)
@@ -127,7 +128,7 @@ class KittyCache(Cache):
         cfg.check_head_dim(head_dim)
         tp_size = self._tp_size(config, text, num_kv_heads)
         if backend == "triton":
-            check_triton_backend(cfg, head_dim)
+            check_triton(cfg, head_dim)
         self.cfg, self.backend, self.max_pages = cfg, backend, max_pages
         self.head_dim, self.num_layers, self.tp_size = head_dim, num_layers, tp_size
         self.num_kv_heads = num_kv_heads // tp_size  # this rank's KV heads (each layer re-sizes from its tensors)

@@ -37,8 +37,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .config import PROFILES_DIR, KVQuantConfig, get_preset
-from .layer import QUERY_SELECTIONS
+from .config import PROFILES_DIR, QUERY_SELECTIONS, KVQuantConfig, get_preset
 from .prompts import ASSETS
 from .quant import dequantize_key_page, quantize_key_page, query_scale_from, query_statistic
 

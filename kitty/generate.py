@@ -153,7 +153,7 @@ def prompt_keys(model, ids: torch.Tensor) -> list[torch.Tensor]:
 def prompt_query_scale(model, ids: torch.Tensor, cfg: KVQuantConfig, layer: int, head: int) -> torch.Tensor | None:
     """The per-channel query magnitude ``[D]`` a ``KittyCache`` under ``cfg`` ranks channels of ``layer``/``head`` by
     after the prompt ``ids`` ``[1, T]`` (``None`` unless ``channel_selection`` is ``"query"`` or ``"oracle"``)."""
-    from .layer import QUERY_SELECTIONS
+    from .config import QUERY_SELECTIONS
 
     if cfg.channel_selection not in QUERY_SELECTIONS:
         return None

@@ -16,7 +16,7 @@ it is then only a namespace directory, and an installed ``kernels`` hub package 
 
 Importing this module imports neither Triton nor any kernel: names load on first use. Kernels run on CUDA
 tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` is set before Triton is first imported. Without Triton
-installed only the torch references are available, and ``decode_attention`` runs the reference.
+installed only the torch references are available (``kitty/backend.py`` then runs the torch backend).
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ _TORCH_ONLY = {  # name -> submodule, importable without Triton
     "dequantize_cache": "reference",
 }
 _WITH_TRITON = {
-    "BACKENDS": "decode_attention",
     "decode_attention": "decode_attention",
     "decode_attention_triton": "decode_attention",
     "triton_supports": "decode_attention",
@@ -59,33 +58,7 @@ _WITH_TRITON = {
     "pack_pages_ref": "pack",
     "decode_attention_unfused": "unfused",
 }
-__all__ = [
-    "HAS_TRITON",
-    *_TORCH_ONLY,
-    *(_WITH_TRITON if HAS_TRITON else ("BACKENDS", "decode_attention", "triton_supports")),
-]
-
-
-def _triton_supports_without_triton(cfg, head_dim, compiled=None) -> bool:
-    """Without Triton no configuration runs a kernel."""
-    return False
-
-
-def _decode_attention_without_triton(q, state, cfg, scaling=None, backend="auto", full_qbuffer=False, **kernel_options):
-    """Torch reference only (Triton is not installed)."""
-    from .reference import check_state, decode_attention_ref
-
-    if backend not in ("auto", "torch"):
-        raise ValueError(f"backend must be one of ('auto', 'torch') without Triton installed, got {backend!r}")
-    check_state(q, state, cfg)
-    return decode_attention_ref(q, state, cfg, scaling, full_qbuffer=full_qbuffer)
-
-
-_WITHOUT_TRITON = {
-    "BACKENDS": ("auto", "torch"),
-    "decode_attention": _decode_attention_without_triton,
-    "triton_supports": _triton_supports_without_triton,
-}
+__all__ = ["HAS_TRITON", "interpreting", *_TORCH_ONLY, *(_WITH_TRITON if HAS_TRITON else ())]
 
 
 def __getattr__(name: str):
@@ -94,9 +67,9 @@ def __getattr__(name: str):
     if name in _WITH_TRITON:
         if HAS_TRITON:
             return getattr(import_module(f"{__name__}.{_WITH_TRITON[name]}"), name)
-        if name in _WITHOUT_TRITON:
-            return _WITHOUT_TRITON[name]
-        raise AttributeError(f"kitty.kernels.{name} needs Triton, which is not installed")
+        raise AttributeError(
+            f"kitty.kernels.{name} needs Triton, which is not installed (the torch reference: decode_attention_ref)"
+        )
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -10,47 +10,18 @@ from types import SimpleNamespace
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
-from . import attention as kattention
-from .config import KVQuantConfig
-from .kernels import interpreting
+from .backend import backend_ops
+from .config import QUERY_SELECTIONS, KVQuantConfig
 from .memory import MemoryReport, token_layout
 from .pages import PagePool, grow_page_table, pages_completed, point
 from .quant import KeyPage, ValuePage, quantize_key_page, quantize_value_page, query_scale_from, query_statistic
 from .step import StepRecord
 from .storage import PendingKV, key_page_from_storage, page_fields, pool_fields, value_page_from_storage
 
-QUERY_SELECTIONS = ("query", "oracle")  # channel selections that rank channels with running query statistics
 _BEAM_MESSAGE = (
     "KittyCache does not support beam search or other cache reordering (num_beams > 1, contrastive search, "
     "assisted decoding): pages are shared storage indexed per row. Use greedy decoding or sampling (num_beams=1)."
 )
-
-
-def check_triton_backend(cfg: KVQuantConfig, head_dim: int) -> None:
-    """Refuse ``backend="triton"`` where it cannot run, before any token is stored: ``NotImplementedError`` without
-    the kernels, ``ValueError`` without a CUDA GPU (and not under ``TRITON_INTERPRET=1``) or for a config the fused
-    kernel does not handle (``kernels.triton_supports``)."""
-    kernels = kattention._kernels(required=True)  # NotImplementedError without Triton
-    if not torch.cuda.is_available() and not interpreting():
-        raise ValueError(
-            "backend='triton' needs a CUDA GPU, and torch sees none (CPU runs need TRITON_INTERPRET=1 set "
-            "before triton is imported); use backend='auto' or 'torch'"
-        )
-    supports = getattr(kernels, "triton_supports", None)
-    if supports is not None and not supports(cfg, head_dim):
-        raise ValueError(
-            f"backend='triton' cannot run group_size={cfg.group_size}, head_dim={head_dim}, "
-            f"value_bits={cfg.value_bits} (see kernels.triton_supports); use backend='auto'"
-        )
-
-
-def check_triton_device(device: torch.device) -> None:
-    """``ValueError`` if ``backend="triton"`` cannot run on tensors of ``device`` (CPU without the interpreter)."""
-    if device.type != "cuda" and not interpreting():
-        raise ValueError(
-            f"backend='triton' runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1), got tensors "
-            f"on {device}; move the model to the GPU or use backend='auto' or 'torch'"
-        )
 
 
 class KittyLayer(CacheLayerMixin):
@@ -107,8 +78,7 @@ class KittyLayer(CacheLayerMixin):
             )
         self.num_kv_heads = H
         cfg, dtype, device = self.cfg, key_states.dtype, key_states.device
-        if self.backend == "triton":
-            check_triton_device(device)
+        self.ops = backend_ops(self.backend, device, cfg, D)  # torch or Triton, resolved once for these tensors
         S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
         self.dtype, self.device = dtype, device
         self.lengths = torch.zeros(B, dtype=torch.int32, device=device)
@@ -455,47 +425,18 @@ class KittyLayer(CacheLayerMixin):
             dest = [(b, token_layout(cfg, n1[b]).value_pages - 1, 1) for b in value_rows]
             self._pack(self.value_pool, self.v_page_table, dest, value_rows, keys=False)
 
-    def _triton_pack(self, keys: bool) -> bool:
-        """Whether full qbuffers of this side are packed by ``kitty.kernels.pack_pages`` (CUDA, and a config it packs
-        bit-identically to ``kitty.quant``: 2/4 bits, min-max ranges, magnitude or random channel selection)."""
-        cfg = self.cfg
-        if self.device.type != "cuda" or (cfg.key_bits if keys else cfg.value_bits) == 16:
-            return False
-        if cfg.key_range != "minmax" or cfg.value_range != "minmax" or cfg.boost_profile is not None:
-            return False
-        if keys and cfg.channel_selection in QUERY_SELECTIONS:
-            return False
-        from .kernels import HAS_TRITON
-
-        return HAS_TRITON
-
     def _pack(
         self, pool: PagePool, table: torch.Tensor, dest: list[tuple[int, int, int]], rows: list[int], keys: bool
     ) -> None:
-        """Quantize the full qbuffers of ``rows`` into fresh pages of ``pool`` and point ``table`` at them."""
+        """Quantize the full qbuffers of ``rows`` into fresh pages of ``pool`` (the layer's backend ops) and point
+        ``table`` at them."""
         idx = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
-        if self._triton_pack(keys):
-            from .kernels import pack_pages
-
-            ids = pool.allocate(len(rows))
-            qbuf = self.k_qbuf if keys else self.v_qbuf
-            pack_pages(
-                self.cfg,
-                qbuf if keys else None,
-                None if keys else qbuf,
-                k_rows=idx if keys else None,
-                v_rows=None if keys else idx,
-                pool=pool.tensors,
-                k_pages=ids if keys else None,
-                v_pages=None if keys else ids,
-                salt=self.layer_idx,
-            )
-            self._point(table, dest, ids)
-        elif keys:
-            page = quantize_key_page(self.k_qbuf[idx], self.cfg, salt=self.layer_idx, query_scale=self.query_scale(idx))
-            self._store(pool, table, dest, page_fields(page))
+        ids = pool.allocate(len(rows))
+        if keys:
+            self.ops.pack_keys(self.k_qbuf, idx, pool, ids, self.layer_idx, self.query_scale(idx))
         else:
-            self._store(pool, table, dest, page_fields(quantize_value_page(self.v_qbuf[idx], self.cfg)))
+            self.ops.pack_values(self.v_qbuf, idx, pool, ids, self.layer_idx)
+        self._point(table, dest, ids)
 
     def observe_queries(self, query: torch.Tensor, valid: torch.Tensor) -> None:
         """Add the new queries ``[B, Hq, T, D]`` (real tokens per ``valid`` ``[B, T]``) to the running statistics of

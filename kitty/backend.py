@@ -1,0 +1,162 @@
+"""Torch or Triton: a Kitty layer's backend, resolved once (when the layer first sees tensors) into a small ops object.
+
+As transformers' quantized cache backends override only their quantize/dequantize methods, the two backends differ
+only in what their ops object does; the cache and the attention function call the ops and never ask which one runs:
+
+- :class:`TorchOps`: full qbuffers become pages with ``kitty.quant``; decode attention is the torch reference
+  (``kernels/reference.py``, also what the torch path of ``kitty.attention`` reads);
+- :class:`TritonOps`: decode steps attend with the fused kernel (``kitty.kernels.decode_attention``); full qbuffers
+  of CUDA layers are packed by ``kitty.kernels.pack_pages`` where it packs bit-identically to ``kitty.quant`` (2/4
+  bits, min-max ranges, magnitude or random channel selection), else as :class:`TorchOps` packs them.
+
+``backend="auto"`` is Triton for CUDA tensors when Triton is installed and the fused kernel handles the config
+(``kitty.kernels.triton_supports``), else torch. :func:`check_triton` is the one refusal of ``backend="triton"``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from . import kernels
+from .config import BACKENDS, QUERY_SELECTIONS, KVQuantConfig
+from .kernels.reference import decode_attention_ref
+from .pages import PagePool
+from .quant import quantize_key_page, quantize_value_page
+from .storage import KittyLayerState, page_fields
+
+BACKEND_ENV = "KITTY_BACKEND"
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run under Triton's interpreter (``kitty.kernels.interpreting``)."""
+    return kernels.interpreting()
+
+
+def requested_backend(backend: str | None) -> str:
+    """``backend``, or ``$KITTY_BACKEND`` when it is ``None``, or ``"auto"``; ``ValueError`` if not in ``BACKENDS``."""
+    if backend is not None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS} (or None for ${BACKEND_ENV}), got {backend!r}")
+        return backend
+    choice = os.environ.get(BACKEND_ENV) or "auto"
+    if choice not in BACKENDS:
+        raise ValueError(f"${BACKEND_ENV} must be one of {BACKENDS}, got {choice!r}")
+    return choice
+
+
+def check_triton(cfg: KVQuantConfig | None, head_dim: int | None, device: torch.device | None = None) -> None:
+    """Refuse ``backend="triton"`` where it cannot run, before any token is stored.
+
+    ``NotImplementedError`` without Triton; ``ValueError`` without a CUDA GPU (``device=None``: the machine's) or
+    for tensors on ``device`` that are not CUDA tensors (both unless under ``TRITON_INTERPRET=1``), or for a config
+    the fused kernel does not handle at ``head_dim``.
+    """
+
+    def refuse(why: str, error: type[Exception] = ValueError):
+        raise error(f"backend='triton' {why}; use backend='auto' or 'torch' (or ${BACKEND_ENV}=torch)")
+
+    if not kernels.HAS_TRITON:
+        refuse("needs Triton for kitty.kernels.decode_attention, which is not installed", NotImplementedError)
+    if device is None and not torch.cuda.is_available() and not interpreting():
+        refuse("needs a CUDA GPU, and torch sees none (CPU runs need TRITON_INTERPRET=1 set before triton is imported)")
+    if device is not None and device.type != "cuda" and not interpreting():
+        refuse(f"runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1), got tensors on {device}")
+    if cfg is not None and not kernels.triton_supports(cfg, head_dim):
+        refuse(
+            f"cannot run group_size={cfg.group_size}, head_dim={head_dim}, value_bits={cfg.value_bits} "
+            "(see kitty.kernels.triton_supports)"
+        )
+
+
+def resolve_backend(
+    requested: str | None, device: torch.device, cfg: KVQuantConfig | None = None, head_dim: int | None = None
+) -> str:
+    """``"torch"`` or ``"triton"`` for tensors on ``device``; ``requested`` as in :func:`requested_backend`.
+
+    ``"auto"`` picks Triton only for CUDA tensors, when Triton is installed and (per
+    ``kitty.kernels.triton_supports``) the fused kernel handles ``cfg`` at ``head_dim``.
+    """
+    choice = requested_backend(requested)
+    if choice != "auto":
+        return choice
+    if device.type != "cuda":
+        return "torch"
+    if not kernels.HAS_TRITON:
+        warnings.warn("Triton is not installed: KittyCache(backend='auto') uses the torch backend", stacklevel=3)
+        return "torch"
+    if cfg is not None and not kernels.triton_supports(cfg, head_dim):
+        return "torch"
+    return "triton"
+
+
+class TorchOps:
+    """The torch backend of one layer: pages by ``kitty.quant``, decode attention by the torch reference."""
+
+    name = "torch"
+
+    def __init__(self, cfg: KVQuantConfig, device: torch.device):
+        self.cfg, self.device = cfg, device
+
+    def pack_keys(
+        self,
+        qbuf: torch.Tensor,
+        rows: torch.Tensor,
+        pool: PagePool,
+        ids: torch.Tensor,
+        salt: int,
+        query_scale: torch.Tensor | None,
+    ) -> None:
+        """Quantize the full key qbuffers ``qbuf[rows]`` ``[n, H, G, D]`` into pool pages ``ids``."""
+        pool.write(ids, page_fields(quantize_key_page(qbuf[rows], self.cfg, salt=salt, query_scale=query_scale)))
+
+    def pack_values(self, qbuf: torch.Tensor, rows: torch.Tensor, pool: PagePool, ids: torch.Tensor, salt: int) -> None:
+        """Quantize the full value qbuffers ``qbuf[rows]`` ``[n, H, G, D]`` into pool pages ``ids``."""
+        pool.write(ids, page_fields(quantize_value_page(qbuf[rows], self.cfg)))
+
+    def decode_attention(
+        self, q: torch.Tensor, state: KittyLayerState, scaling: float, full_qbuffer: bool = False
+    ) -> torch.Tensor:
+        """One query token per row ``q`` ``[B, Hq, D]`` over the layer's ``state`` -> ``[B, Hq, D]``."""
+        return decode_attention_ref(q, state, self.cfg, scaling, full_qbuffer=full_qbuffer)
+
+
+class TritonOps(TorchOps):
+    """The Triton backend of one layer: the fused decode kernel; the pack kernel where it gives kitty.quant's bytes."""
+
+    name = "triton"
+
+    def __init__(self, cfg: KVQuantConfig, device: torch.device):
+        super().__init__(cfg, device)
+        same_bytes = device.type == "cuda" and cfg.key_range == "minmax" and cfg.value_range == "minmax"
+        same_bytes = same_bytes and cfg.boost_profile is None
+        self.packs_keys = same_bytes and cfg.quantizes_keys and cfg.channel_selection not in QUERY_SELECTIONS
+        self.packs_values = same_bytes and cfg.quantizes_values
+
+    def pack_keys(self, qbuf, rows, pool, ids, salt, query_scale) -> None:
+        if not self.packs_keys:
+            return super().pack_keys(qbuf, rows, pool, ids, salt, query_scale)
+        kernels.pack_pages(self.cfg, qbuf, None, k_rows=rows, pool=pool.tensors, k_pages=ids, salt=salt)
+
+    def pack_values(self, qbuf, rows, pool, ids, salt) -> None:
+        if not self.packs_values:
+            return super().pack_values(qbuf, rows, pool, ids, salt)
+        kernels.pack_pages(self.cfg, None, qbuf, v_rows=rows, pool=pool.tensors, v_pages=ids, salt=salt)
+
+    def decode_attention(self, q, state, scaling, full_qbuffer=False) -> torch.Tensor:
+        # looked up on the package at every call, so that the kernel can be wrapped (tests count its calls)
+        return kernels.decode_attention(
+            q, state, self.cfg, scaling=scaling, backend="triton", full_qbuffer=full_qbuffer
+        )
+
+
+def backend_ops(requested: str | None, device: torch.device, cfg: KVQuantConfig, head_dim: int) -> TorchOps | TritonOps:
+    """The ops object of a layer whose tensors live on ``device`` (``"triton"``: refused by :func:`check_triton`
+    where it cannot run)."""
+    choice = resolve_backend(requested, device, cfg, head_dim)
+    if choice == "triton":
+        check_triton(cfg, head_dim, device)
+        return TritonOps(cfg, device)
+    return TorchOps(cfg, device)
