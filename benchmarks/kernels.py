@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -45,7 +46,7 @@ from kitty.kernels import (  # noqa: E402
     dequantize_value_page_triton,
     pack_pages,
 )
-from kitty.kernels.decode_attention import default_num_splits  # noqa: E402
+from kitty.kernels.launch import default_launch  # noqa: E402
 from kitty.kernels.testing import make_state, planted_kv  # noqa: E402
 from kitty.memory import page_bytes, token_layout  # noqa: E402
 from kitty.quant import dequantize_key_page, dequantize_value_page, quantize_key_page, quantize_value_page  # noqa: E402
@@ -460,7 +461,8 @@ def main():
                 for kc in FUSED_CONFIGS if not args.quick else FUSED_CONFIGS[:1]:
                     max_units = st0.k_page_table.shape[1] + 1
                     for waves in sweep_waves:
-                        splits = default_num_splits(B, HKV, max_units, torch.device(DEV), waves=waves)
+                        launch = default_launch(B, HKV, max_units, torch.device(DEV), waves=waves, **kc)
+                        splits = launch.num_splits
                         tag = " ".join(f"{k}={v}" for k, v in kc.items()) + f" splits={splits}"
                         if any(
                             sw["config"] == tag
@@ -474,7 +476,9 @@ def main():
                         try:
                             t = bench(
                                 [
-                                    lambda i=i: decode_attention_triton(qs[i], states[i], cfg, num_splits=splits, **kc)
+                                    lambda i=i, launch=launch: decode_attention_triton(
+                                        qs[i], states[i], cfg, launch=launch
+                                    )
                                     for i in range(nrot)
                                 ]
                             )
@@ -488,7 +492,8 @@ def main():
                         )
                         if best is None or t < best[0]:
                             best = (t, tag, nbytes)
-                try:  # decode_attention_triton's own default launch (kernels.decode_attention.default_launch)
+                try:  # decode_attention_triton's own default launch (kernels/launch.py: default_launch)
+                    launch = default_launch(B, HKV, st0.k_page_table.shape[1] + 1, torch.device(DEV))
                     t_def = bench([lambda i=i: decode_attention_triton(qs[i], states[i], cfg) for i in range(nrot)])
                     results.setdefault("default_launch", []).append(
                         {
@@ -498,6 +503,7 @@ def main():
                             "dtype": tag_dt,
                             "us": t_def * 1e6,
                             "speedup_vs_sdpa": sdpa_t / t_def if sdpa_t else None,
+                            "launch": dataclasses.asdict(launch),
                         }
                     )
                     log(f"    default launch {preset} {tag_dt}: {t_def * 1e6:.1f} us")
@@ -565,9 +571,10 @@ def main():
             best = None
             for kc in [kc for kc in FUSED_CONFIGS if not kc.get("split_fold")][:2]:  # raw pages: no folding
                 for waves in (2, 4):
-                    splits = default_num_splits(B, HKV, st.k_page_table.shape[1] + 1, torch.device(DEV), waves=waves)
+                    launch = default_launch(B, HKV, st.k_page_table.shape[1] + 1, torch.device(DEV), waves=waves, **kc)
+                    splits = launch.num_splits
                     try:
-                        t = bench([lambda: decode_attention_triton(q0, st, cfg, num_splits=splits, **kc)])
+                        t = bench([lambda: decode_attention_triton(q0, st, cfg, launch=launch)])
                     except Exception as e:  # noqa: BLE001
                         log(f"    fp16-pages fused failed: {type(e).__name__}: {str(e)[:300]}")
                         continue

@@ -2,8 +2,10 @@
 
     python benchmarks/sass.py [--preset kitty] [--dtype float16] [--out DIR]
 
-Builds ``kernels.decode_attention._decode_split_kernel`` with the constexprs of the benchmark's target shape
-(32 query / 8 KV heads, D=128, G=128, S=32, R=128) through Triton's own compiler and ptxas, disassembles the cubin
+Builds ``kernels.decode_attention._decode_split_kernel`` exactly as the wrapper launches it during a decode step at the
+benchmark's target shape (B=8 rows, 32 query / 8 KV heads, D=128, L=32K; the preset's G, S, R): the constants of
+``kernel_constants`` and the launch of ``kernels.launch.default_launch`` (for the H200's 132 SMs), through Triton's
+own compiler and ptxas, disassembles the cubin
 (``cuobjdump`` shipped with Triton), finds the loop that holds the most tensor-core instructions (the page loop
 over quantized keys and values) and reports its instructions per cached element: one iteration covers one page of
 one KV head, ``G * D`` key codes and ``G * D`` value codes, spread over ``32 * num_warps`` threads.
@@ -28,7 +30,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kitty.config import PRESETS  # noqa: E402
-from kitty.kernels import _tiles  # noqa: E402
+from kitty.kernels.launch import H200_SMS, Launch, default_launch  # noqa: E402
 
 da = importlib.import_module(
     "kitty.kernels.decode_attention"
@@ -63,16 +65,14 @@ POINTERS = [
 def compile_kernel(
     preset: str,
     dtype: torch.dtype,
-    num_warps: int = 4,
+    launch: Launch,
     D: int = 128,
     QH: int = 4,
     arch: int = 90,
-    block_h: int = 4,
-    split_fold: int = 1,
 ) -> dict:
+    """Compile ``_decode_split_kernel`` as ``decode_attention_triton`` launches it with ``launch`` during a decode
+    step (``full_qbuffer=True``): the same constants (``kernel_constants``) and launch options."""
     cfg = PRESETS[preset]
-    G, S, R = cfg.group_size, cfg.sink_tokens, cfg.local_window
-    nb = cfg.num_boosted(D)
     tdt = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
     ptr_types = {
         "ws_m_ptr": "fp32",
@@ -87,37 +87,7 @@ def compile_kernel(
         "v_codes_ptr": "u8",
     }
     fn = da._decode_split_kernel
-    vbits = cfg.value_bits
-    ka = [da.magic_code(dtype, 2, s) for s in (0, 2, 4, 6)]
-    va = [da.magic_code(dtype, vbits, vbits * r) for r in range(4)]
-    constexprs = dict(
-        S=S,
-        G=G,
-        R=R,
-        D=D,
-        NB=nb,
-        NBP=max(16, triton.next_power_of_2(max(nb, 1))),
-        VBITS=vbits,
-        KEY_RAW=False,
-        VALUE_RAW=False,
-        BLOCK_H=max(block_h, triton.next_power_of_2(QH)),
-        FULL_QBUF=True,
-        SPLIT=split_fold,
-        BLOCK_S=max(16, triton.next_power_of_2(S)),
-        DOT=_tiles.TLTYPE[dtype],
-        KA0=ka[0][0],
-        KA1=ka[1][0],
-        KA2=ka[2][0],
-        KA3=ka[3][0],
-        KOFF=ka[0][1],
-        KUNIT=ka[0][2],
-        VA0=va[0][0],
-        VA1=va[1][0],
-        VA2=va[2][0],
-        VA3=va[3][0],
-        VOFF=va[0][1],
-        VUNIT=va[0][2],
-    )
+    constexprs = da.kernel_constants(cfg, D, QH, dtype, launch, full_qbuffer=True)
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -130,15 +100,18 @@ def compile_kernel(
         else:
             signature[name] = "i32"
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": 1})
+    options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
+    if launch.maxnreg is not None:
+        options["maxnreg"] = launch.maxnreg
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     return {
         "ptx": k.asm["ptx"],
         "cubin": k.asm["cubin"],
         "n_regs": getattr(k, "n_regs", None),
         "shared": k.metadata.shared,
-        "G": G,
+        "G": cfg.group_size,
         "D": D,
-        "threads": 32 * num_warps,
+        "threads": 32 * launch.num_warps,
     }
 
 
@@ -182,15 +155,25 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="kitty")
     ap.add_argument("--dtype", default="float16")
-    ap.add_argument("--num-warps", type=int, default=2)
+    ap.add_argument(
+        "--batch", type=int, default=8, help="rows B: the launch is the kernel's default for (B, 8 KV heads)"
+    )
+    ap.add_argument("--context", type=int, default=32768, help="tokens per row L (the split count's page slots)")
+    ap.add_argument("--sms", type=int, default=H200_SMS, help="SMs of the target GPU (the launch heuristic reads it)")
+    ap.add_argument("--num-warps", type=int, default=None, help="override the default launch's warps")
     ap.add_argument("--block-h", type=int, default=4, help="query rows per program (the kernel's block_h)")
     ap.add_argument(
-        "--split-fold", type=int, default=1, help="operands as two 16-bit parts: 1 q*scale, 2 p*scale, 3 both"
+        "--split-fold", type=int, default=0, help="operands as two 16-bit parts: 1 q*scale, 2 p*scale, 3 both"
     )
     ap.add_argument("--out", default=None, help="folder to write the PTX and SASS to")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
-    k = compile_kernel(args.preset, dtype, args.num_warps, block_h=args.block_h, split_fold=args.split_fold)
+    cfg = PRESETS[args.preset]
+    slots = max(args.context - cfg.sink_tokens, 0) // cfg.group_size + 1  # as the wrapper: page-table width + 1
+    launch = default_launch(
+        args.batch, 8, slots, args.sms, num_warps=args.num_warps, block_h=args.block_h, split_fold=args.split_fold
+    )
+    k = compile_kernel(args.preset, dtype, launch)
     sass = sass_text(k["cubin"])
     if args.out:
         os.makedirs(args.out, exist_ok=True)
@@ -200,7 +183,7 @@ def main():
     elems = 2 * k["G"] * k["D"]  # key codes + value codes of one page of one KV head
     per_thread = elems / k["threads"]
     ops = collections.Counter(op.split(".")[0] for op, _ in loop)
-    print(f"{args.preset} {args.dtype} warps={args.num_warps}: registers {k['n_regs']}, shared {k['shared']} B")
+    print(f"{args.preset} {args.dtype} {launch}: registers {k['n_regs']}, shared {k['shared']} B")
     print(
         f"hot loop: {len(loop)} instructions per thread per page = {len(loop) / per_thread:.2f} per cached element "
         f"({per_thread:.0f} codes per thread per page)"

@@ -59,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kitty.config import KVQuantConfig
+from kitty.config import BACKENDS, KVQuantConfig
 
 from ._tiles import (
     INTERPRET,
@@ -71,6 +71,7 @@ from ._tiles import (
     is_power_of_two,
     program_row,
 )
+from .launch import Launch, default_launch
 from .reference import KittyLayerState, check_state, decode_attention_ref  # noqa: F401 (re-exported)
 
 __all__ = ["KittyLayerState", "decode_attention", "decode_attention_ref", "decode_attention_triton", "triton_supports"]
@@ -491,33 +492,6 @@ def register_cap(maxnreg: int | None) -> dict:
     return {} if (maxnreg is None or INTERPRETING) else {"maxnreg": int(maxnreg)}
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
-def default_num_splits(B: int, Hkv: int, max_blocks: int, device: torch.device, waves: int = 4) -> int:
-    """Splits so that B*Hkv*splits programs fill ~``waves`` per SM, never more than the work units of a row; at
-    most 2 once B*Hkv alone gives two programs per SM (measured on the H200: more splits only add programs then)."""
-    programs, sms = max(B * Hkv, 1), _num_sms(device)
-    want = triton.cdiv(waves * sms, programs)
-    if programs >= 2 * sms:
-        want = min(want, 2)
-    return max(1, min(want, max_blocks, 256))
-
-
-def default_launch(B: int, Hkv: int, device: torch.device) -> dict:
-    """Launch configuration of the fused kernel for ``B * Hkv`` (row, KV head) pairs. Measured on the H200 (triton
-    3.6, benchmarks/RESULTS.md): with at least a quarter as many pairs as SMs, 2 warps with a 128-register cap and
-    ~8 programs per SM (enough resident programs to hide load latency; 1.4-1.8x faster than 4 warps at (8, 32K),
-    (16, 8K), (64, 8K) and (256, 8K)); below that (batch 1), 4 warps with a 2-stage pipelined page loop and ~2
-    programs per SM (each program has more pages to stream; 38.8 us at (1, 32K) against 42.5 us with ~4)."""
-    if B * Hkv * 4 >= _num_sms(device):
-        return {"num_warps": 2, "num_stages": 1, "maxnreg": 128, "waves": 8}
-    return {"num_warps": 4, "num_stages": 2, "maxnreg": None, "waves": 2}
-
-
 def _dot_dtype(dtype: torch.dtype):
     """Operand dtype of the kernel's products: the model dtype, except fp32 (and bf16 under the interpreter, whose
     bf16 ``tl.dot`` is wrong), which multiply in fp32."""
@@ -526,27 +500,45 @@ def _dot_dtype(dtype: torch.dtype):
     return dtype
 
 
+def kernel_constants(cfg: KVQuantConfig, head_dim: int, group: int, dtype: torch.dtype, launch: Launch,
+                     full_qbuffer: bool) -> dict:
+    """The compile-time constants of ``_decode_split_kernel`` for pages of ``cfg`` with ``head_dim`` channels,
+    ``group`` query heads per KV head, ``dtype`` queries and ``launch``: what the wrapper launches and what
+    ``benchmarks/sass.py`` compiles."""
+    S, G, R, D = cfg.sink_tokens, cfg.group_size, cfg.local_window, head_dim
+    nb = cfg.num_boosted(D)
+    dot = _dot_dtype(dtype)
+    vbits = cfg.value_bits if cfg.quantizes_values else 2
+    ka = [magic_code(dot, 2, s) for s in (0, 2, 4, 6)]
+    va = [magic_code(dot, vbits, vbits * r) for r in range(4)]
+    if G < 64 or D * vbits // 8 < 16:  # small tiles: plain conversions (same values) instead of the PTX blocks
+        ka = [("",) + x[1:] for x in ka]
+        va = [("",) + x[1:] for x in va]
+    return dict(
+        S=S, G=G, R=R, D=D, NB=nb, NBP=max(16, triton.next_power_of_2(max(nb, 1))), VBITS=vbits,
+        KEY_RAW=not cfg.quantizes_keys, VALUE_RAW=not cfg.quantizes_values,
+        BLOCK_H=max(launch.block_h, triton.next_power_of_2(group)), BLOCK_S=max(16, triton.next_power_of_2(S)),
+        DOT=TLTYPE[dot], FULL_QBUF=bool(full_qbuffer), SPLIT=0 if dot == torch.float32 else int(launch.split_fold),
+        KA0=ka[0][0], KA1=ka[1][0], KA2=ka[2][0], KA3=ka[3][0], KOFF=ka[0][1], KUNIT=ka[0][2],
+        VA0=va[0][0], VA1=va[1][0], VA2=va[2][0], VA3=va[3][0], VOFF=va[0][1], VUNIT=va[0][2],
+    )
+
+
 def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig, scaling: float | None = None,
-                            num_splits: int | None = None, num_warps: int | None = None,
-                            num_stages: int | None = None, maxnreg: int | None = None, waves: int | None = None,
-                            full_qbuffer: bool = False, block_h: int = 4,
-                            split_fold: int = 0) -> torch.Tensor:
+                            launch: Launch | None = None, full_qbuffer: bool = False, **tuning) -> torch.Tensor:
     """The fused Triton kernel (see module docstring). ``q``: ``[B, Hq, D]`` -> ``[B, Hq, D]`` in ``q.dtype``.
 
     ``full_qbuffer``: the state is mid-step, after the new token was inserted and before a qbuffer it filled is
     packed (qbuffers hold 1..G tokens, ``kitty.memory.token_layout``): the filled qbuffer is attended in full precision.
 
-    Tuning knobs (``None``: :func:`default_launch`, the fastest configuration timed on the H200 for the batch
-    at hand, checked for correctness there: benchmarks/RESULTS.md): ``num_splits`` programs per (row, KV head),
-    each taking a contiguous run of pages (default: enough programs for ``waves`` per SM), ``num_warps``,
-    ``num_stages`` (Triton's software pipelining of the page loop), ``maxnreg`` (a register cap per thread) and
-    ``block_h`` (query rows per program, at least the GQA group; 16 fills a tensor-core tile, fewer rows cut the
-    softmax work on padding). ``split_fold``: carry ``q * key scale`` (1), ``p * value scale`` (2) or both (3) as
-    two 16-bit operands (rounded part + remainder: one more tensor-core product over the same codes). Folding the
-    key scale into one 16-bit ``q * scale`` rounds a product that multiplies codes up to 3, where dequantizing first
-    rounds the key itself: on outlier-heavy keys, fp16 outputs were measured up to 2.2x further from the fp32
-    reference than the fp16 torch reference is; ``split_fold=1`` cuts that error 2-3x but costs ~45% more time
-    at (8, 32K) on the H200 (benchmarks/RESULTS.md), so it is off by default.
+    ``launch``: a :class:`kernels.launch.Launch`; ``None``: :func:`kernels.launch.default_launch` for the batch at
+    hand (the fastest configuration timed on the H200, checked for correctness there: benchmarks/RESULTS.md), with
+    ``tuning`` (its keyword arguments: ``num_splits``, ``num_warps``, ``num_stages``, ``maxnreg``, ``waves``,
+    ``block_h``, ``split_fold``) replacing defaults. Folding the key scale into one 16-bit ``q * scale``
+    (``split_fold=0``) rounds a product that multiplies codes up to 3, where dequantizing first rounds the key
+    itself: on outlier-heavy keys, fp16 outputs were measured up to 2.2x further from the fp32 reference than the
+    fp16 torch reference is; ``split_fold=1`` cuts that error 2-3x but costs ~45% more time at (8, 32K) on the H200
+    (benchmarks/RESULTS.md), so it is off by default.
     """
     z = check_state(q, state, cfg)
     B, Hq, Hkv, D, S, G, R, nb = (z[k] for k in ("B", "Hq", "Hkv", "D", "S", "G", "R", "nb"))
@@ -556,17 +548,14 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
     if not INTERPRETING and not triton_supports(cfg, D, compiled=True):
         raise ValueError(f"on the GPU the fused kernel needs group_size >= 64 and head_dim * value_bits / 8 >= 16, got "
                          f"group_size={G}, head_dim={D}, value_bits={cfg.value_bits} (use the torch backend)")
+    if launch is not None and tuning:
+        raise ValueError(f"pass either launch or its fields, got launch and {sorted(tuning)}")
     scaling = 1.0 / math.sqrt(D) if scaling is None else float(scaling)
     QH = Hq // Hkv
-    BLOCK_H = max(block_h, triton.next_power_of_2(QH))
-    BLOCK_S = max(16, triton.next_power_of_2(S))
     max_pages = state.k_page_table.shape[1] + 1
-    auto = default_launch(B, Hkv, q.device)
-    if num_warps is None and num_stages is None and maxnreg is None:  # the register cap goes with its warp count
-        maxnreg = auto["maxnreg"]
-    num_warps = auto["num_warps"] if num_warps is None else num_warps
-    num_stages = auto["num_stages"] if num_stages is None else num_stages
-    splits = num_splits or default_num_splits(B, Hkv, max_pages, q.device, auto["waves"] if waves is None else waves)
+    launch = launch or default_launch(B, Hkv, max_pages, q.device, **tuning)
+    consts = kernel_constants(cfg, D, QH, q.dtype, launch, full_qbuffer)
+    BLOCK_H, splits = consts["BLOCK_H"], launch.num_splits
     dev, f32 = q.device, torch.float32
     ws_m = torch.empty(B * Hkv * splits * BLOCK_H, dtype=f32, device=dev)
     ws_l = torch.empty_like(ws_m)
@@ -577,13 +566,6 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
     dummy = state.k_qbuf
     st = state
     lengths = st.lengths.to(torch.int32)
-    dot = _dot_dtype(q.dtype)
-    vbits = cfg.value_bits if cfg.quantizes_values else 2
-    ka = [magic_code(dot, 2, s) for s in (0, 2, 4, 6)]
-    va = [magic_code(dot, vbits, vbits * r) for r in range(4)]
-    if G < 64 or D * vbits // 8 < 16:  # small tiles: plain conversions (same values) instead of the PTX blocks
-        ka = [("",) + x[1:] for x in ka]
-        va = [("",) + x[1:] for x in va]
     _decode_split_kernel[(B * Hkv, splits)](
         q, ws_m, ws_l, ws_acc,
         lengths, st.sink_k, st.sink_v, st.k_qbuf, st.v_qbuf, st.v_local, st.k_page_table, st.v_page_table,
@@ -594,21 +576,13 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
         q.stride(0), q.stride(1), st.sink_k.stride(0), st.sink_k.stride(1), st.sink_v.stride(0), st.sink_v.stride(1),
         st.k_qbuf.stride(0), st.k_qbuf.stride(1), st.v_qbuf.stride(0), st.v_qbuf.stride(1),
         st.v_local.stride(0), st.v_local.stride(1), st.k_page_table.stride(0), st.v_page_table.stride(0),
-        S=S, G=G, R=R, D=D, NB=nb, NBP=max(16, triton.next_power_of_2(max(nb, 1))), VBITS=vbits,
-        KEY_RAW=not cfg.quantizes_keys, VALUE_RAW=not cfg.quantizes_values, BLOCK_H=BLOCK_H, BLOCK_S=BLOCK_S,
-        DOT=TLTYPE[dot], FULL_QBUF=bool(full_qbuffer), SPLIT=0 if dot == torch.float32 else int(split_fold),
-        KA0=ka[0][0], KA1=ka[1][0], KA2=ka[2][0], KA3=ka[3][0], KOFF=ka[0][1], KUNIT=ka[0][2],
-        VA0=va[0][0], VA1=va[1][0], VA2=va[2][0], VA3=va[3][0], VOFF=va[0][1], VUNIT=va[0][2],
-        num_warps=num_warps, num_stages=num_stages, **register_cap(maxnreg),
+        **consts, num_warps=launch.num_warps, num_stages=launch.num_stages, **register_cap(launch.maxnreg),
     )
     _decode_reduce_kernel[(B * Hkv, QH)](
         ws_m, ws_l, ws_acc, out, Hkv, QH, splits, out.stride(0), out.stride(1),
         D=D, BLOCK_H=BLOCK_H, SPLITS_P2=triton.next_power_of_2(splits),
     )
     return out
-
-
-BACKENDS = ("auto", "triton", "torch")
 
 
 def triton_supports(cfg: KVQuantConfig, head_dim: int, compiled: bool | None = None) -> bool:
@@ -629,7 +603,7 @@ def decode_attention(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig
     ``backend="auto"`` runs the fused Triton kernel on CUDA tensors or under ``TRITON_INTERPRET=1`` when
     :func:`triton_supports` the config, else the torch reference; ``"triton"`` / ``"torch"`` force one (``"triton"``
     raises ``ValueError`` for an unsupported config). ``scaling`` defaults to ``1/sqrt(D)``. ``kernel_options``:
-    tuning knobs of :func:`decode_attention_triton`.
+    the launch of :func:`decode_attention_triton` (``launch=`` or its fields).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

@@ -21,7 +21,8 @@ import triton.language as tl
 from kitty.config import KVQuantConfig
 
 from ._tiles import INTERPRETING, TLTYPE, _key_page_T, _value_page, check_power_of_two, fp_values, program_row
-from .decode_attention import default_num_splits, register_cap
+from .decode_attention import register_cap
+from .launch import default_num_splits
 from .reference import KittyLayerState, check_state
 
 __all__ = ["decode_attention_unfused"]

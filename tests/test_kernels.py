@@ -324,3 +324,16 @@ def test_decode_attention_mid_step_full_qbuffers(dtype):
         kk, vv = kf[b, :, :n].repeat_interleave(4, 0), vf[b, :, :n].repeat_interleave(4, 0)
         expect = torch.einsum("hn,hnd->hd", torch.softmax(torch.einsum("hd,hnd->hn", qf[b], kk) / 8.0, -1), vv)
         torch.testing.assert_close(got[b], expect, rtol=1e-5, atol=1e-5)
+
+
+def test_default_launch_is_the_measured_heuristic():
+    """The fused kernel's launch (kernels/launch.py) for the H200's 132 SMs: 2 warps, a 128-register cap and ~8
+    programs per SM from a quarter as many (row, KV head) pairs as SMs; 4 warps, 2 stages and ~2 per SM below."""
+    from kitty.kernels.launch import Launch, default_launch
+
+    assert default_launch(8, 8, 256, 132) == Launch(num_splits=17, num_warps=2, num_stages=1, maxnreg=128)
+    assert default_launch(1, 8, 256, 132) == Launch(num_splits=33, num_warps=4, num_stages=2, maxnreg=None)
+    assert default_launch(1, 8, 5, 132).num_splits == 5  # never more splits than page slots
+    # a given field replaces its default; the register cap goes with the default warp count only
+    assert default_launch(8, 8, 256, 132, num_warps=4) == Launch(17, 4, 1, None)
+    assert default_launch(8, 8, 256, 132, num_splits=3, split_fold=1) == Launch(3, 2, 1, 128, split_fold=1)
