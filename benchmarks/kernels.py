@@ -50,6 +50,7 @@ from kitty.kernels.launch import default_launch  # noqa: E402
 from kitty.kernels.testing import make_state, planted_kv  # noqa: E402
 from kitty.memory import page_bytes, token_layout  # noqa: E402
 from kitty.quant import dequantize_key_page, dequantize_value_page, quantize_key_page, quantize_value_page  # noqa: E402
+from kitty.storage import pool_fields  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 SHAPES = [(8, 32768), (64, 8192), (1, 4096), (1, 32768), (16, 8192), (256, 8192)]  # target shapes first
@@ -530,12 +531,8 @@ def main():
                     nrot_p = n_rotations(2 * kq.nbytes)
                     kqs = [kq.clone() for _ in range(nrot_p)]
                     vqs = [vq.clone() for _ in range(nrot_p)]
-                    pool = {
-                        name: x.clone()
-                        for name, x in st0.tensors().items()
-                        if name
-                        in ("k_low", "k_high", "k_boost_idx", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
-                    }
+                    key_spec, value_spec = pool_fields(cfg, HKV, D, dtype)
+                    pool = {name: st0[name].clone() for name in {**key_spec, **value_spec}}
                     pages = torch.arange(B, dtype=torch.int32, device=DEV)
                     try:
                         tp = bench(

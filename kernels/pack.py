@@ -45,6 +45,7 @@ from kitty.quant import (
     quantize_value_page,
     select_boosted,
 )
+from kitty.storage import allocate_pool, pool_fields
 
 from ._tiles import TLTYPE, check_power_of_two
 
@@ -175,8 +176,6 @@ def _pack_kernel(
 
 
 _ITYPE = {torch.float16: tl.int16, torch.bfloat16: tl.int16, torch.float32: tl.int32}
-KEY_POOL = ("k_low", "k_high", "k_boost_idx", "k_scale", "k_zero")
-VALUE_POOL = ("v_codes", "v_scale", "v_zero")
 
 
 def _index(x: torch.Tensor | None, n: int, device, name: str) -> torch.Tensor:
@@ -245,29 +244,20 @@ def pack_pages(
     if v_qbuf is not None and cfg.value_bits not in (2, 4):
         raise ValueError(f"pack_pages packs 2/4-bit values, got value_bits={cfg.value_bits}")
     nb = cfg.num_boosted(D)
-    G4 = G // 4
     nk = 0 if k_qbuf is None else (k_qbuf.shape[0] if k_rows is None else len(k_rows))
     nv = 0 if v_qbuf is None else (v_qbuf.shape[0] if v_rows is None else len(v_rows))
     k_rows = _index(k_rows, nk, device, "k_rows")
     v_rows = _index(v_rows, nv, device, "v_rows")
     # ---- outputs
     u8 = dict(dtype=torch.uint8, device=device)
+    key_spec, value_spec = pool_fields(cfg, Hkv, D, dtype, quantized=True)
     if pool is None:
-        out = {
-            "k_low": torch.empty(nk, Hkv, D, G4, **u8), "k_high": torch.empty(nk, Hkv, nb, G4, **u8),
-            "k_boost_idx": torch.empty(nk, Hkv, D, **u8),
-            "k_scale": torch.empty(nk, Hkv, D, dtype=dtype, device=device),
-            "k_zero": torch.empty(nk, Hkv, D, dtype=dtype, device=device),
-            "v_codes": torch.empty(nv, Hkv, G, D * cfg.value_bits // 8, **u8),
-            "v_scale": torch.empty(nv, Hkv, G, dtype=dtype, device=device),
-            "v_zero": torch.empty(nv, Hkv, G, dtype=dtype, device=device),
-        }
+        out = {**allocate_pool(key_spec, nk, device), **allocate_pool(value_spec, nv, device)}
         k_pages, v_pages = k_rows.new_tensor(range(nk)), v_rows.new_tensor(range(nv))
     else:
         out = pool
-        need = (KEY_POOL if nk else ()) + (VALUE_POOL if nv else ())
-        shapes = {"k_low": (Hkv, D, G4), "k_high": (Hkv, nb, G4), "k_boost_idx": (Hkv, D), "k_scale": (Hkv, D),
-                  "k_zero": (Hkv, D), "v_codes": (Hkv, G, D * cfg.value_bits // 8), "v_scale": (Hkv, G), "v_zero": (Hkv, G)}
+        need = (tuple(key_spec) if nk else ()) + (tuple(value_spec) if nv else ())
+        shapes = {name: shape for name, (shape, _) in {**key_spec, **value_spec}.items()}
         for name in need:
             if name not in pool:
                 raise ValueError(f"pool is missing {name!r}; needs {need}")

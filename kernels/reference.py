@@ -26,7 +26,7 @@ from kitty.storage import (  # noqa: F401 (the contract, re-exported)
 
 
 def dequantize_cache(
-    storage: dict[str, torch.Tensor] | KittyLayerState,
+    storage: KittyLayerState | dict[str, torch.Tensor],
     cfg: KVQuantConfig,
     new_keys: torch.Tensor | None = None,
     new_values: torch.Tensor | None = None,
@@ -41,8 +41,6 @@ def dequantize_cache(
     (``kitty.memory.token_layout``). Pages are dequantized with ``kitty.quant`` for all rows at once; the result is
     transient.
     """
-    if isinstance(storage, KittyLayerState):
-        storage = storage.tensors()
     n = storage["lengths"].tolist()
     sink_k, sink_v = storage["sink_k"], storage["sink_v"]
     B, H, S, D = sink_k.shape

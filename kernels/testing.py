@@ -13,8 +13,7 @@ import torch
 from kitty.config import KVQuantConfig
 from kitty.memory import token_layout
 from kitty.quant import quantize_key_page, quantize_value_page
-
-from .reference import KittyLayerState
+from kitty.storage import KittyLayerState, allocate_pool, page_fields, pool_fields
 
 
 def planted_kv(
@@ -86,27 +85,13 @@ def make_state(
         if R:
             slots = torch.arange(mv, m, device=dev) % R
             v_local[b][:, slots] = v[b, :, S + mv : n]
-    nb = cfg.num_boosted(D)
-    u8 = dict(dtype=torch.uint8, device=dev)
-    pool = dict(
-        k_low=torch.zeros(P, Hkv, D, G // 4, **u8),
-        k_high=torch.zeros(P, Hkv, nb, G // 4, **u8),
-        k_boost_idx=torch.zeros(P, Hkv, D, **u8),
-        k_scale=torch.zeros(P, Hkv, D, dtype=dt, device=dev),
-        k_zero=torch.zeros(P, Hkv, D, dtype=dt, device=dev),
-        v_codes=torch.zeros(P, Hkv, G, D * cfg.value_bits // 8, **u8),
-        v_scale=torch.zeros(P, Hkv, G, dtype=dt, device=dev),
-        v_zero=torch.zeros(P, Hkv, G, dtype=dt, device=dev),
-    )
-    k_raw = v_raw = None
-    if not cfg.quantizes_keys:
-        k_raw = torch.zeros(P, Hkv, G, D, dtype=dt, device=dev)
-        if k_pages:
-            k_raw[k_ids] = torch.stack(k_pages)
-    if not cfg.quantizes_values:
-        v_raw = torch.zeros(P, Hkv, G, D, dtype=dt, device=dev)
-        if v_pages:
-            v_raw[v_ids] = torch.stack(v_pages)
+    (qk, qv), (k_spec, v_spec) = pool_fields(cfg, Hkv, D, dt, quantized=True), pool_fields(cfg, Hkv, D, dt)
+    spec = {**qk, **qv, **k_spec, **v_spec}  # every quantized field, and k_raw / v_raw of a 16-bit side
+    pool = allocate_pool(spec, P, dev, fill=0)
+    if not cfg.quantizes_keys and k_pages:
+        pool["k_raw"][k_ids] = torch.stack(k_pages)
+    if not cfg.quantizes_values and v_pages:
+        pool["v_raw"][v_ids] = torch.stack(v_pages)
     kq = torch.stack(k_pages) if k_pages and cfg.quantizes_keys else None
     vq = torch.stack(v_pages) if v_pages and cfg.quantizes_values else None
     if pack == "triton" and (kq is not None or vq is not None):
@@ -117,18 +102,10 @@ def make_state(
         )
     else:
         if kq is not None:
-            kp = quantize_key_page(kq, cfg)
-            for name, t in (
-                ("k_low", kp.low),
-                ("k_high", kp.high),
-                ("k_boost_idx", kp.boost_idx),
-                ("k_scale", kp.scale),
-                ("k_zero", kp.zero),
-            ):
+            for name, t in page_fields(quantize_key_page(kq, cfg)).items():
                 pool[name][k_ids] = t
         if vq is not None:
-            vp = quantize_value_page(vq, cfg)
-            for name, t in (("v_codes", vp.codes), ("v_scale", vp.scale), ("v_zero", vp.zero)):
+            for name, t in page_fields(quantize_value_page(vq, cfg)).items():
                 pool[name][v_ids] = t
     lens = torch.tensor(lengths, dtype=torch.int32, device=dev)
-    return KittyLayerState(lens, sink_k, sink_v, k_qbuf, v_qbuf, v_local, k_pt, v_pt, **pool, k_raw=k_raw, v_raw=v_raw)
+    return KittyLayerState(lens, sink_k, sink_v, k_qbuf, v_qbuf, v_local, k_pt, v_pt, **pool)

@@ -41,7 +41,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .backend import BACKEND_ENV, requested_backend, resolve_backend  # noqa: F401 (public here too)
 from .config import KVQuantConfig
 from .kernels.reference import dequantize_cache
-from .storage import PendingKV, layer_state
+from .storage import PendingKV
 
 ATTN_NAME = "kitty"
 
@@ -267,8 +267,9 @@ def _attend_and_insert(layer, query: torch.Tensor, key: PendingKV, valid: torch.
         # a decode step, every row at once: insert, attend over the qbuffers in full precision (a qbuffer this
         # token filled included), then pack what filled -- the paper's order, with no torch path for the batch
         filled = layer.insert_decode(key.key_states, key.value_states)
-        state = layer_state(layer.storage())
-        out = layer.ops.decode_attention(query[:, :, 0], state, scale, full_qbuffer=True)[:, :, None]  # (B, Hq, 1, D)
+        out = layer.ops.decode_attention(query[:, :, 0], layer.storage(), scale, full_qbuffer=True)[
+            :, :, None
+        ]  # (B, Hq, 1, D)
         layer.pack_filled(filled)
     else:
         out = attend_torch(

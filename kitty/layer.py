@@ -16,7 +16,14 @@ from .memory import MemoryReport, token_layout
 from .pages import PagePool, grow_page_table, pages_completed, point
 from .quant import KeyPage, ValuePage, quantize_key_page, quantize_value_page, query_scale_from, query_statistic
 from .step import StepRecord
-from .storage import PendingKV, key_page_from_storage, page_fields, pool_fields, value_page_from_storage
+from .storage import (
+    KittyLayerState,
+    PendingKV,
+    key_page_from_storage,
+    page_fields,
+    pool_fields,
+    value_page_from_storage,
+)
 
 _BEAM_MESSAGE = (
     "KittyCache does not support beam search or other cache reordering (num_beams > 1, contrastive search, "
@@ -480,26 +487,23 @@ class KittyLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------------------------------------ reading
 
-    def storage(self) -> dict[str, torch.Tensor]:
-        """Every tensor of this layer named as in ``docs/LAYOUT.md`` (views, no copies), plus ``lengths``.
-
-        Pool tensors are cut to the pages in use; page tables to the widest row.
-        """
+    def storage(self) -> KittyLayerState:
+        """Every tensor of this layer as a :class:`kitty.storage.KittyLayerState` (views, no copies; named as in
+        ``docs/LAYOUT.md``, plus ``lengths``): pool tensors cut to the pages in use, page tables to the widest row."""
         widest = token_layout(self.cfg, max(self._n, default=0))  # page counts grow with length
         pk, pv = widest.key_pages, widest.value_pages
-        out = {
-            "lengths": self.lengths,
-            "sink_k": self.sink_k,
-            "sink_v": self.sink_v,
-            "k_qbuf": self.k_qbuf,
-            "v_qbuf": self.v_qbuf,
-            "v_local": self.v_local,
-            "k_page_table": self.k_page_table[:, :pk],
-            "v_page_table": self.v_page_table[:, :pv],
-        }
-        out.update(self.key_pool.in_use())
-        out.update(self.value_pool.in_use())
-        return out
+        return KittyLayerState(
+            lengths=self.lengths,
+            sink_k=self.sink_k,
+            sink_v=self.sink_v,
+            k_qbuf=self.k_qbuf,
+            v_qbuf=self.v_qbuf,
+            v_local=self.v_local,
+            k_page_table=self.k_page_table[:, :pk],
+            v_page_table=self.v_page_table[:, :pv],
+            **self.key_pool.in_use(),
+            **self.value_pool.in_use(),
+        )
 
     def key_page(self, row: int, j: int) -> KeyPage:
         """Key page ``j`` of ``row`` as a :class:`kitty.quant.KeyPage` over ``[H, ...]`` (views into the pool)."""

@@ -13,6 +13,7 @@ position: key qbuffer slot ``(p - S) % G``, value qbuffer slot ``(p - S) % G``, 
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, astuple, dataclass, replace
 
 from .config import KVQuantConfig
@@ -116,20 +117,17 @@ def page_bytes(cfg: KVQuantConfig, head_dim: int, dtype_bytes: int = 2) -> dict[
 
     ``dtype_bytes`` is the element size of the model dtype: full-precision buffers and scale/zero use it.
     """
-    D, G = head_dim, cfg.group_size
-    cfg.check_head_dim(D)
-    nb = cfg.num_boosted(D)
-    if cfg.quantizes_keys:
-        key_payload = D * G // 4 + nb * G // 4  # low plane + compact high plane
-        key_meta = D + 2 * D * dtype_bytes  # boost_idx + scale + zero
-    else:
-        key_payload, key_meta = G * D * dtype_bytes, 0
-    if cfg.quantizes_values:
-        value_payload = G * D * cfg.value_bits // 8
-        value_meta = 2 * G * dtype_bytes
-    else:
-        value_payload, value_meta = G * D * dtype_bytes, 0
-    return {"key_payload": key_payload, "key_meta": key_meta, "value_payload": value_payload, "value_meta": value_meta}
+    import torch  # the page tensors' own shapes (kitty.storage); imported here: `import kitty` stays light
+
+    from .storage import PAYLOAD_FIELDS, pool_fields
+
+    cfg.check_head_dim(head_dim)
+    out = {"key_payload": 0, "key_meta": 0, "value_payload": 0, "value_meta": 0}
+    for side, spec in zip(("key", "value"), pool_fields(cfg, 1, head_dim, torch.float16)):
+        for name, (shape, dt) in spec.items():
+            n = math.prod(shape) * (1 if dt == torch.uint8 else dtype_bytes)
+            out[f"{side}_payload" if name in PAYLOAD_FIELDS else f"{side}_meta"] += n
+    return out
 
 
 def analytic_report(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from .config import KVQuantConfig
+from .storage import FieldSpec, allocate_pool
 
 
 def pages_completed(cfg: KVQuantConfig, n0: list[int], n1: list[int]) -> tuple[list[int], list[int]]:
@@ -30,7 +31,7 @@ class PagePool:
 
     def __init__(
         self,
-        fields: dict[str, tuple[tuple[int, ...], torch.dtype]],
+        fields: FieldSpec,
         device: torch.device,
         max_pages: int | None,
         kind: str,
@@ -38,7 +39,8 @@ class PagePool:
         self.fields = fields  # name -> (shape of one page, dtype)
         self.max_pages = max_pages
         self.kind = kind  # "key" or "value", for messages
-        self.tensors = {name: torch.empty((0, *shape), dtype=dt, device=device) for name, (shape, dt) in fields.items()}
+        self.device = device
+        self.tensors = allocate_pool(fields, 0, device)
         self.used = 0
 
     @property
@@ -62,11 +64,11 @@ class PagePool:
             new_cap = max(need, 2 * self.capacity, 4)
             if self.max_pages is not None:
                 new_cap = min(new_cap, self.max_pages)
+            grown = allocate_pool(self.fields, new_cap, self.device)
             for name, t in self.tensors.items():
-                grown = t.new_empty((new_cap, *t.shape[1:]))
-                grown[: self.used] = t[: self.used]
-                self.tensors[name] = grown
-        ids = torch.arange(self.used, need, dtype=torch.int32, device=next(iter(self.tensors.values())).device)
+                grown[name][: self.used] = t[: self.used]
+            self.tensors = grown
+        ids = torch.arange(self.used, need, dtype=torch.int32, device=self.device)
         self.used = need
         return ids
 

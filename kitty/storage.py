@@ -3,9 +3,11 @@
 One module that the cache (``kitty/cache.py``), the attention function (``kitty/attention.py``) and the kernels
 (``kernels/``) all import, so that a field is named, shaped and checked in one place:
 
-- :func:`pool_fields`: the page-pool tensors of a layer (shape of one page, dtype), for keys and for values;
-- :class:`KittyLayerState`: every tensor of one layer as the kernels read it; :func:`check_state` validates it
-  against a config; :func:`layer_state` builds it from a storage dict (``KittyLayer.storage()``);
+- :func:`pool_fields`: the page-pool tensors of a layer (shape of one page, dtype), for keys and for values, and
+  :func:`allocate_pool`, the only code that allocates them;
+- :class:`KittyLayerState`: every tensor of one layer (``KittyLayer.storage()``, ``kernels/testing.py``), the one
+  state type the cache, the torch reference and the kernels read (also a read-only mapping ``name -> tensor``);
+  :func:`check_state` validates it against a config;
 - :func:`key_page_from_storage` / :func:`value_page_from_storage`: pool pages as ``kitty.quant`` pages, and
   :func:`page_fields`, the other way;
 - :class:`PendingKV`: the handle ``KittyLayer.update`` gives the attention function instead of tensors.
@@ -13,6 +15,7 @@ One module that the cache (``kitty/cache.py``), the attention function (``kitty/
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -23,14 +26,18 @@ from .quant import KeyPage, ValuePage
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FieldSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (shape of one page, dtype)
+PAYLOAD_FIELDS = ("k_low", "k_high", "k_raw", "v_codes", "v_raw")  # codes (or raw pages); the rest is metadata
 
 
 def pool_fields(
-    cfg: KVQuantConfig, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    cfg: KVQuantConfig, num_kv_heads: int, head_dim: int, dtype: torch.dtype, quantized: bool = False
 ) -> tuple[FieldSpec, FieldSpec]:
-    """The key-pool and value-pool tensors of one layer: ``name -> (shape of one page, dtype)`` (``docs/LAYOUT.md``)."""
+    """The key-pool and value-pool tensors of one layer: ``name -> (shape of one page, dtype)`` (``docs/LAYOUT.md``).
+
+    A 16-bit side has its raw pages (``k_raw`` / ``v_raw``) only; ``quantized=True``: the quantized fields of both
+    sides, whatever the bits (what ``kernels/pack.py`` writes; ``kernels/testing.py`` allocates both kinds)."""
     H, D, G = num_kv_heads, head_dim, cfg.group_size
-    if cfg.quantizes_keys:
+    if cfg.quantizes_keys or quantized:
         key = {
             "k_low": ((H, D, G // 4), torch.uint8),
             "k_high": ((H, cfg.num_boosted(D), G // 4), torch.uint8),
@@ -40,7 +47,7 @@ def pool_fields(
         }
     else:
         key = {"k_raw": ((H, G, D), dtype)}
-    if cfg.quantizes_values:
+    if cfg.quantizes_values or quantized:
         value = {
             "v_codes": ((H, G, D * cfg.value_bits // 8), torch.uint8),
             "v_scale": ((H, G), dtype),
@@ -51,17 +58,26 @@ def pool_fields(
     return key, value
 
 
+def allocate_pool(
+    spec: FieldSpec, pages: int, device: torch.device | str, fill: float | None = None
+) -> dict[str, torch.Tensor]:
+    """Pool tensors ``name -> [pages, *shape]`` of ``spec`` (:func:`pool_fields`) on ``device``: uninitialized, or
+    filled with ``fill``."""
+    make = torch.empty if fill is None else lambda *shape, **kw: torch.full(shape, fill, **kw)
+    return {name: make(pages, *shape, dtype=dt, device=device) for name, (shape, dt) in spec.items()}
+
+
 # ------------------------------------------------------------------------------------------------- the state
 
 
-@dataclass
-class KittyLayerState:
+@dataclass(eq=False)
+class KittyLayerState(Mapping):
     """One layer's Kitty cache tensors, named exactly as in ``docs/LAYOUT.md``, plus per-row ``lengths``.
 
     B rows, Hkv KV heads, head_dim D, page size G, sink S, local window R, nb boosted channels, P pool pages.
     Per-row buffers may be views with any row/head strides (channels contiguous); pool tensors must be contiguous.
-    Pool tensors of a side that is not quantized (``key_bits``/``value_bits`` = 16) may be empty; ``k_raw``/``v_raw``
-    are needed only then.
+    A side that is not quantized (``key_bits``/``value_bits`` = 16) needs only its raw pool (``k_raw`` / ``v_raw``);
+    its quantized fields may be ``None``. Read as a mapping, the state holds the fields that are not ``None``.
     """
 
     lengths: torch.Tensor  # int32 [B]: valid tokens cached per row (the query is at position lengths[b] - 1)
@@ -72,39 +88,35 @@ class KittyLayerState:
     v_local: torch.Tensor  # [B, Hkv, R, D], ring, slot (p - S) % R
     k_page_table: torch.Tensor  # int32 [B, max_pages]
     v_page_table: torch.Tensor  # int32 [B, max_pages]
-    k_low: torch.Tensor  # uint8 [P, Hkv, D, G/4]
-    k_high: torch.Tensor  # uint8 [P, Hkv, nb, G/4]
-    k_boost_idx: torch.Tensor  # uint8 [P, Hkv, D]
-    k_scale: torch.Tensor  # [P, Hkv, D] dtype
-    k_zero: torch.Tensor  # [P, Hkv, D] dtype
-    v_codes: torch.Tensor  # uint8 [P, Hkv, G, D * value_bits / 8]
-    v_scale: torch.Tensor  # [P, Hkv, G] dtype
-    v_zero: torch.Tensor  # [P, Hkv, G] dtype
+    k_low: torch.Tensor | None = None  # uint8 [P, Hkv, D, G/4]
+    k_high: torch.Tensor | None = None  # uint8 [P, Hkv, nb, G/4]
+    k_boost_idx: torch.Tensor | None = None  # uint8 [P, Hkv, D]
+    k_scale: torch.Tensor | None = None  # [P, Hkv, D] dtype
+    k_zero: torch.Tensor | None = None  # [P, Hkv, D] dtype
+    v_codes: torch.Tensor | None = None  # uint8 [P, Hkv, G, D * value_bits / 8]
+    v_scale: torch.Tensor | None = None  # [P, Hkv, G] dtype
+    v_zero: torch.Tensor | None = None  # [P, Hkv, G] dtype
     k_raw: torch.Tensor | None = None  # [P, Hkv, G, D] only for key_bits=16
     v_raw: torch.Tensor | None = None  # [P, Hkv, G, D] only for value_bits=16
 
     def tensors(self) -> dict[str, torch.Tensor]:
+        """The fields that are not ``None``, as a dict."""
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
+    def __getitem__(self, name: str) -> torch.Tensor:
+        value = getattr(self, name, None) if name in _FIELDS else None
+        if value is None:
+            raise KeyError(name)
+        return value
 
-def layer_state(storage: dict[str, torch.Tensor]) -> KittyLayerState:
-    """A :class:`KittyLayerState` over a storage dict (``KittyLayer.storage()``: the LAYOUT names plus ``lengths``);
-    the pool tensors of a 16-bit side, which the storage does not have, are passed empty."""
-    dev, dtype = storage["k_qbuf"].device, storage["k_qbuf"].dtype
-    empty_u8 = torch.empty(0, dtype=torch.uint8, device=dev)
-    empty = torch.empty(0, dtype=dtype, device=dev)
-    out = dict(
-        k_low=empty_u8,
-        k_high=empty_u8,
-        k_boost_idx=empty_u8,
-        k_scale=empty,
-        k_zero=empty,
-        v_codes=empty_u8,
-        v_scale=empty,
-        v_zero=empty,
-    )
-    out.update(storage)
-    return KittyLayerState(**out)
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors())
+
+    def __len__(self) -> int:
+        return len(self.tensors())
+
+
+_FIELDS = frozenset(f.name for f in fields(KittyLayerState))
 
 
 def check_state(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig) -> dict:
@@ -149,9 +161,10 @@ def check_state(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig) -> 
     pool = {name: shape for name, (shape, _) in {**key_fields, **value_fields}.items()}
     for name, shape in pool.items():
         x = getattr(state, name)
-        if x.dim() != 4 - (len(shape) == 2) or tuple(x.shape[1:]) != shape or not x.is_contiguous():
+        if x is None or x.dim() != 4 - (len(shape) == 2) or tuple(x.shape[1:]) != shape or not x.is_contiguous():
             raise ValueError(
-                f"{name} must be a contiguous pool [P, {', '.join(map(str, shape))}], got {tuple(x.shape)}"
+                f"{name} must be a contiguous pool [P, {', '.join(map(str, shape))}], "
+                f"got {None if x is None else tuple(x.shape)}"
             )
     return dict(B=B, Hq=Hq, Hkv=Hkv, D=D, S=S, G=G, R=R, nb=nb)
 

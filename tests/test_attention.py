@@ -23,7 +23,6 @@ from kitty.attention import (
     resolve_backend,
 )
 from kitty.kernels import decode_attention_ref, dequantize_cache
-from kitty.storage import layer_state
 
 S, G, R = 4, 8, 8
 HKV, HQ, D = 2, 6, 16  # GQA ratio 3
@@ -141,7 +140,7 @@ def test_decode_steps_match_kernels_reference(name):
         k, v, q = torch.randn(3, HKV, 1, D), torch.randn(3, HKV, 1, D), torch.randn(3, HQ, 1, D)
         fills = layer.append_fills_page(torch.ones(3, 1, dtype=torch.bool))
         out = feed(cache, k, v, torch.ones(3, 1, dtype=torch.bool), q)[:, 0]  # (B, Hq, D)
-        state = layer_state(layer.storage())
+        state = layer.storage()
         ref = decode_attention_ref(q[:, :, 0], state, cfg, D**-0.5)
         if not fills:
             torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

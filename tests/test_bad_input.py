@@ -111,7 +111,7 @@ def test_explicit_backend_wins_over_environment(monkeypatch):
 def test_failure_in_a_late_layer_leaves_every_layer_as_it_was(monkeypatch, phase):
     """A failure injected in the last layer, after the earlier layers (and the last one's insertion) ran: every
     layer holds what it held before, and the same step then gives the state of a cache that never failed."""
-    import kitty.backend as kcache
+    import kitty.layer as kcache
 
     model = tiny_model(4)
     ids = torch.randint(3, 128, (2, 13), generator=torch.Generator().manual_seed(1))
