@@ -36,31 +36,6 @@ da = importlib.import_module(
     "kitty.kernels.decode_attention"
 )  # the module (the package exports a function of that name)
 
-POINTERS = [
-    "q_ptr",
-    "ws_m_ptr",
-    "ws_l_ptr",
-    "ws_acc_ptr",
-    "len_ptr",
-    "sink_k_ptr",
-    "sink_v_ptr",
-    "k_qbuf_ptr",
-    "v_qbuf_ptr",
-    "v_local_ptr",
-    "k_pt_ptr",
-    "v_pt_ptr",
-    "k_low_ptr",
-    "k_high_ptr",
-    "k_idx_ptr",
-    "k_scale_ptr",
-    "k_zero_ptr",
-    "k_raw_ptr",
-    "v_codes_ptr",
-    "v_scale_ptr",
-    "v_zero_ptr",
-    "v_raw_ptr",
-]
-
 
 def compile_kernel(
     preset: str,
@@ -92,7 +67,7 @@ def compile_kernel(
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
-        elif name in POINTERS:
+        elif name.endswith("_ptr"):  # the kernel's tensors (its pointer arguments)
             signature[name] = "*" + ptr_types.get(name, tdt)
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name == "qk_scale":

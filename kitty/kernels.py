@@ -7,12 +7,14 @@
     decode_attention_unfused    the paper's qk kernel -> torch softmax -> sv kernel path (kernels/unfused.py)
     decode_attention_ref        the torch reference; dequantize_cache reads a layer back in position order
                                 (kernels/reference.py); KittyLayerState = the tensors of docs/LAYOUT.md
+    launch.Launch               the fused kernel's launch and its heuristic, default_launch (kernels/launch.py)
 
 The code lives in the repository's top-level ``kernels/`` folder; this module makes that folder the package
 ``kitty.kernels`` (its ``__path__``), so that the name ``kernels`` stays free for Hugging Face's hub package,
 which transformers imports by that name. ``kernels/`` has no ``__init__.py`` on purpose: from the repository root
 it is then only a namespace directory, and an installed ``kernels`` hub package takes precedence over it (README,
-"Installing"). An installed wheel holds the folder as ``kitty/_kernels``.
+"Installing"; docs/ARCHITECTURE.md says why the folder is top-level). An installed wheel holds the folder as
+``kitty/_kernels`` (the one ``package-dir`` entry of ``pyproject.toml``).
 
 Importing this module imports neither Triton nor any kernel: names load on first use. Kernels run on CUDA
 tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` is set before Triton is first imported. Without Triton
@@ -42,13 +44,11 @@ def interpreting() -> bool:
     return tiles.INTERPRETING if tiles is not None else os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-_TORCH_ONLY = {  # name -> submodule, importable without Triton
+_EXPORTS = {  # name -> the submodule defining it; every submodule but the reference needs Triton
     "KittyLayerState": "reference",
     "check_state": "reference",
     "decode_attention_ref": "reference",
     "dequantize_cache": "reference",
-}
-_WITH_TRITON = {
     "decode_attention": "decode_attention",
     "decode_attention_triton": "decode_attention",
     "triton_supports": "decode_attention",
@@ -58,19 +58,15 @@ _WITH_TRITON = {
     "pack_pages_ref": "pack",
     "decode_attention_unfused": "unfused",
 }
-__all__ = ["HAS_TRITON", "interpreting", *_TORCH_ONLY, *(_WITH_TRITON if HAS_TRITON else ())]
+__all__ = ["HAS_TRITON", "interpreting", *(n for n, m in _EXPORTS.items() if HAS_TRITON or m == "reference")]
 
 
 def __getattr__(name: str):
-    if name in _TORCH_ONLY:
-        return getattr(import_module(f"{__name__}.{_TORCH_ONLY[name]}"), name)
-    if name in _WITH_TRITON:
-        if HAS_TRITON:
-            return getattr(import_module(f"{__name__}.{_WITH_TRITON[name]}"), name)
-        raise AttributeError(
-            f"kitty.kernels.{name} needs Triton, which is not installed (the torch reference: decode_attention_ref)"
-        )
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if not HAS_TRITON and _EXPORTS[name] != "reference":
+        raise AttributeError(f"kitty.kernels.{name} needs Triton, which is not installed (torch: decode_attention_ref)")
+    return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
 
 
 class _Kernels(types.ModuleType):
@@ -78,7 +74,7 @@ class _Kernels(types.ModuleType):
     would hide the function ``decode_attention`` behind the submodule ``decode_attention``; exported names win."""
 
     def __setattr__(self, name: str, value) -> None:
-        if isinstance(value, types.ModuleType) and (name in _TORCH_ONLY or name in _WITH_TRITON):
+        if isinstance(value, types.ModuleType) and name in _EXPORTS:
             return  # the submodule stays reachable through sys.modules / importlib.import_module
         super().__setattr__(name, value)
 

@@ -17,6 +17,7 @@ from .pages import PagePool, grow_page_table, pages_completed, point
 from .quant import KeyPage, ValuePage, quantize_key_page, quantize_value_page, query_scale_from, query_statistic
 from .step import StepRecord
 from .storage import (
+    ROW_FIELDS,
     KittyLayerState,
     PendingKV,
     key_page_from_storage,
@@ -493,12 +494,7 @@ class KittyLayer(CacheLayerMixin):
         widest = token_layout(self.cfg, max(self._n, default=0))  # page counts grow with length
         pk, pv = widest.key_pages, widest.value_pages
         return KittyLayerState(
-            lengths=self.lengths,
-            sink_k=self.sink_k,
-            sink_v=self.sink_v,
-            k_qbuf=self.k_qbuf,
-            v_qbuf=self.v_qbuf,
-            v_local=self.v_local,
+            **{name: getattr(self, name) for name in ROW_FIELDS},
             k_page_table=self.k_page_table[:, :pk],
             v_page_table=self.v_page_table[:, :pv],
             **self.key_pool.in_use(),

@@ -26,6 +26,7 @@ from .quant import KeyPage, ValuePage
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FieldSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (shape of one page, dtype)
+ROW_FIELDS = ("lengths", "sink_k", "sink_v", "k_qbuf", "v_qbuf", "v_local")  # per-row tensors, [B, ...]
 PAYLOAD_FIELDS = ("k_low", "k_high", "k_raw", "v_codes", "v_raw")  # codes (or raw pages); the rest is metadata
 
 
