@@ -134,3 +134,34 @@ def test_import_kitty_reads_no_profile_and_loads_no_model_code():
         ROOT,
     )
     assert "OK" in out
+
+
+def test_kitty_modules_import_each_other_without_a_cycle():
+    """The library's modules (kitty/*.py, and kernels/*.py through kitty.*) import one way (docs/ARCHITECTURE.md):
+    no module reaches itself through its imports, lazy ones (inside functions) included."""
+    import ast
+
+    graph: dict[str, set[str]] = {}
+    for folder, package in ((ROOT / "kitty", "kitty"), (ROOT / "kernels", "kitty.kernels")):
+        for path in folder.glob("*.py"):
+            name = "kitty" if path.stem == "__init__" else f"{package}.{path.stem}"
+            deps = graph.setdefault(name, set())
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.level:
+                    base = package if node.level == 1 else "kitty"
+                    deps.update(f"{base}.{node.module}" if node.module else f"{base}.{a.name}" for a in node.names)
+                elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kitty."):
+                    deps.add(node.module)
+    graph = {n: {d.split(".__init__")[0] for d in deps if d in graph} for n, deps in graph.items()}
+
+    def reaches(start: str) -> set[str]:
+        seen, todo = set(), list(graph[start])
+        while todo:
+            n = todo.pop()
+            if n not in seen:
+                seen.add(n)
+                todo.extend(graph[n])
+        return seen
+
+    assert len(graph) > 20, sorted(graph)  # both folders were read
+    assert [n for n in graph if n in reaches(n)] == []
