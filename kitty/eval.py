@@ -27,10 +27,9 @@ from . import generate as gen
 from .config import PRESETS, KVQuantConfig, get_preset
 from .generate import eos_ids, generate_tokens, make_cache
 from .models import tp_rank_and_size
-from .prompts import ASSETS, encode_prompt, passkey_prompt
+from .prompts import TEXTS, encode_prompt, passkey_prompt, shipped_text
 
-TEXTS = ("essay.txt", "python_reference.txt")
-DEFAULT_OUT = "kitty-eval"  # relative to the working folder: a run never overwrites the shipped assets/ unless asked
+DEFAULT_OUT = "kitty-eval"  # relative to the working folder: a run never overwrites the committed assets/ unless asked
 
 
 def tqdm(*args, **kwargs):
@@ -65,13 +64,13 @@ def decode_nll(model, ids: torch.Tensor, cfg: KVQuantConfig, prefill: int) -> to
 def text_windows(
     tokenizer, names=TEXTS, prefill: int = 1024, scored: int = 256, per_text: int = 2, with_names: bool = False
 ) -> list:
-    """Non-overlapping windows of ``prefill + scored`` tokens from texts shipped in ``assets/``.
+    """Non-overlapping windows of ``prefill + scored`` tokens from the texts shipped in ``kitty/texts/``.
 
     Returns ``[T]`` id tensors, or ``(text name, ids)`` pairs with ``with_names``.
     """
     windows = []
     for name in names:
-        ids = tokenizer((ASSETS / name).read_text(), return_tensors="pt").input_ids[0]
+        ids = tokenizer(shipped_text(name), return_tensors="pt").input_ids[0]
         size = prefill + scored
         n = min(per_text, ids.numel() // size)
         if n == 0:
@@ -233,12 +232,12 @@ def _bits_after(model, cfg, n_tokens: int) -> float:
 
 
 def agreement_prompts(tokenizer, n: int = 6, length: int = 512, names=TEXTS) -> list[str]:
-    """``n`` plain-text prompts of about ``length`` tokens cut from the texts in ``assets/`` (alternating texts).
+    """``n`` plain-text prompts of about ``length`` tokens cut from the texts shipped in ``kitty/texts/`` (alternating texts).
 
     Long enough that decode steps read quantized pages (a short chat question never leaves the full-precision
     sink, qbuffer and local window, so it would agree with fp16 trivially).
     """
-    streams = [tokenizer((ASSETS / name).read_text()).input_ids for name in names]
+    streams = [tokenizer(shipped_text(name)).input_ids for name in names]
     prompts = []
     for i in range(n):
         ids = streams[i % len(streams)]
@@ -537,7 +536,7 @@ def _run(a: argparse.Namespace) -> None:
         if rank == 0:
             write_csv(agr, out / f"eval_agreement_{tag}.csv")
         report += [
-            f"## Greedy agreement with fp16 ({n_prompts} plain-text prompts of {length} tokens from assets/, {n_new} new tokens)\n",
+            f"## Greedy agreement with fp16 ({n_prompts} plain-text prompts of {length} tokens from kitty/texts/, {n_new} new tokens)\n",
             markdown_table(agr),
             "",
         ]

@@ -130,7 +130,7 @@ def test_empty_prompt_gives_friendly_message(client):
 
 
 def test_over_long_prompt_is_truncated_with_a_visible_note(app_module, client):
-    text = (kp.ASSETS / "essay.txt").read_text() + "\n\nQuestion: what is this essay about?"
+    text = kp.shipped_text("essay.txt") + "\n\nQuestion: what is this essay about?"
     out = client.predict(*args(text, new=1), api_name="/generate")
     cap = app_module.ARGS.max_prompt_tokens
     assert "Truncated" in out[NOTE] and f"Prompt: {cap} tokens" in out[NOTE]

@@ -14,6 +14,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Confi
 from kitty import PRESETS, KittyCache, analytic_report, token_layout
 from kitty.attention import KittyMask, kitty_attention_forward
 from kitty.kernels import dequantize_cache
+from kitty.prompts import shipped_text
 from kitty.quant import dequantize_key_page, dequantize_value_page, quantize_key_page, quantize_value_page
 
 S, G, R = 4, 8, 8  # tiny sink / page / local window: boundaries at 4, 12, 20
@@ -372,7 +373,7 @@ def _score(model, ids: torch.Tensor, cfg, prefill: int) -> float:
 def test_nll_direction_kitty_closer_to_fp16_than_kivi(default_model):
     """Paper defaults (S=32, G=128, R=128): 300-token prefill, 64 tokens scored through the quantized cache."""
     model, tok = default_model
-    text = open("assets/python_reference.txt").read()
+    text = shipped_text("python_reference.txt")
     ids = tok(text, return_tensors="pt").input_ids[0, :364]
     nll = {name: _score(model, ids, PRESETS[name], 300) for name in ("fp16", "kivi-k2v2", "kitty", "kitty-pro")}
     gap = {name: abs(nll[name] - nll["fp16"]) for name in nll}

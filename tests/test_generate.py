@@ -66,7 +66,7 @@ def test_sampled_stream_is_seeded(default_model):
 
 def test_prompt_caps_and_truncation_note(default_model):
     tok = default_model[1]
-    text = (kp.ASSETS / "essay.txt").read_text()
+    text = kp.shipped_text("essay.txt")
     p = kp.prepare_prompt(tok, text + "\nQuestion: what is this essay about?", True, max_prompt_tokens=300)
     assert p.tokens <= 300 and "Truncated" in p.note
     assert tok.decode(p.ids[0]).rstrip().endswith("assistant")  # the template and the question survive the cut
