@@ -672,7 +672,7 @@ def render(res: dict) -> str:
     if res["correct"] is None:
         out += [
             "Not run in this invocation (`--timing-only`): the same code's GPU correctness run is "
-            "`benchmarks/kernels_h200_correctness.json`.",
+            "`benchmarks/results/h200-2026-12-01/kernels_results-2.json`.",
             "",
         ]
     else:
