@@ -9,8 +9,9 @@ compute is spent on an 8B model.
 
     python benchmarks/throughput.py --budget-gib 20 --context 8192 --out $OUT
 
-Writes ``throughput.json``, ``throughput.md`` (appended to ``benchmarks/RESULTS.md`` by hand) and
-``throughput.png`` (memory and tokens/s against batch).
+Writes ``throughput.json`` (rows, notes and the run's settings; ``benchmarks/summarize.py`` renders it into
+``benchmarks/RESULTS.md``), ``throughput.md`` and ``throughput.png`` (memory and tokens/s against batch) to ``--out``
+(default ``benchmarks/results/<gpu>-<date>/``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import argparse
 import datetime
 import gc
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.results_dir import default_out  # noqa: E402
 from kitty import PRESETS, KittyCache  # noqa: E402
 from kitty.memory import analytic_report, token_layout  # noqa: E402
 
@@ -168,7 +169,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--layers", type=int, default=None, help="fewer layers for a smoke run")
     ap.add_argument("--methods", default="fp16-dynamic,fp16-static,quantized-hf,kitty,kitty-pro")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=None, help="folder for the results (default: benchmarks/results/<gpu>-<date>/)")
     ap.add_argument(
         "--smoke", action="store_true", help="tiny model on CPU: checks the plumbing, measures nothing useful"
     )
@@ -179,12 +180,24 @@ def main() -> None:
     elif not torch.cuda.is_available():
         raise SystemExit("benchmarks/throughput.py needs a CUDA GPU (or --smoke)")
     mem = (lambda: torch.cuda.memory_allocated()) if DEVICE == "cuda" else (lambda: 0)
-    out = Path(a.out)
+    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    out = Path(a.out) if a.out else default_out(gpu)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     model = build_model(a.layers, a.smoke)
     weights = mem()
     budget = int(a.budget_gib * 2**30)
+    meta = dict(
+        gpu=gpu,
+        torch=torch.__version__,
+        date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        budget_gib=a.budget_gib,
+        context=a.context,
+        steps=a.steps,
+        warmup=a.warmup,
+        layers=model.config.num_hidden_layers,
+        weights_gib=weights / 2**30,
+    )
     rows, notes = [], []
     for method in a.methods.split(","):
         if method == "quantized-hf":
@@ -225,7 +238,7 @@ def main() -> None:
                 )
                 print(rows[-1], flush=True)
                 (out / "throughput.json").write_text(
-                    json.dumps(dict(rows=rows, notes=notes), indent=1)
+                    json.dumps(dict(meta=meta, rows=rows, notes=notes), indent=1)
                 )  # partial results survive a timeout
             except torch.cuda.OutOfMemoryError as e:
                 notes.append(f"{method} batch {b}: out of memory ({e})")
@@ -267,7 +280,7 @@ def main() -> None:
     ]
     lines += [""] + [f"- {n}" for n in notes] + [f"", f"_run took {time.time() - t0:.0f} s_", ""]
     (out / "throughput.md").write_text("\n".join(lines))
-    (out / "throughput.json").write_text(json.dumps(dict(rows=rows, notes=notes), indent=1))
+    (out / "throughput.json").write_text(json.dumps(dict(meta=meta, rows=rows, notes=notes), indent=1))
     plot(rows, out / "throughput.png", a.budget_gib)
     print("\n".join(lines))
 
