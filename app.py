@@ -316,18 +316,18 @@ def bits_table(engine: Engine, prompt_tokens: int, new_tokens: int) -> pd.DataFr
         rows.append(
             {
                 "method": name,
+                "pages (K+V)/2": a["total"],
+                f"cache at {n} tokens": rep.bits_per_element,
+                "× there": rep.compression,
+                "K page": a["key_total"],
                 "K low plane": a["key_low"],
                 "K high plane": a["key_high"],
                 "K boost_idx": a["key_boost_idx"],
                 "K scale, zero": a["key_scale_zero"],
                 "K at 16 bits": a["key_raw"],
-                "K page": a["key_total"],
+                "V page": a["value_total"],
                 "V codes": a["value_codes"],
                 "V scale, zero": a["value_scale_zero"],
-                "V page": a["value_total"],
-                "pages (K+V)/2": a["total"],
-                f"cache at {n} tokens": rep.bits_per_element,
-                "× there": rep.compression,
             }
         )
     return pd.DataFrame(rows).round(3)
@@ -378,7 +378,8 @@ def memory_figure(snap: kd.Snapshot):
     ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=8))
     ax.set_xlabel("cached tokens")
     ax.set_ylabel("KV stored (MiB)")
-    ax.set_ylim(bottom=0)
+    top = max((b for c in snap.columns for _, b in c.history), default=0) / 2**20
+    ax.set_ylim(0, 1.35 * top or 1)  # headroom above the highest line for the legend
     ax.grid(alpha=0.3)
     title = "Stored KV cache vs cached tokens (▼: a qbuffer packed into a 2-bit page)"
     ax.set_title(title + (" — " + "; ".join(same) if same else ""), fontsize=10)
