@@ -114,6 +114,13 @@ def test_generate_in_browser(demo_url, tmp_path):
             # the Inside tab is filled before any click there: no placeholder tables
             page.get_by_role("tab", name="Inside the cache").click()
             page.wait_for_selector("#inside-heatmap img", timeout=60_000)
+            # opening the tab re-reads the prompt box: wait until that run has finished
+            page.wait_for_timeout(1000)
+            page.wait_for_function(
+                "!['#inside-heatmap', '#inside-pages', '#inside-bits'].some("
+                "s => document.querySelector(s).innerText.includes('processing'))",
+                timeout=120_000,
+            )
             inside = page.locator("#inside-pages").inner_text()
             bits_text = page.locator("#inside-bits").inner_text()
             intro = page.locator("#inside-intro").inner_text()
