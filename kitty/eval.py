@@ -409,7 +409,9 @@ def plot_pareto(ppl: list[PerplexityResult], path: Path) -> None:
     ax.set_xscale("log", base=2)
     lo, hi = min(bits) / 1.15, max(bits) * 1.15
     ax.set_xlim(lo, hi)
-    ax.xaxis.set_major_locator(FixedLocator([t for t in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if lo <= t <= hi]))
+    ax.xaxis.set_major_locator(
+        FixedLocator([t for t in (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 20, 24, 32) if lo <= t <= hi])
+    )
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
     ax.xaxis.set_minor_locator(NullLocator())
     ax.set_xlabel("KV bits per element (whole cache, log scale)")
