@@ -29,6 +29,7 @@ function), attends, then calls :meth:`KittyLayer.append`. ``KittyCache`` makes `
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -45,7 +46,7 @@ from .kernels import interpreting
 from .memory import MemoryReport, token_layout
 from .models import kv_dims
 from .quant import KeyPage, ValuePage, quantize_key_page, quantize_value_page, query_scale_from, query_statistic
-from .storage import PendingKV, key_page_from_storage, page_fields, pool_fields, value_page_from_storage
+from .storage import FLOAT_DTYPES, PendingKV, key_page_from_storage, page_fields, pool_fields, value_page_from_storage
 
 
 def kv_heads_per_rank(tp_plan: dict[str, str], num_heads: int, tp_size: int) -> int | None:
@@ -837,6 +838,11 @@ class KittyCache(Cache):
     reusing it for a new prompt. Batches may be left-padded: padding is never stored. Greedy decoding and sampling
     work; beam search raises ``NotImplementedError``. A step that raises inside the cache or its attention (bad
     input, a full pool, a failing kernel in any layer) leaves every layer as it was before that forward pass.
+    Keys and values must be float16, bfloat16 or float32 (a float64 model is refused at its first forward pass).
+
+    One cache serves one generation at a time: a forward pass entering it from a second thread while another
+    thread's pass is still open raises ``RuntimeError`` (use one cache per thread, e.g. ``kitty.make_cache`` per
+    request). Successive steps may come from different threads (a streaming server's worker pool).
     """
 
     def __init__(
@@ -885,6 +891,8 @@ class KittyCache(Cache):
         for layer in layers:
             layer._owner = owner
         self._forward, self._last_layer = 0, num_layers  # forward passes seen, and the last layer updated
+        self._pass_thread: int | None = None  # the thread whose forward pass is open (None between passes)
+        self._pass_lock = threading.Lock()
         kattention.use_kitty_attention(config)
         if text is not config:
             kattention.use_kitty_attention(text)
@@ -892,15 +900,30 @@ class KittyCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Layer ``layer_idx``'s pending keys/values (see :meth:`KittyLayer.update`); a bad input here also rolls
         back the layers this forward pass already changed."""
-        if layer_idx <= self._last_layer:  # layers run in order: back at (or before) the start is a new pass
-            self._forward += 1
-        self._last_layer = layer_idx
+        with self._pass_lock:  # layers of two threads interleaved in one cache would give garbage: refuse them
+            me = threading.get_ident()
+            if self._pass_thread not in (None, me):
+                raise RuntimeError(
+                    "this KittyCache is in use by a forward pass of another thread: use one cache per thread "
+                    "(kitty.make_cache), or call cache.reset() if that pass was abandoned"
+                )
+            if layer_idx <= self._last_layer:  # layers run in order: back at (or before) the start is a new pass
+                self._forward += 1
+            self._last_layer, self._pass_thread = layer_idx, me
         kattention.kitty_forward(True)
         try:
+            if key_states.dtype not in FLOAT_DTYPES:  # at the first forward pass, before any token is generated
+                raise ValueError(
+                    f"key_states must be one of {FLOAT_DTYPES}, got {key_states.dtype}: KittyCache stores 16- or "
+                    "32-bit floats; load the model with dtype=torch.float32 (or bfloat16/float16)"
+                )
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         except BaseException:
             self.rollback_forward()
             raise
+        finally:  # a last sliding layer's window is handed over here (a Kitty layer closes in end_step)
+            if layer_idx == self.num_layers - 1 and not isinstance(self.layers[layer_idx], KittyLayer):
+                self._pass_thread = None
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         sizes = super().get_mask_sizes(query_length, layer_idx)
@@ -918,6 +941,7 @@ class KittyCache(Cache):
         if layer.layer_idx == self.num_layers - 1:
             for other in self.layers:
                 other.end_step()
+            self._pass_thread = None
 
     def rollback_forward(self) -> None:
         """Put every layer the current forward pass changed back as it was before the pass."""
@@ -925,6 +949,7 @@ class KittyCache(Cache):
             if layer._undo is not None and layer._undo.forward == self._forward:
                 layer.rollback_step()
         kattention.kitty_forward(False)
+        self._pass_thread = None
 
     @staticmethod
     def _tp_size(config, text, num_kv_heads: int) -> int:
@@ -947,7 +972,7 @@ class KittyCache(Cache):
     def reset(self) -> None:
         """Drop every cached token (page pools keep their storage); the cache can take a new batch."""
         super().reset()
-        self._last_layer = self.num_layers
+        self._last_layer, self._pass_thread = self.num_layers, None
         kattention.kitty_forward(False)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

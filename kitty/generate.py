@@ -17,6 +17,8 @@ gives the tokens of ``model.generate(..., cache=cache, do_sample=False)``.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
@@ -24,20 +26,29 @@ import torch
 
 from .config import KVQuantConfig
 
+MAX_SEED = 2**63  # seeds in [0, 2**63) are what torch.Generator.manual_seed takes on every device
+
 
 @dataclass(frozen=True)
 class Sampling:
-    """Greedy when ``temperature == 0`` (the default), else temperature + nucleus (top-p) sampling."""
+    """Greedy when ``temperature == 0`` (the default), else temperature + nucleus (top-p) sampling.
+
+    The defaults are the demo's and the CLI's (``app.py``, ``python -m kitty``): greedy, top-p 0.95 once a
+    temperature is set, seed 0.
+    """
 
     temperature: float = 0.0
-    top_p: float = 1.0
+    top_p: float = 0.95
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        t, p, seed = self.temperature, self.top_p, self.seed
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not (math.isfinite(t) and t >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 < p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < MAX_SEED:
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
 
     @property
     def greedy(self) -> bool:
@@ -90,6 +101,27 @@ def eos_ids(model, tokenizer) -> set[int]:
     return ids
 
 
+def check_prompt_ids(ids: torch.Tensor, cache) -> None:
+    """``ValueError`` unless ``ids`` is one prompt ``[1, T]`` of integer token ids (``T >= 1``) that ``cache`` can
+    take: the loop decodes a single row, so a cache still holding the rows of an earlier batch is refused too."""
+    shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else None
+    if shape is None or len(shape) != 2 or shape[0] != 1 or shape[1] < 1:
+        hint = " (a 1-D tensor: pass ids[None])" if shape is not None and len(shape) == 1 else ""
+        raise ValueError(
+            f"ids must be a [1, T] tensor of token ids (one prompt, T >= 1), got "
+            f"{f'shape {shape}' if shape is not None else type(ids).__name__}{hint}; this loop decodes one row: "
+            "for a batch call model.generate(..., cache=KittyCache(...)) with a fresh cache per batch"
+        )
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"ids must hold integer token ids, got dtype {ids.dtype}")
+    rows = getattr(cache, "lengths", None)
+    if rows is not None and len(rows) > 1 and cache.get_seq_length() > 0:
+        raise ValueError(
+            f"cache holds {len(rows)} rows of an earlier batch, and ids is one prompt: pass a fresh cache "
+            "(kitty.generate.make_cache) for each generation, or call cache.reset() first"
+        )
+
+
 def stream_tokens(
     model,
     ids: torch.Tensor,
@@ -109,6 +141,7 @@ def stream_tokens(
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_prompt_ids(ids, cache)
     eos = frozenset(eos)
     logits = prefill(model, ids, cache)
     if generator is None and not sampling.greedy:
