@@ -833,6 +833,9 @@ class KittyCache(Cache):
             message, where it cannot run (no kernels, no GPU, a config the kernel does not handle).
         max_pages: most pages each layer's key pool (and, separately, value pool) may hold, summed over rows;
             ``None`` grows on demand. Running out raises ``RuntimeError`` and leaves the cache unchanged.
+        max_cache_len, max_batch_size: build a static cache (``kitty.static``, transformers ``StaticCache``'s
+            names): every tensor preallocated for the first batch (at most ``max_batch_size`` rows) and
+            ``max_cache_len`` columns, decode steps free of host synchronization (capturable in a CUDA graph).
 
     Use as ``model.generate(**inputs, cache=cache)`` (or ``past_key_values=cache``); call :meth:`reset` before
     reusing it for a new prompt. Batches may be left-padded: padding is never stored. Greedy decoding and sampling
@@ -846,13 +849,22 @@ class KittyCache(Cache):
     """
 
     def __init__(
-        self, config, cfg: KVQuantConfig | str = "kitty", backend: str | None = None, max_pages: int | None = None
+        self,
+        config,
+        cfg: KVQuantConfig | str = "kitty",
+        backend: str | None = None,
+        max_pages: int | None = None,
+        max_batch_size: int | None = None,
+        max_cache_len: int | None = None,
     ):
         if isinstance(cfg, str):
             cfg = get_preset(cfg)
         if not isinstance(cfg, KVQuantConfig):
             raise ValueError(f"cfg must be a KVQuantConfig or a preset name, got {type(cfg).__name__}")
         backend = kattention.requested_backend(backend)
+        from .static import check_static_args, static_layers
+
+        static = check_static_args(max_batch_size, max_cache_len, max_pages)
         if max_pages is not None and (not is_int(max_pages) or max_pages < 1):
             raise ValueError(f"max_pages must be a positive integer or None, got {max_pages!r}")
         text = config.get_text_config(decoder=True)
@@ -880,6 +892,20 @@ class KittyCache(Cache):
             else SlidingWindowLayer(kw["sliding_window"], num_kv_heads, tp_size)
             for i, (kind, kw) in enumerate(zip(layer_types, layer_kwargs))
         ]
+        if static:  # every tensor preallocated, decode steps capturable (kitty.static)
+            layers = static_layers(
+                cfg,
+                layer_types,
+                layer_kwargs,
+                self.num_kv_heads,
+                num_kv_heads,
+                head_dim,
+                backend,
+                tp_size,
+                max_cache_len,
+                max_batch_size,
+            )
+        self.max_batch_size, self.max_cache_len = max_batch_size, max_cache_len
         if not any(kind == "full_attention" for kind in layer_types):
             warnings.warn(
                 "every layer of this model is a sliding-window layer: KittyCache quantizes nothing here "

@@ -57,6 +57,8 @@ _WITH_TRITON = {
     "dequantize_value_page_triton": "dequant",
     "pack_pages": "pack",
     "pack_pages_ref": "pack",
+    "pack_completed": "pack",
+    "pack_completed_ref": "pack",
     "decode_attention_unfused": "unfused",
 }
 __all__ = [
