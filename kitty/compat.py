@@ -10,7 +10,7 @@ GPU image's release), on 5.23 (the last release without ``cache=``) and on the n
 - The layer types and cache-layer arguments of a config (``cache_utils.get_layer_types_and_kwargs``): up to 5.18
   the arguments come as one dict shared by every layer, from 5.19 as one dict per layer:
   :func:`layer_types_and_kwargs` always returns one dict per layer.
-- ``distributed.tensor_parallel.get_kv_heads_per_rank`` (KV heads per tensor-parallel rank) is absent on 5.17:
+- ``distributed.tensor_parallel.get_kv_heads_per_rank`` (KV heads per tensor-parallel rank) exists from 5.20:
   :func:`get_kv_heads_per_rank` is transformers' own where it exists, else :func:`kv_heads_per_rank` (the same rule).
 
 Everything else Kitty uses (``AttentionInterface``, ``AttentionMaskInterface``, ``sdpa_mask``,
@@ -21,9 +21,8 @@ has the same names and the signatures Kitty relies on across the admitted range.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Mapping
-
-from packaging.version import Version
 
 from .models import kv_dims
 
@@ -39,12 +38,11 @@ def transformers_version() -> tuple[int, int]:
     whose releases lack APIs Kitty builds on (rather than an unrelated error, or a cache with no layers, later)."""
     import transformers
 
-    version = tuple(Version(transformers.__version__).release[:2])
+    major, minor = re.match(r"(\d+)\.(\d+)", transformers.__version__).groups()  # "5.24.0", "5.25.0.dev0"
+    version = (int(major), int(minor))
     if version < MIN_TRANSFORMERS:
-        raise ImportError(
-            f"kitty needs transformers>=5.17,<6, found transformers {transformers.__version__}: "
-            "pip install 'transformers>=5.17,<6'"
-        )
+        need = "transformers>={}.{},<6".format(*MIN_TRANSFORMERS)
+        raise ImportError(f"kitty needs {need}, found transformers {transformers.__version__}: pip install '{need}'")
     return version
 
 
@@ -101,7 +99,7 @@ def layer_types_and_kwargs(text) -> tuple[list[str], list[dict]]:
 def kv_heads_per_rank(tp_plan: dict[str, str], num_heads: int, tp_size: int) -> int | None:
     """KV heads per rank under ``tp_plan``: all of them unless a key projection is split column-wise, else an
     equal share, ``None`` when ``num_heads`` does not divide by ``tp_size`` (transformers' rule, for releases
-    without ``get_kv_heads_per_rank``, such as 5.17)."""
+    without ``get_kv_heads_per_rank``: 5.17-5.19)."""
     names = ("k_proj", "qkv_proj", "query_key_value")
     if not any(k.rsplit(".", 1)[-1] in names and style == "colwise" for k, style in tp_plan.items()):
         return num_heads
@@ -109,10 +107,10 @@ def kv_heads_per_rank(tp_plan: dict[str, str], num_heads: int, tp_size: int) -> 
 
 
 def get_kv_heads_per_rank(tp_plan: dict[str, str], num_heads: int, tp_size: int) -> int | None:
-    """KV heads per tensor-parallel rank: transformers' ``get_kv_heads_per_rank`` where the release has it (5.19
+    """KV heads per tensor-parallel rank: transformers' ``get_kv_heads_per_rank`` where the release has it (5.20
     and later), else :func:`kv_heads_per_rank`, the same rule."""
     try:
         from transformers.distributed.tensor_parallel import get_kv_heads_per_rank as own
-    except ImportError:  # transformers 5.17-5.18
+    except ImportError:  # transformers 5.17-5.19
         own = kv_heads_per_rank
     return own(tp_plan, num_heads, tp_size)

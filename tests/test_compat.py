@@ -70,6 +70,17 @@ def test_release_is_admitted_and_read_from_transformers():
     assert ".".join(map(str, compat.transformers_version())) in transformers.__version__
 
 
+def test_requirements_admit_exactly_the_supported_range():
+    """requirements.txt and pyproject.toml admit transformers from compat's lower bound up to the next major."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    bound = "transformers>={}.{},<6".format(*compat.MIN_TRANSFORMERS)
+    reqs = [ln.split("#", 1)[0].strip() for ln in (root / "requirements.txt").read_text().splitlines()]
+    assert [r for r in reqs if r.startswith("transformers")] == [bound]
+    assert f'"{bound}"' in (root / "pyproject.toml").read_text()
+
+
 def test_release_below_the_lower_bound_is_refused(monkeypatch):
     # the module as imported now: transformers' lazy module may have replaced the one this file imported
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.16.2")
@@ -139,13 +150,13 @@ KV_HEADS_CASES = [
 
 @pytest.mark.parametrize("plan, heads, tp, expected", KV_HEADS_CASES)
 def test_kv_heads_per_rank(plan, heads, tp, expected):
-    """The rule Kitty uses, its own copy and transformers' function (where the release has it: not 5.17) agree."""
+    """The rule Kitty uses, its own copy and transformers' function (where the release has it: 5.20 on) agree."""
     assert compat.get_kv_heads_per_rank(plan, heads, tp) == expected
     assert compat.kv_heads_per_rank(plan, heads, tp) == expected
     try:
         from transformers.distributed.tensor_parallel import get_kv_heads_per_rank
     except ImportError:
-        assert compat.transformers_version() < (5, 19)
+        assert compat.transformers_version() < (5, 20)
         return
     assert get_kv_heads_per_rank(plan, heads, tp) == expected
 
