@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.results_dir import default_out  # noqa: E402
 from kitty import PRESETS, KittyCache  # noqa: E402
+from kitty.compat import cache_kwargs  # noqa: E402
 from kitty.memory import analytic_report, token_layout  # noqa: E402
 
 
@@ -152,7 +153,7 @@ def decode_rate(model, cache, batch: int, context: int, steps: int, warmup: int,
         kw = {"cache_position": torch.tensor([pos], device=DEVICE)} if static else {}
         sync()
         t = time.perf_counter()
-        logits = model(ids, cache=cache, use_cache=True, **kw).logits
+        logits = model(ids, **cache_kwargs(cache), use_cache=True, **kw).logits
         ids = logits[:, -1:].argmax(-1)
         sync()
         if i >= warmup:

@@ -38,53 +38,16 @@ from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from . import attention as kattention
+from .compat import get_kv_heads_per_rank, layer_types_and_kwargs
 from .config import KVQuantConfig, get_preset, is_int
 from .kernels import interpreting
 from .memory import MemoryReport, token_layout
 from .models import kv_dims
 from .quant import KeyPage, ValuePage, quantize_key_page, quantize_value_page, query_scale_from, query_statistic
 from .storage import FLOAT_DTYPES, PendingKV, key_page_from_storage, page_fields, pool_fields, value_page_from_storage
-
-
-def kv_heads_per_rank(tp_plan: dict[str, str], num_heads: int, tp_size: int) -> int | None:
-    """KV heads per rank under ``tp_plan``: all of them unless a key projection is split column-wise, else an
-    equal share, ``None`` when ``num_heads`` does not divide by ``tp_size`` (transformers' rule, for releases
-    without ``get_kv_heads_per_rank``, such as 5.17)."""
-    names = ("k_proj", "qkv_proj", "query_key_value")
-    if not any(k.rsplit(".", 1)[-1] in names and style == "colwise" for k, style in tp_plan.items()):
-        return num_heads
-    return None if num_heads % tp_size else num_heads // tp_size
-
-
-def layer_types_of(text) -> tuple[list[str], list[dict]]:
-    """Per layer of the text config: its attention type and the keyword arguments of its cache layer, inferred as
-    ``DynamicCache`` infers them (``transformers.cache_utils.get_layer_types_and_kwargs``). Releases whose function
-    returns no entry per layer (transformers 5.17) get the same rule here: ``config.layer_types`` when given, else
-    sliding layers where ``sliding_window`` is set, chunked where ``attention_chunk_size`` is."""
-    num_layers = kv_dims(text)[0]
-    try:
-        types, kwargs = get_layer_types_and_kwargs(text)
-    except (AttributeError, TypeError, ValueError):  # a release whose function reads other config fields
-        types, kwargs = [], []
-    if len(types) == num_layers:
-        return list(types), list(kwargs)
-    types = getattr(text, "layer_types", None)
-    if types is None:
-        window, chunk = getattr(text, "sliding_window", None), getattr(text, "attention_chunk_size", None)
-        kind = "sliding_attention" if window is not None else "chunked_attention" if chunk is not None else None
-        types = [kind or "full_attention"] * num_layers
-    window = getattr(text, "sliding_window", None)
-    return list(types), [{"sliding_window": window} if t == "sliding_attention" else {} for t in types]
-
-
-try:
-    from transformers.distributed.tensor_parallel import get_kv_heads_per_rank
-except ImportError:
-    get_kv_heads_per_rank = kv_heads_per_rank
-
 
 BACKENDS = ("auto", "torch", "triton")
 LAYER_TYPES = ("full_attention", "sliding_attention")  # Kitty pages, or a bounded full-precision window
@@ -868,7 +831,7 @@ class KittyCache(Cache):
         if max_pages is not None and (not is_int(max_pages) or max_pages < 1):
             raise ValueError(f"max_pages must be a positive integer or None, got {max_pages!r}")
         text = config.get_text_config(decoder=True)
-        layer_types, layer_kwargs = layer_types_of(text)
+        layer_types, layer_kwargs = layer_types_and_kwargs(text)
         unsupported = sorted(set(layer_types) - set(LAYER_TYPES))
         if unsupported:
             raise ValueError(f"KittyCache supports layer types {LAYER_TYPES}, config has {unsupported}")

@@ -9,7 +9,7 @@ gpt-fast style, plain functions, one per step::
 :func:`stream_tokens` chains them into a generator that yields one token id per ``next()`` (the demo's columns,
 the CLI's streamed text); :func:`generate_tokens` collects it (the evaluation's greedy runs and passkey answers).
 The cache is any transformers cache, usually a :class:`kitty.KittyCache` (:func:`make_cache`); a greedy run
-gives the tokens of ``model.generate(..., cache=cache, do_sample=False)``.
+gives the tokens of ``model.generate(..., **compat.cache_kwargs(cache), do_sample=False)``.
 
 :func:`prompt_keys` and :func:`prompt_query_scale` run a prefill to show what a cache would receive (the demo's
 "Inside the cache" tab, with :func:`kitty.quant.inspect_keys`).
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .compat import cache_kwargs
 from .config import KVQuantConfig
 
 MAX_SEED = 2**63  # seeds in [0, 2**63) are what torch.Generator.manual_seed takes on every device
@@ -77,7 +78,7 @@ def make_cache(model, cfg: KVQuantConfig | str, backend: str = "auto"):
 @torch.no_grad()
 def prefill(model, ids: torch.Tensor, cache) -> torch.Tensor:
     """Run the prompt ``ids`` ``[1, T]`` through ``model`` into ``cache``; returns the last logits ``[V]``."""
-    return model(ids.to(model.device), cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+    return model(ids.to(model.device), **cache_kwargs(cache), use_cache=True, logits_to_keep=1).logits[0, -1]
 
 
 @torch.no_grad()
@@ -87,7 +88,7 @@ def decode_one_token(model, cache, token_id: int | torch.Tensor) -> torch.Tensor
         ids = token_id.reshape(1, 1).to(device=model.device, dtype=torch.long)
     else:
         ids = torch.tensor([[token_id]], dtype=torch.long, device=model.device)
-    return model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+    return model(ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1).logits[0, -1]
 
 
 def eos_ids(model, tokenizer) -> set[int]:
@@ -178,7 +179,7 @@ def prompt_keys(model, ids: torch.Tensor) -> list[torch.Tensor]:
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    model(ids.to(model.device), cache=cache, use_cache=True, logits_to_keep=1)
+    model(ids.to(model.device), **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
     return [layer.keys[0].detach().cpu() for layer in cache.layers]  # each (Hkv, T, D)
 
 
@@ -191,7 +192,7 @@ def prompt_query_scale(model, ids: torch.Tensor, cfg: KVQuantConfig, layer: int,
     if cfg.channel_selection not in QUERY_SELECTIONS:
         return None
     cache = make_cache(model, cfg)
-    model(ids.to(model.device), cache=cache, use_cache=True, logits_to_keep=1)
+    model(ids.to(model.device), **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
     return cache.layers[layer].query_scale()[0, head].cpu()
 
 

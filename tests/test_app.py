@@ -21,6 +21,7 @@ import torch  # noqa: E402
 from kitty import PRESETS, get_preset  # noqa: E402
 from kitty import demo as kd  # noqa: E402
 from kitty import prompts as kp  # noqa: E402
+from kitty.compat import cache_kwargs  # noqa: E402
 from kitty.generate import Sampling, make_cache, prompt_keys, prompt_query_scale  # noqa: E402
 from kitty.quant import inspect_keys  # noqa: E402
 
@@ -63,7 +64,9 @@ def library_run(engine, prompt: str, method: str, new: int):
     ids = ids["input_ids"] if not torch.is_tensor(ids) else ids
     cache = KittyCache(model.config, PRESETS[method])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new, do_sample=False)
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache), max_new_tokens=new, do_sample=False
+        )
     new_ids = out[0, ids.shape[1] :]
     return tok.decode(new_ids, skip_special_tokens=True), cache.memory_report(), cache.token_counts(), ids.shape[1]
 
@@ -273,7 +276,7 @@ def test_inspector_shows_the_channels_the_cache_boosts(app_module, method):
     ins = inspect_keys(prompt_keys(engine.model, ids)[layer][head], cfg, layer, head, qs)
     cache = KittyCache(engine.model.config, cfg)
     with torch.no_grad():
-        engine.model(ids, past_key_values=cache, use_cache=True)
+        engine.model(ids, **cache_kwargs(cache), use_cache=True)
     full = [p for p in ins.pages if p.quantized]
     assert len(full) >= 2
     for j, p in enumerate(full):

@@ -12,6 +12,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kitty import PRESETS, KittyCache, KVQuantConfig
 from kitty.attention import KittyMask, dequantize_cache, kitty_attention_forward
+from kitty.compat import cache_kwargs
 from kitty.quant import (
     dequantize_key_page,
     dequantize_value_page,
@@ -45,7 +46,7 @@ def greedy(model, ids, mask, cache, n: int) -> torch.Tensor:
         out = model.generate(
             input_ids=ids,
             attention_mask=mask,
-            cache=cache,
+            **cache_kwargs(cache),
             max_new_tokens=n,
             min_new_tokens=n,
             do_sample=False,
@@ -142,7 +143,7 @@ def test_failure_in_a_late_layer_leaves_every_layer_as_it_was(monkeypatch, phase
     monkeypatch.setattr(kcache, "quantize_key_page", failing_quantize)
     monkeypatch.setattr(cache.layers[last], "pack_filled", failing_pack)
     with pytest.raises(RuntimeError, match="injected"), torch.no_grad():
-        model(**inputs, cache=cache)
+        model(**inputs, **cache_kwargs(cache))
     assert_same(before, snapshot(cache))
     monkeypatch.undo()
 
@@ -156,8 +157,8 @@ def test_failure_in_a_late_layer_leaves_every_layer_as_it_was(monkeypatch, phase
     assert_same(before, snapshot(cache))
 
     with torch.no_grad():
-        logits = model(**inputs, cache=cache).logits
-        expect = model(**inputs, cache=clean).logits
+        logits = model(**inputs, **cache_kwargs(cache)).logits
+        expect = model(**inputs, **cache_kwargs(clean)).logits
     assert torch.equal(logits, expect)
     assert_same(snapshot(clean), snapshot(cache))
 

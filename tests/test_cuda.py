@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kitty import KittyCache
+from kitty.compat import cache_kwargs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -44,7 +45,7 @@ def generate(model, cache, prompt, n):
     out = model.generate(
         prompt,
         attention_mask=torch.ones_like(prompt),
-        past_key_values=cache,
+        **cache_kwargs(cache),
         max_new_tokens=n,
         min_new_tokens=n,
         do_sample=False,
@@ -57,11 +58,12 @@ def teacher_forced_logits(model, cache, ids, mask, prompt_len):
     (``mask``: the 2-D attention mask, or ``None`` for none)."""
     cols = (lambda t: {}) if mask is None else (lambda t: {"attention_mask": mask[:, :t]})
     with torch.no_grad():
-        model(ids[:, :prompt_len], past_key_values=cache, use_cache=True, **cols(prompt_len))
+        model(ids[:, :prompt_len], **cache_kwargs(cache), use_cache=True, **cols(prompt_len))
         steps = [
-            model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, **cols(t + 1)).logits[:, -1]
+            model(ids[:, t : t + 1], **cache_kwargs(cache), use_cache=True, **cols(t + 1)).logits[:, -1]
             for t in range(prompt_len, ids.shape[1])
         ]
+    assert cache.get_seq_length() == ids.shape[1]  # the forwards really read and filled the cache
     return torch.stack(steps, 1).float()
 
 

@@ -10,6 +10,7 @@ import torch
 
 from kitty import PRESETS
 from kitty import prompts as kp
+from kitty.compat import cache_kwargs
 from kitty.generate import Sampling, eos_ids, generate_tokens, make_cache, sample_next, stream_tokens
 
 SHORT = "What is the capital of France?"
@@ -22,7 +23,7 @@ def hf_greedy(model, ids: torch.Tensor, cfg, new: int, **kw) -> list[int]:
         out = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
-            cache=make_cache(model, cfg),
+            **cache_kwargs(make_cache(model, cfg)),
             max_new_tokens=new,
             do_sample=False,
             **kw,
