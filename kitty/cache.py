@@ -868,7 +868,8 @@ class KittyCache(Cache):
                 max_cache_len,
                 max_batch_size,
             )
-        self.max_batch_size, self.max_cache_len = max_batch_size, max_cache_len
+        # held privately: older transformers releases (5.17) define read-only Cache.max_batch_size/max_cache_len
+        self._max_batch_size, self._max_cache_len = max_batch_size, max_cache_len
         if not any(kind == "full_attention" for kind in layer_types):
             warnings.warn(
                 "every layer of this model is a sliding-window layer: KittyCache quantizes nothing here "
@@ -966,6 +967,16 @@ class KittyCache(Cache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError(_BEAM_MESSAGE)
+
+    @property
+    def max_batch_size(self) -> int | None:
+        """Most rows a static cache takes (``None``: a growing cache)."""
+        return self._max_batch_size
+
+    @property
+    def max_cache_len(self) -> int | None:
+        """Columns (padding included) a static cache holds per row (``None``: a growing cache)."""
+        return self._max_cache_len
 
     @property
     def lengths(self) -> list[int]:
