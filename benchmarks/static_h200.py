@@ -200,7 +200,7 @@ def main() -> None:
     print("\n== throughput (tokens/s; GPU busy; p50 / p99 / p99 of page steps, ms) ==")
     base = {}
     for r in rows:
-        if r["method"] == "fp16-static-captured" and not r["ragged"]:
+        if r["method"].startswith("fp16-static-captured") and not r["ragged"]:
             base[r["context"]] = max(base.get(r["context"], 0), r["tokens_per_s"])
     for r in rows:
         rel = r["tokens_per_s"] / base[r["context"]] if r["context"] in base else float("nan")
