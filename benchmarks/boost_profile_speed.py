@@ -12,7 +12,7 @@ against the profile (the same 240 channels in total), and the same for ``kitty-p
 Page contents do not change what the kernel reads, so the states are packed with magnitude selection and min-max
 ranges (the layout of every selection). Timing: ``benchmarks/kernels.py``'s ``bench`` (median of 30 replays of a
 CUDA graph of many calls) rotating over 4 states per ``nb`` (more than the L2 cache). Also checks each state's output against the torch reference.
-Writes ``boost_profile_<gpu>.json`` and prints a table.
+Writes ``boost_profile_<gpu>.json`` to ``--out`` (default ``benchmarks/results/<gpu>-<date>/``) and prints a table.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import benchmarks.kernels as bk  # noqa: E402  (bench: median of CUDA-graph replays over rotating inputs)
+from benchmarks.results_dir import default_out, unused_path  # noqa: E402
 from kitty.config import DEFAULT_PROFILE, PRESETS, load_boost_profile  # noqa: E402
 from kitty.kernels import decode_attention, decode_attention_ref  # noqa: E402
 from kitty.kernels.testing import make_state  # noqa: E402
@@ -37,7 +38,7 @@ DEV = "cuda"
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=None, help="folder for the JSON (default: benchmarks/results/<gpu>-<date>/)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny run under TRITON_INTERPRET=1 (plumbing only)")
@@ -96,8 +97,9 @@ def main() -> None:
         "summary": summary,
     }
     name = gpu.split()[-1].lower()
-    path = os.path.join(a.out, f"boost_profile_{name}.json")
-    os.makedirs(a.out, exist_ok=True)
+    out = a.out or default_out(gpu)
+    os.makedirs(out, exist_ok=True)
+    path = unused_path(out, f"boost_profile_{name}.json")
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
     print("wrote", path)

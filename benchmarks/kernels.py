@@ -1,6 +1,10 @@
-"""Kitty kernels on one NVIDIA GPU: correctness first, then timing. Writes benchmarks/RESULTS.md.
+"""Kitty kernels on one NVIDIA GPU: correctness first, then timing.
 
-    python benchmarks/kernels.py [--out DIR] [--quick]
+    python benchmarks/kernels.py [--out DIR] [--quick] [--timing-only | --check-only]
+
+Writes ``kernels_results.json`` (``kernels_timing.json`` with ``--timing-only``, ``kernels_check.json`` with
+``--check-only``) and its log to ``--out`` (default ``benchmarks/results/<gpu>-<date>/``, see
+``benchmarks/results_dir.py``); ``python benchmarks/summarize.py`` then regenerates ``benchmarks/RESULTS.md``.
 
 1. Correctness on the GPU: pack bit-identical to kitty.quant; Algorithm 1 dequantization vs kitty.quant (counts
    elements that differ, and by how many ulps: compiled code may fuse ``code*scale+zero`` into one FMA); fused and
@@ -36,6 +40,8 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
+from benchmarks import summarize  # noqa: E402
+from benchmarks.results_dir import default_out, unused_path  # noqa: E402
 from kitty.config import PRESETS  # noqa: E402
 from kitty.kernels import (  # noqa: E402
     KittyLayerState,
@@ -54,16 +60,13 @@ from kitty.storage import pool_fields  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 SHAPES = [(8, 32768), (64, 8192), (1, 4096), (1, 32768), (16, 8192), (256, 8192)]  # target shapes first
-TARGET_SHAPES = [(8, 32768), (64, 8192)]
+TARGET_SHAPES = list(summarize.TARGET_SHAPES)  # the shapes the targets name: also timed in bf16
 L2_BYTES = 60 * 2**20
-# The paper's own (unfused) kernels, fp16, same shapes, measured on the H200 with torch 2.11 / triton 3.6 (2026-12-01,
-# before the fused kernel existed); not rerun here.
-OFFICIAL_KITTY_MS = {(1, 4096): 0.181, (1, 32768): 1.368, (16, 8192): 0.371, (64, 8192): 0.871, (8, 32768): 1.419}
 DEV = "cuda"
 LOG = []
 # fused-kernel configurations swept at every shape (split count: from ``waves`` programs per SM). The page loop is
 # one hot loop (page quarters, magic-number codes, scale/zero folded into q and p); earlier runs' variants (dequantized
-# tiles, FOLD, PREFETCH, byte vs word loads) are in RESULTS.md's history.
+# tiles, FOLD, PREFETCH, byte vs word loads) are in benchmarks/RESULTS.md's git history.
 # split_fold: q*scale / p*scale as two 16-bit operands (1 keys, 2 values, 3 both). block_h=16 lost everywhere.
 FUSED_CONFIGS = [dict(num_warps=2, num_stages=1, maxnreg=128, block_h=4, split_fold=f) for f in (0, 1, 3)] + [
     dict(num_warps=4, num_stages=2, block_h=4, split_fold=f) for f in (0, 1)
@@ -299,7 +302,7 @@ def clone_state(st: KittyLayerState) -> KittyLayerState:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=None, help="folder for the results (default: benchmarks/results/<gpu>-<date>/)")
     ap.add_argument("--quick", action="store_true", help="fewer sweep points")
     ap.add_argument(
         "--timing-only",
@@ -311,7 +314,7 @@ def main():
         "--check-only",
         action="store_true",
         help="only the correctness part, with the default launch (and the B >= 8 launch on the first cases); "
-        "writes kernels_check.json to --out",
+        "writes kernels_check.json",
     )
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny run on CPU under TRITON_INTERPRET=1 (plumbing only)")
     args = ap.parse_args()
@@ -347,6 +350,12 @@ def main():
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
     log("env", json.dumps(env))
+    global RESULT_PATH
+    out = args.out or default_out(props.name)
+    os.makedirs(out, exist_ok=True)
+    kind = "kernels_check" if args.check_only else "kernels_timing" if args.timing_only else "kernels_results"
+    RESULT_PATH = str(unused_path(out, kind + ".json"))  # a second run of the day gets -2: nothing is overwritten
+    log("results to", RESULT_PATH)
     results = {"env": env, "pack": {}, "dequant": {}, "attention": {}, "timing": [], "pack_timing": [], "sweep": []}
 
     # ---- 1) correctness
@@ -359,9 +368,7 @@ def main():
             f"check-only: pack/dequant {'PASS' if ok_pack else 'FAIL'}, attention {'PASS' if ok_attn else 'FAIL'} "
             f"({time.time() - t0:.0f}s)"
         )
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "kernels_check.json"), "w") as f:
-            json.dump(results, f, indent=1)
+        write(results)
         return
     if args.timing_only:
         results["correct"] = None
@@ -592,8 +599,8 @@ def main():
         del k_full, v_full
         torch.cuda.empty_cache()
         results["timing"] = rows
-        md = write(results, args.out)  # after every shape: a run cut short keeps what it measured
-    print(md)
+        write(results)  # after every shape: a run cut short keeps what it measured
+    print("wrote", RESULT_PATH)
 
 
 def sdpa_backends() -> list[tuple[str, object]]:
@@ -630,143 +637,19 @@ def sdpa_call(backend, form: str, qs, kvs, B: int):
     return fn
 
 
-ANALYSIS_MARKER = "<!-- everything below is written by hand and kept when the script regenerates the part above -->"
+RESULT_PATH = ""  # set by main: where this run's JSON goes; its log is the same name with _log.txt
 
 
-def write(results: dict, out_dir: str) -> str:
-    """Write the results (JSON, log) to ``out_dir`` and the regenerated RESULTS.md there and in benchmarks/, keeping
-    the hand-written analysis below ``ANALYSIS_MARKER`` of the existing benchmarks/RESULTS.md."""
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "kernels_results.json"), "w") as f:
+def log_path() -> str:
+    return RESULT_PATH[: -len(".json")] + "_log.txt" if RESULT_PATH else os.path.join(".", "kernels_log.txt")
+
+
+def write(results: dict) -> None:
+    """Write the results JSON and the log so far (``benchmarks/summarize.py`` renders them into RESULTS.md)."""
+    with open(RESULT_PATH, "w") as f:
         json.dump(results, f, indent=1)
-    md = render(results)
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
-    kept = ""
-    if os.path.exists(here):
-        old = open(here).read()
-        if ANALYSIS_MARKER in old:
-            kept = old[old.index(ANALYSIS_MARKER) :]
-    for path in (os.path.join(out_dir, "RESULTS.md"),) + ((here,) if DEV == "cuda" else ()):
-        with open(path, "w") as f:
-            f.write(md + ("\n" + kept if kept else ""))
-    with open(os.path.join(out_dir, "kernels_log.txt"), "w") as f:
+    with open(log_path(), "w") as f:
         f.write("\n".join(LOG) + "\n")
-    return md
-
-
-def render(res: dict) -> str:
-    env = res["env"]
-    out = [
-        "# Kitty kernel benchmarks",
-        "",
-        f"Measured by `benchmarks/kernels.py` on **{env['gpu']}** ({env['sms']} SMs), driver {env['driver']}, "
-        f"torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, Python {env['python']}, {env['date']}.",
-        "",
-        "Times: median of 30 CUDA-graph replays (many calls each, rotating inputs > 4x L2, after warm-up). "
-        "Bytes: what the method must move (cache read + query/output + split workspace; unfused adds its logit/"
-        "probability round trips), counted from the layout. 32 query / 8 KV heads, D=128, fp16, G=128, S=32, R=128; "
-        "all rows at full length L.",
-        "",
-        f"Device copy bandwidth (read + write, 2 GiB D2D copy; the best of eager copy_, eager add and a graph-captured "
-        f"copy {res.get('copy_detail', {})}): **{res['copy_bw'] / 1e12:.3f} TB/s**.",
-        "",
-        "## Correctness on the GPU (before timing)",
-        "",
-    ]
-    if res["correct"] is None:
-        out += [
-            "Not run in this invocation (`--timing-only`): the same code's GPU correctness run is "
-            "`benchmarks/kernels_h200_correctness.json`.",
-            "",
-        ]
-    else:
-        out += [
-            f"- pack bit-identical to kitty.quant: {'yes' if res['correct']['pack_dequant'] else 'NO'} "
-            + "; ".join(f"{k}: {'ok' if not any(v.values()) else v}" for k, v in res["pack"].items()),
-            "- dequantization vs kitty.quant (differing elements / total / max ulp): "
-            + "; ".join(f"{k}: key {v['key']}, value {v['value']}" for k, v in res["dequant"].items()),
-            f"- attention (max|out-ref| <= 2 max|pt-ref| + floor): {'all pass' if res['correct']['attention'] else 'FAILURES'}",
-            "",
-        ]
-        out += ["| case | max abs err | tolerance | ok |", "|---|---|---|---|"]
-        for k, v in res["attention"].items():
-            out.append(f"| {k} | {v['err']:.2e} | {v['tol']:.2e} | {'yes' if v['ok'] else 'NO'} |")
-    out += [
-        "",
-        "## Decode attention",
-        "",
-        f"Baseline: the fastest FP16 attention measured in the same run at each shape, over every SDPA backend "
-        f"({', '.join(n for n, _ in sdpa_backends())}) with GQA as `enable_gqa` or folded into the query length.",
-        "",
-        "| B | L | method | time (us) | MB moved | GB/s | % of copy BW | vs fastest FP16 | notes |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in res["timing"]:
-        sp = r.get("speedup_vs_sdpa")
-        out.append(
-            f"| {r['B']} | {r['L']} | {r['method']} | {r['us']:.1f} | {r['bytes'] / 1e6:.2f} | {r['gbps']:.0f} | "
-            f"{r['pct_copy']:.1f} | {'' if sp is None else f'{sp:.2f}x'} | {r['extra']} |"
-        )
-    out += [
-        "",
-        "## Fused-kernel sweep (time in us per configuration; the best is reported above)",
-        "",
-        "| B | L | preset | dtype | configuration | time (us) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for sw in sorted(res["sweep"], key=lambda x: (x["B"], x["L"], x["preset"], x.get("dtype", ""), x["us"])):
-        out.append(
-            f"| {sw['B']} | {sw['L']} | {sw['preset']} | {sw.get('dtype', '')} | {sw['config']} | {sw['us']:.1f} |"
-        )
-    out += [
-        "",
-        "## Default launch (`decode_attention_triton(q, state, cfg)`, no tuning arguments)",
-        "",
-        "| B | L | preset | dtype | time (us) | vs fastest FP16 |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in res.get("default_launch", []):
-        sp = r.get("speedup_vs_sdpa")
-        out.append(
-            f"| {r['B']} | {r['L']} | {r['preset']} | {r['dtype']} | {r['us']:.1f} | "
-            f"{'' if sp is None else f'{sp:.2f}x'} |"
-        )
-    out += [
-        "",
-        "## Pack (quantize + pack one full qbuffer per row and KV head, keys and values, one launch)",
-        "",
-        "| B | L | preset | time (us) | us per page (one head, k+v) | amortized over G steps, % of fused decode |",
-        "|---|---|---|---|---|---|",
-    ]
-    for p in res["pack_timing"]:
-        out.append(
-            f"| {p['B']} | {p['L']} | {p['preset']} | {p['us']:.1f} | {p['us_per_page']:.2f} | {p['amortized_pct_of_fused']:.2f} |"
-        )
-    out += ["", "## Targets", ""]
-    for r in res["timing"]:
-        if "preset" not in r:
-            continue
-        shape, sp = (r["B"], r["L"]), r.get("speedup_vs_sdpa")
-        official = OFFICIAL_KITTY_MS.get(shape)
-        line = f"- {r['method']} {shape}: {'n/a' if sp is None else f'{sp:.2f}x'} the fastest FP16"
-        if shape in TARGET_SHAPES:
-            line += (
-                f" (target >= 4x: {'met' if sp and sp >= 4 else 'missed'}); {r['pct_copy']:.0f}% of copy BW "
-                f"(target >= 70%: {'met' if r['pct_copy'] >= 70 else 'missed'})"
-            )
-        else:
-            line += f" (target >= 1x: {'met' if sp and sp >= 1 else 'missed'})"
-        if official:
-            faster = official * 1e3 / r["us"]
-            line += f"; {faster:.1f}x faster than the official Kitty kernels ({official} ms, measured earlier; target > 1x: {'met' if faster > 1 else 'missed'})"
-        out.append(line)
-    for p in res["pack_timing"]:
-        if (p["B"], p["L"]) in TARGET_SHAPES:
-            out.append(
-                f"- pack {p['preset']} ({p['B']}, {p['L']}): {p['amortized_pct_of_fused']:.2f}% amortized "
-                f"(target <= 2%: {'met' if p['amortized_pct_of_fused'] <= 2 else 'missed'})"
-            )
-    return "\n".join(out) + "\n"
 
 
 if __name__ == "__main__":
@@ -774,7 +657,6 @@ if __name__ == "__main__":
         main()
     except Exception:
         traceback.print_exc()
-        out = os.environ.get("OUT", ".")
-        with open(os.path.join(out, "kernels_log.txt"), "w") as f:
+        with open(log_path(), "w") as f:
             f.write("\n".join(LOG) + "\n" + traceback.format_exc())
         sys.exit(1)

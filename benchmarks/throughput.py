@@ -9,8 +9,9 @@ compute is spent on an 8B model.
 
     python benchmarks/throughput.py --budget-gib 20 --context 8192 --out $OUT
 
-Writes ``throughput.json``, ``throughput.md`` (appended to ``benchmarks/RESULTS.md`` by hand) and
-``throughput.png`` (memory and tokens/s against batch).
+Writes ``throughput.json`` (rows, notes and the run's settings; ``benchmarks/summarize.py`` renders it into
+``benchmarks/RESULTS.md``), ``throughput.md`` and ``throughput.png`` (memory and tokens/s against batch) to ``--out``
+(default ``benchmarks/results/<gpu>-<date>/``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.results_dir import default_out  # noqa: E402
 from kitty import PRESETS, KittyCache  # noqa: E402
+from kitty.compat import cache_kwargs  # noqa: E402
 from kitty.memory import analytic_report, token_layout  # noqa: E402
 
 
@@ -151,7 +154,7 @@ def decode_rate(model, cache, batch: int, context: int, steps: int, warmup: int,
         kw = {"cache_position": torch.tensor([pos], device=DEVICE)} if static else {}
         sync()
         t = time.perf_counter()
-        logits = model(ids, cache=cache, use_cache=True, **kw).logits
+        logits = model(ids, **cache_kwargs(cache), use_cache=True, **kw).logits
         ids = logits[:, -1:].argmax(-1)
         sync()
         if i >= warmup:
@@ -168,7 +171,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--layers", type=int, default=None, help="fewer layers for a smoke run")
     ap.add_argument("--methods", default="fp16-dynamic,fp16-static,quantized-hf,kitty,kitty-pro")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=None, help="folder for the results (default: benchmarks/results/<gpu>-<date>/)")
     ap.add_argument(
         "--smoke", action="store_true", help="tiny model on CPU: checks the plumbing, measures nothing useful"
     )
@@ -179,12 +182,24 @@ def main() -> None:
     elif not torch.cuda.is_available():
         raise SystemExit("benchmarks/throughput.py needs a CUDA GPU (or --smoke)")
     mem = (lambda: torch.cuda.memory_allocated()) if DEVICE == "cuda" else (lambda: 0)
-    out = Path(a.out)
+    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    out = Path(a.out) if a.out else default_out(gpu)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     model = build_model(a.layers, a.smoke)
     weights = mem()
     budget = int(a.budget_gib * 2**30)
+    meta = dict(
+        gpu=gpu,
+        torch=torch.__version__,
+        date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        budget_gib=a.budget_gib,
+        context=a.context,
+        steps=a.steps,
+        warmup=a.warmup,
+        layers=model.config.num_hidden_layers,
+        weights_gib=weights / 2**30,
+    )
     rows, notes = [], []
     for method in a.methods.split(","):
         if method == "quantized-hf":
@@ -225,7 +240,7 @@ def main() -> None:
                 )
                 print(rows[-1], flush=True)
                 (out / "throughput.json").write_text(
-                    json.dumps(dict(rows=rows, notes=notes), indent=1)
+                    json.dumps(dict(meta=meta, rows=rows, notes=notes), indent=1)
                 )  # partial results survive a timeout
             except torch.cuda.OutOfMemoryError as e:
                 notes.append(f"{method} batch {b}: out of memory ({e})")
@@ -267,7 +282,7 @@ def main() -> None:
     ]
     lines += [""] + [f"- {n}" for n in notes] + [f"", f"_run took {time.time() - t0:.0f} s_", ""]
     (out / "throughput.md").write_text("\n".join(lines))
-    (out / "throughput.json").write_text(json.dumps(dict(rows=rows, notes=notes), indent=1))
+    (out / "throughput.json").write_text(json.dumps(dict(meta=meta, rows=rows, notes=notes), indent=1))
     plot(rows, out / "throughput.png", a.budget_gib)
     print("\n".join(lines))
 
@@ -297,3 +312,232 @@ def plot(rows, path, budget_gib) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# ------------------------------------------------------------------ static caches, decode step captured in a CUDA graph
+
+
+def static_row_lengths(batch: int, context: int, ragged: bool) -> list[int]:
+    """Tokens per row: all ``context``, or (ragged) spread evenly over half to full context."""
+    if not ragged or batch == 1:
+        return [context] * batch
+    return [context // 2 + (context - context // 2) * i // (batch - 1) for i in range(batch)]
+
+
+def static_bytes_per_row(method: str, config, max_cache_len: int) -> int:
+    """Bytes one row of a static cache holds (allocated, not filled): FP16 ``max_cache_len`` columns; Kitty its
+    fixed pages for ``max_cache_len`` tokens plus the full-precision buffers once (no pool slack)."""
+    return kv_bytes_per_seq("fp16" if method.startswith("fp16") else method, config, max_cache_len)
+
+
+def fill_static(method: str, model, lengths: list[int], context: int, extra: int):
+    """A static cache (``StaticCache`` for fp16 methods, else a static ``KittyCache``) holding ``lengths[b]``
+    random tokens in row b (left-padded to ``context`` columns), room for ``extra`` decode steps; and the
+    ``[B, context + extra]`` attention mask of the fill (padding 0, real and future columns 1)."""
+    from transformers import DynamicCache, StaticCache
+
+    c = model.config
+    H, D, B = c.num_key_value_heads, c.head_dim, len(lengths)
+    L = context + extra
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    n = torch.tensor(lengths, device=DEVICE)
+    mask = (torch.arange(L, device=DEVICE)[None, :] >= (context - n)[:, None]).long()  # (B, L)
+
+    def rand(t):
+        return torch.randn(B, H, t, D, device=DEVICE, dtype=torch.bfloat16, generator=g)
+
+    if method == "fp16-dynamic":
+        cache = DynamicCache(config=c)
+        for i in range(c.num_hidden_layers):
+            cache.update(rand(context), rand(context), i)
+        return cache, mask
+    if method.startswith("fp16"):
+        cache = StaticCache(config=c, max_cache_len=L)
+        for i in range(c.num_hidden_layers):
+            cache.update(rand(context), rand(context), i, {"cache_position": torch.arange(context, device=DEVICE)})
+        return cache, mask
+    cache = KittyCache(c, PRESETS[method], backend="triton", max_batch_size=B, max_cache_len=L)
+    chunk = 1024
+    for layer in cache.layers:
+        for start in range(0, context, chunk):
+            t = min(chunk, context - start)
+            layer.append(rand(t), rand(t), mask[:, start : start + t].bool().cpu())
+    return cache, mask
+
+
+def page_steps(method: str, lengths: list[int], steps: int) -> list[bool]:
+    """Whether decode step i (0-based) completes a key or value page in some row (kitty methods)."""
+    if method.startswith("fp16"):
+        return [False] * steps
+    cfg = PRESETS[method]
+    S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
+    out = []
+    for i in range(steps):
+        ns = [n + i + 1 for n in lengths]
+        out.append(any((x - S) > 0 and (x - S) % G == 0 or (x - S - R) > 0 and (x - S - R) % G == 0 for x in ns))
+    return out
+
+
+@torch.no_grad()
+def static_decode(
+    model, cache, mask, lengths, context, steps: int, warmup: int, captured: bool, profile_steps: int = 4
+):
+    """Time ``steps`` single-token decode steps of every row with static input buffers (eager, or one step
+    captured in a CUDA graph and replayed). Returns per-step seconds and (when profiled) GPU busy."""
+    from kitty.generate import _advance
+
+    B = len(lengths)
+    ids = torch.randint(0, model.config.vocab_size, (B, 1), device=DEVICE)
+    pos = torch.tensor(lengths, device=DEVICE)[:, None]
+    kitty = isinstance(cache, KittyCache)
+    dyn = not getattr(cache, "is_compileable", False)
+    mask_buf = mask.clone()
+    cols = [context]  # the dynamic cache's mask grows by a column per step
+
+    def step():
+        m = mask_buf[:, : cols[0] + 1] if dyn else mask_buf
+        logits = model(
+            ids, attention_mask=m, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1
+        ).logits
+        ids.copy_(logits[:, -1:].argmax(-1))
+        pos.add_(1)
+        cols[0] += 1
+
+    graph = None
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    if captured:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        _advance(cache, -1)
+
+    def run():
+        if graph is None:
+            step()
+        else:
+            graph.replay()
+            _advance(cache, 1)
+
+    times = []
+    for _ in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    busy = None
+    if profile_steps:
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            for _ in range(profile_steps):
+                run()
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+        kern = sum(
+            getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
+            for e in prof.key_averages()
+            if getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type)
+        )
+        busy = dict(
+            wall_ms_per_step=wall / profile_steps * 1e3,
+            gpu_ms_per_step=kern / 1e3 / profile_steps,
+            gpu_busy=kern / 1e6 / wall,
+        )
+    del kitty
+    return times, busy
+
+
+def static_point(model, method, batch, context, ragged, captured, steps, warmup, weights) -> dict:
+    lengths = static_row_lengths(batch, context, ragged)
+    extra = steps + warmup + 8
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    cache, mask = fill_static(method, model, lengths, context, extra)
+    kv = torch.cuda.memory_allocated() - weights
+    # "-gqa": transformers' SDPA told to pass the KV heads unrepeated (enable_gqa) even with a mask; without it a
+    # masked SDPA call first copies every KV head once per query head (repeat_kv). Timed both ways, the faster is
+    # the FP16 baseline.
+    gqa = method.endswith("-gqa")
+    old_env = os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA")
+    os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1" if gqa else "0"
+    try:
+        times, busy = static_decode(model, cache, mask, lengths, context, steps, warmup, captured)
+    finally:
+        if old_env is None:
+            os.environ.pop("TRANSFORMERS_SDPA_FORCE_GQA")
+        else:
+            os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = old_env
+    pages = page_steps(method, [n + warmup for n in lengths], steps)
+    srt = sorted(times)
+    paged = sorted(t for t, p in zip(times, pages) if p)
+    row = dict(
+        method=method.removesuffix("-gqa")
+        + ("" if method == "fp16-dynamic" else "-captured" if captured else "-eager")
+        + ("-gqa" if gqa else ""),
+        context=context,
+        ragged=ragged,
+        batch=batch,
+        kv_gib=kv / 2**30,
+        peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+        steps=steps,
+        tokens_per_s=batch / srt[len(srt) // 2],
+        p50_ms=srt[len(srt) // 2] * 1e3,
+        p99_ms=srt[min(len(srt) - 1, int(0.99 * len(srt)))] * 1e3,
+        p99_page_ms=(paged[min(len(paged) - 1, int(0.99 * len(paged)))] * 1e3) if paged else None,
+        page_steps=len(paged),
+        **(busy or {}),
+    )
+    del cache
+    return row
+
+
+def run_static(model, contexts, budget_gib, steps, warmup, out: Path, deadline: float, methods=None) -> list[dict]:
+    """The static-cache throughput table (issue: captured decode against a captured FP16 StaticCache)."""
+    weights = torch.cuda.memory_allocated()
+    budget = int(budget_gib * 2**30)
+    rows, notes = [], []
+    plan = []
+    for context in contexts:
+        L = context + steps + warmup + 8
+        maxb = {m: budget // static_bytes_per_row(m, model.config, L) for m in ("fp16", "kitty", "kitty-pro")}
+        notes.append(f"context {context}: largest static batch under {budget_gib:g} GiB: {maxb}")
+        fb = maxb["fp16"]
+        for ragged in (False, True):
+            for b in sorted({1, 16, fb} if fb >= 16 else {1, fb}):
+                if b >= 1:
+                    plan.append(("fp16-static", b, context, ragged, True))
+                    plan.append(("fp16-static-gqa", b, context, ragged, True))
+            if context == contexts[0] and not ragged:
+                plan += [("fp16-static", fb, context, False, False), ("fp16-dynamic", fb, context, False, False)]
+            for m in ("kitty", "kitty-pro"):
+                for b in (maxb[m], 16, 1) if m == "kitty" else (maxb[m],):
+                    plan.append((m, b, context, ragged, True))
+            if not ragged and context == contexts[0]:
+                plan.append(("kitty", maxb["kitty"], context, False, False))
+    if methods:
+        plan = [p for p in plan if p[0] in methods]
+    for method, b, context, ragged, captured in plan:
+        if time.time() > deadline:
+            notes.append(f"skipped (time): {method} batch {b} context {context} ragged={ragged} captured={captured}")
+            continue
+        try:
+            rows.append(static_point(model, method, b, context, ragged, captured, steps, warmup, weights))
+            print(rows[-1], flush=True)
+        except Exception as e:  # noqa: BLE001 - one failing point must not lose the others
+            notes.append(
+                f"{method} batch {b} context {context} ragged={ragged} captured={captured}: "
+                f"{type(e).__name__}: {str(e)[:300]}"
+            )
+            print(notes[-1], flush=True)
+        (out / "static_throughput.json").write_text(json.dumps(dict(rows=rows, notes=notes), indent=1))
+    return rows, notes

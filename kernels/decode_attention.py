@@ -525,7 +525,8 @@ def kernel_constants(cfg: KVQuantConfig, head_dim: int, group: int, dtype: torch
 
 
 def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig, scaling: float | None = None,
-                            launch: Launch | None = None, full_qbuffer: bool = False, **tuning) -> torch.Tensor:
+                            launch: Launch | None = None, full_qbuffer: bool = False,
+                            workspace: dict[str, torch.Tensor] | None = None, **tuning) -> torch.Tensor:
     """The fused Triton kernel (see module docstring). ``q``: ``[B, Hq, D]`` -> ``[B, Hq, D]`` in ``q.dtype``.
 
     ``full_qbuffer``: the state is mid-step, after the new token was inserted and before a qbuffer it filled is
@@ -539,6 +540,10 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
     itself: on outlier-heavy keys, fp16 outputs were measured up to 2.2x further from the fp32 reference than the
     fp16 torch reference is; ``split_fold=1`` cuts that error 2-3x but costs ~45% more time at (8, 32K) on the H200
     (benchmarks/RESULTS.md), so it is off by default.
+
+    ``workspace``: a dict that the first call fills with the split buffers and the output and later calls reuse
+    (a static cache passes one per layer, so that a captured step allocates nothing); the result is then a view of
+    ``workspace["out"]``, valid until the next call.
     """
     z = check_state(q, state, cfg)
     B, Hq, Hkv, D, S, G, R, nb = (z[k] for k in ("B", "Hq", "Hkv", "D", "S", "G", "R", "nb"))
@@ -557,10 +562,18 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
     consts = kernel_constants(cfg, D, QH, q.dtype, launch, full_qbuffer)
     BLOCK_H, splits = consts["BLOCK_H"], launch.num_splits
     dev, f32 = q.device, torch.float32
-    ws_m = torch.empty(B * Hkv * splits * BLOCK_H, dtype=f32, device=dev)
-    ws_l = torch.empty_like(ws_m)
-    ws_acc = torch.empty(B * Hkv * splits * BLOCK_H, D, dtype=f32, device=dev)
-    out = torch.empty(B, Hq, D, dtype=q.dtype, device=dev)
+    if workspace is not None and workspace.get("out") is not None:
+        ws_m, ws_l, ws_acc, out = (workspace[k] for k in ("m", "l", "acc", "out"))
+        if ws_m.shape[0] != B * Hkv * splits * BLOCK_H or out.shape != (B, Hq, D) or out.dtype != q.dtype:
+            raise ValueError(f"workspace was filled for other shapes (out {tuple(out.shape)} {out.dtype}, "
+                             f"{ws_m.shape[0]} split rows); pass an empty dict for B={B}, Hq={Hq}, splits={splits}")
+    else:
+        ws_m = torch.empty(B * Hkv * splits * BLOCK_H, dtype=f32, device=dev)
+        ws_l = torch.empty_like(ws_m)
+        ws_acc = torch.empty(B * Hkv * splits * BLOCK_H, D, dtype=f32, device=dev)
+        out = torch.empty(B, Hq, D, dtype=q.dtype, device=dev)
+        if workspace is not None:
+            workspace.update(m=ws_m, l=ws_l, acc=ws_acc, out=out)
     if q.stride(-1) != 1:
         q = q.contiguous()
     dummy = state.k_qbuf

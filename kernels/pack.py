@@ -49,7 +49,7 @@ from kitty.storage import allocate_pool, pool_fields
 
 from ._tiles import TLTYPE, check_power_of_two
 
-__all__ = ["pack_pages", "pack_pages_ref"]
+__all__ = ["pack_completed", "pack_completed_ref", "pack_pages", "pack_pages_ref"]
 
 
 @triton.jit
@@ -88,14 +88,15 @@ def _pack_kernel(
     # value side
     vq_ptr, v_rows_ptr, v_pages_ptr,
     v_codes_ptr, v_scale_ptr, v_zero_ptr,
-    # sizes
-    n_key_progs, Hkv,
+    # sizes; with PREDICATED, the rows' lengths and the page-table widths (row b's page j is pool id b * width + j)
+    n_key_progs, Hkv, len_ptr, k_width, v_width,
     # strides of the two qbuffers (row, head, token); channels are contiguous
     skq_b, skq_h, skq_t, svq_b, svq_h, svq_t,
     # meta-parameters
     G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, KEY_LEVELS: tl.constexpr,
     VBITS: tl.constexpr, USE_MASK: tl.constexpr,
     DTYPE: tl.constexpr, ITYPE: tl.constexpr, ROUND_UP: tl.constexpr,
+    PREDICATED: tl.constexpr = False, S: tl.constexpr = 0, R: tl.constexpr = 0,
 ):
     G4: tl.constexpr = G // 4
     pid = tl.program_id(0)
@@ -108,8 +109,15 @@ def _pack_kernel(
         # ================================================================= key page: per channel, boosted
         i = pid // Hkv
         h = pid % Hkv
-        row = tl.load(k_rows_ptr + i).to(tl.int64)
-        page = tl.load(k_pages_ptr + i).to(tl.int64)
+        if PREDICATED:  # program (row i, head h) of every row: only a row whose key qbuffer just filled packs
+            mk = tl.load(len_ptr + i) - S
+            if (mk <= 0) | (mk % G != 0):
+                return
+            row = i.to(tl.int64)
+            page = (i * k_width + mk // G - 1).to(tl.int64)
+        else:
+            row = tl.load(k_rows_ptr + i).to(tl.int64)
+            page = tl.load(k_pages_ptr + i).to(tl.int64)
         x = tl.load(kq_ptr + row * skq_b + h * skq_h + t3 * skq_t + c[None, None, :]).to(tl.float32)  # (G4, 4, D)
         # -- importance and top-NB selection (rank by counting larger scores, ties -> lower index)
         if USE_MASK:
@@ -151,8 +159,15 @@ def _pack_kernel(
         DP: tl.constexpr = D // PER
         vi = (pid - n_key_progs) // Hkv
         vh = (pid - n_key_progs) % Hkv
-        vrow = tl.load(v_rows_ptr + vi).to(tl.int64)
-        vpage = tl.load(v_pages_ptr + vi).to(tl.int64)
+        if PREDICATED:  # likewise for a value qbuffer (filled once R more tokens came)
+            mv = tl.load(len_ptr + vi) - S - R
+            if (mv <= 0) | (mv % G != 0):
+                return
+            vrow = vi.to(tl.int64)
+            vpage = (vi * v_width + mv // G - 1).to(tl.int64)
+        else:
+            vrow = tl.load(v_rows_ptr + vi).to(tl.int64)
+            vpage = tl.load(v_pages_ptr + vi).to(tl.int64)
         t = tl.arange(0, G)
         k = tl.arange(0, DP)
         e = tl.arange(0, PER)
@@ -283,7 +298,7 @@ def pack_pages(
         out.get("k_scale", dummy), out.get("k_zero", dummy),
         vq, v_rows, v_pages,
         out.get("v_codes", dummy), out.get("v_scale", dummy), out.get("v_zero", dummy),
-        nk * Hkv, Hkv,
+        nk * Hkv, Hkv, k_rows, 0, 0,
         kq.stride(0), kq.stride(1), kq.stride(2), vq.stride(0), vq.stride(1), vq.stride(2),
         G=G, D=D, NB=nb, KEY_LEVELS=(1 << cfg.key_bits) - 1, VBITS=cfg.value_bits, USE_MASK=use_mask,
         DTYPE=TLTYPE[dtype], ITYPE=_ITYPE[dtype], ROUND_UP=dtype != torch.float32,
@@ -295,6 +310,83 @@ def pack_pages(
     kp = None if not nk else KeyPage(out["k_low"], out["k_high"], out["k_boost_idx"], out["k_scale"], out["k_zero"], empty, dtype)
     vp = None if not nv else ValuePage(out["v_codes"], out["v_scale"], out["v_zero"], empty, cfg.value_bits, dtype)
     return kp, vp
+
+
+def pack_completed(
+    cfg: KVQuantConfig,
+    lengths: torch.Tensor,
+    k_qbuf: torch.Tensor,
+    v_qbuf: torch.Tensor,
+    key_pool: dict[str, torch.Tensor],
+    value_pool: dict[str, torch.Tensor],
+    k_page_table: torch.Tensor,
+    v_page_table: torch.Tensor,
+    salt: int = 0,
+) -> None:
+    """Pack, in one launch, every row whose key or value qbuffer the last decode token filled (a static cache's
+    stage 3: no host synchronization, the same grid at every step).
+
+    ``lengths`` int32 ``[B]`` (counting that token); ``k_qbuf``/``v_qbuf`` ``[B, Hkv, G, D]``; pools as in
+    :func:`pack_pages`, of ``B * Wk`` key and ``B * Wv`` value pages, where ``Wk``/``Wv`` are the widths of the int32
+    page tables ``[B, Wk]``/``[B, Wv]``. Program (row b, head h) of the key side reads ``lengths[b]`` and returns
+    unless ``m = lengths[b] - S > 0`` and ``m % G == 0``; then it packs key page ``j = m // G - 1`` at pool id
+    ``b * Wk + j``. The value side likewise with ``m - R``. Completed rows get ``table[b, j] = id``.
+    Torch reference: :func:`pack_completed_ref` (``kitty.backend.pack_completed_torch``).
+    """
+    B, Hkv, G, D = k_qbuf.shape
+    if tuple(v_qbuf.shape) != (B, Hkv, G, D) or v_qbuf.dtype != k_qbuf.dtype:
+        raise ValueError(f"v_qbuf must be {tuple(k_qbuf.shape)} {k_qbuf.dtype}, got {tuple(v_qbuf.shape)} {v_qbuf.dtype}")
+    if tuple(lengths.shape) != (B,) or lengths.dtype != torch.int32:
+        raise ValueError(f"lengths must be int32 [B={B}], got {lengths.dtype} {tuple(lengths.shape)}")
+    for name, t in (("k_page_table", k_page_table), ("v_page_table", v_page_table)):
+        if t.dim() != 2 or t.shape[0] != B or t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32 [B={B}, width], got {t.dtype} {tuple(t.shape)}")
+    wk, wv = k_page_table.shape[1], v_page_table.shape[1]
+    if wk == 0:  # no page fits max_cache_len on either side (wv <= wk)
+        return
+    # the config and qbuffer checks of pack_pages, on an empty selection (nothing is launched)
+    none = torch.empty(0, dtype=torch.int32, device=k_qbuf.device)
+    pack_pages(cfg, k_qbuf, v_qbuf, k_rows=none, v_rows=none, pool={**key_pool, **value_pool}, k_pages=none,
+               v_pages=none, salt=salt)
+    for name, pool, width in (("k_low", key_pool, wk), ("v_codes", value_pool, wv)):
+        if pool[name].shape[0] != B * width:
+            raise ValueError(f"{name} must hold B * width = {B * width} pages, got {pool[name].shape[0]}")
+    nb = cfg.num_boosted(D)
+    use_mask = cfg.channel_selection != "magnitude" and cfg.key_bits == 2
+    u8 = dict(dtype=torch.uint8, device=k_qbuf.device)
+    k_mask = select_boosted(channel_importance(k_qbuf, cfg, salt), nb).to(torch.uint8).contiguous() if use_mask else torch.empty(0, **u8)
+    dummy = torch.empty(1, dtype=k_qbuf.dtype, device=k_qbuf.device)
+    nv = B if wv else 0
+    _pack_kernel[((B + nv) * Hkv,)](
+        k_qbuf, lengths, lengths, k_mask,
+        key_pool["k_low"], key_pool["k_high"] if nb else dummy, key_pool["k_boost_idx"], key_pool["k_scale"],
+        key_pool["k_zero"],
+        v_qbuf, lengths, lengths,
+        value_pool["v_codes"], value_pool["v_scale"], value_pool["v_zero"],
+        B * Hkv, Hkv, lengths, wk, max(wv, 1),
+        k_qbuf.stride(0), k_qbuf.stride(1), k_qbuf.stride(2), v_qbuf.stride(0), v_qbuf.stride(1), v_qbuf.stride(2),
+        G=G, D=D, NB=nb, KEY_LEVELS=(1 << cfg.key_bits) - 1, VBITS=cfg.value_bits, USE_MASK=use_mask,
+        DTYPE=TLTYPE[k_qbuf.dtype], ITYPE=_ITYPE[k_qbuf.dtype], ROUND_UP=k_qbuf.dtype != torch.float32,
+        PREDICATED=True, S=cfg.sink_tokens, R=cfg.local_window,
+        num_warps=4,
+    )
+    # the completed rows' table entries (a few int32 writes; predicated like the kernel)
+    S, R = cfg.sink_tokens, cfg.local_window
+    n = lengths.long()
+    rows = torch.arange(B, device=n.device)
+    for table, width, start in ((k_page_table, wk, n - S), (v_page_table, wv, n - S - R)):
+        if width:
+            done = (start > 0) & (start % G == 0)
+            j = (start // G - 1).clamp(0, width - 1)
+            table[rows, j] = torch.where(done, (rows * width + j).to(torch.int32), table[rows, j])
+
+
+def pack_completed_ref(cfg: KVQuantConfig, lengths, k_qbuf, v_qbuf, key_pool, value_pool, k_page_table, v_page_table,
+                       salt: int = 0) -> None:
+    """Torch reference of :func:`pack_completed` (``kitty.backend.pack_completed_torch``): the same writes."""
+    from kitty.backend import pack_completed_torch
+
+    pack_completed_torch(cfg, lengths, k_qbuf, v_qbuf, key_pool, value_pool, k_page_table, v_page_table, salt=salt)
 
 
 def pack_pages_ref(cfg: KVQuantConfig, k_qbuf=None, v_qbuf=None, *, k_rows=None, v_rows=None, salt: int = 0):

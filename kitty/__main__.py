@@ -2,6 +2,7 @@
 
 python -m kitty "What is a KV cache?" --method kitty --max-new-tokens 64 --chat
 python -m kitty "What is a KV cache?" --compare --methods fp16,kivi-k2v2,kitty,kitty-pro
+python -m kitty --prompt-file long_document.txt --compare      # or: cat long_document.txt | python -m kitty -
 torchrun --nproc-per-node 2 -m kitty "What is a KV cache?" --model PATH   # sharded: tensor parallelism
 
 Launched by ``torchrun`` (``WORLD_SIZE`` > 1, or with ``--tp``) the model is loaded with ``tp_plan="auto"``: every
@@ -12,21 +13,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+import textwrap
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from .config import PRESETS, get_preset
-from .generate import Sampling, eos_ids, make_cache, stream_tokens
+from .generate import MAX_SEED, Sampling, eos_ids, make_cache, stream_tokens
 from .memory import MemoryReport
 from .models import tp_rank_and_size
 from .prompts import encode_prompt
 
 DEFAULT_COMPARE = "fp16,kivi-k2v2,kitty,kitty-pro"
+SAMPLING = Sampling()  # the defaults the demo app uses too: greedy, top-p 0.95 once a temperature is set, seed 0
+SAMPLE_TEMPERATURE = 1.0  # --sample without --temperature: the model's own distribution
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -40,6 +45,7 @@ class Result:
     seconds: float
     report: MemoryReport
     counts: dict[str, int]
+    tokens: list[int] = field(default_factory=list)  # the new token ids
 
     @property
     def tokens_per_second(self) -> float:
@@ -60,6 +66,7 @@ class Result:
             "seconds": self.seconds,
             "report": report,
             "counts": self.counts,
+            "tokens": self.tokens,
         }
 
 
@@ -72,9 +79,9 @@ def generate(
     chat: bool = False,
     on_text: Callable[[str], None] | None = None,
     do_sample: bool = False,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    seed: int = 0,
+    temperature: float = SAMPLE_TEMPERATURE,
+    top_p: float = SAMPLING.top_p,
+    seed: int = SAMPLING.seed,
     backend: str = "auto",
 ) -> Result:
     """Generate from ``prompt`` with the preset ``method``; return the text, speed and the cache's memory report.
@@ -99,7 +106,7 @@ def generate(
     text = tokenizer.decode(new, skip_special_tokens=True)
     if on_text is not None and len(text) > len(shown):
         on_text(text[len(shown) :])
-    return Result(method, text, len(new), seconds, cache.memory_report(), cache.token_counts())
+    return Result(method, text, len(new), seconds, cache.memory_report(), cache.token_counts(), new)
 
 
 def describe(result: Result) -> str:
@@ -119,48 +126,128 @@ def describe(result: Result) -> str:
     )
 
 
-def table(results: list[Result], width: int = 60) -> str:
-    """A Markdown table: method, bits/element, compression, tokens/s, text (one line, cut to ``width``)."""
-    lines = ["| method | bits/element | compression | tokens/s | text |", "|---|---:|---:|---:|---|"]
+def divergence(tokens: list[int], reference: list[int]) -> int | None:
+    """1-based position of the first new token that differs from ``reference`` (a shorter run differs where it
+    ends), ``None`` when both are the same tokens."""
+    same = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+    return None if same == len(tokens) == len(reference) else same + 1
+
+
+def table(results: list[Result], width: int = 0) -> str:
+    """A Markdown table: method, bits/element, compression, tokens/s, where the text first differs from the first
+    result's (the reference, fp16 by default) and the text on one line (cut to ``width`` characters if > 0)."""
+    ref = results[0]
+    lines = [
+        f"| method | bits/element | compression | tokens/s | diverges from {ref.method} at | text |",
+        "|---|---:|---:|---:|---|---|",
+    ]
     for r in results:
         text = " ".join(r.text.split())
-        text = text if len(text) <= width else text[: width - 1] + "…"
+        if width > 0 and len(text) > width:
+            text = text[: width - 1] + "…"
+        at = divergence(r.tokens, ref.tokens)
+        where = "(reference)" if r is ref else f"never ({len(r.tokens)} tokens)" if at is None else f"token {at}"
         lines.append(
-            f"| {r.method} | {r.report.bits_per_element:.2f} | {r.report.compression:.2f}x | {r.tokens_per_second:.1f} | {text.replace('|', '/')} |"
+            f"| {r.method} | {r.report.bits_per_element:.2f} | {r.report.compression:.2f}x | "
+            f"{r.tokens_per_second:.1f} | {where} | {text.replace('|', '/')} |"
+        )
+    return "\n".join(lines)
+
+
+def preset_list(width: int = 100) -> str:
+    """When pages start, and every preset with its description, for ``--help``."""
+    kitty = PRESETS["kitty"]
+    first = kitty.sink_tokens + kitty.group_size
+    lines = textwrap.wrap(
+        f"Nothing is quantized until the context passes the sink and one page ({first} tokens for kitty): short "
+        "prompts stay at 16 bits; long ones (--prompt-file, stdin) show the compression.",
+        width,
+    )
+    lines += [
+        "",
+        "presets (--method, --methods; add +field=value to change a field, e.g. kitty+key_range=fit):",
+    ]
+    for name in PRESETS:
+        lines += textwrap.wrap(
+            PRESETS[name].description, width, initial_indent=f"  {name:<24}", subsequent_indent=" " * 26
         )
     return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m kitty", description="Generate with a 2-bit Kitty KV cache (arXiv 2511.18643)."
+        prog="python -m kitty",
+        description="Generate with a 2-bit Kitty KV cache (arXiv 2511.18643) and print what the cache holds.",
+        epilog=preset_list(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--method", default="kitty", help="cache preset, optionally +field=value... (default: kitty)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument(
+        "prompt",
+        nargs="?",
+        default=None,
+        help="the prompt text; '-' reads it from stdin, as does a piped stdin with no prompt given",
+    )
+    p.add_argument("--prompt-file", default=None, metavar="PATH", help="read the prompt from this UTF-8 text file")
+    p.add_argument(
+        "--method", default="kitty", help="cache preset (see below), optionally +field=value... (default: kitty)"
+    )
+    p.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to generate (default: 64)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template (default: off)")
     p.add_argument("--model", default=None, help="hub id or local path (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--compare", action="store_true", help="run several presets on the same prompt and print a table")
+    p.add_argument(
+        "--compare", action="store_true", help="run several presets on the same prompt and print a table (default: off)"
+    )
     p.add_argument(
         "--methods",
         default=None,
         help=f"presets for --compare, comma-separated, each optionally +field=value... (default: {DEFAULT_COMPARE})",
     )
-    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-p", type=float, default=0.9)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--backend", default=None, choices=("auto", "torch", "triton"), help="default: $KITTY_BACKEND, else auto"
+        "--width",
+        type=int,
+        default=0,
+        help="cut each text in the --compare table to this many characters (default: 0, the whole text)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help=f"sampling temperature; 0 decodes greedily (default: {SAMPLING.temperature:g}, greedy, as the demo app; "
+        f"{SAMPLE_TEMPERATURE:g} with --sample)",
+    )
+    p.add_argument(
+        "--sample",
+        action="store_true",
+        help=f"sample (at --temperature, default {SAMPLE_TEMPERATURE:g}) instead of greedy decoding",
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=SAMPLING.top_p,
+        help=f"nucleus sampling mass (default: {SAMPLING.top_p:g}, as the demo app)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=SAMPLING.seed, help=f"sampling seed in [0, 2**63) (default: {SAMPLING.seed})"
+    )
+    p.add_argument(
+        "--backend",
+        default=None,
+        choices=("auto", "torch", "triton"),
+        help="attention backend (default: $KITTY_BACKEND, else auto)",
     )
     p.add_argument("--dtype", default="bfloat16", choices=tuple(DTYPES), help="weight dtype (default: bfloat16)")
     p.add_argument(
         "--tp",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="shard the model over the torchrun ranks (tp_plan='auto'); default: on when WORLD_SIZE > 1",
+        help="shard the model over the torchrun ranks (tp_plan='auto') (default: on when WORLD_SIZE > 1)",
     )
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the results (text, memory report) as JSON")
+    p.add_argument(
+        "--json",
+        default=None,
+        metavar="PATH",
+        help="also write the results (text, tokens, memory report) as JSON (default: off)",
+    )
     return p
 
 
@@ -193,22 +280,87 @@ def main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
 
 
+def read_prompt(args: argparse.Namespace) -> str:
+    """The prompt from the argument, ``--prompt-file`` or stdin (``-``, or piped with no prompt given), as valid
+    text; ``ValueError`` says what is missing or unreadable."""
+    if args.prompt_file is not None:
+        if args.prompt is not None:
+            raise ValueError("give the prompt as text or as --prompt-file, not both")
+        path = Path(args.prompt_file).expanduser()
+        if not path.is_file():
+            raise ValueError(f"--prompt-file {args.prompt_file!r}: no such file")
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise ValueError(f"--prompt-file {args.prompt_file!r}: cannot read it ({e.strerror or e})") from e
+        text = data.decode("utf-8", "replace")
+        if text.encode("utf-8") != data:
+            print(
+                f"warning: {args.prompt_file} is not valid UTF-8; those bytes were replaced by U+FFFD", file=sys.stderr
+            )
+        return text
+    if args.prompt == "-" or (args.prompt is None and sys.stdin is not None and not sys.stdin.isatty()):
+        if tp_rank_and_size()[1] > 1:
+            raise ValueError("under torchrun every rank needs the prompt: give it as text or as --prompt-file")
+        buffer = getattr(sys.stdin, "buffer", None)
+        text = buffer.read().decode("utf-8", "replace") if buffer is not None else sys.stdin.read()
+    elif args.prompt is None:
+        raise ValueError("no prompt: give it as text, as --prompt-file PATH, or on stdin ('-' or a pipe)")
+    else:
+        text = args.prompt
+    return utf8_text(text)
+
+
+def sampling_of(args: argparse.Namespace) -> Sampling:
+    """The run's sampling from ``--temperature``/``--sample``/``--top-p``/``--seed``; ``ValueError`` names the flag."""
+    temperature = args.temperature
+    if temperature is None:
+        temperature = SAMPLE_TEMPERATURE if args.sample else SAMPLING.temperature
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+    if args.sample and temperature == 0:
+        raise ValueError("--temperature must be > 0 with --sample (or leave out --sample for greedy decoding)")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not 0 <= args.seed < MAX_SEED:
+        raise ValueError(f"--seed must be in [0, 2**63), got {args.seed}")
+    return Sampling(temperature, args.top_p, args.seed)
+
+
+def check_json_path(path: Path) -> str | None:
+    """Why the results cannot be written to ``path`` (``None`` when they can): checked before any generation by
+    opening it for appending (a file made only for the check is removed again)."""
+    if path.is_dir():
+        return f"--json {str(path)!r} is a folder; give a file path"
+    if not path.parent.is_dir():
+        return f"--json {str(path)!r}: its folder does not exist"
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        return f"--json {str(path)!r}: cannot write there ({e.strerror or e})"
+    if not existed:
+        path.unlink()
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """The command for parsed ``args``; returns the exit status."""
-    prompt = utf8_text(args.prompt)
-    if prompt != args.prompt:
+    try:
+        raw = args.prompt if args.prompt_file is None and args.prompt != "-" else None
+        args.prompt = read_prompt(args)
+        sampling = sampling_of(args)
+    except ValueError as e:
+        return _fail(str(e))
+    if raw is not None and args.prompt != raw:
         print("warning: the prompt holds bytes that are not UTF-8; they were replaced by U+FFFD", file=sys.stderr)
-    args.prompt = prompt
     if not args.prompt.strip():
         return _fail("the prompt is empty")
     if args.max_new_tokens < 1:
         return _fail(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.sample and not args.temperature > 0:
-        return _fail(
-            f"--temperature must be > 0 with --sample (use greedy decoding without --sample), got {args.temperature}"
-        )
-    if args.sample and not 0 < args.top_p <= 1:
-        return _fail(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.width < 0:
+        return _fail(f"--width must be >= 0 (0: the whole text), got {args.width}")
     if args.methods is not None and not args.compare:
         return _fail("--methods is for --compare; use --method for a single preset")
     if args.compare:
@@ -227,8 +379,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.model is not None and args.model.startswith(("/", ".", "~")) and not Path(args.model).expanduser().exists():
         return _fail(f"--model {args.model!r}: no such folder (give a local model folder or a hub id)")
-    if args.json is not None and not Path(args.json).expanduser().parent.is_dir():
-        return _fail(f"--json {args.json!r}: its folder does not exist")
+    if args.json is not None:
+        problem = check_json_path(Path(args.json).expanduser())
+        if problem:
+            return _fail(problem)
     try:
         rank, world = tp_rank_and_size()
     except ValueError as e:
@@ -259,10 +413,10 @@ def run(args: argparse.Namespace) -> int:
     options = dict(
         max_new_tokens=args.max_new_tokens,
         chat=args.chat,
-        do_sample=args.sample,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
+        do_sample=not sampling.greedy,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        seed=sampling.seed,
         backend=args.backend,
     )
     if not args.compare:
@@ -279,12 +433,15 @@ def run(args: argparse.Namespace) -> int:
         results = []
         for method in tqdm(methods, desc="presets", unit="preset", disable=rank != 0):
             results.append(generate(model, tokenizer, args.prompt, method, **options))
-        out(table(results))
+        out(table(results, args.width))
         out()
         for r in results:
             out(describe(r))
     if args.json is not None and rank == 0:
-        Path(args.json).expanduser().write_text(json.dumps([r.as_dict() for r in results], indent=1))
+        try:
+            Path(args.json).expanduser().write_text(json.dumps([r.as_dict() for r in results], indent=1))
+        except OSError as e:  # checked before the generation; the results above are printed already
+            return _fail(f"--json {args.json!r}: cannot write the results ({e.strerror or e})")
     return 0
 
 

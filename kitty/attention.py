@@ -118,6 +118,13 @@ class KittyMask:
     _sdpa: Any = field(default=None, repr=False)
     _new_cpu: Any = field(default=None, repr=False)
 
+    @property
+    def ndim(self) -> int:
+        """4: a prepared mask. ``generate`` builds the mask ahead of the forward for a compileable (static) cache;
+        when the model then calls the mask function with this object, transformers passes it through as it is
+        (it reads ``ndim`` first) and :func:`kitty_mask` returns it unchanged."""
+        return 4
+
     def new_token_mask(self, batch_size: int, q_length: int, device: torch.device | str) -> torch.Tensor:
         """bool ``[B, T]``: which of the ``T`` new columns are real tokens.
 
@@ -156,6 +163,8 @@ def kitty_mask(
     **kwargs,
 ) -> KittyMask:
     """Mask function registered as ``"kitty"``: keep the 2-D padding mask (bool ``[B, kv_length]`` or ``None``)."""
+    if isinstance(attention_mask, KittyMask):  # built already (generate prepares masks for a static cache)
+        return attention_mask
     sdpa_kwargs = dict(
         batch_size=batch_size,
         q_length=q_length,
@@ -238,13 +247,20 @@ def kitty_attention_forward(
     cache = layer._owner()
     B, Hq, T, D = query.shape
     scale = D**-0.5 if scaling is None else scaling
-    valid = (attention_mask or KittyMask(None)).new_token_mask(B, T, "cpu")  # (B, T) on the CPU: bookkeeping only
+    static = getattr(layer, "is_compileable", False)  # a static layer reads no mask on the host in decode steps
+    if static:
+        valid = layer.new_tokens(attention_mask, B, T)  # None in a decode step, else (B, T) on the CPU
+    else:
+        valid = (attention_mask or KittyMask(None)).new_token_mask(B, T, "cpu")  # (B, T) on the CPU: bookkeeping only
     if cache is None:
         layer.begin_step()
     else:
         cache.begin_step(layer)
     try:
-        out = _attend_and_insert(layer, query, key, valid, scale)
+        if static:
+            out = layer.attend_and_insert(query, key, valid, scale)
+        else:
+            out = _attend_and_insert(layer, query, key, valid, scale)
     except BaseException:  # every layer this forward pass changed goes back as it was
         if cache is None:
             layer.rollback_step()

@@ -7,7 +7,8 @@ only in what their ops object does; the cache and the attention function call th
   (``kernels/reference.py``, also what the torch path of ``kitty.attention`` reads);
 - :class:`TritonOps`: decode steps attend with the fused kernel (``kitty.kernels.decode_attention``); full qbuffers
   of CUDA layers are packed by ``kitty.kernels.pack_pages`` where it packs bit-identically to ``kitty.quant`` (2/4
-  bits, min-max ranges, magnitude or random channel selection), else as :class:`TorchOps` packs them.
+  bits, min-max ranges, magnitude or random channel selection), else as :class:`TorchOps` packs them; a static
+  layer's completed qbuffers (``kitty.static``) by ``kitty.kernels.pack_completed`` under the same conditions.
 
 ``backend="auto"`` is Triton for CUDA tensors when Triton is installed and the fused kernel handles the config
 (``kitty.kernels.triton_supports``), else torch. :func:`check_triton` is the one refusal of ``backend="triton"``.
@@ -92,6 +93,53 @@ def resolve_backend(
     return "triton"
 
 
+def pack_completed_torch(
+    cfg: KVQuantConfig,
+    lengths: torch.Tensor,
+    k_qbuf: torch.Tensor,
+    v_qbuf: torch.Tensor,
+    key_pool: dict[str, torch.Tensor],
+    value_pool: dict[str, torch.Tensor],
+    k_page_table: torch.Tensor,
+    v_page_table: torch.Tensor,
+    salt: int = 0,
+    query_scale: torch.Tensor | None = None,
+    skip_idle: bool = False,
+) -> None:
+    """Torch reference of ``kitty.kernels.pack_completed``: pack every row whose qbuffer the last token filled.
+
+    ``lengths`` int32 ``[B]`` count that token. Row b's key qbuffer filled when ``m = lengths[b] - S > 0`` and
+    ``m % G == 0``: it becomes key page ``j = m // G - 1`` at pool id ``b * Wk + j`` (``Wk = k_page_table.shape[1]``)
+    and ``k_page_table[b, j]`` is set to that id; values likewise with ``m - R``. All rows are quantized and the
+    completed ones kept with ``torch.where`` (no host synchronization, no data-dependent shape); ``skip_idle``:
+    return early, after one host read, when no row completed a page (for the CPU, where reading is free).
+    """
+    S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
+    n = lengths.long()
+    rows = torch.arange(n.shape[0], device=n.device)
+    for keys, table, pool, start in (
+        (True, k_page_table, key_pool, n - S),
+        (False, v_page_table, value_pool, n - S - R),
+    ):
+        width = table.shape[1]
+        if width == 0:  # max_cache_len leaves no room for a page on this side
+            continue
+        done = (start > 0) & (start % G == 0)  # (B,) this row's qbuffer just filled
+        if skip_idle and not bool(done.any()):
+            continue
+        j = (start // G - 1).clamp(0, width - 1)
+        ids = rows * width + j  # (B,) the fixed pool id of that page
+        if keys:
+            fields = page_fields(quantize_key_page(k_qbuf, cfg, salt=salt, query_scale=query_scale))
+        else:
+            fields = page_fields(quantize_value_page(v_qbuf, cfg))
+        for name, new in fields.items():  # new: (B, Hkv, ...)
+            t = pool[name]
+            keep = done.view(-1, *([1] * (new.dim() - 1)))
+            t[ids] = torch.where(keep, new, t[ids])
+        table[rows, j] = torch.where(done, ids.to(table.dtype), table[rows, j])
+
+
 class TorchOps:
     """The torch backend of one layer: pages by ``kitty.quant``, decode attention by the torch reference."""
 
@@ -116,10 +164,44 @@ class TorchOps:
         """Quantize the full value qbuffers ``qbuf[rows]`` ``[n, H, G, D]`` into pool pages ``ids``."""
         pool.write(ids, page_fields(quantize_value_page(qbuf[rows], self.cfg)))
 
+    def pack_completed(
+        self,
+        lengths: torch.Tensor,
+        k_qbuf: torch.Tensor,
+        v_qbuf: torch.Tensor,
+        key_pool: dict[str, torch.Tensor],
+        value_pool: dict[str, torch.Tensor],
+        k_page_table: torch.Tensor,
+        v_page_table: torch.Tensor,
+        salt: int,
+        query_scale: torch.Tensor | None,
+    ) -> None:
+        """A static layer's stage 3 (``kitty.static``): pack every row whose qbuffer the last token filled into its
+        fixed page, predicated on the device (:func:`pack_completed_torch`; no host read except on the CPU)."""
+        pack_completed_torch(
+            self.cfg,
+            lengths,
+            k_qbuf,
+            v_qbuf,
+            key_pool,
+            value_pool,
+            k_page_table,
+            v_page_table,
+            salt=salt,
+            query_scale=query_scale,
+            skip_idle=self.device.type == "cpu",
+        )
+
     def decode_attention(
-        self, q: torch.Tensor, state: KittyLayerState, scaling: float, full_qbuffer: bool = False
+        self,
+        q: torch.Tensor,
+        state: KittyLayerState,
+        scaling: float,
+        full_qbuffer: bool = False,
+        workspace: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """One query token per row ``q`` ``[B, Hq, D]`` over the layer's ``state`` -> ``[B, Hq, D]``."""
+        """One query token per row ``q`` ``[B, Hq, D]`` over the layer's ``state`` -> ``[B, Hq, D]``. ``workspace``:
+        the fused kernel's preallocated buffers (``decode_attention_triton``); the torch reference ignores it."""
         return decode_attention_ref(q, state, self.cfg, scaling, full_qbuffer=full_qbuffer)
 
 
@@ -134,6 +216,15 @@ class TritonOps(TorchOps):
         same_bytes = same_bytes and cfg.boost_profile is None
         self.packs_keys = same_bytes and cfg.quantizes_keys and cfg.channel_selection not in QUERY_SELECTIONS
         self.packs_values = same_bytes and cfg.quantizes_values
+        # kitty.kernels.pack_completed packs both sides in one launch (on CUDA or under the interpreter)
+        self.packs_completed = (
+            cfg.quantizes_keys
+            and cfg.quantizes_values
+            and cfg.boost_profile is None
+            and cfg.key_range == "minmax"
+            and cfg.value_range == "minmax"
+            and cfg.channel_selection not in QUERY_SELECTIONS
+        )
 
     def pack_keys(self, qbuf, rows, pool, ids, salt, query_scale) -> None:
         if not self.packs_keys:
@@ -145,10 +236,22 @@ class TritonOps(TorchOps):
             return super().pack_values(qbuf, rows, pool, ids, salt)
         kernels.pack_pages(self.cfg, None, qbuf, v_rows=rows, pool=pool.tensors, v_pages=ids, salt=salt)
 
-    def decode_attention(self, q, state, scaling, full_qbuffer=False) -> torch.Tensor:
+    def pack_completed(
+        self, lengths, k_qbuf, v_qbuf, key_pool, value_pool, k_page_table, v_page_table, salt, query_scale
+    ) -> None:
+        if not self.packs_completed:
+            return super().pack_completed(
+                lengths, k_qbuf, v_qbuf, key_pool, value_pool, k_page_table, v_page_table, salt, query_scale
+            )
+        kernels.pack_completed(
+            self.cfg, lengths, k_qbuf, v_qbuf, key_pool, value_pool, k_page_table, v_page_table, salt=salt
+        )
+
+    def decode_attention(self, q, state, scaling, full_qbuffer=False, workspace=None) -> torch.Tensor:
         # looked up on the package at every call, so that the kernel can be wrapped (tests count its calls)
+        options = {} if workspace is None else {"workspace": workspace}
         return kernels.decode_attention(
-            q, state, self.cfg, scaling=scaling, backend="triton", full_qbuffer=full_qbuffer
+            q, state, self.cfg, scaling=scaling, backend="triton", full_qbuffer=full_qbuffer, **options
         )
 
 

@@ -29,56 +29,21 @@ function), attends, then calls :meth:`KittyLayer.append`. ``KittyCache`` makes `
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 from dataclasses import replace
 
 import torch
-from transformers.cache_utils import Cache, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache
 
 from . import attention as kattention
 from .backend import check_triton, requested_backend
+from .compat import get_kv_heads_per_rank, layer_types_and_kwargs
 from .config import KVQuantConfig, get_preset, is_int, kv_dims
 from .layer import _BEAM_MESSAGE, KittyLayer, SlidingWindowLayer
 from .memory import MemoryReport, token_layout
-
-
-def kv_heads_per_rank(tp_plan: dict[str, str], num_heads: int, tp_size: int) -> int | None:
-    """KV heads per rank under ``tp_plan``: all of them unless a key projection is split column-wise, else an
-    equal share, ``None`` when ``num_heads`` does not divide by ``tp_size`` (transformers' rule, for releases
-    without ``get_kv_heads_per_rank``, such as 5.17)."""
-    names = ("k_proj", "qkv_proj", "query_key_value")
-    if not any(k.rsplit(".", 1)[-1] in names and style == "colwise" for k, style in tp_plan.items()):
-        return num_heads
-    return None if num_heads % tp_size else num_heads // tp_size
-
-
-def layer_types_of(text) -> tuple[list[str], list[dict]]:
-    """Per layer of the text config: its attention type and the keyword arguments of its cache layer, inferred as
-    ``DynamicCache`` infers them (``transformers.cache_utils.get_layer_types_and_kwargs``). Releases whose function
-    returns no entry per layer (transformers 5.17) get the same rule here: ``config.layer_types`` when given, else
-    sliding layers where ``sliding_window`` is set, chunked where ``attention_chunk_size`` is."""
-    num_layers = kv_dims(text)[0]
-    try:
-        types, kwargs = get_layer_types_and_kwargs(text)
-    except (AttributeError, TypeError, ValueError):  # a release whose function reads other config fields
-        types, kwargs = [], []
-    if len(types) == num_layers:
-        return list(types), list(kwargs)
-    types = getattr(text, "layer_types", None)
-    if types is None:
-        window, chunk = getattr(text, "sliding_window", None), getattr(text, "attention_chunk_size", None)
-        kind = "sliding_attention" if window is not None else "chunked_attention" if chunk is not None else None
-        types = [kind or "full_attention"] * num_layers
-    window = getattr(text, "sliding_window", None)
-    return list(types), [{"sliding_window": window} if t == "sliding_attention" else {} for t in types]
-
-
-try:
-    from transformers.distributed.tensor_parallel import get_kv_heads_per_rank
-except ImportError:
-    get_kv_heads_per_rank = kv_heads_per_rank
-
+from .storage import FLOAT_DTYPES
 
 LAYER_TYPES = ("full_attention", "sliding_attention")  # Kitty pages, or a bounded full-precision window
 
@@ -97,25 +62,42 @@ class KittyCache(Cache):
             message, where it cannot run (no kernels, no GPU, a config the kernel does not handle).
         max_pages: most pages each layer's key pool (and, separately, value pool) may hold, summed over rows;
             ``None`` grows on demand. Running out raises ``RuntimeError`` and leaves the cache unchanged.
+        max_cache_len, max_batch_size: build a static cache (``kitty.static``, transformers ``StaticCache``'s
+            names): every tensor preallocated for the first batch (at most ``max_batch_size`` rows) and
+            ``max_cache_len`` columns, decode steps free of host synchronization (capturable in a CUDA graph).
 
     Use as ``model.generate(**inputs, cache=cache)`` (or ``past_key_values=cache``); call :meth:`reset` before
     reusing it for a new prompt. Batches may be left-padded: padding is never stored. Greedy decoding and sampling
     work; beam search raises ``NotImplementedError``. A step that raises inside the cache or its attention (bad
     input, a full pool, a failing kernel in any layer) leaves every layer as it was before that forward pass.
+    Keys and values must be float16, bfloat16 or float32 (a float64 model is refused at its first forward pass).
+
+    One cache serves one generation at a time: a forward pass entering it from a second thread while another
+    thread's pass is still open raises ``RuntimeError`` (use one cache per thread, e.g. ``kitty.make_cache`` per
+    request). Successive steps may come from different threads (a streaming server's worker pool).
     """
 
     def __init__(
-        self, config, cfg: KVQuantConfig | str = "kitty", backend: str | None = None, max_pages: int | None = None
+        self,
+        config,
+        cfg: KVQuantConfig | str = "kitty",
+        backend: str | None = None,
+        max_pages: int | None = None,
+        max_batch_size: int | None = None,
+        max_cache_len: int | None = None,
     ):
         if isinstance(cfg, str):
             cfg = get_preset(cfg)
         if not isinstance(cfg, KVQuantConfig):
             raise ValueError(f"cfg must be a KVQuantConfig or a preset name, got {type(cfg).__name__}")
         backend = requested_backend(backend)
+        from .static import check_static_args, static_layers
+
+        static = check_static_args(max_batch_size, max_cache_len, max_pages)
         if max_pages is not None and (not is_int(max_pages) or max_pages < 1):
             raise ValueError(f"max_pages must be a positive integer or None, got {max_pages!r}")
         text = config.get_text_config(decoder=True)
-        layer_types, layer_kwargs = layer_types_of(text)
+        layer_types, layer_kwargs = layer_types_and_kwargs(text)
         unsupported = sorted(set(layer_types) - set(LAYER_TYPES))
         if unsupported:
             raise ValueError(f"KittyCache supports layer types {LAYER_TYPES}, config has {unsupported}")
@@ -139,6 +121,21 @@ class KittyCache(Cache):
             else SlidingWindowLayer(kw["sliding_window"], num_kv_heads, tp_size)
             for i, (kind, kw) in enumerate(zip(layer_types, layer_kwargs))
         ]
+        if static:  # every tensor preallocated, decode steps capturable (kitty.static)
+            layers = static_layers(
+                cfg,
+                layer_types,
+                layer_kwargs,
+                self.num_kv_heads,
+                num_kv_heads,
+                head_dim,
+                backend,
+                tp_size,
+                max_cache_len,
+                max_batch_size,
+            )
+        # held privately: older transformers releases (5.17) define read-only Cache.max_batch_size/max_cache_len
+        self._max_batch_size, self._max_cache_len = max_batch_size, max_cache_len
         if not any(kind == "full_attention" for kind in layer_types):
             warnings.warn(
                 "every layer of this model is a sliding-window layer: KittyCache quantizes nothing here "
@@ -150,6 +147,8 @@ class KittyCache(Cache):
         for layer in layers:
             layer._owner = owner
         self._forward, self._last_layer = 0, num_layers  # forward passes seen, and the last layer updated
+        self._pass_thread: int | None = None  # the thread whose forward pass is open (None between passes)
+        self._pass_lock = threading.Lock()
         kattention.use_kitty_attention(config)
         if text is not config:
             kattention.use_kitty_attention(text)
@@ -157,15 +156,30 @@ class KittyCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Layer ``layer_idx``'s pending keys/values (see :meth:`KittyLayer.update`); a bad input here also rolls
         back the layers this forward pass already changed."""
-        if layer_idx <= self._last_layer:  # layers run in order: back at (or before) the start is a new pass
-            self._forward += 1
-        self._last_layer = layer_idx
+        with self._pass_lock:  # layers of two threads interleaved in one cache would give garbage: refuse them
+            me = threading.get_ident()
+            if self._pass_thread not in (None, me):
+                raise RuntimeError(
+                    "this KittyCache is in use by a forward pass of another thread: use one cache per thread "
+                    "(kitty.make_cache), or call cache.reset() if that pass was abandoned"
+                )
+            if layer_idx <= self._last_layer:  # layers run in order: back at (or before) the start is a new pass
+                self._forward += 1
+            self._last_layer, self._pass_thread = layer_idx, me
         kattention.kitty_forward(True)
         try:
+            if key_states.dtype not in FLOAT_DTYPES:  # at the first forward pass, before any token is generated
+                raise ValueError(
+                    f"key_states must be one of {FLOAT_DTYPES}, got {key_states.dtype}: KittyCache stores 16- or "
+                    "32-bit floats; load the model with dtype=torch.float32 (or bfloat16/float16)"
+                )
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         except BaseException:
             self.rollback_forward()
             raise
+        finally:  # a last sliding layer's window is handed over here (a Kitty layer closes in end_step)
+            if layer_idx == self.num_layers - 1 and not isinstance(self.layers[layer_idx], KittyLayer):
+                self._pass_thread = None
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         sizes = super().get_mask_sizes(query_length, layer_idx)
@@ -183,6 +197,7 @@ class KittyCache(Cache):
         if layer.layer_idx == self.num_layers - 1:
             for other in self.layers:
                 other.end_step()
+            self._pass_thread = None
 
     def rollback_forward(self) -> None:
         """Put every layer the current forward pass changed back as it was before the pass."""
@@ -190,6 +205,7 @@ class KittyCache(Cache):
             if layer._undo is not None and layer._undo.forward == self._forward:
                 layer.rollback_step()
         kattention.kitty_forward(False)
+        self._pass_thread = None
 
     @staticmethod
     def _tp_size(config, text, num_kv_heads: int) -> int:
@@ -212,11 +228,21 @@ class KittyCache(Cache):
     def reset(self) -> None:
         """Drop every cached token (page pools keep their storage); the cache can take a new batch."""
         super().reset()
-        self._last_layer = self.num_layers
+        self._last_layer, self._pass_thread = self.num_layers, None
         kattention.kitty_forward(False)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError(_BEAM_MESSAGE)
+
+    @property
+    def max_batch_size(self) -> int | None:
+        """Most rows a static cache takes (``None``: a growing cache)."""
+        return self._max_batch_size
+
+    @property
+    def max_cache_len(self) -> int | None:
+        """Columns (padding included) a static cache holds per row (``None``: a growing cache)."""
+        return self._max_cache_len
 
     @property
     def lengths(self) -> list[int]:

@@ -38,7 +38,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .config import PROFILES_DIR, QUERY_SELECTIONS, KVQuantConfig, get_preset
-from .prompts import ASSETS
+from .prompts import shipped_text
 from .quant import dequantize_key_page, quantize_key_page, query_scale_from, query_statistic
 
 CALIB_ATTN = "kitty-calibrate"
@@ -163,8 +163,8 @@ def allocate(kl: torch.Tensor, counts: tuple[int, ...], total: int) -> list[int]
 def calibration_ids(
     tokenizer, n_tokens: int = 1024, text: str = CALIB_TEXT, offset: int = CALIB_OFFSET
 ) -> torch.Tensor:
-    """``n_tokens`` token ids of a shipped text from ``assets/``, starting at token ``offset``."""
-    ids = tokenizer((ASSETS / text).read_text(), return_tensors="pt").input_ids[0]
+    """``n_tokens`` token ids of a shipped text (``kitty/texts/``), starting at token ``offset``."""
+    ids = tokenizer(shipped_text(text), return_tensors="pt").input_ids[0]
     if ids.numel() < offset + n_tokens:
         raise ValueError(f"{text} has {ids.numel()} tokens, fewer than offset + n_tokens = {offset + n_tokens}")
     return ids[offset : offset + n_tokens]
@@ -203,7 +203,7 @@ def calibrate_profile(
         "model": getattr(model.config, "_name_or_path", ""),
         "num_layers": num_layers,
         "head_dim": head_dim,
-        "text": f"assets/{CALIB_TEXT}, tokens {CALIB_OFFSET}..{CALIB_OFFSET + n_tokens}",
+        "text": f"kitty/texts/{CALIB_TEXT}, tokens {CALIB_OFFSET}..{CALIB_OFFSET + n_tokens}",
         "base": base.name,
         "other_layers": "uniform at the profile's fraction" if in_context else "exact",
         "counts": list(counts),

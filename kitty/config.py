@@ -121,11 +121,19 @@ class KVQuantConfig:
         return int(round(self.boost_fraction * head_dim))
 
     def check_head_dim(self, head_dim: int) -> None:
-        """Raise ``ValueError`` if pages of this config cannot hold heads of ``head_dim`` channels."""
-        if not isinstance(head_dim, int) or head_dim <= 0:
+        """Raise ``ValueError`` if pages of this config cannot hold heads of ``head_dim`` channels.
+
+        Only the storage decides: quantized key pages index channels in a uint8 ``boost_idx`` (``head_dim <=
+        256``) and 2-bit values pack 4 channels per byte. Full-precision keys (``key_bits=16``, the ``fp16`` preset)
+        take any ``head_dim``; which attention backend runs a shape is chosen per backend, not here.
+        """
+        if not is_int(head_dim) or head_dim <= 0:
             raise ValueError(f"head_dim must be a positive integer, got {head_dim!r}")
-        if head_dim > MAX_HEAD_DIM:
-            raise ValueError(f"head_dim must be <= {MAX_HEAD_DIM} (uint8 boost_idx), got {head_dim}")
+        if self.quantizes_keys and head_dim > MAX_HEAD_DIM:
+            raise ValueError(
+                f"head_dim must be <= {MAX_HEAD_DIM} for quantized keys (uint8 boost_idx), got {head_dim}; "
+                "key_bits=16 (e.g. the fp16 preset) takes any head_dim"
+            )
         if self.quantizes_values and head_dim % 4:
             raise ValueError(f"head_dim must be a multiple of 4 to pack 2-bit values along channels, got {head_dim}")
 

@@ -28,7 +28,7 @@ from .prompts import PreparedPrompt
 
 DEFAULT_METHODS = ("fp16", "kivi-k2v2", "kitty")  # the three columns: reference, the baseline, the paper
 MAX_NEW_TOKENS_CAP = 256  # per column; 3 columns x 256 steps is about a minute on a 2-core CPU
-DEFAULT_MAX_NEW_TOKENS = 64
+DEFAULT_MAX_NEW_TOKENS = 32  # with the default prompt (~800 tokens) a first run takes ~30 s on 2 shared cores
 
 
 # ----------------------------------------------------------------------------------- side-by-side streaming
@@ -85,6 +85,7 @@ class Column:
     step_times: list[float] = field(default_factory=list)
     readout: Readout | None = None
     history: list[tuple[int, int]] = field(default_factory=list)  # (cached tokens, stored bytes) after each step
+    packs: list[tuple[int, str]] = field(default_factory=list)  # (cached tokens, "K"/"V"/"K+V") where a page packed
 
 
 @dataclass
@@ -128,6 +129,19 @@ def _readout(col: Column) -> Readout:
     return Readout(col.method, n, tps, step_ms, report, layout)
 
 
+def _packed(before: Readout | None, now: Readout) -> str:
+    """Which quantized pages this step packed: ``"K"``, ``"V"``, ``"K+V"`` or ``""`` (none, or a 16-bit side)."""
+    if before is None:
+        return ""  # the prefill's pages were packed before the first point of the plot
+    cfg = get_preset(now.method)
+    sides = [
+        side
+        for side, key, quantized in (("K", "key_pages", cfg.quantizes_keys), ("V", "value_pages", cfg.quantizes_values))
+        if quantized and now.layout[key] > before.layout[key]
+    ]
+    return "+".join(sides)
+
+
 def _free(col: Column, status: str) -> None:
     """Take the final readout, then reset and drop the column's cache."""
     if col.cache is not None:
@@ -166,8 +180,12 @@ def run_column(
         col.ids.append(tok)
         col.last_token_at = now
         col.text = tokenizer.decode(col.ids, skip_special_tokens=True)
+        before = col.readout
         col.readout = _readout(col)
         col.history.append((col.readout.report.tokens, col.readout.report.stored_bytes))
+        packed = _packed(before, col.readout)
+        if packed:
+            col.packs.append((col.readout.report.tokens, packed))
         if tok in eos:
             _free(col, "done (eos)")
         elif len(col.ids) >= max_new_tokens:

@@ -27,10 +27,9 @@ from . import generate as gen
 from .config import PRESETS, KVQuantConfig, get_preset
 from .generate import eos_ids, generate_tokens, make_cache
 from .models import tp_rank_and_size
-from .prompts import ASSETS, encode_prompt, passkey_prompt
+from .prompts import TEXTS, encode_prompt, passkey_prompt, shipped_text
 
-TEXTS = ("essay.txt", "python_reference.txt")
-DEFAULT_OUT = "kitty-eval"  # relative to the working folder: a run never overwrites the shipped assets/ unless asked
+DEFAULT_OUT = "kitty-eval"  # relative to the working folder: a run never overwrites the committed assets/ unless asked
 
 
 def tqdm(*args, **kwargs):
@@ -65,13 +64,13 @@ def decode_nll(model, ids: torch.Tensor, cfg: KVQuantConfig, prefill: int) -> to
 def text_windows(
     tokenizer, names=TEXTS, prefill: int = 1024, scored: int = 256, per_text: int = 2, with_names: bool = False
 ) -> list:
-    """Non-overlapping windows of ``prefill + scored`` tokens from texts shipped in ``assets/``.
+    """Non-overlapping windows of ``prefill + scored`` tokens from the texts shipped in ``kitty/texts/``.
 
     Returns ``[T]`` id tensors, or ``(text name, ids)`` pairs with ``with_names``.
     """
     windows = []
     for name in names:
-        ids = tokenizer((ASSETS / name).read_text(), return_tensors="pt").input_ids[0]
+        ids = tokenizer(shipped_text(name), return_tensors="pt").input_ids[0]
         size = prefill + scored
         n = min(per_text, ids.numel() // size)
         if n == 0:
@@ -215,7 +214,10 @@ def pack_cost_table(
         tk = median_us(lambda: quantize_key_page(k, c, query_scale=q))
         tv = median_us(lambda: quantize_value_page(v, c))
         plain = c.with_(channel_selection="magnitude", key_range="minmax", value_range="minmax")
-        base = median_us(lambda: quantize_key_page(k, plain)) + median_us(lambda: quantize_value_page(v, plain))
+        if plain == c:  # the paper rule itself: its own time, exactly 1 (two timings would differ by noise)
+            base = tk + tv
+        else:
+            base = median_us(lambda: quantize_key_page(k, plain)) + median_us(lambda: quantize_value_page(v, plain))
         rows.append(PackCost(c.name, c.channel_selection, c.key_range, c.value_range, tk, tv, (tk + tv) / base))
     return rows
 
@@ -233,12 +235,12 @@ def _bits_after(model, cfg, n_tokens: int) -> float:
 
 
 def agreement_prompts(tokenizer, n: int = 6, length: int = 512, names=TEXTS) -> list[str]:
-    """``n`` plain-text prompts of about ``length`` tokens cut from the texts in ``assets/`` (alternating texts).
+    """``n`` plain-text prompts of about ``length`` tokens cut from the texts shipped in ``kitty/texts/`` (alternating texts).
 
     Long enough that decode steps read quantized pages (a short chat question never leaves the full-precision
     sink, qbuffer and local window, so it would agree with fp16 trivially).
     """
-    streams = [tokenizer((ASSETS / name).read_text()).input_ids for name in names]
+    streams = [tokenizer(shipped_text(name)).input_ids for name in names]
     prompts = []
     for i in range(n):
         ids = streams[i % len(streams)]
@@ -373,30 +375,63 @@ def write_csv(rows: list, path: Path) -> None:
         w.writerows(asdict(r) for r in rows)
 
 
+def _markers(n: int) -> list[tuple]:
+    """``n`` distinct (colour, marker) pairs: tab20 colours, cycling through markers past 20."""
+    import matplotlib
+
+    colours = matplotlib.colormaps["tab20"].colors
+    marks = "osD^vP*Xh<>"
+    return [(colours[i % 20], marks[(i // 20 + i) % len(marks)]) for i in range(n)]
+
+
 def plot_pareto(ppl: list[PerplexityResult], path: Path) -> None:
-    """Perplexity change against bits per element, one point per preset."""
+    """Perplexity change against bits per element, one point per preset: every preset on a log-2 bits axis with
+    whole-number ticks, and the quantized presets alone (they cluster at 2-5 bits), named in one legend."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, NullLocator
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in ppl:
-        ax.scatter(r.bits_per_element, 100 * r.ppl_change)
-        ax.annotate(
-            r.method, (r.bits_per_element, 100 * r.ppl_change), fontsize=8, xytext=(3, 3), textcoords="offset points"
-        )
-    ax.set_xlabel("KV bits per element (whole cache, incl. full-precision parts)")
-    ax.set_ylabel("decode perplexity change vs fp16 (%)")
+    quantized = [r for r in ppl if r.bits_per_element < 16]
+    panels = 2 if quantized and len(quantized) < len(ppl) else 1
+    fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels + 2.6, 4.2), squeeze=False)
+    style = dict(zip((r.method for r in ppl), _markers(len(ppl))))
+    for ax, rows in zip(axes[0], [ppl, quantized][:panels]):
+        for r in rows:
+            colour, marker = style[r.method]
+            ax.scatter(r.bits_per_element, 100 * r.ppl_change, color=colour, marker=marker, s=40, label=r.method)
+        ax.set_ylabel("decode perplexity change vs fp16 (%)")
+        ax.grid(alpha=0.3)
+    ax = axes[0][0]
+    bits = [r.bits_per_element for r in ppl]
     ax.set_xscale("log", base=2)
-    ax.grid(alpha=0.3)
+    lo, hi = min(bits) / 1.15, max(bits) * 1.15
+    ax.set_xlim(lo, hi)
+    ax.xaxis.set_major_locator(
+        FixedLocator([t for t in (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 20, 24, 32) if lo <= t <= hi])
+    )
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel("KV bits per element (whole cache, log scale)")
+    ax.set_title("all presets", fontsize=10)
+    if panels == 2:
+        axes[0][1].set_xlabel("KV bits per element (whole cache)")
+        axes[0][1].set_title("quantized presets (fp16 left out)", fontsize=10)
+    fig.legend(
+        *axes[0][0].get_legend_handles_labels(),
+        loc="center left",
+        bbox_to_anchor=(0.995, 0.5),
+        fontsize=8,
+        frameon=False,
+    )
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
-def plot_passkey(results: list[PasskeyResult], path: Path) -> None:
-    """One heatmap of accuracy per (length, depth) for each preset."""
+def plot_passkey(results: list[PasskeyResult], path: Path, per_row: int = 4) -> None:
+    """One heatmap of accuracy per (length, depth) for each preset, ``per_row`` presets per row of panels."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -406,8 +441,16 @@ def plot_passkey(results: list[PasskeyResult], path: Path) -> None:
     methods = list(dict.fromkeys(r.method for r in results))
     lengths = sorted({r.length for r in results})
     depths = sorted({r.depth for r in results})
-    fig, axes = plt.subplots(1, len(methods), figsize=(2.2 * len(methods) + 1, 2.8), squeeze=False)
-    for ax, m in zip(axes[0], methods):
+    cols = min(per_row, len(methods))
+    rows = -(-len(methods) // cols)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(0.9 * len(lengths) * cols + 1.2, 0.45 * len(depths) * rows + 1.1 * rows), squeeze=False
+    )
+    for i, ax in enumerate(axes.flat):
+        if i >= len(methods):
+            ax.axis("off")
+            continue
+        m = methods[i]
         grid = [
             [
                 next(
@@ -429,45 +472,79 @@ def plot_passkey(results: list[PasskeyResult], path: Path) -> None:
             annot=True,
             fmt=".1f",
             xticklabels=lengths,
-            yticklabels=depths,
+            yticklabels=depths if i % cols == 0 else False,
         )
-        ax.set_title(m, fontsize=9)
-        ax.set_xlabel("context")
-    axes[0][0].set_ylabel("depth")
+        ax.set_title(m, fontsize=8)
+        ax.tick_params(axis="y", rotation=0)
+        ax.set_xlabel("context (tokens)", fontsize=8)
+        if i % cols == 0:
+            ax.set_ylabel("key depth")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m kitty.eval", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="hub id or local path (default: embedded SmolLM2-135M-Instruct)")
+# ------------------------------------------------------------------------------------------ command line
+
+PARTS = ("ppl", "agreement", "passkey", "pack")
+QUICK = dict(prefill=160, scored=32, windows_per_text=1, agreement=(2, 200, 16), lengths=(256,), depths=(0.5,))
+DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+AGREEMENT_LENGTH = 512  # tokens per agreement prompt (long enough that decode steps read quantized pages)
+PASSKEY_ANSWER_TOKENS = 8  # passkey_answer's max_new_tokens
+TAG_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of ``python -m kitty.eval``, each with its help and default."""
+    p = argparse.ArgumentParser(
+        prog="python -m kitty.eval",
+        description=__doc__.splitlines()[0],
+        epilog=f"parts (--skip): ppl = decode perplexity, agreement = greedy agreement with fp16, passkey = passkey "
+        f"retrieval, pack = pack-time cost per page. presets: {', '.join(PRESETS)}.",
+    )
+    p.add_argument("--model", default=None, help="hub id or local path (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument(
         "--methods",
         default=None,
-        help="comma-separated presets, each optionally +field=value... (default: all presets that fit the model)",
+        help="comma-separated presets, each optionally +field=value... (default: every preset that fits the model)",
     )
     p.add_argument(
-        "--out", default=DEFAULT_OUT, help=f"folder for results (markdown, CSV, plots; default ./{DEFAULT_OUT})"
+        "--out", default=DEFAULT_OUT, help=f"folder for the markdown, CSV and plots (default: ./{DEFAULT_OUT})"
     )
-    p.add_argument("--prefill", type=int, default=1024)
-    p.add_argument("--scored", type=int, default=256)
-    p.add_argument("--windows-per-text", type=int, default=2)
-    p.add_argument("--passkey-lengths", default="1024,2048,4096")
-    p.add_argument("--agreement-prompts", type=int, default=6)
-    p.add_argument("--agreement-tokens", type=int, default=64)
-    p.add_argument("--passkey-trials", type=int, default=2, help="prompts per (length, depth)")
-    p.add_argument("--quick", action="store_true", help="tiny run for CI: short windows, few prompts")
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: ppl,agreement,passkey,pack")
-    p.add_argument("--jobs", type=int, default=1, help="worker processes for perplexity (one torch thread each)")
+    p.add_argument("--prefill", type=int, default=1024, help="prompt tokens per perplexity window (default: 1024)")
+    p.add_argument("--scored", type=int, default=256, help="decode-scored tokens per perplexity window (default: 256)")
+    p.add_argument("--windows-per-text", type=int, default=2, help="perplexity windows per shipped text (default: 2)")
+    p.add_argument(
+        "--passkey-lengths",
+        default="1024,2048,4096",
+        help="comma-separated passkey prompt lengths in tokens (default: 1024,2048,4096)",
+    )
+    p.add_argument("--agreement-prompts", type=int, default=6, help="prompts for greedy agreement (default: 6)")
+    p.add_argument("--agreement-tokens", type=int, default=64, help="greedy tokens per agreement prompt (default: 64)")
+    p.add_argument("--passkey-trials", type=int, default=2, help="passkey prompts per (length, depth) (default: 2)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"tiny run for CI (default: off): prefill {QUICK['prefill']}, {QUICK['scored']} scored tokens, one "
+        "window per text, 2 agreement prompts of 200 tokens x 16 tokens, one 256-token passkey per method; "
+        "overrides the size flags above",
+    )
+    p.add_argument("--skip", default="", help=f"comma-separated parts to skip, from {','.join(PARTS)} (default: none)")
+    p.add_argument(
+        "--jobs", type=int, default=1, help="worker processes for perplexity, one torch thread each (default: 1)"
+    )
     p.add_argument("--tag", default=None, help="suffix of the output files (default: full, or quick with --quick)")
     p.add_argument(
         "--tp",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="shard the model over the torchrun ranks (tp_plan='auto'); default: on when WORLD_SIZE > 1",
+        help="shard the model over the torchrun ranks (tp_plan='auto') (default: on when WORLD_SIZE > 1)",
     )
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = build_parser().parse_args(argv)
     try:
         _run(a)
     finally:
@@ -479,19 +556,110 @@ def main(argv: list[str] | None = None) -> None:
 
 def _fail(message: str) -> None:
     """Exit with status 2 and ``message`` (said once, by rank 0: every rank meets the same error)."""
-    if tp_rank_and_size()[0] == 0:
+    try:
+        rank0 = tp_rank_and_size()[0] == 0
+    except ValueError:  # a malformed RANK: say the error anyway
+        rank0 = True
+    if rank0:
         print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
 
 
+def writable_folder(path: Path, flag: str) -> str | None:
+    """Why ``path`` cannot take the output files (``None`` when it can): the folder is made and a file is written
+    and removed there, so that a run never fails at its end for want of a place to write."""
+    import tempfile
+
+    if path.exists() and not path.is_dir():
+        return f"{flag} {str(path)!r} is a file, not a folder"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".kitty-eval-probe-"):
+            pass
+    except OSError as e:
+        return f"{flag} {str(path)!r} cannot take files: {e.strerror or e}"
+    return None
+
+
+def _check_flags(a: argparse.Namespace) -> tuple[list[str] | None, set[str]]:
+    """Every flag that can be checked without the model, each refused with a message naming it: the methods (or
+    ``None`` for every preset that fits), the parts to skip; ``a.passkey_lengths`` becomes a tuple of ints."""
+    methods = None
+    if a.methods is not None:
+        methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+        if not methods:
+            _fail(f"--methods names no preset; choose from {list(PRESETS)}")
+        for m in methods:
+            try:
+                get_preset(m)
+            except ValueError as e:
+                _fail(f"--methods: {e}")
+    skip = {s.strip() for s in a.skip.split(",")} - {""}
+    if skip - set(PARTS):
+        _fail(f"--skip takes parts from {PARTS}, got {sorted(skip - set(PARTS))}")
+    if skip == set(PARTS):
+        _fail(f"--skip {a.skip!r} skips every part: nothing to run")
+    for flag, value in (
+        ("--prefill", a.prefill),
+        ("--scored", a.scored),
+        ("--windows-per-text", a.windows_per_text),
+        ("--agreement-prompts", a.agreement_prompts),
+        ("--agreement-tokens", a.agreement_tokens),
+        ("--passkey-trials", a.passkey_trials),
+        ("--jobs", a.jobs),
+    ):
+        if value < 1:
+            _fail(f"{flag} must be >= 1, got {value}")
+    try:
+        a.passkey_lengths = tuple(int(x) for x in a.passkey_lengths.split(","))
+    except ValueError:
+        _fail(f"--passkey-lengths must be comma-separated integers, got {a.passkey_lengths!r}")
+    if min(a.passkey_lengths) < 1:
+        _fail(f"--passkey-lengths must be >= 1 each, got {a.passkey_lengths}")
+    if a.tag is not None and (not a.tag or set(a.tag) - TAG_CHARS):
+        _fail(f"--tag must be letters, digits, '.', '_' or '-' (it names files), got {a.tag!r}")
+    if a.model is not None and a.model.startswith(("/", ".", "~")) and not Path(a.model).expanduser().exists():
+        _fail(f"--model {a.model!r}: no such folder (give a local model folder or a hub id)")
+    problem = writable_folder(Path(a.out), "--out")
+    if problem:
+        _fail(problem)
+    if a.quick:
+        a.prefill, a.scored, a.windows_per_text = QUICK["prefill"], QUICK["scored"], QUICK["windows_per_text"]
+    return methods, skip
+
+
+def measure_step(model, cfg: KVQuantConfig, context: int = 192, steps: int = 3) -> tuple[float, float]:
+    """Rough ``(seconds per decode step, seconds per prompt token)`` of ``model`` through a cache under ``cfg`` on
+    this machine: one prefill of ``context`` tokens, then ``steps`` decode steps (the runtime estimate)."""
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    ids = (torch.arange(context) * 7919 % vocab).to(model.device)
+    cache = make_cache(model, cfg)
+    start = time.perf_counter()
+    gen.prefill(model, ids[None], cache)
+    mid = time.perf_counter()
+    for i in range(steps):
+        gen.decode_one_token(model, cache, ids[i])
+    return (time.perf_counter() - mid) / steps, (mid - start) / context
+
+
+def _duration(seconds: float) -> str:
+    return (
+        f"{seconds:.0f} s"
+        if seconds < 90
+        else f"{seconds / 60:.0f} min"
+        if seconds < 5400
+        else f"{seconds / 3600:.1f} h"
+    )
+
+
 def _run(a: argparse.Namespace) -> None:
-    methods = [m.strip() for m in (a.methods or ",".join(PRESETS)).split(",") if m.strip()]
-    for m in methods:
-        get_preset(m)  # ValueError naming the choices
-    skip = set(a.skip.split(",")) - {""}
+    methods, skip = _check_flags(a)
     from .models import check_tensor_parallel, kv_dims, load_model
 
-    rank, world = tp_rank_and_size()
+    try:
+        rank, world = tp_rank_and_size()
+    except ValueError as e:
+        _fail(str(e))
     tp = world > 1 if a.tp is None else a.tp
     if tp and world < 2:
         _fail(f"--tp needs a launch by torchrun --nproc-per-node N with N >= 2 (WORLD_SIZE is {world})")
@@ -502,75 +670,139 @@ def _run(a: argparse.Namespace) -> None:
             check_tensor_parallel(a.model, world)  # before the weights load
         except ValueError as e:
             _fail(f"cannot shard the model over {world} ranks: {e}")
-    model, tokenizer = load_model(a.model, tp_plan="auto" if tp else None)
+    try:
+        model, tokenizer = load_model(a.model, tp_plan="auto" if tp else None)
+    except (OSError, ValueError, RuntimeError) as e:
+        _fail(f"--model {a.model!r}: cannot load the model: {e}")
+    text = model.config.get_text_config(decoder=True)
     num_layers = kv_dims(model.config)[0]
-    if a.methods is None:  # layer-adaptive presets are calibrated for one model: keep those that fit this one
+    if methods is None:  # layer-adaptive presets are calibrated for one model: keep those that fit this one
         methods = [
-            m for m in methods if PRESETS[m].boost_profile is None or len(PRESETS[m].boost_profile) == num_layers
+            m for m in PRESETS if PRESETS[m].boost_profile is None or len(PRESETS[m].boost_profile) == num_layers
         ]
-    for m in methods:
-        get_preset(m).for_layer(0, num_layers)  # ValueError naming boost_profile before any work
+    for m in methods:  # the cache's own checks (boost_profile length, head_dim, ...) before any work
+        try:
+            make_cache(model, get_preset(m))
+        except ValueError as e:
+            _fail(f"--methods: {m!r} does not fit this model: {e}")
+    others = [m for m in methods if get_preset(m).name != "fp16"]
+    pack_methods = [m for m in methods if get_preset(m).quantizes_keys]
+    runs = {
+        "ppl": True,
+        "agreement": bool(others),
+        "passkey": bool(others),
+        "pack": bool(pack_methods),
+    }
+    parts = [p for p in PARTS if p not in skip and runs[p]]
+    for p in PARTS:
+        if p not in skip and not runs[p] and rank == 0:
+            print(f"note: {p} is skipped: it needs a method other than fp16{' with quantized keys' * (p == 'pack')}")
+    if not parts:
+        _fail("nothing to run with these --methods and --skip")
+
+    # sizes that depend on the tokenizer and the model, checked before any part runs
+    n_prompts, length, n_new = (
+        QUICK["agreement"] if a.quick else (a.agreement_prompts, AGREEMENT_LENGTH, a.agreement_tokens)
+    )
+    lengths = QUICK["lengths"] if a.quick else a.passkey_lengths
+    depths = QUICK["depths"] if a.quick else DEPTHS
+    trials = 1 if a.quick else a.passkey_trials
+    max_pos = getattr(text, "max_position_embeddings", None)
+    windows = prompts = None
+    if "ppl" in parts:
+        try:
+            windows = text_windows(tokenizer, TEXTS, a.prefill, a.scored, a.windows_per_text)
+        except ValueError as e:
+            _fail(f"--prefill {a.prefill} + --scored {a.scored} do not fit the shipped texts: {e}")
+        if max_pos and a.prefill + a.scored > max_pos:
+            _fail(f"--prefill + --scored = {a.prefill + a.scored} exceeds the model's {max_pos} positions")
+    if "agreement" in parts:
+        try:
+            prompts = agreement_prompts(tokenizer, n_prompts, length)
+        except ValueError as e:
+            _fail(f"--agreement-prompts {n_prompts}: {e}")
+    if "passkey" in parts and max_pos and max(lengths) + PASSKEY_ANSWER_TOKENS > max_pos:
+        _fail(f"--passkey-lengths {max(lengths)} exceeds the model's {max_pos} positions")
+
     out = Path(a.out)
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
     tag = a.tag or ("quick" if a.quick else "full")
-    if a.quick:
-        a.prefill, a.scored, a.windows_per_text = 160, 32, 1
+    step_s, token_s = measure_step(model, get_preset(pack_methods[0] if pack_methods else methods[0]))
+    n_cfg = 1 + len(others)
+    steps = tokens = 0.0
+    if "ppl" in parts:
+        share = 1 / min(a.jobs, n_cfg)  # methods run side by side in the worker processes
+        steps += n_cfg * len(windows) * a.scored * share
+        tokens += n_cfg * len(windows) * a.prefill * share
+    if "agreement" in parts:
+        steps, tokens = steps + n_cfg * n_prompts * n_new, tokens + n_cfg * n_prompts * length
+    if "passkey" in parts:
+        cases = len(lengths) * len(depths) * trials
+        steps += n_cfg * cases * PASSKEY_ANSWER_TOKENS
+        tokens += n_cfg * trials * len(depths) * sum(lengths)
     t0 = time.time()
+    if rank == 0:
+        print(
+            f"parts: {', '.join(parts)}; {len(methods)} methods. Estimated runtime: about "
+            f"{_duration(steps * step_s + tokens * token_s)} ({steps:.0f} decode steps at {1e3 * step_s:.0f} ms, "
+            f"{tokens:.0f} prompt tokens at {1e3 * token_s:.1f} ms each, measured just now; rough: longer contexts "
+            "run slower)",
+            flush=True,
+        )
     report = [f"# Kitty evaluation ({tag})\n", f"model: {a.model or 'SmolLM2-135M-Instruct (embedded)'}\n"]
-    if "ppl" not in skip:
+    wrote: list[Path] = []
+
+    def save(name: str, write) -> None:
+        """Write one result file now (rank 0), so that a later failure keeps it; and the report so far."""
+        if rank == 0:
+            write(out / name)
+            (out / f"eval_{tag}.md").write_text("\n".join(report))
+            wrote.extend(p for p in (out / name, out / f"eval_{tag}.md") if p not in wrote)
+
+    if "ppl" in parts:
         ppl = perplexity_table(
             model, tokenizer, methods, a.prefill, a.scored, a.windows_per_text, by_text=True, jobs=a.jobs
         )
-        if rank == 0:
-            write_csv(ppl, out / f"eval_ppl_{tag}.csv")
-            plot_pareto([r for r in ppl if r.text == "all"], out / f"eval_pareto_{tag}.png")
         report += [
             f"## Decode perplexity (prefill {a.prefill}, {a.scored} scored tokens per window, {a.windows_per_text} windows per text)\n",
             ppl_markdown(ppl),
             "",
         ]
-    if "agreement" not in skip:
-        n_prompts, length, n_new = (2, 200, 16) if a.quick else (a.agreement_prompts, 512, a.agreement_tokens)
-        prompts = agreement_prompts(tokenizer, n_prompts, length)
-        agr = agreement_table(model, tokenizer, [m for m in methods if m != "fp16"], prompts, n_new)
-        if rank == 0:
-            write_csv(agr, out / f"eval_agreement_{tag}.csv")
+        save(f"eval_ppl_{tag}.csv", lambda p: write_csv(ppl, p))
+        save(f"eval_pareto_{tag}.png", lambda p: plot_pareto([r for r in ppl if r.text == "all"], p))
+    if "agreement" in parts:
+        agr = agreement_table(model, tokenizer, others, prompts, n_new)
         report += [
-            f"## Greedy agreement with fp16 ({n_prompts} plain-text prompts of {length} tokens from assets/, {n_new} new tokens)\n",
+            f"## Greedy agreement with fp16 ({n_prompts} plain-text prompts of {length} tokens from kitty/texts/, {n_new} new tokens)\n",
             markdown_table(agr),
             "",
         ]
-    if "passkey" not in skip:
-        lengths = (256,) if a.quick else tuple(int(x) for x in a.passkey_lengths.split(","))
-        depths = (0.5,) if a.quick else (0.1, 0.3, 0.5, 0.7, 0.9)
-        trials = 1 if a.quick else a.passkey_trials
-        pk = passkey_table(model, tokenizer, [m for m in methods if m != "fp16"], lengths, depths, trials)
-        if rank == 0:
-            write_csv(pk, out / f"eval_passkey_{tag}.csv")
-            plot_passkey(pk, out / f"eval_passkey_{tag}.png")
+        save(f"eval_agreement_{tag}.csv", lambda p: write_csv(agr, p))
+    if "passkey" in parts:
+        pk = passkey_table(model, tokenizer, others, lengths, depths, trials)
         totals = {}
         for r in pk:
             s, t = totals.get(r.method, (0, 0))
             totals[r.method] = (s + r.solved, t + r.total)
         report += ["## Passkey (plain form, prompts fp16 solves)\n", "| method | solved |", "|---|---|"]
         report += [f"| {m} | {s}/{t} |" for m, (s, t) in totals.items()] + [""]
-    pack_methods = [m for m in methods if get_preset(m).quantizes_keys]
-    if "pack" not in skip and pack_methods:
+        save(f"eval_passkey_{tag}.csv", lambda p: write_csv(pk, p))
+        save(f"eval_passkey_{tag}.png", lambda p: plot_passkey(pk, p))
+    if "pack" in parts:
         pack = pack_cost_table(pack_methods, repeats=3 if a.quick else 7)
-        if rank == 0:
-            write_csv(pack, out / f"eval_pack_{tag}.csv")
         report += [
             "## Pack-time cost per page (torch quantizers on this CPU; decode attention is unchanged)\n",
             markdown_table(pack, ".1f"),
             "",
         ]
+        save(f"eval_pack_{tag}.csv", lambda p: write_csv(pack, p))
     where = f" per rank, {world} tensor-parallel ranks" if tp else ""
     report.append(f"_{time.time() - t0:.0f} s on {torch.get_num_threads()} CPU threads{where}_\n")
     if rank == 0:
         text = "\n".join(report)
         (out / f"eval_{tag}.md").write_text(text)
         print(text)
+        for path in wrote:
+            print(f"wrote {path}")
 
 
 if __name__ == "__main__":

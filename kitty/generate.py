@@ -9,7 +9,7 @@ gpt-fast style, plain functions, one per step::
 :func:`stream_tokens` chains them into a generator that yields one token id per ``next()`` (the demo's columns,
 the CLI's streamed text); :func:`generate_tokens` collects it (the evaluation's greedy runs and passkey answers).
 The cache is any transformers cache, usually a :class:`kitty.KittyCache` (:func:`make_cache`); a greedy run
-gives the tokens of ``model.generate(..., cache=cache, do_sample=False)``.
+gives the tokens of ``model.generate(..., **compat.cache_kwargs(cache), do_sample=False)``.
 
 :func:`prompt_keys` and :func:`prompt_query_scale` run a prefill to show what a cache would receive (the demo's
 "Inside the cache" tab, with :func:`kitty.quant.inspect_keys`).
@@ -17,27 +17,39 @@ gives the tokens of ``model.generate(..., cache=cache, do_sample=False)``.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 import torch
 
+from .compat import cache_kwargs
 from .config import KVQuantConfig
+
+MAX_SEED = 2**63  # seeds in [0, 2**63) are what torch.Generator.manual_seed takes on every device
 
 
 @dataclass(frozen=True)
 class Sampling:
-    """Greedy when ``temperature == 0`` (the default), else temperature + nucleus (top-p) sampling."""
+    """Greedy when ``temperature == 0`` (the default), else temperature + nucleus (top-p) sampling.
+
+    The defaults are the demo's and the CLI's (``app.py``, ``python -m kitty``): greedy, top-p 0.95 once a
+    temperature is set, seed 0.
+    """
 
     temperature: float = 0.0
-    top_p: float = 1.0
+    top_p: float = 0.95
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        t, p, seed = self.temperature, self.top_p, self.seed
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not (math.isfinite(t) and t >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 < p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < MAX_SEED:
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
 
     @property
     def greedy(self) -> bool:
@@ -66,7 +78,7 @@ def make_cache(model, cfg: KVQuantConfig | str, backend: str = "auto"):
 @torch.no_grad()
 def prefill(model, ids: torch.Tensor, cache) -> torch.Tensor:
     """Run the prompt ``ids`` ``[1, T]`` through ``model`` into ``cache``; returns the last logits ``[V]``."""
-    return model(ids.to(model.device), cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+    return model(ids.to(model.device), **cache_kwargs(cache), use_cache=True, logits_to_keep=1).logits[0, -1]
 
 
 @torch.no_grad()
@@ -76,7 +88,7 @@ def decode_one_token(model, cache, token_id: int | torch.Tensor) -> torch.Tensor
         ids = token_id.reshape(1, 1).to(device=model.device, dtype=torch.long)
     else:
         ids = torch.tensor([[token_id]], dtype=torch.long, device=model.device)
-    return model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+    return model(ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1).logits[0, -1]
 
 
 def eos_ids(model, tokenizer) -> set[int]:
@@ -88,6 +100,27 @@ def eos_ids(model, tokenizer) -> set[int]:
         elif e is not None:
             ids.update(int(i) for i in e)
     return ids
+
+
+def check_prompt_ids(ids: torch.Tensor, cache) -> None:
+    """``ValueError`` unless ``ids`` is one prompt ``[1, T]`` of integer token ids (``T >= 1``) that ``cache`` can
+    take: the loop decodes a single row, so a cache still holding the rows of an earlier batch is refused too."""
+    shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else None
+    if shape is None or len(shape) != 2 or shape[0] != 1 or shape[1] < 1:
+        hint = " (a 1-D tensor: pass ids[None])" if shape is not None and len(shape) == 1 else ""
+        raise ValueError(
+            f"ids must be a [1, T] tensor of token ids (one prompt, T >= 1), got "
+            f"{f'shape {shape}' if shape is not None else type(ids).__name__}{hint}; this loop decodes one row: "
+            "for a batch call model.generate(..., cache=KittyCache(...)) with a fresh cache per batch"
+        )
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"ids must hold integer token ids, got dtype {ids.dtype}")
+    rows = getattr(cache, "lengths", None)
+    if rows is not None and len(rows) > 1 and cache.get_seq_length() > 0:
+        raise ValueError(
+            f"cache holds {len(rows)} rows of an earlier batch, and ids is one prompt: pass a fresh cache "
+            "(kitty.generate.make_cache) for each generation, or call cache.reset() first"
+        )
 
 
 def stream_tokens(
@@ -109,6 +142,7 @@ def stream_tokens(
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_prompt_ids(ids, cache)
     eos = frozenset(eos)
     logits = prefill(model, ids, cache)
     if generator is None and not sampling.greedy:
@@ -145,7 +179,7 @@ def prompt_keys(model, ids: torch.Tensor) -> list[torch.Tensor]:
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    model(ids.to(model.device), cache=cache, use_cache=True, logits_to_keep=1)
+    model(ids.to(model.device), **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
     return [layer.keys[0].detach().cpu() for layer in cache.layers]  # each (Hkv, T, D)
 
 
@@ -158,5 +192,176 @@ def prompt_query_scale(model, ids: torch.Tensor, cfg: KVQuantConfig, layer: int,
     if cfg.channel_selection not in QUERY_SELECTIONS:
         return None
     cache = make_cache(model, cfg)
-    model(ids.to(model.device), cache=cache, use_cache=True, logits_to_keep=1)
+    model(ids.to(model.device), **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
     return cache.layers[layer].query_scale()[0, head].cpu()
+
+
+# --------------------------------------------------------------- batched decoding with a static cache (captured)
+
+
+def sample_tokens_no_sync(
+    logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Next token ids ``[B]`` from last-position ``logits`` ``[B, V]`` on the device, with no host synchronization:
+    argmax when greedy, else temperature + top-p with the exponential race (``argmax(p / E)``, ``E ~ Exp(1)``:
+    a draw from ``p``, as gpt-fast's ``multinomial_sample_one_no_sync``)."""
+    if sampling.greedy:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    if sampling.top_p < 1:
+        sorted_p, order = probs.sort(-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < sampling.top_p  # always keeps the most likely token
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
+    race = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / race).argmax(-1)
+
+
+def _cache_len(cache) -> int:
+    """``max_cache_len`` of a static cache (a static ``KittyCache`` or transformers' ``StaticCache``)."""
+    n = getattr(cache, "max_cache_len", None)
+    if n is None:
+        n = next((getattr(layer, "max_cache_len", None) for layer in cache.layers), None)
+    if n is None or not getattr(cache, "is_compileable", False):
+        raise ValueError(
+            "generate_static needs a static cache: KittyCache(config, preset, max_batch_size=..., max_cache_len=...) "
+            "or transformers' StaticCache"
+        )
+    return int(n)
+
+
+def _advance(cache, steps: int) -> None:
+    """Count ``steps`` decode steps on the layers that keep host counters (their Python did not run)."""
+    for layer in cache.layers:
+        advance = getattr(layer, "advance", None)
+        if advance is not None:
+            advance(steps)
+
+
+@torch.no_grad()
+def generate_static(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    cache,
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    eos: Collection[int] = (),
+    pad_token_id: int | None = None,
+    capture: bool | None = None,
+    check_every: int = 16,
+    warmup: int = 2,
+) -> torch.Tensor:
+    """Batched decoding gpt-fast style: the prompt eagerly, then one decode step captured in a CUDA graph and
+    replayed per token. Returns the new token ids ``[B, <= max_new_tokens]``.
+
+    ``input_ids`` ``[B, T]`` (left padding marked 0 in ``attention_mask``; ``None``: no padding); ``cache``: a
+    static cache (``KittyCache(..., max_cache_len=...)`` or transformers' ``StaticCache``) holding at least
+    ``T + max_new_tokens - 1`` columns. The decode step reads and writes static buffers only: input ids ``[B, 1]``,
+    position ids ``[B, 1]`` (each row's count of real tokens), a ``[B, max_cache_len]`` attention mask (the prompt's
+    padding, ones after it) and the cache's own storage; the sampled token (argmax, or temperature + top-p drawn on
+    the device) is copied into the input buffer inside the step. ``eos``: a row that produced one of these ids
+    gets ``pad_token_id`` (default: the first ``eos``, else 0) afterwards, as ``model.generate`` pads finished
+    rows; the host checks whether every row has finished once every ``check_every`` steps (one synchronization),
+    so up to ``check_every - 1`` steps may run past the last row's end (their tokens are pads, cut here).
+
+    ``capture``: ``None`` captures on CUDA when every layer can be captured (no sliding-window layer, whose
+    transformers update branches on a host counter), ``False`` runs the same step eagerly (the CPU, and the
+    reference the captured tokens are compared with). The first ``warmup`` decode steps run eagerly on a side
+    stream before capture (compiling kernels, allocating workspaces); they are real steps of the generation.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
+    if check_every < 1 or warmup < 0:
+        raise ValueError(f"check_every must be >= 1 and warmup >= 0, got {check_every} and {warmup}")
+    B, T = input_ids.shape
+    L = _cache_len(cache)
+    if T + max_new_tokens - 1 > L:
+        raise ValueError(
+            f"a prompt of {T} columns and max_new_tokens={max_new_tokens} need {T + max_new_tokens - 1} cache "
+            f"columns, the cache holds max_cache_len={L}"
+        )
+    device = model.device
+    ids = input_ids.to(device)
+    mask = torch.ones(B, T, dtype=torch.long, device=device) if attention_mask is None else attention_mask.to(device)
+    if mask.shape != (B, T):
+        raise ValueError(f"attention_mask must be [batch, tokens] = {(B, T)}, got {tuple(mask.shape)}")
+    eos = sorted(set(eos))
+    pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
+    generator = None
+    if not sampling.greedy:
+        generator = torch.Generator(device=device).manual_seed(sampling.seed)
+
+    # ---- prompt: eager, positions as generate gives them (left padding skipped)
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    logits = model(
+        ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1
+    ).logits[:, -1]
+    first = sample_tokens_no_sync(logits, sampling, generator)
+
+    # ---- static buffers of the decode step
+    eos_t = torch.tensor(eos, dtype=torch.long, device=device)
+    input_buf = first[:, None].clone()  # (B, 1)
+    position_buf = mask.long().sum(-1, keepdim=True)  # (B, 1): the next token's position in each row
+    mask_buf = torch.ones(B, L, dtype=mask.dtype, device=device)
+    mask_buf[:, :T] = mask
+    out = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=device)
+    out[:, 0] = first
+    done = torch.isin(first, eos_t) if eos else torch.zeros(B, dtype=torch.bool, device=device)
+    step_idx = torch.ones(1, dtype=torch.long, device=device)
+
+    def step() -> None:
+        logits = model(
+            input_buf,
+            attention_mask=mask_buf,
+            position_ids=position_buf,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+        nxt = torch.where(done, pad, sample_tokens_no_sync(logits, sampling, generator))
+        if eos:
+            done.logical_or_(torch.isin(nxt, eos_t))
+        input_buf.copy_(nxt[:, None])
+        position_buf.add_(1)
+        out.index_copy_(1, step_idx, nxt[:, None])
+        step_idx.add_(1)
+
+    steps = max_new_tokens - 1
+    sliding = any(getattr(layer, "is_sliding", False) for layer in cache.layers)
+    if capture is None:
+        capture = device.type == "cuda" and not sliding
+    if capture and (device.type != "cuda" or sliding):
+        raise ValueError("capture=True needs a CUDA model and a cache without sliding-window layers")
+    ran = 0
+
+    def finished(i: int) -> bool:  # one host read every check_every steps
+        return bool(eos) and (i % check_every == 0) and bool(done.all())
+
+    if capture and steps > warmup:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                step()
+        torch.cuda.current_stream(device).wait_stream(side)
+        ran = warmup
+        graph = torch.cuda.CUDAGraph()
+        if generator is not None and hasattr(graph, "register_generator_state"):
+            graph.register_generator_state(generator)
+        with torch.cuda.graph(graph):
+            step()
+        _advance(cache, -1)  # capture ran the step's Python, not its kernels
+        while ran < steps and not finished(ran):
+            graph.replay()  # room for every step was checked above
+            _advance(cache, 1)
+            ran += 1
+    while ran < steps and not finished(ran):
+        step()
+        ran += 1
+    if eos:  # cut the columns after every row finished
+        hit = torch.isin(out[:, : ran + 1], eos_t).long()
+        ended = (hit.cumsum(-1) - hit) > 0  # (B, N): an earlier column of the row is an eos
+        return out[:, : int((~ended).any(0).nonzero().max()) + 1]
+    return out[:, : ran + 1]

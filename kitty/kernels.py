@@ -56,6 +56,8 @@ _EXPORTS = {  # name -> the submodule defining it; every submodule but the refer
     "dequantize_value_page_triton": "dequant",
     "pack_pages": "pack",
     "pack_pages_ref": "pack",
+    "pack_completed": "pack",
+    "pack_completed_ref": "pack",
     "decode_attention_unfused": "unfused",
 }
 __all__ = ["HAS_TRITON", "interpreting", *(n for n, m in _EXPORTS.items() if HAS_TRITON or m == "reference")]

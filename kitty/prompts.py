@@ -1,7 +1,8 @@
 """Prompts in one place: the shipped texts, the demo's examples, the passkey haystack and prompt preparation.
 
-- ``ASSETS``: the folder of shipped texts (``essay.txt``, ``python_reference.txt``) that eval, calibration and the
-  demo read;
+- :data:`TEXTS` / :func:`shipped_text`: the texts shipped as package data in ``kitty/texts/`` (``essay.txt``,
+  ``python_reference.txt``; sources and licenses in ``kitty/texts/SOURCES.md``) that eval, calibration and the demo
+  read, found through :mod:`importlib.resources` so that a wheel or ``pip install .`` has them too;
 - :func:`passkey_text` / :func:`passkey_prompt`: a pass key hidden in filler, sized by filler repeats (the demo's
   example) or by a token budget (the evaluation);
 - :func:`example_prompts`: the demo's example gallery;
@@ -12,11 +13,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
+from importlib import resources
 
 import torch
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
+TEXTS = ("essay.txt", "python_reference.txt")  # the shipped texts, in kitty/texts/
 
 MAX_PROMPT_TOKENS = 2048  # longer prompts keep their last 2048 tokens: prefill stays a few seconds per column
 MAX_PROMPT_CHARS = 100_000  # guard before tokenizing (about 20k tokens of English)
@@ -25,6 +26,16 @@ EMPTY_PROMPT_MESSAGE = "✋ The prompt is empty: type a question or pick an exam
 
 class PromptError(ValueError):
     """A prompt the demo refuses, with a message meant for the user."""
+
+
+# ------------------------------------------------------------------------------------------- shipped texts
+
+
+def shipped_text(name: str) -> str:
+    """The text ``name`` (one of :data:`TEXTS`) shipped in the installed package's ``kitty/texts/``."""
+    if name not in TEXTS:
+        raise ValueError(f"name must be one of the shipped texts {TEXTS}, got {name!r}")
+    return (resources.files("kitty") / "texts" / name).read_text(encoding="utf-8")
 
 
 # ------------------------------------------------------------------------------------------------- passkey
@@ -61,8 +72,8 @@ def passkey_prompt(tokenizer, n_tokens: int, depth: float, key: int) -> str:
 
 
 def essay_excerpt(max_chars: int = 4500) -> str:
-    """The first paragraphs of ``assets/essay.txt`` (whole paragraphs, at most ``max_chars``)."""
-    paragraphs = (ASSETS / "essay.txt").read_text().split("\n\n")
+    """The first paragraphs of the shipped ``essay.txt`` (whole paragraphs, at most ``max_chars``)."""
+    paragraphs = shipped_text("essay.txt").split("\n\n")
     out: list[str] = []
     for p in paragraphs:
         if out and sum(len(q) + 2 for q in out) + len(p) > max_chars:

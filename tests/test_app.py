@@ -21,6 +21,7 @@ import torch  # noqa: E402
 from kitty import PRESETS, get_preset  # noqa: E402
 from kitty import demo as kd  # noqa: E402
 from kitty import prompts as kp  # noqa: E402
+from kitty.compat import cache_kwargs  # noqa: E402
 from kitty.generate import Sampling, make_cache, prompt_keys, prompt_query_scale  # noqa: E402
 from kitty.quant import inspect_keys  # noqa: E402
 
@@ -63,7 +64,9 @@ def library_run(engine, prompt: str, method: str, new: int):
     ids = ids["input_ids"] if not torch.is_tensor(ids) else ids
     cache = KittyCache(model.config, PRESETS[method])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new, do_sample=False)
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache), max_new_tokens=new, do_sample=False
+        )
     new_ids = out[0, ids.shape[1] :]
     return tok.decode(new_ids, skip_special_tokens=True), cache.memory_report(), cache.token_counts(), ids.shape[1]
 
@@ -90,12 +93,16 @@ def check_against_library(engine, final, prompt: str, new: int) -> None:
         assert got["bits_per_element"] == pytest.approx(report.bits_per_element)
         assert got["compression"] == pytest.approx(report.compression)
         assert got["layout"] == counts
-        # the readout under the column shows the same numbers
+        # the readout under the column shows the same numbers, one headline figure first
         md = final[READOUTS][i]
-        assert f"<b>{report.bits_per_element:.2f}</b>" in md and f"<b>{report.compression:.2f}×</b>" in md
-        assert f"<b>{fmt_bytes(report.stored_bytes)}</b> of {fmt_bytes(report.fp16_bytes)}" in md
-        assert f"<b>{report.tokens}</b> cached" in md
-        assert f"qbuffer {counts['key_qbuffer']}" in md and f"local {counts['local']}" in md
+        assert f"<div class='headline'><b>{report.bits_per_element:.2f}</b> bits/element</div>" in md
+        assert f"{report.tokens} tokens ({got['new_tokens']} new)" in md
+        if method == "fp16":
+            assert "all full precision" in md and "qbuffer" not in md
+        else:
+            assert f"{fmt_bytes(report.stored_bytes)} of {fmt_bytes(report.fp16_bytes)}" in md
+            assert f"qbuffer {counts['key_qbuffer']}" in md and f"local {counts['local']}" in md
+            assert "long context" in md and "(pages alone)" in md
 
 
 def test_streams_all_three_columns_and_matches_library(app_module, client):
@@ -111,12 +118,7 @@ def test_streams_all_three_columns_and_matches_library(app_module, client):
         assert len(readouts) >= 2, f"column {i} readout never updated while streaming"
     # columns stream together: some update shows all three with text before the last one finished
     assert any(all(o[TEXTS]) and "Done" not in (o[SUMMARY] or "") for o in outputs)
-    # the memory plot: one line per column, one point per generated token, ending at the final stored bytes
-    rows = final[PLOT]["data"]
-    for label, got in final[JSON].items():  # the legend names each column's method, e.g. "1 · fp16"
-        points = [r for r in rows if r[0] == label]
-        assert len(points) == got["new_tokens"]
-        assert points[-1][1] == got["tokens"] and points[-1][2] == pytest.approx(got["stored_bytes"] / 1024)
+    assert final[PLOT] is not None and final[PLOT]["type"] == "matplotlib"  # the memory figure, drawn at the end
     check_against_library(app_module.get_engine(app_module.ARGS.model), final, SHORT, NEW)
 
 
@@ -125,12 +127,12 @@ def test_empty_prompt_gives_friendly_message(client):
         out = client.predict(*args(prompt), api_name="/generate")
         assert out[NOTE] == kp.EMPTY_PROMPT_MESSAGE
         assert list(out[TEXTS]) == ["", "", ""]
-    note, heat, pages, _ = client.predict("", True, "kitty", 0, 0, 8, api_name="/inspect")
+    _, note, heat, pages, _ = client.predict("", True, "kitty", 0, 0, 8, api_name="/inspect")
     assert note == kp.EMPTY_PROMPT_MESSAGE and heat is None
 
 
 def test_over_long_prompt_is_truncated_with_a_visible_note(app_module, client):
-    text = (kp.ASSETS / "essay.txt").read_text() + "\n\nQuestion: what is this essay about?"
+    text = kp.shipped_text("essay.txt") + "\n\nQuestion: what is this essay about?"
     out = client.predict(*args(text, new=1), api_name="/generate")
     cap = app_module.ARGS.max_prompt_tokens
     assert "Truncated" in out[NOTE] and f"Prompt: {cap} tokens" in out[NOTE]
@@ -187,8 +189,9 @@ def test_stop_ends_generation_and_reports(client):
 def test_inside_the_cache_marks_boosted_channels(app_module, client):
     prompt = kp.example_prompts()[1][0]  # the long document: several full pages
     layer, head = 3, 1
-    note, heat, pages, bits = client.predict(prompt, True, "kitty", layer, head, 8, api_name="/inspect")
-    assert heat is not None and "page" in note
+    intro, note, heat, pages, bits = client.predict(prompt, True, "kitty", layer, head, 8, api_name="/inspect")
+    assert heat is not None and "page" in note and "largest mean |K|" in intro
+    assert "attention" in note  # the line from key error to attention error
     engine = app_module.get_engine(app_module.ARGS.model)
     # independent check: top mean-|K| channels of each full page, from a DynamicCache run of the same prompt
     ids = kp.prepare_prompt(engine.tokenizer, prompt, True).ids
@@ -273,10 +276,102 @@ def test_inspector_shows_the_channels_the_cache_boosts(app_module, method):
     ins = inspect_keys(prompt_keys(engine.model, ids)[layer][head], cfg, layer, head, qs)
     cache = KittyCache(engine.model.config, cfg)
     with torch.no_grad():
-        engine.model(ids, past_key_values=cache, use_cache=True)
+        engine.model(ids, **cache_kwargs(cache), use_cache=True)
     full = [p for p in ins.pages if p.quantized]
     assert len(full) >= 2
     for j, p in enumerate(full):
         page = cache.layers[layer].key_page(0, j)
         assert p.boosted == (page.boost_idx[head].long() < page.num_boosted).nonzero().flatten().tolist()
     assert prompt_query_scale(engine.model, ids, get_preset("kitty"), layer, head) is None
+
+
+def raw_call(url: str, api: str, body: str) -> list:
+    """One call of the app's HTTP API with a hand-written JSON body, as a non-Python client may send it (lone
+    surrogate escapes, NaN, Infinity: ``gradio_client`` refuses to encode these). Returns the last data event."""
+    import json
+
+    import httpx
+
+    base = url.rstrip("/") + "/gradio_api/call/" + api
+    event = httpx.post(base, content=body.encode(), headers={"Content-Type": "application/json"}, timeout=60)
+    event.raise_for_status()
+    with httpx.stream("GET", f"{base}/{event.json()['event_id']}", timeout=120) as r:
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data:")]
+    return json.loads(lines[-1][5:])
+
+
+def test_hostile_inputs_over_the_api_give_clear_messages(client, demo_url):
+    """Values the UI's widgets never send but the API accepts: each a message naming the problem, no run."""
+    out = client.predict(SHORT, True, 2.5, 0.0, 1.0, 0, *METHODS, api_name="/generate")
+    assert "max_new_tokens must be a whole number in [1, 256], got 2.5" in out[NOTE]
+    assert list(out[TEXTS]) == ["", "", ""] and not out[JSON]
+    methods = ", ".join(f'"{m}"' for m in METHODS)
+    cases = {
+        "lone surrogate": (f'"What is \\ud800 here?", true, {NEW}, 0, 1, 0', "a lone surrogate"),
+        "temperature NaN": (f'"{SHORT}", true, {NEW}, NaN, 1, 0', "temperature must be a number, got NaN"),
+        "max_new_tokens NaN": (f'"{SHORT}", true, NaN, 0, 1, 0', "max_new_tokens must be a number, got NaN"),
+    }
+    for name, (inputs, expected) in cases.items():
+        out = raw_call(demo_url, "generate", f'{{"data": [{inputs}, {methods}]}}')
+        assert expected in out[NOTE], (name, out[NOTE])
+        assert list(out[TEXTS]) == ["", "", ""] and not out[JSON], name
+    _, note, heat, _, _ = raw_call(demo_url, "inspect", f'{{"data": ["{SHORT}", true, "kitty", NaN, 0, 8]}}')
+    assert "layer must be a number, got NaN" in note and heat is None
+
+
+def test_short_prompt_says_when_pages_start(app_module, client):
+    """Before the first page, each quantizing column says why nothing is quantized and when it will be, from its
+    preset's sink and page size; fp16 says it keeps everything."""
+    final = client.predict(*args(SHORT, new=2), api_name="/generate")
+    for method, md in zip(METHODS, final[READOUTS]):
+        cfg = PRESETS[method]
+        if method == "fp16":
+            assert "all full precision" in md and "nothing quantized" not in md
+        else:
+            start = cfg.sink_tokens + cfg.group_size
+            assert f"nothing quantized yet: pages start after {start} tokens" in md
+
+
+def test_page_pack_is_recorded_and_plotted(app_module):
+    """A prompt two tokens short of kitty's first page: the page packs during decoding, the column records it, the
+    readout then shows a page and the figure marks it; KIVI (no sink) packed its page in the prefill already."""
+    engine = app_module.get_engine(app_module.ARGS.model)
+    cfg = PRESETS["kitty"]
+    first_page = cfg.sink_tokens + cfg.group_size
+    ids = kp.encode_prompt(engine.tokenizer, kp.essay_excerpt())[:, : first_page - 2]
+    prompt = kp.PreparedPrompt(ids, "")
+    snaps = list(kd.stream_side_by_side(engine.model, engine.tokenizer, prompt, ["kitty", "kitty", "kivi-k2v2"], 5))
+    snap = snaps[-1]
+    kitty, twin, kivi = snap.columns
+    # the first token comes from the prefill (first_page - 2 cached), each later step caches one more
+    assert kitty.packs == [(first_page, "K")] and kivi.packs == []
+    assert kitty.readout.layout["key_pages"] == cfg.group_size
+    assert app_module.page_start_note(cfg, kitty.readout.layout).startswith("values not quantized yet")
+    fig = app_module.memory_figure(snap)
+    ax = fig.axes[0]
+    markers = [ln for ln in ax.lines if ln.get_marker() == "v"]
+    assert [(ln.get_xdata()[0], ln.get_color()) for ln in markers][:1] == [(first_page, app_module.COLUMN_COLORS[0])]
+    assert "3 · kivi-k2v2" not in ax.get_title() and "2 · kitty lies on 1 · kitty" in ax.get_title()
+    rows = app_module.memory_rows(snap)
+    for c in snap.columns:
+        got = rows[rows.column == c.label]
+        assert list(got.tokens) == [t for t, _ in c.history]
+        assert list(got.stored_MiB) == pytest.approx([b / 2**20 for _, b in c.history])
+    readout = app_module.format_readout(kitty, engine.head_dim, kitty, engine.tokenizer)
+    assert f"{cfg.group_size} in 1 page " in readout
+
+
+def test_first_divergent_token_is_marked(app_module):
+    """The readout names the token where a column's text leaves the reference column's and marks it."""
+    engine = app_module.get_engine(app_module.ARGS.model)
+    tok = engine.tokenizer
+    ref_ids = tok(" The capital of France is Paris.", add_special_tokens=False).input_ids
+    other = ref_ids[:5] + tok(" Lyon", add_special_tokens=False).input_ids
+    ref = kd.Column("1 · fp16", "fp16", None, torch.Generator(), ids=ref_ids)
+    col = kd.Column("2 · kitty", "kitty", None, torch.Generator(), ids=other)
+    line = app_module.text_vs_reference(col, ref, tok, "#123456")
+    assert line.startswith("differs from 1 · fp16 at token 6:")
+    marked = line.split("<mark")[1].split("</mark>")[0].split(">", 1)[1]
+    assert marked == tok.decode(other[5:6]) and "#123456" in line
+    same = kd.Column("3 · kivi-k2v2", "kivi-k2v2", None, torch.Generator(), ids=ref_ids[:4])
+    assert app_module.text_vs_reference(same, ref, tok, "#000") == "same as 1 · fp16 so far (4 tokens)"

@@ -22,6 +22,7 @@ from kitty.attention import (
     kitty_attention_forward,
     resolve_backend,
 )
+from kitty.compat import cache_kwargs
 from kitty.kernels import decode_attention_ref, dequantize_cache
 
 S, G, R = 4, 8, 8
@@ -76,11 +77,11 @@ def test_plain_tensors_fall_back_to_sdpa_exactly():
         model.config._attn_implementation = impl
         with torch.no_grad():
             cache = DynamicCache(config=model.config)
-            first = model(input_ids=ids, attention_mask=mask, cache=cache).logits
+            first = model(input_ids=ids, attention_mask=mask, **cache_kwargs(cache)).logits
             step = model(
                 input_ids=ids[:, :1],
                 attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1),
-                cache=cache,
+                **cache_kwargs(cache),
             ).logits
             no_cache = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
         outs[impl] = (first, step, no_cache)
@@ -216,6 +217,7 @@ TRITON_SCRIPT = textwrap.dedent(
     import kitty.kernels as kernels
     from transformers import LlamaConfig, LlamaForCausalLM
     from kitty import KittyCache, PRESETS
+    from kitty.compat import cache_kwargs
     calls = [0]
     fused = kernels.decode_attention
     def counting(*a, **k):
@@ -233,7 +235,7 @@ TRITON_SCRIPT = textwrap.dedent(
         out = {}
         for backend in ("torch", "triton"):
             with torch.no_grad():
-                out[backend] = model.generate(input_ids=ids, attention_mask=mask, cache=KittyCache(model.config, c, backend=backend),
+                out[backend] = model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(KittyCache(model.config, c, backend=backend)),
                                               max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=0)
         assert torch.equal(out["torch"], out["triton"])
     assert calls[0] >= 80, calls

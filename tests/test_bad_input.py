@@ -12,6 +12,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kitty import PRESETS, KittyCache, KVQuantConfig
 from kitty.attention import KittyMask, dequantize_cache, kitty_attention_forward
+from kitty.compat import cache_kwargs
 from kitty.quant import (
     dequantize_key_page,
     dequantize_value_page,
@@ -45,7 +46,7 @@ def greedy(model, ids, mask, cache, n: int) -> torch.Tensor:
         out = model.generate(
             input_ids=ids,
             attention_mask=mask,
-            cache=cache,
+            **cache_kwargs(cache),
             max_new_tokens=n,
             min_new_tokens=n,
             do_sample=False,
@@ -142,7 +143,7 @@ def test_failure_in_a_late_layer_leaves_every_layer_as_it_was(monkeypatch, phase
     monkeypatch.setattr(kcache, "quantize_key_page", failing_quantize)
     monkeypatch.setattr(cache.layers[last], "pack_filled", failing_pack)
     with pytest.raises(RuntimeError, match="injected"), torch.no_grad():
-        model(**inputs, cache=cache)
+        model(**inputs, **cache_kwargs(cache))
     assert_same(before, snapshot(cache))
     monkeypatch.undo()
 
@@ -156,8 +157,8 @@ def test_failure_in_a_late_layer_leaves_every_layer_as_it_was(monkeypatch, phase
     assert_same(before, snapshot(cache))
 
     with torch.no_grad():
-        logits = model(**inputs, cache=cache).logits
-        expect = model(**inputs, cache=clean).logits
+        logits = model(**inputs, **cache_kwargs(cache)).logits
+        expect = model(**inputs, **cache_kwargs(clean)).logits
     assert torch.equal(logits, expect)
     assert_same(snapshot(clean), snapshot(cache))
 
@@ -225,6 +226,19 @@ def test_cli_accepts_field_overrides(cli_model, capsys):
         (["hi", "--sample", "--temperature", "0"], "--temperature must be > 0"),
         (["hi", "--method", "kitty+value_bits=2.0"], "value_bits"),
         (["hi", "--model", "/nonexistent"], "no such folder"),
+        (["hi", "--json", "."], "is a folder"),
+        pytest.param(
+            ["hi", "--json", "/proc/kitty.json"],
+            "cannot write there",
+            marks=pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc, where no file can be made"),
+        ),
+        (["hi", "--sample", "--seed", str(2**64)], "--seed must be in [0, 2**63)"),
+        (["hi", "--seed", "-1"], "--seed must be in [0, 2**63)"),
+        (["hi", "--temperature", "inf"], "--temperature must be a finite number"),
+        (["hi", "--temperature", "nan"], "--temperature must be a finite number"),
+        (["hi", "--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--prompt-file", "/nonexistent/prompt.txt"], "no such file"),
+        (["hi", "--compare", "--width", "-1"], "--width"),
     ],
 )
 def test_cli_refuses_before_loading_the_model(argv, message, capsys, monkeypatch):
@@ -235,16 +249,49 @@ def test_cli_refuses_before_loading_the_model(argv, message, capsys, monkeypatch
 
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+    assert not os.path.exists("/proc/kitty.json")
 
 
-def test_eval_writes_to_a_working_folder_by_default(default_model, monkeypatch, tmp_path):
+def test_cli_without_a_prompt_says_how_to_give_one(capsys, monkeypatch):
+    import io
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stdin", Terminal())
+    from kitty.__main__ import main
+
+    assert main([]) == 2
+    assert "no prompt: give it as text, as --prompt-file PATH, or on stdin" in capsys.readouterr().err
+
+
+def test_cli_json_check_leaves_no_file_behind(cli_model, tmp_path, monkeypatch):
+    """The --json path is probed before generating; the probe's file never stays behind if the run then fails."""
+    import kitty.__main__
+
+    def failing_generate(*args, **kwargs):
+        assert not path.exists()  # probed and removed before any generation
+        raise RuntimeError("injected failure")
+
+    path = tmp_path / "out.json"
+    monkeypatch.setattr(kitty.__main__, "generate", failing_generate)
+    with pytest.raises(RuntimeError, match="injected"):
+        cli_model(["hi", "--json", str(path)])
+    assert not path.exists()
+
+
+def test_eval_writes_to_a_working_folder_by_default(default_model, monkeypatch, tmp_path, capsys):
     import kitty.eval
     import kitty.models
 
     monkeypatch.setattr(kitty.models, "load_model", lambda name=None, *a, **kw: default_model)
     monkeypatch.chdir(tmp_path)
-    kitty.eval.main(["--methods", "fp16", "--skip", "ppl,agreement,passkey,pack", "--quick"])
+    kitty.eval.main(["--methods", "kivi-k2v2", "--skip", "ppl,agreement,passkey", "--quick"])  # pack only: quick
     assert (tmp_path / "kitty-eval" / "eval_quick.md").exists()
+    out = capsys.readouterr().out
+    assert "wrote kitty-eval/eval_pack_quick.csv" in out and "wrote kitty-eval/eval_quick.md" in out
 
 
 # ------------------------------------------------------------------------------------- 4: validation gaps
@@ -382,3 +429,111 @@ def test_app_stop_after_a_finished_run_says_nothing_runs(app_module):
     outs = run_handler(app_module)
     assert outs[-1][10] is None  # the final state holds no stop flag
     assert app_module.stop_generation(outs[-1][10]) == "Nothing is running."
+
+
+# ---------------------------------------------------------- dtypes, head_dim, prompt shapes, two threads
+
+
+@pytest.mark.parametrize("preset", ["fp16", "kitty"])
+def test_float64_model_is_refused_at_the_first_forward_pass(preset):
+    """float64 is stored by no preset (pages, kernels and the fp16 preset's raw pages hold 16/32-bit floats):
+    refused before the first token, not when the first page quantizes."""
+    from kitty.generate import stream_tokens
+
+    model = tiny_model(2).double()
+    cache = KittyCache(model.config, PRESETS[preset].with_(sink_tokens=4, group_size=8, local_window=8))
+    tokens = stream_tokens(model, torch.randint(3, 128, (1, 5)), cache, 40)
+    with pytest.raises(ValueError, match="got torch.float64.*dtype=torch.float32"):
+        next(tokens)
+    assert cache.lengths == [] and cache.get_seq_length() == 0
+
+
+def test_head_dim_above_256_runs_with_full_precision_keys():
+    """Only quantized keys need head_dim <= 256 (uint8 boost_idx): the fp16 preset runs any head_dim."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=320,
+        vocab_size=128,
+    )
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        caches = [DynamicCache(config=model.config), KittyCache(model.config, "fp16", backend="torch")]
+        logits = [model(ids, cache=c).logits for c in caches]
+        logits += [model(ids[:, :1], cache=c).logits for c in caches]
+    torch.testing.assert_close(logits[1], logits[0])
+    torch.testing.assert_close(logits[3], logits[2])
+    with pytest.raises(ValueError, match="head_dim must be <= 256 for quantized keys"):
+        KittyCache(model.config, "kitty")
+    PRESETS["fp16"].with_(value_bits=2).check_head_dim(320)  # 2-bit values pack along channels: multiple of 4
+    with pytest.raises(ValueError, match="multiple of 4"):
+        PRESETS["fp16"].with_(value_bits=2).check_head_dim(322)
+
+
+def test_generate_tokens_names_ids_and_the_cache_it_cannot_take():
+    from kitty.generate import generate_tokens
+
+    model = tiny_model(2)
+    ids = torch.randint(3, 128, (1, 6))
+    for bad in (ids[0], ids.repeat(2, 1), ids[:, :0], ids.float()):
+        with pytest.raises(ValueError, match="ids must"):
+            generate_tokens(model, bad, KittyCache(model.config, SMALL), 2)
+    batch = KittyCache(model.config, SMALL)
+    greedy(model, ids.repeat(2, 1), torch.ones(2, 6, dtype=torch.long), batch, 2)  # a cache of two rows
+    with pytest.raises(ValueError, match="fresh cache .* or call cache.reset"):
+        generate_tokens(model, ids, batch, 2)
+    batch.reset()
+    assert len(generate_tokens(model, ids, batch, 2)) == 2
+
+
+def test_a_second_thread_inside_an_open_forward_pass_is_refused():
+    """Two threads interleaving layers in one cache would mix their tokens: the second is refused while the
+    first's pass is open (and that pass completes as if alone); steps from different threads in turn are fine."""
+    import threading
+
+    model = tiny_model(3)
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(7))
+    cache, clean = KittyCache(model.config, SMALL), KittyCache(model.config, SMALL)
+    inside, refused = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+    real_end_step = cache.end_step
+
+    def end_step(layer):  # the first thread pauses after its layer 0, inside its forward pass
+        real_end_step(layer)
+        if layer.layer_idx == 0 and threading.current_thread().name == "first":
+            inside.set()
+            assert refused.wait(60)
+
+    def second() -> None:
+        assert inside.wait(60)
+        try:
+            with torch.no_grad():
+                model(ids, cache=cache)
+        except RuntimeError as e:
+            errors.append(e)
+        finally:
+            refused.set()
+
+    cache.end_step = end_step
+    results: list[torch.Tensor] = []
+    first = threading.Thread(target=lambda: results.append(model(ids, cache=cache).logits.detach()), name="first")
+    other = threading.Thread(target=second)
+    with torch.no_grad():
+        first.start(), other.start()
+        first.join(120), other.join(120)
+        expect = model(ids, cache=clean).logits
+    assert len(errors) == 1 and "another thread" in str(errors[0])
+    torch.testing.assert_close(results[0], expect, rtol=0, atol=0)
+    assert_same(snapshot(clean), snapshot(cache))
+
+    # one step per thread, one after the other (a streaming server's worker pool): allowed and exact
+    tok = expect[:, -1:].argmax(-1)
+    step = threading.Thread(target=lambda: results.append(model(tok, cache=cache).logits.detach()))
+    with torch.no_grad():
+        step.start(), step.join(120)
+        torch.testing.assert_close(results[1], model(tok, cache=clean).logits, rtol=0, atol=0)

@@ -13,7 +13,9 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Confi
 
 from kitty import PRESETS, KittyCache, analytic_report, token_layout
 from kitty.attention import KittyMask, kitty_attention_forward
+from kitty.compat import cache_kwargs
 from kitty.kernels import dequantize_cache
+from kitty.prompts import shipped_text
 from kitty.quant import dequantize_key_page, dequantize_value_page, quantize_key_page, quantize_value_page
 
 S, G, R = 4, 8, 8  # tiny sink / page / local window: boundaries at 4, 12, 20
@@ -268,7 +270,7 @@ def test_memory_report_at_4096_tokens_default_model(default_model):
 
 def greedy(model, enc, cache, n):
     with torch.no_grad():
-        out = model.generate(**enc, cache=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        out = model.generate(**enc, **cache_kwargs(cache), max_new_tokens=n, min_new_tokens=n, do_sample=False)
     return out[:, enc["input_ids"].shape[1] :]
 
 
@@ -361,18 +363,18 @@ def _score(model, ids: torch.Tensor, cfg, prefill: int) -> float:
     cache = KittyCache(model.config, cfg)
     nll = []
     with torch.no_grad():
-        logits = model(ids[None, :prefill], cache=cache).logits[0, -1]
+        logits = model(ids[None, :prefill], **cache_kwargs(cache)).logits[0, -1]
         for t in range(prefill, len(ids)):
             nll.append(torch.nn.functional.cross_entropy(logits.float()[None], ids[t : t + 1]))
             if t + 1 < len(ids):
-                logits = model(ids[None, t : t + 1], cache=cache).logits[0, -1]
+                logits = model(ids[None, t : t + 1], **cache_kwargs(cache)).logits[0, -1]
     return torch.stack(nll).mean().item()
 
 
 def test_nll_direction_kitty_closer_to_fp16_than_kivi(default_model):
     """Paper defaults (S=32, G=128, R=128): 300-token prefill, 64 tokens scored through the quantized cache."""
     model, tok = default_model
-    text = open("assets/python_reference.txt").read()
+    text = shipped_text("python_reference.txt")
     ids = tok(text, return_tensors="pt").input_ids[0, :364]
     nll = {name: _score(model, ids, PRESETS[name], 300) for name in ("fp16", "kivi-k2v2", "kitty", "kitty-pro")}
     gap = {name: abs(nll[name] - nll["fp16"]) for name in nll}
@@ -410,20 +412,20 @@ def test_sampling_reset_kwargs_and_beam_search(default_model):
     assert torch.equal(greedy(model, enc, cache, 12), greedy_out)
     with pytest.raises(NotImplementedError, match="beam"):
         cache.reset()
-        model.generate(**enc, cache=cache, max_new_tokens=4, num_beams=2, do_sample=False)
+        model.generate(**enc, **cache_kwargs(cache), max_new_tokens=4, num_beams=2, do_sample=False)
 
 
 def test_zero_token_prompt_and_empty_row_raise_and_cache_stays_usable(default_model):
     model, tok = default_model
     cache = KittyCache(model.config, SMALL["kitty"])
     with pytest.raises(ValueError, match="0 new tokens"):
-        model(torch.zeros(1, 0, dtype=torch.long), cache=cache)
+        model(torch.zeros(1, 0, dtype=torch.long), **cache_kwargs(cache))
     with pytest.raises(ValueError, match="0 new tokens"):
-        model.generate(**tok([""], return_tensors="pt"), cache=cache, max_new_tokens=2)
+        model.generate(**tok([""], return_tensors="pt"), **cache_kwargs(cache), max_new_tokens=2)
     enc = tok(["Hello there", "Hi"], return_tensors="pt", padding=True)
     enc["attention_mask"][1] = 0
     with pytest.raises(ValueError, match="no tokens"):
-        model(**enc, cache=cache)
+        model(**enc, **cache_kwargs(cache))
     assert cache.get_seq_length() == 0
     enc = tok(["Hello there"], return_tensors="pt")
     ref = greedy(model, enc, KittyCache(model.config, SMALL["kitty"]), 6)

@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kitty import PRESETS, analytic_report
 from kitty.calibrate import allocate, fake_quantize_keys, layer_sensitivity
+from kitty.compat import cache_kwargs
 from kitty.config import load_boost_profile
 from kitty.quant import dequantize_key_page, quantize_key_page
 
@@ -89,7 +90,7 @@ def test_adaptive_presets_store_as_many_bytes_as_uniform_on_the_default_model():
     for name in ("kitty", "kitty-fit-adaptive", "kitty-pro", "kitty-pro-fit-adaptive"):
         cache = KittyCache(model.config, name)
         with torch.no_grad():
-            model(ids, past_key_values=cache, use_cache=True)
+            model(ids, **cache_kwargs(cache), use_cache=True)
         reports[name] = cache.memory_report()
         nbs = {layer.cfg.num_boosted(64) for layer in cache.layers}
         assert (len(nbs) > 1) == ("adaptive" in name)  # adaptive layers pack different numbers of high planes

@@ -1,11 +1,16 @@
 """``python -m kitty``: a short smoke run of streaming generation and of --compare, in a subprocess."""
 
+import io
+import json
 import subprocess
 import sys
 
 import pytest
 
-from kitty.__main__ import main
+from kitty import PRESETS
+from kitty.__main__ import DEFAULT_COMPARE, Result, build_parser, main, sampling_of, table
+from kitty.generate import Sampling
+from kitty.memory import MemoryReport
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -25,9 +30,10 @@ def test_cli_compare_prints_a_table_per_preset():
     r = run("Name a color.", "--compare", "--methods", "fp16,kitty", "--max-new-tokens", "4", "--chat")
     assert r.returncode == 0, r.stderr
     rows = [line for line in r.stdout.splitlines() if line.startswith("| ")]
-    assert rows[0].startswith("| method | bits/element | compression | tokens/s | text")
+    assert rows[0].startswith("| method | bits/element | compression | tokens/s | diverges from fp16 at | text")
     assert [row.split("|")[1].strip() for row in rows[1:]] == ["fp16", "kitty"]
     assert "16.00 | 1.00x" in rows[1]  # fp16 stores every token at 16 bits
+    assert rows[1].split("|")[5].strip() == "(reference)"
 
 
 @pytest.mark.parametrize(
@@ -41,3 +47,75 @@ def test_cli_compare_prints_a_table_per_preset():
 def test_cli_rejects_bad_input(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_cli_help_lists_presets_and_defaults(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines: compare on single spaces
+    for name in PRESETS:
+        assert f" {name} " in out, name
+    for default in ("(default: kitty)", "(default: 64)", "default: 0.95", "(default: 0)", DEFAULT_COMPARE):
+        assert default in out, default
+    assert "160 tokens for kitty" in out and "--prompt-file" in out
+
+
+def test_cli_sampling_defaults_are_the_apps():
+    """One set of defaults, ``kitty.generate.Sampling``'s, which the demo app's sliders also start from."""
+    assert Sampling() == Sampling(temperature=0.0, top_p=0.95, seed=0)
+    args = build_parser().parse_args(["hi"])
+    assert sampling_of(args) == Sampling() and sampling_of(args).greedy
+    sampled = sampling_of(build_parser().parse_args(["hi", "--sample"]))
+    assert not sampled.greedy and sampled.top_p == Sampling().top_p
+
+
+def fake_result(method: str, tokens: list[int], text: str) -> Result:
+    return Result(method, text, len(tokens), 1.0, MemoryReport(1, 2, 1, 0, 0), {}, tokens)
+
+
+def test_compare_table_shows_divergence_and_whole_texts():
+    long = "word " * 40  # 200 characters: never cut unless asked
+    results = [
+        fake_result("fp16", [5, 6, 7, 8], long),
+        fake_result("kitty", [5, 6, 9, 8], "short"),
+        fake_result("kitty-pro", [5, 6, 7, 8], long),
+        fake_result("kivi-k2v2", [5, 6], "stopped early"),
+    ]
+    rows = [r.split("|") for r in table(results).splitlines()[2:]]
+    assert [r[5].strip() for r in rows] == ["(reference)", "token 3", "never (4 tokens)", "token 3"]
+    assert rows[0][6].strip() == long.strip()
+    cut = table(results, width=20).splitlines()[2].split("|")[6].strip()
+    assert len(cut) == 20 and cut.endswith("…")
+
+
+@pytest.fixture
+def cli(default_model, monkeypatch, tmp_path):
+    """main() with the session's model, returning the new tokens of each run (read from --json)."""
+    import kitty.models
+
+    monkeypatch.setattr(kitty.models, "load_model", lambda name=None, *a, **kw: default_model)
+    monkeypatch.delenv("KITTY_BACKEND", raising=False)
+
+    def run_tokens(*argv: str, stdin: str | None = None) -> list[list[int]]:
+        if stdin is not None:
+            monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+        out = tmp_path / "out.json"
+        assert main([*argv, "--max-new-tokens", "3", "--json", str(out)]) == 0
+        return [r["tokens"] for r in json.loads(out.read_text())]
+
+    return run_tokens
+
+
+def test_cli_reads_the_prompt_from_stdin_and_from_a_file(cli, tmp_path, capsys):
+    prompt = "The capital of France is"
+    expect = cli(prompt)
+    assert len(expect[0]) == 3
+    assert cli("-", stdin=prompt) == expect  # '-' reads stdin
+    assert cli(stdin=prompt) == expect  # a piped stdin with no prompt
+    path = tmp_path / "prompt.txt"
+    path.write_text(prompt)
+    assert cli("--prompt-file", str(path)) == expect
+    capsys.readouterr()
+    assert main(["hi", "--prompt-file", str(path)]) == 2
+    assert "not both" in capsys.readouterr().err

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kitty import KittyCache
+from kitty.compat import cache_kwargs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -44,7 +45,7 @@ def generate(model, cache, prompt, n):
     out = model.generate(
         prompt,
         attention_mask=torch.ones_like(prompt),
-        past_key_values=cache,
+        **cache_kwargs(cache),
         max_new_tokens=n,
         min_new_tokens=n,
         do_sample=False,
@@ -57,11 +58,12 @@ def teacher_forced_logits(model, cache, ids, mask, prompt_len):
     (``mask``: the 2-D attention mask, or ``None`` for none)."""
     cols = (lambda t: {}) if mask is None else (lambda t: {"attention_mask": mask[:, :t]})
     with torch.no_grad():
-        model(ids[:, :prompt_len], past_key_values=cache, use_cache=True, **cols(prompt_len))
+        model(ids[:, :prompt_len], **cache_kwargs(cache), use_cache=True, **cols(prompt_len))
         steps = [
-            model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, **cols(t + 1)).logits[:, -1]
+            model(ids[:, t : t + 1], **cache_kwargs(cache), use_cache=True, **cols(t + 1)).logits[:, -1]
             for t in range(prompt_len, ids.shape[1])
         ]
+    assert cache.get_seq_length() == ids.shape[1]  # the forwards really read and filled the cache
     return torch.stack(steps, 1).float()
 
 
@@ -156,3 +158,71 @@ def test_ragged_batch_decode_never_takes_the_torch_path(monkeypatch):
             f"{preset} ragged: first-step max |logit diff| {first:.4f} (scale {scale:.2f}), argmax agreement {agree:.4f}"
         )
         assert first <= LOGIT_RTOL * scale and agree >= min_agree
+
+
+# ---------------------------------------------------------------- static cache, decode step captured in a CUDA graph
+
+
+def ragged_prompts(B: int = 3, T: int = 150):
+    """Left-padded prompts: row b has ``T - 40 b`` real tokens (rows complete pages at different steps)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 512, (B, T), generator=g).cuda()
+    mask = torch.ones(B, T, dtype=torch.long, device="cuda")
+    for b in range(1, B):
+        mask[b, : 40 * b] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("preset", ["fp16", "kitty"])
+def test_captured_decode_matches_eager(preset):
+    """generate_static: the decode step captured in a CUDA graph and replayed gives the eager step's tokens, on a
+    ragged left-padded batch whose rows fill pages (G=128) at different steps."""
+    from kitty.generate import generate_static
+
+    model = tiny_model("llama")
+    ids, mask = ragged_prompts()
+    new = 140
+    toks = []
+    for capture in (False, True):
+        cache = KittyCache(model.config, preset, max_batch_size=3, max_cache_len=ids.shape[1] + new)
+        toks.append(generate_static(model, ids, mask, cache, new, capture=capture))
+        assert cache.token_counts()["key_pages"] > 0  # pages were packed inside the steps
+    assert torch.equal(toks[0], toks[1])
+
+
+def test_static_decode_step_never_synchronizes():
+    """An eager static decode step and a replayed captured one run with torch's sync debug mode set to "error"."""
+    from kitty.generate import _advance, generate_static
+
+    model = tiny_model("llama")
+    ids, mask = ragged_prompts()
+    L = ids.shape[1] + 8
+    cache = KittyCache(model.config, "kitty", max_batch_size=3, max_cache_len=L)
+    generate_static(model, ids, mask, cache, 3, capture=False)  # prompt + 2 eager steps: kernels compiled
+    inp = torch.zeros(3, 1, dtype=torch.long, device="cuda")
+    pos = mask.sum(-1, keepdim=True) + 2
+    full = torch.ones(3, L, dtype=torch.long, device="cuda")
+    full[:, : ids.shape[1]] = mask
+
+    def step():
+        model(inp, attention_mask=full, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        pos.add_(1)
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    _advance(cache, -1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graph.replay()
+        _advance(cache, 1)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert cache.lengths == (mask.sum(-1) + 4).tolist()  # 2 eager + 1 eager + 1 replayed decode steps

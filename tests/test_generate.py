@@ -10,6 +10,7 @@ import torch
 
 from kitty import PRESETS
 from kitty import prompts as kp
+from kitty.compat import cache_kwargs
 from kitty.generate import Sampling, eos_ids, generate_tokens, make_cache, sample_next, stream_tokens
 
 SHORT = "What is the capital of France?"
@@ -22,7 +23,7 @@ def hf_greedy(model, ids: torch.Tensor, cfg, new: int, **kw) -> list[int]:
         out = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
-            cache=make_cache(model, cfg),
+            **cache_kwargs(make_cache(model, cfg)),
             max_new_tokens=new,
             do_sample=False,
             **kw,
@@ -66,7 +67,7 @@ def test_sampled_stream_is_seeded(default_model):
 
 def test_prompt_caps_and_truncation_note(default_model):
     tok = default_model[1]
-    text = (kp.ASSETS / "essay.txt").read_text()
+    text = kp.shipped_text("essay.txt")
     p = kp.prepare_prompt(tok, text + "\nQuestion: what is this essay about?", True, max_prompt_tokens=300)
     assert p.tokens <= 300 and "Truncated" in p.note
     assert tok.decode(p.ids[0]).rstrip().endswith("assistant")  # the template and the question survive the cut

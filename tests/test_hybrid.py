@@ -24,6 +24,7 @@ from transformers import (
 
 from kitty import PRESETS, KittyCache, analytic_report
 from kitty.cache import KittyLayer, SlidingWindowLayer
+from kitty.compat import cache_kwargs
 
 W = 16  # sliding window (transformers keeps the newest W - 1 columns)
 SMALL = {name: PRESETS[name].with_(sink_tokens=4, group_size=8, local_window=8) for name in ("fp16", "kitty")}
@@ -64,7 +65,7 @@ def generate(model, ids, cache, mask=None, n: int = 24):
     return model.generate(
         input_ids=ids,
         attention_mask=mask,
-        cache=cache,
+        **cache_kwargs(cache),
         max_new_tokens=n,
         do_sample=False,
         output_scores=True,
@@ -147,18 +148,6 @@ def test_bad_hybrid_configs_raise_before_any_work():
         KittyCache(MistralConfig(sliding_window=W, **base), "kitty")
 
 
-@pytest.mark.parametrize("family", ["gemma3", "mistral", "qwen2"])
-def test_layer_types_without_transformers_inference(family, monkeypatch):
-    """Releases whose ``get_layer_types_and_kwargs`` gives no entry per layer (transformers 5.17) get the same layer
-    types and windows from the cache's own rule."""
-    import kitty.cache as kc
-
-    text = build(family).config.get_text_config(decoder=True)
-    expected = kc.layer_types_of(text)
-    monkeypatch.setattr(kc, "get_layer_types_and_kwargs", lambda config: ([], []))
-    assert kc.layer_types_of(text) == expected
-
-
 def test_failure_in_a_later_full_layer_restores_the_windows(monkeypatch):
     """Gemma 3 here runs sliding, sliding, full: a failure in the full layer's step puts the windows the same forward
     pass already updated back as they were."""
@@ -166,7 +155,7 @@ def test_failure_in_a_later_full_layer_restores_the_windows(monkeypatch):
     cache = kitty_cache(model, "kitty")
     ids = torch.randint(3, 100, (1, 20), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        model(ids, cache=cache, use_cache=True)
+        model(ids, **cache_kwargs(cache), use_cache=True)
     windows = [
         (layer.keys.clone(), layer.values.clone(), layer.cumulative_length)
         for layer in cache.layers
@@ -179,7 +168,7 @@ def test_failure_in_a_later_full_layer_restores_the_windows(monkeypatch):
 
     monkeypatch.setattr(KittyLayer, "check_append", fail)
     with pytest.raises(RuntimeError, match="injected"), torch.no_grad():
-        model(ids[:, :1], cache=cache, use_cache=True)
+        model(ids[:, :1], **cache_kwargs(cache), use_cache=True)
     after = [layer for layer in cache.layers if isinstance(layer, SlidingWindowLayer)]
     for (k, v, n), layer in zip(windows, after):
         assert torch.equal(layer.keys, k) and torch.equal(layer.values, v) and layer.cumulative_length == n

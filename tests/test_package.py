@@ -73,6 +73,7 @@ USE_BOTH = """
     from transformers.utils.import_utils import is_kernels_available
     import kitty.kernels
     from kitty import KittyCache
+    from kitty.compat import cache_kwargs
 
     assert kernels.HUB and is_kernels_available(), kernels  # the hub package, as transformers sees it
     assert kitty.kernels.__path__ == [{kernels_dir!r}], kitty.kernels.__path__
@@ -82,7 +83,7 @@ USE_BOTH = """
                          num_key_value_heads=1, vocab_size=64)
     model = LlamaForCausalLM(config).eval()
     cfg = kitty.PRESETS["kitty"].with_(sink_tokens=2, group_size=8, local_window=4)
-    out = model.generate(torch.randint(0, 64, (1, 12)), cache=KittyCache(model.config, cfg), max_new_tokens=12,
+    out = model.generate(torch.randint(0, 64, (1, 12)), **cache_kwargs(KittyCache(model.config, cfg)), max_new_tokens=12,
                          do_sample=False)
     print("OK", out.shape[1])
 """

@@ -84,6 +84,7 @@ def generate_all(folder: Path, tp: bool) -> dict:
     from transformers import AutoModelForCausalLM
 
     from kitty import PRESETS, KittyCache
+    from kitty.compat import cache_kwargs
 
     ids, mask = batch()
     out = {}
@@ -95,7 +96,7 @@ def generate_all(folder: Path, tp: bool) -> dict:
             res = model.generate(
                 input_ids=ids,
                 attention_mask=mask,
-                cache=cache,
+                **cache_kwargs(cache),
                 max_new_tokens=NEW_TOKENS,
                 do_sample=False,
                 pad_token_id=0,
@@ -278,22 +279,3 @@ def test_eval_sharded_smoke_matches_one_process(cli_model, tmp_path):
 
 if __name__ == "__main__":
     worker(Path(sys.argv[1]))
-
-
-def test_kv_heads_rule_matches_transformers():
-    """The fallback rule (for transformers releases without ``get_kv_heads_per_rank``) agrees with transformers'."""
-    from transformers.distributed.tensor_parallel import get_kv_heads_per_rank
-
-    from kitty.cache import kv_heads_per_rank
-
-    plans = [
-        {},
-        {"layers.*.self_attn.k_proj": "colwise"},
-        {"layers.*.self_attn.o_proj": "rowwise"},
-        {"layers.*.self_attn.qkv_proj": "colwise"},
-        {"layers.*.self_attn.k_proj": "rowwise"},
-    ]
-    for plan in plans:
-        for heads in (1, 2, 3, 4, 8):
-            for tp in (1, 2, 4):
-                assert kv_heads_per_rank(plan, heads, tp) == get_kv_heads_per_rank(plan, heads, tp), (plan, heads, tp)

@@ -1,0 +1,331 @@
+"""Regenerates ``benchmarks/RESULTS.md`` from the result folders ``benchmarks/results/<gpu>-<date>/``.
+
+    python benchmarks/summarize.py           # rewrite benchmarks/RESULTS.md
+    python benchmarks/summarize.py --check   # exit 1 (and say so) when RESULTS.md is not what the folders give
+
+Every file of every folder is rendered, newest folder first: ``kernels_*.json`` (``benchmarks/kernels.py``),
+``throughput*.json`` (``benchmarks/throughput.py``), ``boost_profile_*.json`` (``benchmarks/boost_profile_speed.py``),
+``pack_cost*.csv`` (``benchmarks/pack_cost.py``) and pytest logs (``*.log``: their summary line); each folder's
+``COMMANDS.md`` says which command made each file. Only this script writes RESULTS.md; the hand-written analysis of
+these numbers is ``docs/BENCHMARKS.md``. Needs only the standard library (no torch, no GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS_DIR = HERE / "results"
+RESULTS_MD = HERE / "RESULTS.md"
+
+# The shapes the kernel targets name (>= 4x the fastest FP16, >= 70% of copy bandwidth); kernels.py also times bf16
+# there.
+TARGET_SHAPES = [(8, 32768), (64, 8192)]
+# The paper's own (unfused) kernels, fp16, same shapes, measured on the H200 with torch 2.11 / triton 3.6 (2026-12-01,
+# before the fused kernel existed); not rerun by kernels.py.
+OFFICIAL_KITTY_MS = {(1, 4096): 0.181, (1, 32768): 1.368, (16, 8192): 0.371, (64, 8192): 0.871, (8, 32768): 1.419}
+
+
+def sdpa_names(res: dict) -> list[str]:
+    """The SDPA backends a kernel run timed, in its order (from its rows' method names, ``sdpa-<backend> ...``)."""
+    names = [r["method"].split()[0][len("sdpa-") :] for r in res["timing"] if r["method"].startswith("sdpa-")]
+    return list(dict.fromkeys(names))
+
+
+# ---------------------------------------------------------------------------------------------- kernels.py
+
+
+def render_kernels(res: dict, name: str, correctness_file: str | None) -> list[str]:
+    """The tables of one ``benchmarks/kernels.py`` run (``name``: its file)."""
+    env = res["env"]
+    out = [
+        f"### `{name}`",
+        "",
+        f"Measured by `benchmarks/kernels.py` on **{env['gpu']}** ({env['sms']} SMs), driver {env['driver']}, "
+        f"torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, Python {env['python']}, {env['date']}.",
+        "",
+        "Times: median of 30 CUDA-graph replays (many calls each, rotating inputs > 4x L2, after warm-up). "
+        "Bytes: what the method must move (cache read + query/output + split workspace; unfused adds its logit/"
+        "probability round trips), counted from the layout. 32 query / 8 KV heads, D=128, fp16, G=128, S=32, R=128; "
+        "all rows at full length L.",
+        "",
+        f"Device copy bandwidth (read + write, 2 GiB D2D copy; the best of eager copy_, eager add and a graph-captured "
+        f"copy {res.get('copy_detail', {})}): **{res['copy_bw'] / 1e12:.3f} TB/s**."
+        if "copy_bw" in res
+        else "Device copy bandwidth: not measured in this run.",
+        "",
+        "#### Correctness on the GPU (before timing)",
+        "",
+    ]
+    if res["correct"] is None:
+        out += [
+            "Not run in this invocation (`--timing-only`)"
+            + (f": the GPU correctness run before it, same day, is `{correctness_file}`." if correctness_file else "."),
+            "",
+        ]
+    else:
+        out += [
+            f"- pack bit-identical to kitty.quant: {'yes' if res['correct']['pack_dequant'] else 'NO'} "
+            + "; ".join(f"{k}: {'ok' if not any(v.values()) else v}" for k, v in res["pack"].items()),
+            "- dequantization vs kitty.quant (differing elements / total / max ulp): "
+            + "; ".join(f"{k}: key {v['key']}, value {v['value']}" for k, v in res["dequant"].items()),
+            "- attention (max|out-ref| <= 2 max|pt-ref| + floor): "
+            + ("all pass" if res["correct"]["attention"] else "FAILURES"),
+            "",
+        ]
+        out += ["| case | max abs err | tolerance | ok |", "|---|---|---|---|"]
+        for k, v in res["attention"].items():
+            out.append(f"| {k} | {v['err']:.2e} | {v['tol']:.2e} | {'yes' if v['ok'] else 'NO'} |")
+    if not res["timing"]:
+        return out + ["", "Correctness only (`--check-only`): nothing timed.", ""]
+    out += [
+        "",
+        "#### Decode attention",
+        "",
+        f"Baseline: the fastest FP16 attention measured in the same run at each shape, over every SDPA backend "
+        f"({', '.join(sdpa_names(res))}) with GQA as `enable_gqa` or folded into the query length.",
+        "",
+        "| B | L | method | time (us) | MB moved | GB/s | % of copy BW | vs fastest FP16 | notes |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in res["timing"]:
+        sp = r.get("speedup_vs_sdpa")
+        out.append(
+            f"| {r['B']} | {r['L']} | {r['method']} | {r['us']:.1f} | {r['bytes'] / 1e6:.2f} | {r['gbps']:.0f} | "
+            f"{r['pct_copy']:.1f} | {'' if sp is None else f'{sp:.2f}x'} | {r['extra']} |"
+        )
+    out += [
+        "",
+        "#### Fused-kernel sweep (time in us per configuration; the best is reported above)",
+        "",
+        "| B | L | preset | dtype | configuration | time (us) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for sw in sorted(res["sweep"], key=lambda x: (x["B"], x["L"], x["preset"], x.get("dtype", ""), x["us"])):
+        out.append(
+            f"| {sw['B']} | {sw['L']} | {sw['preset']} | {sw.get('dtype', '')} | {sw['config']} | {sw['us']:.1f} |"
+        )
+    out += [
+        "",
+        "#### Default launch (`decode_attention_triton(q, state, cfg)`, no tuning arguments)",
+        "",
+        "| B | L | preset | dtype | time (us) | vs fastest FP16 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in res.get("default_launch", []):
+        sp = r.get("speedup_vs_sdpa")
+        out.append(
+            f"| {r['B']} | {r['L']} | {r['preset']} | {r['dtype']} | {r['us']:.1f} | "
+            f"{'' if sp is None else f'{sp:.2f}x'} |"
+        )
+    out += [
+        "",
+        "#### Pack (quantize + pack one full qbuffer per row and KV head, keys and values, one launch)",
+        "",
+        "| B | L | preset | time (us) | us per page (one head, k+v) | amortized over G steps, % of fused decode |",
+        "|---|---|---|---|---|---|",
+    ]
+    for p in res["pack_timing"]:
+        out.append(
+            f"| {p['B']} | {p['L']} | {p['preset']} | {p['us']:.1f} | {p['us_per_page']:.2f} | "
+            f"{p['amortized_pct_of_fused']:.2f} |"
+        )
+    out += ["", "#### Targets", ""]
+    for r in res["timing"]:
+        if "preset" not in r:
+            continue
+        shape, sp = (r["B"], r["L"]), r.get("speedup_vs_sdpa")
+        official = OFFICIAL_KITTY_MS.get(shape)
+        line = f"- {r['method']} {shape}: {'n/a' if sp is None else f'{sp:.2f}x'} the fastest FP16"
+        if shape in TARGET_SHAPES:
+            line += (
+                f" (target >= 4x: {'met' if sp and sp >= 4 else 'missed'}); {r['pct_copy']:.0f}% of copy BW "
+                f"(target >= 70%: {'met' if r['pct_copy'] >= 70 else 'missed'})"
+            )
+        else:
+            line += f" (target >= 1x: {'met' if sp and sp >= 1 else 'missed'})"
+        if official:
+            faster = official * 1e3 / r["us"]
+            met = "met" if faster > 1 else "missed"
+            line += (
+                f"; {faster:.1f}x faster than the official Kitty kernels ({official} ms, measured earlier; "
+                f"target > 1x: {met})"
+            )
+        out.append(line)
+    for p in res["pack_timing"]:
+        if (p["B"], p["L"]) in TARGET_SHAPES:
+            out.append(
+                f"- pack {p['preset']} ({p['B']}, {p['L']}): {p['amortized_pct_of_fused']:.2f}% amortized "
+                f"(target <= 2%: {'met' if p['amortized_pct_of_fused'] <= 2 else 'missed'})"
+            )
+    return out
+
+
+# ----------------------------------------------------------------------------------- the other scripts' files
+
+
+def render_throughput(d: dict, name: str) -> list[str]:
+    """The tables of one ``benchmarks/throughput.py`` run: the largest batch per method, then every point."""
+    rows, meta = d["rows"], d.get("meta", {})
+    out = [f"### `{name}`: end-to-end decode throughput at one KV budget", ""]
+    if meta:
+        out += [
+            f"`benchmarks/throughput.py` on {meta['gpu']}, torch {meta['torch']}, {meta['date']}. Budget "
+            f"{meta['budget_gib']:g} GiB, context {meta['context']}, {meta['layers']} layers, random bf16 weights "
+            f"({meta['weights_gib']:.1f} GiB); tokens/s = batch / median wall time of {meta['steps']} steps after "
+            f"{meta['warmup']} warm-up.",
+            "",
+        ]
+    else:
+        out += ["The file records no device, date or budget: its folder's COMMANDS.md says how it was made.", ""]
+    best = {r["method"]: r for r in rows if r["batch"] == r["max_batch"]}
+    base = best.get("fp16-dynamic") or best.get("fp16-static")
+    out += [
+        "KV GiB: GPU memory held by the filled cache (allocated, including empty buffer slots and pool capacity).",
+        "",
+        "| method | max batch | batch vs fp16 | KV GiB | peak GiB | tokens/s | vs fp16 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for m, r in best.items():
+        rel_b = r["batch"] / base["batch"] if base else float("nan")
+        rel_t = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
+        out.append(
+            f"| {m} | {r['batch']} | {rel_b:.1f}x | {r['kv_gib']:.2f} | {r['peak_gib']:.2f} | "
+            f"{r['tokens_per_s']:.0f} | {rel_t:.2f}x |"
+        )
+    out += [
+        "",
+        "All points (batch sweep):",
+        "",
+        "| method | batch | KV GiB | peak GiB | tokens/s |",
+        "|---|---|---|---|---|",
+    ]
+    out += [
+        f"| {r['method']} | {r['batch']} | {r['kv_gib']:.2f} | {r['peak_gib']:.2f} | {r['tokens_per_s']:.0f} |"
+        for r in rows
+    ]
+    return out + [""] + [f"- {n}" for n in d.get("notes", [])]
+
+
+def render_boost_profile(d: dict, name: str) -> list[str]:
+    """One ``benchmarks/boost_profile_speed.py`` run: fused-kernel time per boosted-channel count, then per step."""
+    s = d["shape"]
+    out = [
+        f"### `{name}`: layer-adaptive boost against uniform boost",
+        "",
+        f"Fused decode attention on {d['gpu']}, torch {d['torch']}, B={d['batch']}, L={d['context']}, "
+        f"{s['Hq']} query / {s['Hkv']} KV heads, D={s['D']}.",
+        "",
+        "| boosted channels | us per layer call | max abs err vs reference |",
+        "|---|---|---|",
+    ]
+    out += [f"| {nb} | {v['us']:.1f} | {v['max_abs_err_vs_ref']:.2e} |" for nb, v in d["per_nb"].items()]
+    out += [
+        "",
+        f"| preset | one decode step over {s['layers']} layers, uniform (us) | profile (us) | profile / uniform |",
+    ]
+    out += ["|---|---|---|---|"]
+    out += [
+        f"| {p} | {v['uniform']:.1f} | {v['profile']:.1f} | {v['profile_over_uniform']:.3f}x |"
+        for p, v in d["summary"].items()
+    ]
+    return out
+
+
+def render_csv(path: Path) -> list[str]:
+    """A CSV as a table (floats to 2 decimals)."""
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+
+    def cell(x: str) -> str:
+        return f"{float(x):.2f}" if re.fullmatch(r"-?\d+\.\d+(e-?\d+)?", x) else x
+
+    out = [f"### `{path.name}`", "", "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    return out + ["| " + " | ".join(map(cell, r)) + " |" for r in rows[1:]]
+
+
+def render_log(path: Path) -> list[str]:
+    """A pytest log: its last summary line (``N passed``, ``N failed``, ...) and the tests that failed."""
+    lines = path.read_text().splitlines()
+    summary = next((ln.strip("= ") for ln in reversed(lines) if re.search(r"\d+ (passed|failed|error)", ln)), "")
+    failed = [ln.split()[1] for ln in lines if ln.startswith("FAILED ")]
+    out = [f"### `{path.name}`", "", f"pytest: {summary or 'no summary line'}."]
+    return out + ([""] + [f"- failed: `{t}`" for t in failed] if failed else [])
+
+
+# ------------------------------------------------------------------------------------------------- the file
+
+
+def kernels_sort_key(path: Path) -> str:
+    return json.loads(path.read_text())["env"]["date"]
+
+
+def render_folder(folder: Path) -> list[str]:
+    rel = folder.relative_to(HERE.parent).as_posix()
+    out = [
+        f"## `{rel}/`",
+        "",
+        f"Commands: [`{rel}/COMMANDS.md`]({folder.relative_to(HERE).as_posix()}/COMMANDS.md).",
+        "",
+    ]
+    kernels = sorted(folder.glob("kernels_*.json"), key=kernels_sort_key)
+    for path in kernels:
+        res = json.loads(path.read_text())
+        earlier = [
+            p
+            for p in kernels
+            if p != path and json.loads(p.read_text())["correct"] and kernels_sort_key(p) < res["env"]["date"]
+        ]
+        correctness = f"{rel}/{earlier[-1].name}" if earlier else None
+        out += render_kernels(res, path.name, correctness) + [""]
+    for path in sorted(folder.glob("throughput*.json")):
+        out += render_throughput(json.loads(path.read_text()), path.name) + [""]
+    for path in sorted(folder.glob("boost_profile_*.json")):
+        out += render_boost_profile(json.loads(path.read_text()), path.name) + [""]
+    for path in sorted(folder.glob("*.csv")):
+        out += render_csv(path) + [""]
+    for path in sorted(folder.glob("*.log")):
+        out += render_log(path) + [""]
+    return out
+
+
+def summarize(results_dir: Path = RESULTS_DIR) -> str:
+    """The text of RESULTS.md for every folder under ``results_dir`` (newest date first)."""
+    folders = sorted(
+        (p for p in results_dir.iterdir() if p.is_dir()), key=lambda p: (p.name[-10:], p.name), reverse=True
+    )
+    out = [
+        "# Kitty benchmark results",
+        "",
+        "Generated by `python benchmarks/summarize.py` from `benchmarks/results/<gpu>-<date>/` (do not edit: a test "
+        "checks that this file is what the folders give). What the numbers mean, and why: "
+        "[docs/BENCHMARKS.md](../docs/BENCHMARKS.md).",
+        "",
+    ]
+    for folder in folders:
+        out += render_folder(folder)
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="only check that RESULTS.md is up to date")
+    a = ap.parse_args(argv)
+    text = summarize()
+    if a.check:
+        if not RESULTS_MD.exists() or RESULTS_MD.read_text() != text:
+            print(f"{RESULTS_MD} is out of date: run python benchmarks/summarize.py", file=sys.stderr)
+            return 1
+        return 0
+    RESULTS_MD.write_text(text)
+    print("wrote", RESULTS_MD)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
