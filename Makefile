@@ -31,7 +31,7 @@ test: install chromium lint
 	$(MAKE) test-compat
 
 notebooks:
-	$(PYTHON) -m pytest $(PYTEST_FLAGS) --nbmake --nbmake-timeout=300 notebooks
+	$(PYTHON) -m pytest $(PYTEST_FLAGS) --nbmake --nbmake-timeout=600 notebooks
 
 # Without installing anything: the unit tests only. Skips the lint check, the notebooks, the browser test
 # (tests/test_browser.py), the demo served over HTTP (tests/test_app.py) and the evaluation CLI end to end
