@@ -255,7 +255,7 @@ def fused_us(B: int, L: int, preset: str = "kitty", dtype: str = "float16") -> f
 
 def research_pack() -> str:
     cpu, gpu = by_method("pack_cpu"), by_method("pack_h200")
-    B, L, heads = 64, 8192, 8  # the shape benchmarks/results/h200-2026-11-29/pack_cost.csv was timed at (64 rows x 8 KV heads, D=128)
+    B, L, heads = 64, 8192, 8  # the shape pack_cost.csv was timed at (64 rows x 8 KV heads, D=128)
     t_fused = fused_us(B, L)
     both = lambda r: r["us_per_key_page"] + r["us_per_value_page"]  # noqa: E731
     paper_rule = {f: both(cpu[m]) for f, m in ((0.125, "kitty"), (0.25, "kitty-pro"))}
