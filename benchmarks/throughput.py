@@ -456,6 +456,38 @@ def static_decode(
     return times, busy
 
 
+UNMASKED = "fp16_unmasked_sdpa"
+
+
+def _unmasked_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """SDPA over every cached column with no mask and the KV heads unrepeated: ``[B, T, Hq, D]``."""
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_unmasked() -> dict:
+    """Register :func:`_unmasked_sdpa` (no mask function: transformers then passes ``attention_mask=None``)."""
+    from torch.nn.attention import SDPBackend
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(UNMASKED, _unmasked_sdpa)
+    return {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+
+
+SDPA_BACKENDS = _register_unmasked()
+
+
+def parse_points(text: str) -> list[tuple[str, int, int, bool, bool]]:
+    """``method:batch:context:equal|ragged[:eager]`` items, comma-separated, as run_static's plan entries."""
+    plan = []
+    for item in filter(None, text.split(",")):
+        parts = item.split(":")
+        if len(parts) not in (4, 5) or parts[3] not in ("equal", "ragged") or parts[4:] not in ([], ["eager"]):
+            raise ValueError(f"--points item must be method:batch:context:equal|ragged[:eager], got {item!r}")
+        plan.append((parts[0], int(parts[1]), int(parts[2]), parts[3] == "ragged", parts[4:] != ["eager"]))
+    return plan
+
+
 def static_point(model, method, batch, context, ragged, captured, steps, warmup, weights) -> dict:
     lengths = static_row_lengths(batch, context, ragged)
     extra = steps + warmup + 8
@@ -465,14 +497,26 @@ def static_point(model, method, batch, context, ragged, captured, steps, warmup,
     cache, mask = fill_static(method, model, lengths, context, extra)
     kv = torch.cuda.memory_allocated() - weights
     # "-gqa": transformers' SDPA told to pass the KV heads unrepeated (enable_gqa) even with a mask; without it a
-    # masked SDPA call first copies every KV head once per query head (repeat_kv). Timed both ways, the faster is
-    # the FP16 baseline.
+    # masked SDPA call first copies every KV head once per query head (repeat_kv). "-unmasked-<backend>": an upper
+    # bound on FP16 speed, every column of the static cache attended with no mask, KV heads unrepeated, one SDPA
+    # backend (cuDNN or flash); its outputs are not the model's (the unfilled columns are attended too), its
+    # bytes and work are those of the masked step. The fastest variant is the FP16 baseline.
     gqa = method.endswith("-gqa")
+    unmasked = "-unmasked-" in method
     old_env = os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA")
     os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1" if gqa else "0"
+    old_impl = model.config._attn_implementation
     try:
-        times, busy = static_decode(model, cache, mask, lengths, context, steps, warmup, captured)
+        if unmasked:
+            from torch.nn.attention import sdpa_kernel
+
+            model.config._attn_implementation = UNMASKED
+            with sdpa_kernel([SDPA_BACKENDS[method.rsplit("-", 1)[1]]]):
+                times, busy = static_decode(model, cache, mask, lengths, context, steps, warmup, captured)
+        else:
+            times, busy = static_decode(model, cache, mask, lengths, context, steps, warmup, captured)
     finally:
+        model.config._attn_implementation = old_impl
         if old_env is None:
             os.environ.pop("TRANSFORMERS_SDPA_FORCE_GQA")
         else:
@@ -480,10 +524,11 @@ def static_point(model, method, batch, context, ragged, captured, steps, warmup,
     pages = page_steps(method, [n + warmup for n in lengths], steps)
     srt = sorted(times)
     paged = sorted(t for t, p in zip(times, pages) if p)
+    base, _, variant = method.partition("-static-")
     row = dict(
-        method=method.removesuffix("-gqa")
+        method=(base + "-static" if variant else method)
         + ("" if method == "fp16-dynamic" else "-captured" if captured else "-eager")
-        + ("-gqa" if gqa else ""),
+        + (("-" + variant) if variant else ""),
         context=context,
         ragged=ragged,
         batch=batch,
@@ -501,7 +546,9 @@ def static_point(model, method, batch, context, ragged, captured, steps, warmup,
     return row
 
 
-def run_static(model, contexts, budget_gib, steps, warmup, out: Path, deadline: float, methods=None) -> list[dict]:
+def run_static(
+    model, contexts, budget_gib, steps, warmup, out: Path, deadline: float, methods=None, points: str = ""
+) -> list[dict]:
     """The static-cache throughput table (issue: captured decode against a captured FP16 StaticCache)."""
     weights = torch.cuda.memory_allocated()
     budget = int(budget_gib * 2**30)
@@ -526,6 +573,8 @@ def run_static(model, contexts, budget_gib, steps, warmup, out: Path, deadline: 
                 plan.append(("kitty", maxb["kitty"], context, False, False))
     if methods:
         plan = [p for p in plan if p[0] in methods]
+    if points:
+        plan = parse_points(points)
     for method, b, context, ragged, captured in plan:
         if time.time() > deadline:
             notes.append(f"skipped (time): {method} batch {b} context {context} ragged={ragged} captured={captured}")

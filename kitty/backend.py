@@ -129,7 +129,11 @@ def pack_completed_torch(
             continue
         j = (start // G - 1).clamp(0, width - 1)
         ids = rows * width + j  # (B,) the fixed pool id of that page
-        if keys:
+        if not (cfg.quantizes_keys if keys else cfg.quantizes_values):
+            # a 16-bit side stores the qbuffer itself (what quantize_*_page returns for 16 bits) without its
+            # finiteness check, which reads a flag back to the host and would end a CUDA-graph capture
+            fields = {"k_raw": k_qbuf} if keys else {"v_raw": v_qbuf}
+        elif keys:
             fields = page_fields(quantize_key_page(k_qbuf, cfg, salt=salt, query_scale=query_scale))
         else:
             fields = page_fields(quantize_value_page(v_qbuf, cfg))
