@@ -358,10 +358,12 @@ def fill_static(method: str, model, lengths: list[int], context: int, extra: int
         return cache, mask
     cache = KittyCache(c, PRESETS[method], backend="triton", max_batch_size=B, max_cache_len=L)
     chunk = 1024
+    # the first chunk reaches the first column where every row holds a token (a chunk may not leave a row empty)
+    first = max(context - min(lengths) + 1, min(chunk, context))
+    bounds = [0, *range(first, context, chunk), context]
     for layer in cache.layers:
-        for start in range(0, context, chunk):
-            t = min(chunk, context - start)
-            layer.append(rand(t), rand(t), mask[:, start : start + t].bool().cpu())
+        for start, stop in zip(bounds, bounds[1:]):
+            layer.append(rand(stop - start), rand(stop - start), mask[:, start:stop].bool().cpu())
     return cache, mask
 
 
