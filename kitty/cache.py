@@ -23,7 +23,7 @@ function), attends, then calls :meth:`KittyLayer.append`. ``KittyCache`` makes `
 
     model, tok = kitty.load_model()
     cache = kitty.KittyCache(model.config, "kitty")
-    out = model.generate(**tok(["Hello"], return_tensors="pt"), cache=cache, max_new_tokens=32)
+    out = model.generate(**tok(["Hello"], return_tensors="pt"), **kitty.compat.cache_kwargs(cache), max_new_tokens=32)
     print(cache.token_counts(), cache.memory_report().summary())
 """
 
@@ -66,7 +66,7 @@ class KittyCache(Cache):
             names): every tensor preallocated for the first batch (at most ``max_batch_size`` rows) and
             ``max_cache_len`` columns, decode steps free of host synchronization (capturable in a CUDA graph).
 
-    Use as ``model.generate(**inputs, cache=cache)`` (or ``past_key_values=cache``); call :meth:`reset` before
+    Use as ``model.generate(**inputs, **kitty.compat.cache_kwargs(cache))`` (``cache=`` from transformers 5.24, ``past_key_values=`` before); call :meth:`reset` before
     reusing it for a new prompt. Batches may be left-padded: padding is never stored. Greedy decoding and sampling
     work; beam search raises ``NotImplementedError``. A step that raises inside the cache or its attention (bad
     input, a full pool, a failing kernel in any layer) leaves every layer as it was before that forward pass.

@@ -279,7 +279,7 @@ def stream_side_by_side(
     ``schedule="threads"``: each column decodes in its own thread (fastest on a 2-core CPU, see the README);
     ``"interleave"``: one step per column in turn in the calling thread. Either way each column gets its own cache
     (``cache_factory(model, cfg)``, default :func:`make_cache`) and its own sampling generator seeded with
-    ``sampling.seed``, so a greedy column is exactly ``model.generate(..., cache=cache)``. Caches are freed
+    ``sampling.seed``, so a greedy column is exactly ``model.generate(..., **cache_kwargs(cache))``. Caches are freed
     (``reset()`` and dropped) when a column ends, when ``stop`` is set, or when the consumer closes this
     generator; the readouts taken before that stay in the snapshot.
     """
