@@ -534,7 +534,29 @@ class KittyLayer(CacheLayerMixin):
         )
 
 
-class SlidingWindowLayer(DynamicSlidingWindowLayer):
+class WindowLayerMixin:
+    """What Kitty adds to transformers' full-precision sliding-window layers (growing and static): the memory
+    report and the refusal of cache reordering. The layer sets ``model_kv_heads`` and ``ranks``."""
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes of the window's keys and values (padding columns included, as transformers holds them)."""
+        if not self.is_initialized:
+            return MemoryReport(0, 0, 0, 0, 0, ranks=self.ranks)
+        held = self.keys.nbytes + self.values.nbytes
+        fp16 = 2 * (self.keys.numel() + self.values.numel())
+        return MemoryReport(0, fp16, 0, 0, 0, window_bytes=held, ranks=self.model_kv_heads // self.keys.shape[1])
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError(_BEAM_MESSAGE)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError(_BEAM_MESSAGE)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError(_BEAM_MESSAGE)
+
+
+class SlidingWindowLayer(WindowLayerMixin, DynamicSlidingWindowLayer):
     """A sliding-window layer of a hybrid model: transformers' ``DynamicSlidingWindowLayer`` (the newest
     ``sliding_window - 1`` columns of keys and values, ``[B, H, <= W - 1, D]``, in full precision), plus the memory
     report and Kitty's refusal of cache reordering.
@@ -578,20 +600,3 @@ class SlidingWindowLayer(DynamicSlidingWindowLayer):
         u, self._undo = self._undo, None
         if u is not None:
             self.is_initialized, self.keys, self.values, self.cumulative_length = u.state
-
-    def memory_report(self) -> MemoryReport:
-        """Bytes of the window's keys and values (padding columns included, as transformers holds them)."""
-        if not self.is_initialized:
-            return MemoryReport(0, 0, 0, 0, 0, ranks=self.ranks)
-        held = self.keys.nbytes + self.values.nbytes
-        fp16 = 2 * (self.keys.numel() + self.values.numel())
-        return MemoryReport(0, fp16, 0, 0, 0, window_bytes=held, ranks=self.model_kv_heads // self.keys.shape[1])
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError(_BEAM_MESSAGE)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError(_BEAM_MESSAGE)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError(_BEAM_MESSAGE)

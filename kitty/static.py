@@ -42,7 +42,7 @@ from transformers.cache_utils import StaticSlidingWindowLayer
 
 from .backend import check_triton, pack_completed_torch
 from .config import KVQuantConfig, is_int
-from .layer import _BEAM_MESSAGE, KittyLayer
+from .layer import KittyLayer, WindowLayerMixin
 from .memory import MemoryReport, token_layout
 from .pages import PagePool
 from .storage import ROW_FIELDS, KittyLayerState, PendingKV, key_page_from_storage, pool_fields, value_page_from_storage
@@ -411,7 +411,7 @@ class StaticKittyLayer(KittyLayer):
         )
 
 
-class StaticSlidingLayer(StaticSlidingWindowLayer):
+class StaticSlidingLayer(WindowLayerMixin, StaticSlidingWindowLayer):
     """A sliding-window layer of a static cache: transformers' ``StaticSlidingWindowLayer`` (a full-precision
     window of ``min(sliding_window, max_cache_len)`` columns, written in place), with the memory report and
     Kitty's refusal of cache reordering. A failed step is not undone in its window (it is written in place)."""
@@ -437,22 +437,6 @@ class StaticSlidingLayer(StaticSlidingWindowLayer):
     def advance(self, steps: int = 1) -> None:
         """Count ``steps`` replayed decode steps (transformers keeps the columns fed as a host integer too)."""
         self.cumulative_length_int += steps
-
-    def memory_report(self) -> MemoryReport:
-        if not self.is_initialized:
-            return MemoryReport(0, 0, 0, 0, 0, ranks=self.ranks)
-        held = self.keys.nbytes + self.values.nbytes
-        fp16 = 2 * (self.keys.numel() + self.values.numel())
-        return MemoryReport(0, fp16, 0, 0, 0, window_bytes=held, ranks=self.model_kv_heads // self.keys.shape[1])
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError(_BEAM_MESSAGE)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError(_BEAM_MESSAGE)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError(_BEAM_MESSAGE)
 
 
 def static_layers(
