@@ -374,7 +374,6 @@ class KittyLayer(CacheLayerMixin):
         """
         self._prepare(key_states)
         cfg, dev = self.cfg, self.device
-        S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
         n0 = self._n
         n1 = [n + 1 for n in n0]
         k, v = key_states[:, :, 0], value_states[:, :, 0]  # (B, H, D)
@@ -384,9 +383,20 @@ class KittyLayer(CacheLayerMixin):
         self.key_pool.check(len(key_rows))
         self.value_pool.check(len(value_rows))
 
-        # every row is written at once with device-side slots from ``lengths`` (no host index lists, no copies to
-        # the device): a row whose token goes elsewhere rewrites the slot's old content
-        rows = torch.arange(len(n0), device=dev)
+        self.write_token_slots(k, v, torch.arange(len(n0), device=dev))
+        widest = token_layout(cfg, max(n1))
+        self._grow_page_tables(widest.key_pages, widest.value_pages)
+        self._n = n1
+        self.lengths = self.lengths + 1  # a new tensor: storage() snapshots taken earlier stay as they were
+        self.seen_tokens += 1
+        return key_rows, value_rows
+
+    def write_token_slots(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write one new token per row (``k``, ``v``: ``[B, H, D]``) at the device-side slots of ``lengths``:
+        sink slot ``p``, key qbuffer slot ``(p - S) % G``, local ring slot ``(p - S) % R`` whose previous value
+        first moves to the value qbuffer; ``lengths`` is not changed. Every row is written at once (no host index
+        lists, no copies to the device): a row whose token goes elsewhere rewrites the slot's old content."""
+        S, G, R = self.cfg.sink_tokens, self.cfg.group_size, self.cfg.local_window
         p = self.lengths.long()  # (B,) position of the new token
         if S:
             slot = p.clamp(max=S - 1)
@@ -415,12 +425,6 @@ class KittyLayer(CacheLayerMixin):
             self._on_undo(undo_local)
         else:
             self.v_qbuf[rows, :, slot] = torch.where(past, v, self.v_qbuf[rows, :, slot])
-        widest = token_layout(cfg, max(n1))
-        self._grow_page_tables(widest.key_pages, widest.value_pages)
-        self._n = n1
-        self.lengths = self.lengths + 1  # a new tensor: storage() snapshots taken earlier stay as they were
-        self.seen_tokens += 1
-        return key_rows, value_rows
 
     def pack_filled(self, filled: tuple[list[int], list[int]]) -> None:
         """Stage 3 of a decode step: pack the qbuffers :meth:`insert_decode` reported full into new pages."""

@@ -291,36 +291,8 @@ class StaticKittyLayer(KittyLayer):
         if self.ops.name == "triton":
             check_triton(None, None, key_states.device)
         self.check_room(1)
-        cfg = self.cfg
-        S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
         k, v = key_states[:, :, 0], value_states[:, :, 0]  # (B, H, D)
-        rows, p = self._rows, self.lengths.long()  # (B,) position of the new token
-        if S:
-            slot = p.clamp(max=S - 1)
-            here = (p < S)[:, None, None]
-            self.sink_k[rows, :, slot] = torch.where(here, k, self.sink_k[rows, :, slot])
-            self.sink_v[rows, :, slot] = torch.where(here, v, self.sink_v[rows, :, slot])
-        m = (p - S).clamp(min=0)  # tokens past the sink before this one
-        past = (p >= S)[:, None, None]
-        slot = m % G
-        self.k_qbuf[rows, :, slot] = torch.where(past, k, self.k_qbuf[rows, :, slot])
-        if R:
-            local = m % R
-            leaving = past & (m >= R)[:, None, None]  # the full window's oldest value moves to the value qbuffer
-            qslot = (m - R).clamp(min=0) % G
-            self.v_qbuf[rows, :, qslot] = torch.where(
-                leaving, self.v_local[rows, :, local], self.v_qbuf[rows, :, qslot]
-            )
-            self.v_local[rows, :, local] = torch.where(past, v, self.v_local[rows, :, local])
-
-            def undo_local() -> None:  # the value that left the local window is still in its qbuffer slot
-                self.v_local[rows, :, local] = torch.where(
-                    leaving, self.v_qbuf[rows, :, qslot], self.v_local[rows, :, local]
-                )
-
-            self._on_undo(undo_local)
-        else:
-            self.v_qbuf[rows, :, slot] = torch.where(past, v, self.v_qbuf[rows, :, slot])
+        self.write_token_slots(k, v, self._rows)
         self.lengths.add_(1)
         self._on_undo(lambda: self.lengths.sub_(1))
         self.seen_tokens += 1
