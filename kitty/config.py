@@ -124,7 +124,7 @@ class KVQuantConfig:
         """Raise ``ValueError`` if pages of this config cannot hold heads of ``head_dim`` channels.
 
         Only the storage decides: quantized key pages index channels in a uint8 ``boost_idx`` (``head_dim <=
-        256``) and 2-bit values pack 4 channels per byte. Full-precision keys (``key_bits=16``, the ``fp16`` preset)
+        256``) and pack 4 channels per byte. Full-precision keys (``key_bits=16``, the ``fp16`` preset)
         take any ``head_dim``; which attention backend runs a shape is chosen per backend, not here.
         """
         if not is_int(head_dim) or head_dim <= 0:
@@ -134,8 +134,8 @@ class KVQuantConfig:
                 f"head_dim must be <= {MAX_HEAD_DIM} for quantized keys (uint8 boost_idx), got {head_dim}; "
                 "key_bits=16 (e.g. the fp16 preset) takes any head_dim"
             )
-        if self.quantizes_values and head_dim % 4:
-            raise ValueError(f"head_dim must be a multiple of 4 to pack 2-bit values along channels, got {head_dim}")
+        if self.quantizes_keys and head_dim % 4:
+            raise ValueError(f"head_dim must be a multiple of 4 to pack 2-bit key codes along channels, got {head_dim}")
 
     def for_layer(self, layer_idx: int, num_layers: int | None = None) -> "KVQuantConfig":
         """The config layer ``layer_idx`` uses: its ``boost_profile`` entry as ``boost_fraction`` (else ``self``).

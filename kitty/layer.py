@@ -41,9 +41,9 @@ class KittyLayer(CacheLayerMixin):
         sink_k, sink_v          [B, H, S, D]          positions [0, S), slot p
         k_qbuf, v_qbuf          [B, H, G, D]          slot (p - S) % G
         v_local                 [B, H, R, D]          ring, slot (p - S) % R
-        key pool                k_low [P, H, D, G/4], k_high [P, H, nb, G/4], k_boost_idx [P, H, D],
+        key pool                k_low [P, H, G, D/4], k_high [P, H, G, ceil(nb/4)], k_boost_idx [P, H, D],
                                 k_scale / k_zero [P, H, D]   (or k_raw [P, H, G, D] for 16-bit keys)
-        value pool              v_codes [P, H, G, D*bits/8], v_scale / v_zero [P, H, G]   (or v_raw [P, H, G, D])
+        value pool              v_codes [P, H, D, G*bits/8], v_scale / v_zero [P, H, G]   (or v_raw [P, H, G, D])
         k_page_table, v_page_table   int32 [B, W]     pool id of the row's j-th page, -1 unused
 
     Key page ids index the key pool and value page ids the value pool (two independent pools per layer).

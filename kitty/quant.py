@@ -5,15 +5,20 @@ with dynamic channel-wise precision boost and the dense/sparse decomposition), t
 the query statistics of query-aware selection and :func:`inspect_keys` (what a config does to one head's keys).
 
 Shapes: inputs are ``[..., G, D]`` (tokens x channels, the layout of a transformers cache ``[B, H, T, D]``);
-any leading dims are batched. A key page stores its planes channel-major, four tokens per byte (Algorithm 1):
+any leading dims are batched. Every plane packs its 2-bit codes along the axis that attention *reduces* over, so that
+a byte feeds one product's reduction (``docs/LAYOUT.md``): key codes along channels (``q . k`` sums over channels),
+value codes along tokens (``p . V`` sums over tokens). A key page stores, token-major:
 
-    low        uint8 [..., D,  G/4]   low 2 bits of every channel's code
-    high       uint8 [..., nb, G/4]   high 2 bits of the nb boosted channels only (compact)
-    boost_idx  uint8 [..., D]         slot of the channel in ``high``, or BOOST_SENTINEL if not boosted
-    scale/zero       [..., D]         per channel; x ~= code * scale + zero
+    low        uint8 [..., G, D/4]          low 2 bits of every channel's code, 4 channels per byte
+    high       uint8 [..., G, ceil(nb/4)]   high 2 bits of the nb boosted channels only (compact, by slot)
+    boost_idx  uint8 [..., D]               slot of the channel in ``high``, or BOOST_SENTINEL if not boosted
+    scale/zero       [..., D]               per channel; x ~= code * scale + zero
 
-A value page stores ``codes`` uint8 ``[..., G, D*bits/8]`` (packed along channels) and per-token scale/zero.
-Scale/zero are kept in the input dtype (fp16/bf16: 16 bits; fp32 stays fp32), so they never overflow.
+A value page stores ``codes`` uint8 ``[..., D, G*bits/8]`` (channel-major, packed along tokens) and per-token
+scale/zero. Within a row of ``n`` codes, byte ``j`` holds codes ``j, j + n/4, j + 2n/4, j + 3n/4`` at bits 0, 2,
+4, 6 (4-bit codes: ``j`` and ``j + n/2`` at bits 0 and 4; :func:`pack_bits`): bits ``2s`` of a row's bytes are
+its ``s``-th quarter, a plain tile with no reshuffling. Scale/zero are kept in the input dtype (fp16/bf16: 16 bits;
+fp32 stays fp32), so they never overflow.
 """
 
 from __future__ import annotations
@@ -31,10 +36,12 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def pack_bits(codes: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
-    """Pack integer codes in ``[0, 2**bits)`` into uint8, ``8 // bits`` codes per byte along ``dim``.
+    """Pack integer codes in ``[0, 2**bits)`` into uint8, ``per = 8 // bits`` codes per byte along ``dim``.
 
-    Code ``j`` of each group lands at bit offset ``bits * (j % per_byte)`` (little-end first), as in Algorithm 1's
-    ``shifts = [0, 2, 4, 6]`` for 2 bits.
+    A group of ``n`` codes (``n`` a multiple of ``per``) becomes ``n / per`` bytes, and byte ``j`` holds codes
+    ``j + k * n / per`` at bit offset ``bits * k`` (``k < per``): the ``k``-th ``n / per`` codes sit at bits ``bits
+    * k`` of the whole row. A kernel then reads one contiguous part of the row per shift: ``(byte >> 2k) & 3`` over
+    the row's bytes is codes ``k n/4 .. (k+1) n/4 - 1``, in order.
     """
     if bits not in (2, 4):
         raise ValueError(f"bits must be 2 or 4, got {bits}")
@@ -45,9 +52,9 @@ def pack_bits(codes: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
             f"size of dim {dim} must be a multiple of {per_byte} to pack {bits}-bit codes, got {codes.shape[dim]}"
         )
     c = codes.to(torch.uint8).movedim(dim, -1)
-    c = c.reshape(*c.shape[:-1], c.shape[-1] // per_byte, per_byte)  # (..., n/per_byte, per_byte)
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
-    packed = (c << shifts).sum(-1, dtype=torch.uint8)  # disjoint bit fields: sum == bitwise or
+    c = c.reshape(*c.shape[:-1], per_byte, c.shape[-1] // per_byte)  # (..., per, n/per): code k*n/per + j at [k, j]
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)[:, None]
+    packed = (c << shifts).sum(-2, dtype=torch.uint8)  # disjoint bit fields: sum == bitwise or
     return packed.movedim(-1, dim)
 
 
@@ -59,13 +66,13 @@ def unpack_bits(packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
         raise ValueError(f"packed must be uint8, got {packed.dtype}")
     dim = dim % packed.dim()
     p = packed.movedim(dim, -1)
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    codes = (p.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # (..., n/per_byte, per_byte)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)[:, None]
+    codes = (p.unsqueeze(-2) >> shifts) & ((1 << bits) - 1)  # (..., per, n/per)
     return codes.reshape(*p.shape[:-1], -1).movedim(-1, dim)
 
 
 def pack_2bit(codes: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Four 2-bit codes per byte along ``dim`` (Algorithm 1's layout)."""
+    """Four 2-bit codes per byte along ``dim`` (:func:`pack_bits`)."""
     return pack_bits(codes, 2, dim)
 
 
@@ -257,17 +264,14 @@ class KeyPage(_Page):
     For unquantized keys (``key_bits=16``) only ``raw`` ``[..., G, D]`` holds data and the planes are empty.
     """
 
-    low: torch.Tensor  # uint8 [..., D, G/4]
-    high: torch.Tensor  # uint8 [..., nb, G/4]
+    low: torch.Tensor  # uint8 [..., G, D/4]
+    high: torch.Tensor  # uint8 [..., G, ceil(nb/4)]; slots past nb hold code 0
     boost_idx: torch.Tensor  # uint8 [..., D]
     scale: torch.Tensor  # [..., D]
     zero: torch.Tensor  # [..., D]
     raw: torch.Tensor  # [..., G, D] for key_bits=16, else empty
     dtype: torch.dtype  # dtype dequantization returns
-
-    @property
-    def num_boosted(self) -> int:
-        return self.high.shape[-2]
+    num_boosted: int  # nb: boosted channels per page (the high plane's bytes hold ceil(nb/4) * 4 slots)
 
     @property
     def payload_nbytes(self) -> int:
@@ -368,12 +372,10 @@ def quantize_key_page(
     _check_input(k, "k")
     *lead, G, D = k.shape
     cfg.check_head_dim(D)
-    if G % 4:
-        raise ValueError(f"a key page needs a token count that is a multiple of 4, got {G}")
     empty = k.new_empty(0)
     if not cfg.quantizes_keys:
         u8 = torch.empty(0, dtype=torch.uint8, device=k.device)
-        return KeyPage(u8, u8, u8, empty, empty, k.clone(), k.dtype)
+        return KeyPage(u8, u8, u8, empty, empty, k.clone(), k.dtype, 0)
     nb = cfg.num_boosted(D)
     x = k.transpose(-1, -2)  # (..., D, G): one row per channel
     both = None  # oracle selection fits both precisions of every channel: reuse them rather than fit again
@@ -392,23 +394,24 @@ def quantize_key_page(
         (lo, p_lo), (hi, p_hi) = sorted(both.items())
         scale, zero = (torch.where(boost_mask, h, l) for h, l in zip(p_hi, p_lo))
     codes = quantize_codes(x, scale[..., None], zero[..., None], levels[..., None])  # (..., D, G) uint8
-    low = pack_2bit(codes & 0x3)
+    low = pack_2bit(codes.transpose(-1, -2) & 0x3).contiguous()  # (..., G, D/4): 4 channels per byte
     boosted_channels = boost_mask.nonzero()[:, -1].reshape(*lead, nb)  # (..., nb) ascending channel index
-    high_codes = torch.gather(codes >> 2, -2, boosted_channels[..., None].expand(*lead, nb, G))
-    high = pack_2bit(high_codes)
-    return KeyPage(low, high, boost_slots(boost_mask), scale, zero, empty, k.dtype)
+    high_codes = torch.gather(codes >> 2, -2, boosted_channels[..., None].expand(*lead, nb, G))  # (..., nb, G)
+    high_codes = torch.nn.functional.pad(high_codes, (0, 0, 0, -nb % 4))  # slots up to a multiple of 4, code 0
+    high = pack_2bit(high_codes.transpose(-1, -2)).contiguous()  # (..., G, ceil(nb/4))
+    return KeyPage(low, high, boost_slots(boost_mask), scale, zero, empty, k.dtype, nb)
 
 
 def key_page_codes(page: KeyPage) -> torch.Tensor:
     """Algorithm 1, lines 5–14: integer codes ``[..., D, G]`` from ``low | high << 2`` through ``boost_idx``."""
-    low = unpack_2bit(page.low)  # (..., D, G)
-    nb = page.num_boosted
-    if nb == 0:
+    low = unpack_2bit(page.low).transpose(-1, -2)  # (..., D, G)
+    if page.num_boosted == 0:
         return low
-    boost_mask = page.boost_idx.long() < nb  # (..., D)
+    boost_mask = page.boost_idx != BOOST_SENTINEL  # (..., D)
     slot = torch.where(boost_mask, page.boost_idx.long(), 0)
-    high = unpack_2bit(torch.gather(page.high, -2, slot[..., None].expand(*slot.shape, page.high.shape[-1])))
-    return low | ((high * boost_mask[..., None]) << 2)
+    high_slots = unpack_2bit(page.high)  # (..., G, slots)
+    high = torch.gather(high_slots, -1, slot[..., None, :].expand(*high_slots.shape[:-1], slot.shape[-1]))
+    return low | ((high.transpose(-1, -2) * boost_mask[..., None]) << 2)
 
 
 def dequantize_key_page(page: KeyPage) -> torch.Tensor:
@@ -426,7 +429,8 @@ def dequantize_key_page(page: KeyPage) -> torch.Tensor:
 class ValuePage(_Page):
     """One page of values (``G`` tokens x ``D`` channels), quantized per token.
 
-    ``codes``: uint8 ``[..., G, D * bits / 8]``; ``scale``/``zero``: ``[..., G]``. For ``value_bits=16`` only
+    ``codes``: uint8 ``[..., D, G * bits / 8]`` (channel-major, packed along tokens); ``scale``/``zero``:
+    ``[..., G]``. For ``value_bits=16`` only
     ``raw`` ``[..., G, D]`` holds data.
     """
 
@@ -453,17 +457,23 @@ def quantize_value_page(v: torch.Tensor, cfg: KVQuantConfig) -> ValuePage:
     empty = v.new_empty(0)
     if not cfg.quantizes_values:
         return ValuePage(torch.empty(0, dtype=torch.uint8, device=v.device), empty, empty, v.clone(), 16, v.dtype)
+    if v.shape[-2] % (8 // cfg.value_bits):
+        raise ValueError(
+            f"a value page packs {8 // cfg.value_bits} tokens per byte: its token count must be a multiple of that, "
+            f"got {v.shape[-2]}"
+        )
     levels = 2**cfg.value_bits - 1
     scale, zero = range_params(v, levels, v.dtype, cfg.value_range)
     codes = quantize_codes(v, scale[..., None], zero[..., None], levels)
-    return ValuePage(pack_bits(codes, cfg.value_bits), scale, zero, empty, cfg.value_bits, v.dtype)
+    packed = pack_bits(codes.transpose(-1, -2), cfg.value_bits).contiguous()  # (..., D, G*bits/8): along tokens
+    return ValuePage(packed, scale, zero, empty, cfg.value_bits, v.dtype)
 
 
 def dequantize_value_page(page: ValuePage) -> torch.Tensor:
     """Reconstruct values ``[..., G, D]`` in ``page.dtype``."""
     if page.raw.numel():
         return page.raw
-    codes = unpack_bits(page.codes, page.bits)
+    codes = unpack_bits(page.codes, page.bits).transpose(-1, -2)  # (..., D, G) -> (..., G, D)
     return dequantize_codes(codes, page.scale[..., None], page.zero[..., None], page.dtype)
 
 
@@ -536,10 +546,6 @@ def inspect_keys(
     for start in range(S, T, G):
         end = min(start + G, T)
         chunk = keys[start:end]
-        usable = (end - start) // 4 * 4  # pages need a multiple of 4 tokens; the qbuffer may not have one
-        if usable == 0:
-            continue
-        chunk = chunk[:usable]
         mask = select_boosted(channel_importance(chunk, cfg, salt=layer, query_scale=query_scale), nb)
         ref = chunk.float()
         errs = []

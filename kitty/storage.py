@@ -40,8 +40,8 @@ def pool_fields(
     H, D, G = num_kv_heads, head_dim, cfg.group_size
     if cfg.quantizes_keys or quantized:
         key = {
-            "k_low": ((H, D, G // 4), torch.uint8),
-            "k_high": ((H, cfg.num_boosted(D), G // 4), torch.uint8),
+            "k_low": ((H, G, D // 4), torch.uint8),
+            "k_high": ((H, G, -(-cfg.num_boosted(D) // 4)), torch.uint8),
             "k_boost_idx": ((H, D), torch.uint8),
             "k_scale": ((H, D), dtype),
             "k_zero": ((H, D), dtype),
@@ -50,7 +50,7 @@ def pool_fields(
         key = {"k_raw": ((H, G, D), dtype)}
     if cfg.quantizes_values or quantized:
         value = {
-            "v_codes": ((H, G, D * cfg.value_bits // 8), torch.uint8),
+            "v_codes": ((H, D, G * cfg.value_bits // 8), torch.uint8),
             "v_scale": ((H, G), dtype),
             "v_zero": ((H, G), dtype),
         }
@@ -89,12 +89,12 @@ class KittyLayerState(Mapping):
     v_local: torch.Tensor  # [B, Hkv, R, D], ring, slot (p - S) % R
     k_page_table: torch.Tensor  # int32 [B, max_pages]
     v_page_table: torch.Tensor  # int32 [B, max_pages]
-    k_low: torch.Tensor | None = None  # uint8 [P, Hkv, D, G/4]
-    k_high: torch.Tensor | None = None  # uint8 [P, Hkv, nb, G/4]
+    k_low: torch.Tensor | None = None  # uint8 [P, Hkv, G, D/4]
+    k_high: torch.Tensor | None = None  # uint8 [P, Hkv, G, ceil(nb/4)]
     k_boost_idx: torch.Tensor | None = None  # uint8 [P, Hkv, D]
     k_scale: torch.Tensor | None = None  # [P, Hkv, D] dtype
     k_zero: torch.Tensor | None = None  # [P, Hkv, D] dtype
-    v_codes: torch.Tensor | None = None  # uint8 [P, Hkv, G, D * value_bits / 8]
+    v_codes: torch.Tensor | None = None  # uint8 [P, Hkv, D, G * value_bits / 8]
     v_scale: torch.Tensor | None = None  # [P, Hkv, G] dtype
     v_zero: torch.Tensor | None = None  # [P, Hkv, G] dtype
     k_raw: torch.Tensor | None = None  # [P, Hkv, G, D] only for key_bits=16
@@ -203,8 +203,10 @@ def key_page_from_storage(
     get = _page_getter(storage, ids)
     u8 = torch.empty(0, dtype=torch.uint8)
     if not cfg.quantizes_keys:
-        return KeyPage(u8, u8, u8, u8.to(dtype), u8.to(dtype), get("k_raw"), dtype)
-    return KeyPage(get("k_low"), get("k_high"), get("k_boost_idx"), get("k_scale"), get("k_zero"), u8.to(dtype), dtype)
+        return KeyPage(u8, u8, u8, u8.to(dtype), u8.to(dtype), get("k_raw"), dtype, 0)
+    idx = get("k_boost_idx")
+    nb = cfg.num_boosted(idx.shape[-1])
+    return KeyPage(get("k_low"), get("k_high"), idx, get("k_scale"), get("k_zero"), u8.to(dtype), dtype, nb)
 
 
 def value_page_from_storage(

@@ -15,6 +15,7 @@ from kitty.quant import (
     pack_bits,
     quantize_key_page,
     quantize_value_page,
+    quantize_codes,
     unpack_2bit,
     unpack_bits,
 )
@@ -47,11 +48,12 @@ def test_pack_unpack_roundtrip(rows, groups, bits, seed):
 
 
 def test_pack_2bit_bit_order():
-    """Token 4j+s sits at bits 2s of byte j (Algorithm 1's shifts = [0, 2, 4, 6])."""
+    """Of n codes, code j + s*n/4 sits at bits 2s of byte j: bits 2s of the row's bytes are its s-th quarter."""
     codes = torch.tensor([[1, 2, 3, 0, 3, 3, 0, 1]], dtype=torch.uint8)
     packed = pack_2bit(codes)
-    assert packed.tolist() == [[1 | 2 << 2 | 3 << 4, 3 | 3 << 2 | 0 << 4 | 1 << 6]]
+    assert packed.tolist() == [[1 | 3 << 2 | 3 << 4 | 0 << 6, 2 | 0 << 2 | 3 << 4 | 1 << 6]]
     assert torch.equal(unpack_2bit(packed), codes)
+    assert pack_bits(codes, 4).tolist() == [[1 | 3 << 4, 2 | 3 << 4, 3 | 0 << 4, 0 | 1 << 4]]  # j and j + n/2
 
 
 def test_pack_rejects_bad_sizes():
@@ -107,7 +109,7 @@ def test_boosted_channels_are_top_k_by_mean_abs(fraction, D):
     # slots are 0..nb-1 in channel order, unboosted channels hold the sentinel
     assert torch.equal(page.boost_idx[boosted].reshape(2, nb).long(), torch.arange(nb).expand(2, nb))
     assert (page.boost_idx[~boosted] == BOOST_SENTINEL).all()
-    assert page.high.shape == (2, nb, 32) and page.low.shape == (2, D, 32)
+    assert page.high.shape == (2, 128, -(-nb // 4)) and page.low.shape == (2, 128, D // 4)  # token-major
 
 
 def test_decomposition_is_exactly_invertible():
@@ -120,6 +122,24 @@ def test_decomposition_is_exactly_invertible():
     assert codes[~boosted].max() <= 3
     xq = codes.float() * page.scale.float()[..., None] + page.zero.float()[..., None]
     assert torch.equal(xq.transpose(-1, -2), dequantize_key_page(page))
+
+
+@pytest.mark.parametrize("D,fraction", [(64, 0.125), (40, 0.125), (36, 0.25), (128, 0.25)])
+def test_stored_codes_are_the_quantizer_codes(D, fraction):
+    """The planes hold exactly the codes of the min-max quantizer, whatever nb (a multiple of 4 or not: the high
+    plane's padding slots hold 0 and are never read), so the dequantized page does not depend on the layout."""
+    cfg = KITTY.with_(boost_fraction=fraction)
+    nb = cfg.num_boosted(D)
+    k = planted_keys((2, 128, D), [1, 5, 9])
+    page = quantize_key_page(k, cfg)
+    boosted = page.boost_idx != BOOST_SENTINEL
+    levels = torch.where(boosted, 15, 3)
+    expect = quantize_codes(k.transpose(-1, -2), page.scale[..., None], page.zero[..., None], levels[..., None])
+    assert torch.equal(key_page_codes(page), expect)
+    assert page.num_boosted == nb == int(boosted.sum(-1)[0])
+    assert page.high.shape[-1] == -(-nb // 4)
+    padding = unpack_2bit(page.high)[..., nb:]  # slots past nb
+    assert padding.numel() == 0 or padding.max() == 0
 
 
 def test_full_boost_equals_plain_4bit_keys():
@@ -197,7 +217,7 @@ def test_value_error_within_half_step(dtype, bits):
     cfg = KITTY.with_(value_bits=bits)
     v = planted_keys((2, 3, 128, 64), [10], dtype, seed=3)
     page = quantize_value_page(v, cfg)
-    assert page.codes.shape == (2, 3, 128, 64 * bits // 8) and page.scale.shape == (2, 3, 128)
+    assert page.codes.shape == (2, 3, 64, 128 * bits // 8) and page.scale.shape == (2, 3, 128)  # along tokens
     err = (dequantize_value_page(page).float() - v.float()).abs()
     out_ulp = v.float().abs().amax() * {torch.float32: 2**-23, torch.float16: 2**-10, torch.bfloat16: 2**-7}[dtype]
     assert (err <= page.scale.float()[..., None] / 2 + out_ulp).all()
