@@ -7,33 +7,35 @@ key/value pages through the page tables, the key and value qbuffers and the valu
 scores to memory. Program = (row b, KV head h, split); the QH = Hq/Hkv query heads of h share every load.
 
 Decode attention reads each cached byte once and does little arithmetic with it, so the kernel is fast only if
-turning 2-bit codes into tensor-core operands costs a few instructions per code at most. Three identities bring it
-down (about 4 SASS instructions per cached element in the hot loop, from 17 for dequantized tiles;
-``benchmarks/sass.py``, ``benchmarks/RESULTS.md``):
+turning 2-bit codes into tensor-core operands costs a few instructions per code. Four choices serve that:
 
-1. **Token order inside a page is free.** Softmax and ``P @ V`` do not change when the tokens of a page are permuted,
-   as long as keys and values follow the same permutation. A key plane byte holds tokens ``4i .. 4i+3`` of one
-   channel (token ``4i+s`` at bits ``2s``), so ``(byte >> 2s) & 3`` over the page's ``(D, G/4)`` bytes *is* the
-   ``K^T`` tile of the tokens ``{4i + s}``: a page is four "quarters" of ``G/4`` tokens, each a plain tile of the
-   same shape as the bytes, with no reshape or interleave. Values of quarter ``s`` are the value rows ``4i + s``
-   (an address change only). A value byte holds channels ``4j .. 4j+3`` of one token, so ``(byte >> 2r) & 3`` is
-   the ``(G/4, D/4)`` tile of channels ``{4j + r}``: ``P @ V`` is accumulated per channel quarter and interleaved
-   once, when the split's result is stored.
-2. **Scale and zero off the per-code path** (keys: per channel ``c`` of a page, values: per token ``t``)::
+1. **Codes run along each product's reduction axis** (``docs/LAYOUT.md``). A key byte holds 4 channels of one token,
+   a value byte 4 tokens of one channel: the axes ``q . k`` and ``p . V`` sum over, which are the axes a tensor-core
+   fragment holds consecutive elements of. Byte ``j`` of a row of ``n`` codes holds codes ``j + s n/4`` at bits
+   ``2s``, so ``(byte >> 2s) & 3`` over a tile of bytes is a plain tile of codes -- the ``s``-th quarter of the row.
+   A page is read as four token quarters ``u`` (tokens ``u G/4 ..``): its key scores are four products of
+   ``(G/4, D/4)`` code tiles (channel quarters ``s``) with the matching quarter of ``q * scale``, and its values are
+   bits ``2u`` of the page's ``(D, G/4)`` value bytes, loaded once per page.
+2. **The KV tile is the large side of every product** (swap-AB, as LMDeploy's TurboMind decode does): scores are
+   computed transposed, ``(G/4 tokens, heads) = codes (G/4, D/4) @ (q * scale)^T (D/4, heads)``, and the output as
+   ``(D, heads) = value codes (D, G/4) @ (p * scale)^T (G/4, heads)``. The few query heads of a KV head are the
+   small side, padded to ``BLOCK_H`` (4 for GQA 4) instead of to a 16-row tile.
+3. **Scale and zero off the per-code path** (keys: per channel ``c`` of a page, values: per token ``t``)::
 
        q . k_t   = sum_c (q_c scale_c) code_ct + sum_c q_c zero_c        (+ 4 (q scale)_c high_ct, boosted c)
        p . V[:,c] = sum_t (p_t scale_t) code_tc + sum_t p_t zero_t
 
-   so the big operands are exact small integers; ``q * scale`` is formed once per page, ``p * scale`` once per
-   quarter, and the boosted channels' high bits are a second, small product over the compact high plane
-   (``q'`` gathered to the boosted channels' slots by a one-hot product with ``boost_idx``).
-3. **Codes as 16-bit floats by bit placement.** A code in the low bits of a zero fp16 lane is the subnormal
+   so the big operands are exact small integers. ``q * scale`` is formed once per page in fp32 and carried as two
+   16-bit operands, its rounded value and its remainder, side by side as the columns ``2r, 2r + 1`` of the small
+   side (``SPLIT``): the product is then as accurate as dequantizing first, and with GQA 4 both fit in the 8 columns
+   of one ``m16n8k16`` tile. The boosted channels' high bits are a second product over the compact high plane, its
+   four slot quarters joined into one ``(G/4, 4 * slots/4)`` tile, with ``q * scale`` gathered to the slots by a
+   one-hot product with ``boost_idx`` (exact: one nonzero term per slot).
+4. **Codes as 16-bit floats by bit placement.** A code in the low bits of a zero fp16 lane is the subnormal
    ``code * 2^-24``, exact (tensor cores keep fp16 subnormals); ``0x4300 | code`` read as bf16 is ``128 + code``.
-   One inline-PTX block turns four packed bytes into four such values (shift, AND, two byte permutes: one
-   instruction per code for fp16). The scale ``UNIT`` is undone on the fp32 product; bf16's offset ``OFF`` is
-   removed after it, ``dot(x, OFF + code) = OFF * sum(x) + dot(x, code)``, from ``sum(x)`` of the same rounded
-   ``x`` (an offset of 128 costs ~7 of fp32's 24 bits: far below bf16 rounding).
-   Under ``TRITON_INTERPRET=1`` the same values come from plain integer ops.
+   One inline-PTX block turns four packed bytes into four such values. The scale ``UNIT`` is undone on the fp32
+   product; bf16's offset ``OFF`` is removed after it, ``dot(x, OFF + code) = OFF * sum(x) + dot(x, code)``, from
+   ``sum(x)`` of the same rounded ``x``. Under ``TRITON_INTERPRET=1`` the same values come from plain integer ops.
 
 Per program (``m`` = tokens past the sink, ``pk = m // G`` full key pages, ``pv = max(m - R, 0) // G`` full value
 pages; split ``s`` owns a contiguous run of the ``cdiv(m, G)`` page slots)::
@@ -67,7 +69,6 @@ from ._tiles import (
     TLTYPE,
     cast_to,
     check_power_of_two,
-    fp_values,
     is_power_of_two,
     program_row,
 )
@@ -136,195 +137,223 @@ def _mm(a, b, DOT: tl.constexpr):
 
 
 @triton.jit
-def _mm2(a, a_lo, b, DOT: tl.constexpr, SPLIT: tl.constexpr):
-    """``(a + a_lo) @ b`` when ``SPLIT`` (an operand carried as rounded part + remainder), else ``a @ b``."""
-    y = _mm(a, b, DOT)
+def _operand(x, DOT: tl.constexpr, SPLIT: tl.constexpr):
+    """The small operand ``x`` ``(K, N)`` fp32 in ``DOT``: ``(K, N)`` rounded, or with ``SPLIT`` ``(K, 2N)`` whose
+    columns ``2r, 2r + 1`` are ``x[:, r]`` rounded and the rounding's remainder (their sum is ``x`` to ~22 bits)."""
+    hi = x.to(DOT)
     if SPLIT:
-        y += _mm(a_lo, b, DOT)
+        lo = (x - hi.to(tl.float32)).to(DOT)
+        y = tl.reshape(tl.join(hi, lo), (x.shape[0], 2 * x.shape[1]))
+    else:
+        y = hi
     return y
+
+
+@triton.jit
+def _merge(y, SPLIT: tl.constexpr):
+    """Inverse layout of :func:`_operand` on a product: ``(M, 2N) -> (M, N)``, column ``r`` = ``y[:, 2r] +
+    y[:, 2r + 1]`` with ``SPLIT`` (else ``y``)."""
+    if SPLIT:
+        a, b = tl.split(tl.reshape(y, (y.shape[0], y.shape[1] // 2, 2)))
+        y = a + b
+    return y
+
+
+@triton.jit
+def _widen(x, SPLIT: tl.constexpr):
+    """A per-column vector ``(N,)`` for the ``(.., 2N)`` layout of :func:`_operand` (each entry twice)."""
+    if SPLIT:
+        x = tl.reshape(tl.join(x, x), (2 * x.shape[0],))
+    return x
 
 
 # ------------------------------------------------------------------------------------------- one page, keys
 
 
 @triton.jit
-def _key_page_scores(q, low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, raw_ptr, pbase, qk_scale,
-                     G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr, KEY_RAW: tl.constexpr,
-                     DOT: tl.constexpr, KA0: tl.constexpr, KA1: tl.constexpr, KA2: tl.constexpr, KA3: tl.constexpr,
-                     KOFF: tl.constexpr, KUNIT: tl.constexpr, SPLIT: tl.constexpr):
-    """Base-2 logits ``(BLOCK_H, G/4)`` of the four token quarters ``{4i + s}`` of one key page (``pbase`` = pool
-    page * Hkv + head, int64), from the 2-bit planes (or ``k_raw`` rows when ``KEY_RAW``). ``SPLIT``: ``q * scale``
-    is carried as two 16-bit operands (rounded part + remainder), one more product over the same codes."""
-    G4: tl.constexpr = G // 4
-    d = tl.arange(0, D)
-    i = tl.arange(0, G4)
-    if KEY_RAW:  # k_raw [P, Hkv, G, D]: every row of the page holds a token
-        s0, s1, s2, s3 = _fp_key_scores(q, raw_ptr + pbase * (G * D), 0, G, qk_scale, G, D, DOT)
+def _key_operands(q0, q1, q2, q3, scale_ptr, zero_ptr, idx_ptr, pbase, D: tl.constexpr, NB: tl.constexpr,
+                  NB4: tl.constexpr, NB4P: tl.constexpr, DOT: tl.constexpr, KOFF: tl.constexpr, SPLIT: tl.constexpr):
+    """Per key page: the small operands ``(q * scale)^T`` of the four channel quarters ``(D/4, N)``, the boosted
+    slots' ``4 (q * scale)^T`` ``(4 NB4P, N)``, ``sum_c q_c zero_c`` ``(BLOCK_H,)`` and the operands' column sums
+    ``(N,)`` (their ``OFF`` term); ``N`` = ``BLOCK_H`` or ``2 BLOCK_H`` with ``SPLIT``."""
+    D4: tl.constexpr = D // 4
+    j = tl.arange(0, D4)
+    meta = pbase * D + j
+    sc0 = tl.load(scale_ptr + meta).to(tl.float32)
+    sc1 = tl.load(scale_ptr + meta + D4).to(tl.float32)
+    sc2 = tl.load(scale_ptr + meta + 2 * D4).to(tl.float32)
+    sc3 = tl.load(scale_ptr + meta + 3 * D4).to(tl.float32)
+    z0 = tl.load(zero_ptr + meta).to(tl.float32)
+    z1 = tl.load(zero_ptr + meta + D4).to(tl.float32)
+    z2 = tl.load(zero_ptr + meta + 2 * D4).to(tl.float32)
+    z3 = tl.load(zero_ptr + meta + 3 * D4).to(tl.float32)
+    qz = tl.sum(q0 * z0[:, None] + q1 * z1[:, None] + q2 * z2[:, None] + q3 * z3[:, None], 0)
+    qs0 = _operand(q0 * sc0[:, None], DOT, SPLIT)  # exact fp32 products, rounded once
+    qs1 = _operand(q1 * sc1[:, None], DOT, SPLIT)
+    qs2 = _operand(q2 * sc2[:, None], DOT, SPLIT)
+    qs3 = _operand(q3 * sc3[:, None], DOT, SPLIT)
+    if KOFF != 0:
+        corr = tl.sum(qs0.to(tl.float32) + qs1.to(tl.float32) + qs2.to(tl.float32) + qs3.to(tl.float32), 0)
     else:
-        scale = tl.load(scale_ptr + pbase * D + d)
-        zero = tl.load(zero_ptr + pbase * D + d).to(tl.float32)
-        # q * scale, once per page (exact in fp32), rounded to the operand dtype; with SPLIT its rounding error is a
-        # second operand, so that the folded product is as accurate as dequantizing first (the codes reach up to
-        # 3x the scale, the dequantized key only |k|: a single rounding of q * scale can err up to 2x more)
-        qsf = q.to(tl.float32) * scale[None, :].to(tl.float32)  # (BLOCK_H, D)
-        qs = qsf.to(DOT)
-        qs_lo = (qsf - qs.to(tl.float32)).to(DOT)
-        low = tl.load(low_ptr + pbase * (D * G4) + d[:, None] * G4 + i[None, :])  # (D, G/4) bytes
+        corr = qz  # unused: no offset to remove
+    if NB > 0:
+        # column k of the joined high tile is slot k // 4 + (k % 4) * NB4 (see _key_quarter); padding columns match
+        # no channel. int32 before any comparison: boost_idx is uint8 and the sentinel 255 must not wrap.
+        k = tl.arange(0, 4 * NB4P)
+        slot = k // 4 + (k % 4) * NB4
+        slot = tl.where((k // 4 < NB4) & (slot < NB), slot, -1)
+        i0 = tl.load(idx_ptr + meta).to(tl.int32)
+        i1 = tl.load(idx_ptr + meta + D4).to(tl.int32)
+        i2 = tl.load(idx_ptr + meta + 2 * D4).to(tl.int32)
+        i3 = tl.load(idx_ptr + meta + 3 * D4).to(tl.int32)
+        qb = _mm((slot[:, None] == i0[None, :]).to(DOT), qs0, DOT)  # one-hot gather: exact
+        qb += _mm((slot[:, None] == i1[None, :]).to(DOT), qs1, DOT)
+        qb += _mm((slot[:, None] == i2[None, :]).to(DOT), qs2, DOT)
+        qb += _mm((slot[:, None] == i3[None, :]).to(DOT), qs3, DOT)
+        qb4 = (qb * 4.0).to(DOT)
         if KOFF != 0:
-            corr = tl.sum(qs.to(tl.float32), 1)  # the OFF term of every code's product
-            if SPLIT & 1:
-                corr += tl.sum(qs_lo.to(tl.float32), 1)
-        if NB > 0:
-            # int32 before any arithmetic: uint8 slot * row bytes wraps at 256 (the paper kernel's slot-8 alias)
-            idx = tl.load(idx_ptr + pbase * D + d).to(tl.int32)
-            if KOFF != 0:
-                qsum = qs.to(tl.float32)
-                if SPLIT & 1:
-                    qsum += qs_lo.to(tl.float32)
-                corr += 4.0 * tl.sum(tl.where((idx < NB)[None, :], qsum, 0.0), 1)
-            slots = tl.arange(0, NBP)
-            if NB == D:  # 4-bit keys: every channel, slots in channel order
-                qb4 = (qs.to(tl.float32) * 4.0).to(DOT)
-                qb4_lo = (qs_lo.to(tl.float32) * 4.0).to(DOT)
-            else:  # q' of the boosted channels at their slots: a one-hot product, exact
-                sel = (idx[:, None] == slots[None, :]).to(DOT)  # (D, NBP)
-                qb4 = (_mm(qs, sel, DOT) * 4.0).to(DOT)
-                qb4_lo = (_mm(qs_lo, sel, DOT) * 4.0).to(DOT)
-            high = tl.load(high_ptr + pbase * (NB * G4) + slots[:, None] * G4 + i[None, :],
-                           mask=(slots < NB)[:, None], other=0)  # (NBP, G/4) bytes of the compact high plane
-        qz = tl.sum(q.to(tl.float32) * zero[None, :], 1)
-        a = qk_scale * (1.0 / KUNIT)
-        if KOFF != 0:
-            bias = (qz - corr * (KOFF / KUNIT)) * qk_scale  # (BLOCK_H,)
-        else:
-            bias = qz * qk_scale
-        s0 = _mm2(qs, qs_lo, _codes(low, 0, 2, KA0, KOFF, KUNIT, DOT), DOT, (SPLIT & 1) != 0)
-        s1 = _mm2(qs, qs_lo, _codes(low, 2, 2, KA1, KOFF, KUNIT, DOT), DOT, (SPLIT & 1) != 0)
-        s2 = _mm2(qs, qs_lo, _codes(low, 4, 2, KA2, KOFF, KUNIT, DOT), DOT, (SPLIT & 1) != 0)
-        s3 = _mm2(qs, qs_lo, _codes(low, 6, 2, KA3, KOFF, KUNIT, DOT), DOT, (SPLIT & 1) != 0)
-        if NB > 0:
-            s0 += _mm2(qb4, qb4_lo, _codes(high, 0, 2, KA0, KOFF, KUNIT, DOT), DOT, (SPLIT & 1) != 0)
-            s1 += _mm2(qb4, qb4_lo, _codes(high, 2, 2, KA1, KOFF, KUNIT, DOT), DOT, (SPLIT & 1) != 0)
-            s2 += _mm2(qb4, qb4_lo, _codes(high, 4, 2, KA2, KOFF, KUNIT, DOT), DOT, (SPLIT & 1) != 0)
-            s3 += _mm2(qb4, qb4_lo, _codes(high, 6, 2, KA3, KOFF, KUNIT, DOT), DOT, (SPLIT & 1) != 0)
-        s0 = s0 * a + bias[:, None]
-        s1 = s1 * a + bias[:, None]
-        s2 = s2 * a + bias[:, None]
-        s3 = s3 * a + bias[:, None]
-    return s0, s1, s2, s3
+            corr += tl.sum(qb4.to(tl.float32), 0)
+    else:
+        qb4 = qs0
+    return qs0, qs1, qs2, qs3, qb4, qz, corr
 
 
 @triton.jit
-def _fp_key_scores(q, k_ptr, rel0, m, qk_scale, G: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr):
-    """Base-2 logits of the four quarters of a page of 16-bit keys ``(G, D)`` at ``k_ptr`` (a ``k_raw`` page, or the
-    key qbuffer, slot = token) whose first token is ``rel0`` (a multiple of G), ``-inf`` for tokens past ``m``."""
+def _key_quarter(low_ptr, high_ptr, pbase, u: tl.constexpr, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale,
+                 G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, NB4: tl.constexpr, NB4P: tl.constexpr,
+                 DOT: tl.constexpr, KA0: tl.constexpr, KA1: tl.constexpr, KA2: tl.constexpr, KA3: tl.constexpr,
+                 KOFF: tl.constexpr, KUNIT: tl.constexpr, SPLIT: tl.constexpr):
+    """Base-2 logits ``(G/4, BLOCK_H)`` of token quarter ``u`` of a quantized key page (``pbase`` = pool page * Hkv
+    + head, int64): four channel-quarter products over the low plane and one over the joined high plane."""
     G4: tl.constexpr = G // 4
-    d = tl.arange(0, D)
-    i = tl.arange(0, G4)
-    base = k_ptr + d[:, None]
-    v0 = rel0 + 4 * i < m
-    v1 = rel0 + 4 * i + 1 < m
-    v2 = rel0 + 4 * i + 2 < m
-    v3 = rel0 + 4 * i + 3 < m
-    s0 = _mm(q, tl.load(base + (4 * i)[None, :] * D, mask=v0[None, :], other=0.0).to(DOT), DOT) * qk_scale
-    s1 = _mm(q, tl.load(base + (4 * i + 1)[None, :] * D, mask=v1[None, :], other=0.0).to(DOT), DOT) * qk_scale
-    s2 = _mm(q, tl.load(base + (4 * i + 2)[None, :] * D, mask=v2[None, :], other=0.0).to(DOT), DOT) * qk_scale
-    s3 = _mm(q, tl.load(base + (4 * i + 3)[None, :] * D, mask=v3[None, :], other=0.0).to(DOT), DOT) * qk_scale
-    s0 = tl.where(v0[None, :], s0, float("-inf"))
-    s1 = tl.where(v1[None, :], s1, float("-inf"))
-    s2 = tl.where(v2[None, :], s2, float("-inf"))
-    s3 = tl.where(v3[None, :], s3, float("-inf"))
-    return s0, s1, s2, s3
+    D4: tl.constexpr = D // 4
+    t = u * G4 + tl.arange(0, G4)
+    j = tl.arange(0, D4)
+    low = tl.load(low_ptr + pbase * (G * D4) + t[:, None] * D4 + j[None, :])  # (G/4, D/4) bytes
+    acc = _mm(_codes(low, 0, 2, KA0, KOFF, KUNIT, DOT), qs0, DOT)
+    acc += _mm(_codes(low, 2, 2, KA1, KOFF, KUNIT, DOT), qs1, DOT)
+    acc += _mm(_codes(low, 4, 2, KA2, KOFF, KUNIT, DOT), qs2, DOT)
+    acc += _mm(_codes(low, 6, 2, KA3, KOFF, KUNIT, DOT), qs3, DOT)
+    if NB > 0:
+        jh = tl.arange(0, NB4P)
+        high = tl.load(high_ptr + pbase * (G * NB4) + t[:, None] * NB4 + jh[None, :], mask=(jh < NB4)[None, :],
+                       other=0)  # (G/4, NB4P) bytes of the compact high plane
+        # [.., j, x, y] of the two joins is quarter 2x + y, which a row-major reshape puts at column 4j + 2x + y
+        h02 = tl.join(_codes(high, 0, 2, KA0, KOFF, KUNIT, DOT), _codes(high, 4, 2, KA2, KOFF, KUNIT, DOT))
+        h13 = tl.join(_codes(high, 2, 2, KA1, KOFF, KUNIT, DOT), _codes(high, 6, 2, KA3, KOFF, KUNIT, DOT))
+        hc = tl.reshape(tl.join(h02, h13), (G4, 4 * NB4P))  # column 4j + s: slot j + s * NB4
+        acc += _mm(hc, qb4, DOT)
+    if KOFF != 0:
+        acc -= KOFF * corr[None, :]
+    return _merge(acc, SPLIT) * (qk_scale / KUNIT) + (qz * qk_scale)[None, :]
+
+
+@triton.jit
+def _fp_key_quarter(qT, k_ptr, rel0, u: tl.constexpr, m, qk_scale, G: tl.constexpr, D: tl.constexpr,
+                    DOT: tl.constexpr):
+    """Base-2 logits ``(G/4, BLOCK_H)`` of token quarter ``u`` of a page of 16-bit keys ``(G, D)`` at ``k_ptr`` (a
+    ``k_raw`` page, or the key qbuffer, slot = token) whose first token is ``rel0``; ``-inf`` past ``m``."""
+    G4: tl.constexpr = G // 4
+    t = u * G4 + tl.arange(0, G4)
+    c = tl.arange(0, D)
+    ok = rel0 + t < m
+    k = tl.load(k_ptr + t[:, None] * D + c[None, :], mask=ok[:, None], other=0.0).to(DOT)  # (G/4, D)
+    return tl.where(ok[:, None], _mm(k, qT, DOT) * qk_scale, float("-inf"))
 
 
 @triton.jit
 def _page_softmax(s0, s1, s2, s3, m_i):
-    """One online-softmax step over a page's four quarters: ``(p0, p1, p2, p3, alpha, m_new)``."""
-    m_new = tl.maximum(m_i, tl.max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), 1))
+    """One online-softmax step over a page's four quarters ``(G/4, BLOCK_H)``: ``(p0, p1, p2, p3, alpha, m_new)``."""
+    m_new = tl.maximum(m_i, tl.max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), 0))
     m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
     alpha = tl.exp2(m_i - m_safe)
-    return (tl.exp2(s0 - m_safe[:, None]), tl.exp2(s1 - m_safe[:, None]), tl.exp2(s2 - m_safe[:, None]),
-            tl.exp2(s3 - m_safe[:, None]), alpha, m_new)
-
-
-@triton.jit
-def _key_page_step(q, low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, raw_ptr, kpage, qk_scale, m_i, l_i,
-                   G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr, KEY_RAW: tl.constexpr,
-                   DOT: tl.constexpr, KA0: tl.constexpr, KA1: tl.constexpr, KA2: tl.constexpr, KA3: tl.constexpr,
-                   KOFF: tl.constexpr, KUNIT: tl.constexpr, SPLIT: tl.constexpr):
-    """Scores of a stored key page and their online-softmax step: ``(p0, p1, p2, p3, alpha, m_i, l_i)``."""
-    s0, s1, s2, s3 = _key_page_scores(q, low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, raw_ptr, kpage, qk_scale,
-                                      G, D, NB, NBP, KEY_RAW, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, SPLIT)
-    p0, p1, p2, p3, alpha, m_i = _page_softmax(s0, s1, s2, s3, m_i)
-    return p0, p1, p2, p3, alpha, m_i, l_i * alpha[:, None] + ((p0 + p1) + (p2 + p3))
-
-
-@triton.jit
-def _rescale(alpha, acc0, acc1, acc2, acc3, cq, az):
-    """The quantized-value accumulators times the softmax correction ``alpha`` (per query row)."""
-    a = alpha[:, None]
-    return acc0 * a, acc1 * a, acc2 * a, acc3 * a, cq * a, az * a
+    return (tl.exp2(s0 - m_safe[None, :]), tl.exp2(s1 - m_safe[None, :]), tl.exp2(s2 - m_safe[None, :]),
+            tl.exp2(s3 - m_safe[None, :]), alpha, m_new)
 
 
 # ----------------------------------------------------------------------------------------- one page, values
 
 
 @triton.jit
-def _value_quarter(p, t, codes_ptr, vscale_ptr, vzero_ptr, pbase, acc0, acc1, acc2, acc3, cq, az,
-                   G: tl.constexpr, D: tl.constexpr, VBITS: tl.constexpr, DOT: tl.constexpr,
-                   VA0: tl.constexpr, VA1: tl.constexpr, VA2: tl.constexpr, VA3: tl.constexpr,
-                   VOFF: tl.constexpr, VUNIT: tl.constexpr, SPLIT: tl.constexpr):
-    """Add ``p @ V`` of value rows ``t`` (one quarter, ``(G/4,)``) of a quantized value page: per channel group
-    ``r`` (channels ``VPER*j + r``) into ``acc_r`` in units of the magic codes; ``cq += sum p*scale`` (their OFF
-    term) and ``az += sum p*zero``. ``SPLIT``: ``p * scale`` as two 16-bit operands, as for the keys."""
-    VPER: tl.constexpr = 8 // VBITS
-    DB: tl.constexpr = D // VPER  # bytes per token row
+def _value_quarter(p, u: tl.constexpr, vb, vscale_ptr, vzero_ptr, pbase, acc, cq, az,
+                   G: tl.constexpr, VBITS: tl.constexpr, DOT: tl.constexpr, VA: tl.constexpr, VOFF: tl.constexpr,
+                   VUNIT: tl.constexpr, SPLIT: tl.constexpr):
+    """Add ``(p @ V)^T`` of token quarter ``u`` of a quantized value page to ``acc`` ``(D, N)`` (magic units):
+    ``vb`` = the page's ``(D, G/4)`` value bytes holding the quarter (2-bit: bits ``2u``; 4-bit: bits ``4 (u // 2)``
+    of the half ``u % 2``); ``cq += p * scale`` (the ``OFF`` term, per token and column), ``az += p * zero``."""
+    G4: tl.constexpr = G // 4
+    QB: tl.constexpr = VBITS // 2  # quarters per column block of bytes: 1 (2-bit), 2 (4-bit)
+    t = u * G4 + tl.arange(0, G4)
     vs = tl.load(vscale_ptr + pbase * G + t).to(tl.float32)
     vz = tl.load(vzero_ptr + pbase * G + t).to(tl.float32)
-    pvf = p * vs[None, :]  # (BLOCK_H, G/4)
-    pv = pvf.to(DOT)
-    pv_lo = (pvf - pv.to(tl.float32)).to(DOT)
+    pv = _operand(p * vs[:, None], DOT, SPLIT)  # (G/4, N)
     if VOFF != 0:
         cq += pv.to(tl.float32)
-        if SPLIT & 2:
-            cq += pv_lo.to(tl.float32)
-    az += p * vz[None, :]
-    jb = tl.arange(0, DB)
-    vb = tl.load(codes_ptr + pbase * (G * DB) + t[:, None] * DB + jb[None, :])  # (G/4, DB) bytes
-    acc0 += _mm2(pv, pv_lo, _codes(vb, 0, VBITS, VA0, VOFF, VUNIT, DOT), DOT, (SPLIT & 2) != 0)
-    acc1 += _mm2(pv, pv_lo, _codes(vb, VBITS, VBITS, VA1, VOFF, VUNIT, DOT), DOT, (SPLIT & 2) != 0)
-    if VPER == 4:
-        acc2 += _mm2(pv, pv_lo, _codes(vb, 4, VBITS, VA2, VOFF, VUNIT, DOT), DOT, (SPLIT & 2) != 0)
-        acc3 += _mm2(pv, pv_lo, _codes(vb, 6, VBITS, VA3, VOFF, VUNIT, DOT), DOT, (SPLIT & 2) != 0)
-    return acc0, acc1, acc2, acc3, cq, az
+    az += p * vz[:, None]
+    acc += _mm(_codes(vb, VBITS * (u // QB), VBITS, VA, VOFF, VUNIT, DOT), pv, DOT)
+    return acc, cq, az
 
 
 @triton.jit
-def _fp_value_page(p0, p1, p2, p3, acc_nat, vq_ptr, vl_ptr, rel0, m, mv, G: tl.constexpr, D: tl.constexpr,
-                   R: tl.constexpr, DOT: tl.constexpr):
-    """``acc_nat += p @ V`` over the four quarters of the page at ``rel0`` with full-precision values."""
+def _value_bytes(codes_ptr, pbase, half: tl.constexpr, G: tl.constexpr, D: tl.constexpr, VBITS: tl.constexpr):
+    """The ``(D, G/4)`` value bytes of byte columns ``half * G/4 ..`` of a page (2-bit: every column, ``half`` 0)."""
     G4: tl.constexpr = G // 4
-    d = tl.arange(0, D)
+    GB: tl.constexpr = G * VBITS // 8  # bytes per channel row
+    c = tl.arange(0, D)
     i = tl.arange(0, G4)
-    acc_nat += _mm(p0.to(DOT), fp_values(vq_ptr, vl_ptr, rel0 + 4 * i, m, mv, d, G, D, R).to(DOT), DOT)
-    acc_nat += _mm(p1.to(DOT), fp_values(vq_ptr, vl_ptr, rel0 + 4 * i + 1, m, mv, d, G, D, R).to(DOT), DOT)
-    acc_nat += _mm(p2.to(DOT), fp_values(vq_ptr, vl_ptr, rel0 + 4 * i + 2, m, mv, d, G, D, R).to(DOT), DOT)
-    acc_nat += _mm(p3.to(DOT), fp_values(vq_ptr, vl_ptr, rel0 + 4 * i + 3, m, mv, d, G, D, R).to(DOT), DOT)
-    return acc_nat
+    return tl.load(codes_ptr + pbase * (D * GB) + c[:, None] * GB + half * G4 + i[None, :])
 
 
 @triton.jit
-def _raw_value_page(p0, p1, p2, p3, acc_nat, raw_ptr, pbase, G: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr):
-    """``acc_nat += p @ V`` over the four quarters of a 16-bit value page (``v_raw`` rows ``4i + s``)."""
+def _value_page(p0, p1, p2, p3, codes_ptr, vscale_ptr, vzero_ptr, pbase, acc, cq, az,
+                G: tl.constexpr, D: tl.constexpr, VBITS: tl.constexpr, DOT: tl.constexpr, VA0: tl.constexpr,
+                VA1: tl.constexpr, VA2: tl.constexpr, VA3: tl.constexpr, VOFF: tl.constexpr, VUNIT: tl.constexpr,
+                SPLIT: tl.constexpr):
+    """``(p @ V)^T`` of the four quarters of a quantized value page (see :func:`_value_quarter`)."""
+    vb = _value_bytes(codes_ptr, pbase, 0, G, D, VBITS)
+    acc, cq, az = _value_quarter(p0, 0, vb, vscale_ptr, vzero_ptr, pbase, acc, cq, az, G, VBITS, DOT, VA0, VOFF,
+                                 VUNIT, SPLIT)
+    if VBITS == 4:
+        vb = _value_bytes(codes_ptr, pbase, 1, G, D, VBITS)
+    acc, cq, az = _value_quarter(p1, 1, vb, vscale_ptr, vzero_ptr, pbase, acc, cq, az, G, VBITS, DOT, VA1, VOFF,
+                                 VUNIT, SPLIT)
+    if VBITS == 4:
+        vb = _value_bytes(codes_ptr, pbase, 0, G, D, VBITS)
+    acc, cq, az = _value_quarter(p2, 2, vb, vscale_ptr, vzero_ptr, pbase, acc, cq, az, G, VBITS, DOT, VA2, VOFF,
+                                 VUNIT, SPLIT)
+    if VBITS == 4:
+        vb = _value_bytes(codes_ptr, pbase, 1, G, D, VBITS)
+    acc, cq, az = _value_quarter(p3, 3, vb, vscale_ptr, vzero_ptr, pbase, acc, cq, az, G, VBITS, DOT, VA3, VOFF,
+                                 VUNIT, SPLIT)
+    return acc, cq, az
+
+
+@triton.jit
+def _fp_value_quarter(p, u: tl.constexpr, acc_nat, vq_ptr, vl_ptr, rel0, m, mv, G: tl.constexpr, D: tl.constexpr,
+                      R: tl.constexpr, DOT: tl.constexpr):
+    """``acc_nat += (p @ V)^T`` ``(D, BLOCK_H)`` for token quarter ``u`` of the page at ``rel0`` with
+    full-precision values: position ``S + rel`` from ``v_qbuf`` slot ``rel % G`` where ``rel < mv``, else from
+    ``v_local`` slot ``rel % R`` where ``rel < m``; 0 elsewhere."""
     G4: tl.constexpr = G // 4
-    d = tl.arange(0, D)
-    i = tl.arange(0, G4)
-    base = raw_ptr + pbase * (G * D) + d[None, :]
-    acc_nat += _mm(p0.to(DOT), tl.load(base + (4 * i)[:, None] * D).to(DOT), DOT)
-    acc_nat += _mm(p1.to(DOT), tl.load(base + (4 * i + 1)[:, None] * D).to(DOT), DOT)
-    acc_nat += _mm(p2.to(DOT), tl.load(base + (4 * i + 2)[:, None] * D).to(DOT), DOT)
-    acc_nat += _mm(p3.to(DOT), tl.load(base + (4 * i + 3)[:, None] * D).to(DOT), DOT)
-    return acc_nat
+    rel = rel0 + u * G4 + tl.arange(0, G4)
+    c = tl.arange(0, D)
+    in_q = rel < mv
+    vT = tl.load(vq_ptr + (rel % G)[None, :] * D + c[:, None], mask=in_q[None, :], other=0.0)  # (D, G/4)
+    if R > 0:
+        in_l = (rel >= mv) & (rel < m)
+        vT += tl.load(vl_ptr + (rel % R)[None, :] * D + c[:, None], mask=in_l[None, :], other=0.0)
+    return acc_nat + _mm(vT.to(DOT), p.to(DOT), DOT)
+
+
+@triton.jit
+def _raw_value_quarter(p, u: tl.constexpr, acc_nat, raw_ptr, pbase, G: tl.constexpr, D: tl.constexpr,
+                       DOT: tl.constexpr):
+    """``acc_nat += (p @ V)^T`` for token quarter ``u`` of a 16-bit value page (``v_raw`` rows)."""
+    G4: tl.constexpr = G // 4
+    t = u * G4 + tl.arange(0, G4)
+    c = tl.arange(0, D)
+    vT = tl.load(raw_ptr + pbase * (G * D) + t[None, :] * D + c[:, None])  # (D, G/4)
+    return acc_nat + _mm(vT.to(DOT), p.to(DOT), DOT)
 
 
 # ------------------------------------------------------------------------------------------------ the kernels
@@ -344,17 +373,16 @@ def _decode_split_kernel(
     # ---- strides (row, head) of q and the per-row buffers; page-table row strides
     sq_b, sq_h, ssk_b, ssk_h, ssv_b, ssv_h, skq_b, skq_h, svq_b, svq_h, svl_b, svl_h, spk_b, spv_b,
     # ---- meta-parameters
-    S: tl.constexpr, G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
-    VBITS: tl.constexpr, KEY_RAW: tl.constexpr, VALUE_RAW: tl.constexpr, BLOCK_H: tl.constexpr,
+    S: tl.constexpr, G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, NB4: tl.constexpr,
+    NB4P: tl.constexpr, VBITS: tl.constexpr, KEY_RAW: tl.constexpr, VALUE_RAW: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_S: tl.constexpr, DOT: tl.constexpr, FULL_QBUF: tl.constexpr,
     KA0: tl.constexpr, KA1: tl.constexpr, KA2: tl.constexpr, KA3: tl.constexpr, KOFF: tl.constexpr,
     KUNIT: tl.constexpr, VA0: tl.constexpr, VA1: tl.constexpr, VA2: tl.constexpr, VA3: tl.constexpr,
-    VOFF: tl.constexpr, VUNIT: tl.constexpr, SPLIT: tl.constexpr,
+    VOFF: tl.constexpr, VUNIT: tl.constexpr, KSPLIT: tl.constexpr, VSPLIT: tl.constexpr,
 ):
     tl.static_assert(G % 4 == 0 and D % 4 == 0, "4 codes per byte")
     G4: tl.constexpr = G // 4
-    VPER: tl.constexpr = 8 // VBITS
-    DB: tl.constexpr = D // VPER
+    NV: tl.constexpr = BLOCK_H * (2 if VSPLIT else 1)  # columns of the quantized-value products
     # ---- program id -> (row, KV head, split); the split's run of page slots
     pid_bh, split, b, h, b64, n, m = program_row(len_ptr, Hkv, S)
     mv = tl.maximum(m - R, 0)
@@ -367,21 +395,29 @@ def _decode_split_kernel(
     per = tl.cdiv(tl.cdiv(m, G), NUM_SPLITS)
     start = split * per
     end = tl.minimum(start + per, tl.cdiv(m, G))
-    # ---- query tile: the QH query heads of KV head h, padded to BLOCK_H rows
+    # ---- query tiles, transposed (channels, heads): the QH query heads of KV head h, padded to BLOCK_H columns
     r = tl.arange(0, BLOCK_H)
     d = tl.arange(0, D)
-    i = tl.arange(0, G4)
-    q = tl.load(q_ptr + b64 * sq_b + (h * QH + r)[:, None] * sq_h + d[None, :], mask=(r < QH)[:, None], other=0.0)
-    q = q.to(DOT)
+    q_off = b64 * sq_b + h * QH * sq_h
+    qT = tl.load(q_ptr + q_off + r[None, :] * sq_h + d[:, None], mask=(r < QH)[None, :], other=0.0).to(DOT)
+    q0 = tl.zeros([D // 4, BLOCK_H], tl.float32)
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    if not KEY_RAW:
+        D4: tl.constexpr = D // 4
+        jq = tl.arange(0, D4)
+        qbase = q_ptr + q_off + r[None, :] * sq_h + jq[:, None]
+        q0 = tl.load(qbase, mask=(r < QH)[None, :], other=0.0).to(tl.float32)
+        q1 = tl.load(qbase + D4, mask=(r < QH)[None, :], other=0.0).to(tl.float32)
+        q2 = tl.load(qbase + 2 * D4, mask=(r < QH)[None, :], other=0.0).to(tl.float32)
+        q3 = tl.load(qbase + 3 * D4, mask=(r < QH)[None, :], other=0.0).to(tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H, G4], tl.float32)  # row sums kept per column, reduced once at the end
-    acc_nat = tl.zeros([BLOCK_H, D], tl.float32)  # p @ V over full-precision values, natural channel order
-    acc0 = tl.zeros([BLOCK_H, DB], tl.float32)  # p @ V over quantized values, channel group r (magic units)
-    acc1 = tl.zeros([BLOCK_H, DB], tl.float32)
-    acc2 = tl.zeros([BLOCK_H, DB], tl.float32)
-    acc3 = tl.zeros([BLOCK_H, DB], tl.float32)
-    cq = tl.zeros([BLOCK_H, G4], tl.float32)  # sum p * value scale (the magic codes' OFF term)
-    az = tl.zeros([BLOCK_H, G4], tl.float32)  # sum p * value zero
+    l_i = tl.zeros([G4, BLOCK_H], tl.float32)  # row sums kept per token, reduced once at the end
+    acc_nat = tl.zeros([D, BLOCK_H], tl.float32)  # (p @ V)^T over full-precision values
+    acc = tl.zeros([D, NV], tl.float32)  # (p @ V)^T over quantized values (magic units)
+    cq = tl.zeros([G4, NV], tl.float32)  # sum p * value scale (the magic codes' OFF term)
+    az = tl.zeros([G4, BLOCK_H], tl.float32)  # sum p * value zero
     kq_ptr = k_qbuf_ptr + b64 * skq_b + h * skq_h
     vq_ptr = v_qbuf_ptr + b64 * svq_b + h * svq_h
     vl_ptr = v_local_ptr + b64 * svl_b + h * svl_h
@@ -389,74 +425,104 @@ def _decode_split_kernel(
     for j in range(start, tl.minimum(end, vp)):
         kpage = tl.load(k_pt_ptr + b64 * spk_b + j).to(tl.int64) * Hkv + h
         vpage = tl.load(v_pt_ptr + b64 * spv_b + j).to(tl.int64) * Hkv + h
-        p0, p1, p2, p3, alpha, m_i, l_i = _key_page_step(q, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr,
-                                                         k_raw_ptr, kpage, qk_scale, m_i, l_i, G, D, NB, NBP, KEY_RAW,
-                                                         DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, SPLIT)
-        if VALUE_RAW:
-            acc_nat = _raw_value_page(p0, p1, p2, p3, acc_nat * alpha[:, None], v_raw_ptr, vpage, G, D, DOT)
+        if KEY_RAW:
+            kr = k_raw_ptr + kpage * (G * D)
+            s0 = _fp_key_quarter(qT, kr, 0, 0, G, qk_scale, G, D, DOT)
+            s1 = _fp_key_quarter(qT, kr, 0, 1, G, qk_scale, G, D, DOT)
+            s2 = _fp_key_quarter(qT, kr, 0, 2, G, qk_scale, G, D, DOT)
+            s3 = _fp_key_quarter(qT, kr, 0, 3, G, qk_scale, G, D, DOT)
         else:
-            acc0, acc1, acc2, acc3, cq, az = _rescale(alpha, acc0, acc1, acc2, acc3, cq, az)
-            acc0, acc1, acc2, acc3, cq, az = _value_quarter(p0, 4 * i, v_codes_ptr, v_scale_ptr, v_zero_ptr, vpage,
-                                                            acc0, acc1, acc2, acc3, cq, az, G, D, VBITS, DOT,
-                                                            VA0, VA1, VA2, VA3, VOFF, VUNIT, SPLIT)
-            acc0, acc1, acc2, acc3, cq, az = _value_quarter(p1, 4 * i + 1, v_codes_ptr, v_scale_ptr, v_zero_ptr,
-                                                            vpage, acc0, acc1, acc2, acc3, cq, az, G, D, VBITS, DOT,
-                                                            VA0, VA1, VA2, VA3, VOFF, VUNIT, SPLIT)
-            acc0, acc1, acc2, acc3, cq, az = _value_quarter(p2, 4 * i + 2, v_codes_ptr, v_scale_ptr, v_zero_ptr,
-                                                            vpage, acc0, acc1, acc2, acc3, cq, az, G, D, VBITS, DOT,
-                                                            VA0, VA1, VA2, VA3, VOFF, VUNIT, SPLIT)
-            acc0, acc1, acc2, acc3, cq, az = _value_quarter(p3, 4 * i + 3, v_codes_ptr, v_scale_ptr, v_zero_ptr,
-                                                            vpage, acc0, acc1, acc2, acc3, cq, az, G, D, VBITS, DOT,
-                                                            VA0, VA1, VA2, VA3, VOFF, VUNIT, SPLIT)
-    # ---- pages with a key page whose values are still in full precision (value qbuffer / local window)
-    for j in range(tl.maximum(start, vp), tl.minimum(end, kp)):
-        kpage = tl.load(k_pt_ptr + b64 * spk_b + j).to(tl.int64) * Hkv + h
-        p0, p1, p2, p3, alpha, m_i, l_i = _key_page_step(q, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr,
-                                                         k_raw_ptr, kpage, qk_scale, m_i, l_i, G, D, NB, NBP, KEY_RAW,
-                                                         DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, SPLIT)
-        acc0, acc1, acc2, acc3, cq, az = _rescale(alpha, acc0, acc1, acc2, acc3, cq, az)
-        acc_nat = _fp_value_page(p0, p1, p2, p3, acc_nat * alpha[:, None], vq_ptr, vl_ptr, j * G, m, mv, G, D, R, DOT)
-    # ---- the last, partial page: keys from the key qbuffer
-    for j in range(tl.maximum(start, kp), end):
-        s0, s1, s2, s3 = _fp_key_scores(q, kq_ptr, j * G, m, qk_scale, G, D, DOT)
+            qs0, qs1, qs2, qs3, qb4, qz, corr = _key_operands(q0, q1, q2, q3, k_scale_ptr, k_zero_ptr, k_idx_ptr,
+                                                              kpage, D, NB, NB4, NB4P, DOT, KOFF, KSPLIT)
+            s0 = _key_quarter(k_low_ptr, k_high_ptr, kpage, 0, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale, G, D, NB,
+                              NB4, NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
+            s1 = _key_quarter(k_low_ptr, k_high_ptr, kpage, 1, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale, G, D, NB,
+                              NB4, NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
+            s2 = _key_quarter(k_low_ptr, k_high_ptr, kpage, 2, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale, G, D, NB,
+                              NB4, NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
+            s3 = _key_quarter(k_low_ptr, k_high_ptr, kpage, 3, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale, G, D, NB,
+                              NB4, NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
         p0, p1, p2, p3, alpha, m_i = _page_softmax(s0, s1, s2, s3, m_i)
-        l_i = l_i * alpha[:, None] + ((p0 + p1) + (p2 + p3))
-        acc0, acc1, acc2, acc3, cq, az = _rescale(alpha, acc0, acc1, acc2, acc3, cq, az)
-        acc_nat = _fp_value_page(p0, p1, p2, p3, acc_nat * alpha[:, None], vq_ptr, vl_ptr, j * G, m, mv, G, D, R, DOT)
-    l_sum = tl.sum(l_i, 1)
+        l_i = l_i * alpha[None, :] + ((p0 + p1) + (p2 + p3))
+        acc_nat = acc_nat * alpha[None, :]
+        if VALUE_RAW:
+            acc_nat = _raw_value_quarter(p0, 0, acc_nat, v_raw_ptr, vpage, G, D, DOT)
+            acc_nat = _raw_value_quarter(p1, 1, acc_nat, v_raw_ptr, vpage, G, D, DOT)
+            acc_nat = _raw_value_quarter(p2, 2, acc_nat, v_raw_ptr, vpage, G, D, DOT)
+            acc_nat = _raw_value_quarter(p3, 3, acc_nat, v_raw_ptr, vpage, G, D, DOT)
+        else:
+            av = _widen(alpha, VSPLIT)
+            acc, cq, az = _value_page(p0, p1, p2, p3, v_codes_ptr, v_scale_ptr, v_zero_ptr, vpage, acc * av[None, :],
+                                      cq * av[None, :], az * alpha[None, :], G, D, VBITS, DOT, VA0, VA1, VA2, VA3,
+                                      VOFF, VUNIT, VSPLIT)
+    # ---- pages whose values are still in full precision (value qbuffer / local window); the last, partial page's
+    # keys come from the key qbuffer
+    for j in range(tl.maximum(start, vp), end):
+        if j < kp:
+            kpage = tl.load(k_pt_ptr + b64 * spk_b + j).to(tl.int64) * Hkv + h
+            if KEY_RAW:
+                kr = k_raw_ptr + kpage * (G * D)
+                s0 = _fp_key_quarter(qT, kr, 0, 0, G, qk_scale, G, D, DOT)
+                s1 = _fp_key_quarter(qT, kr, 0, 1, G, qk_scale, G, D, DOT)
+                s2 = _fp_key_quarter(qT, kr, 0, 2, G, qk_scale, G, D, DOT)
+                s3 = _fp_key_quarter(qT, kr, 0, 3, G, qk_scale, G, D, DOT)
+            else:
+                qs0, qs1, qs2, qs3, qb4, qz, corr = _key_operands(q0, q1, q2, q3, k_scale_ptr, k_zero_ptr, k_idx_ptr,
+                                                                  kpage, D, NB, NB4, NB4P, DOT, KOFF, KSPLIT)
+                s0 = _key_quarter(k_low_ptr, k_high_ptr, kpage, 0, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale, G, D,
+                                  NB, NB4, NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
+                s1 = _key_quarter(k_low_ptr, k_high_ptr, kpage, 1, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale, G, D,
+                                  NB, NB4, NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
+                s2 = _key_quarter(k_low_ptr, k_high_ptr, kpage, 2, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale, G, D,
+                                  NB, NB4, NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
+                s3 = _key_quarter(k_low_ptr, k_high_ptr, kpage, 3, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale, G, D,
+                                  NB, NB4, NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
+        else:
+            s0 = _fp_key_quarter(qT, kq_ptr, j * G, 0, m, qk_scale, G, D, DOT)
+            s1 = _fp_key_quarter(qT, kq_ptr, j * G, 1, m, qk_scale, G, D, DOT)
+            s2 = _fp_key_quarter(qT, kq_ptr, j * G, 2, m, qk_scale, G, D, DOT)
+            s3 = _fp_key_quarter(qT, kq_ptr, j * G, 3, m, qk_scale, G, D, DOT)
+        p0, p1, p2, p3, alpha, m_i = _page_softmax(s0, s1, s2, s3, m_i)
+        l_i = l_i * alpha[None, :] + ((p0 + p1) + (p2 + p3))
+        av = _widen(alpha, VSPLIT)
+        acc = acc * av[None, :]
+        cq = cq * av[None, :]
+        az = az * alpha[None, :]
+        acc_nat = _fp_value_quarter(p0, 0, acc_nat * alpha[None, :], vq_ptr, vl_ptr, j * G, m, mv, G, D, R, DOT)
+        acc_nat = _fp_value_quarter(p1, 1, acc_nat, vq_ptr, vl_ptr, j * G, m, mv, G, D, R, DOT)
+        acc_nat = _fp_value_quarter(p2, 2, acc_nat, vq_ptr, vl_ptr, j * G, m, mv, G, D, R, DOT)
+        acc_nat = _fp_value_quarter(p3, 3, acc_nat, vq_ptr, vl_ptr, j * G, m, mv, G, D, R, DOT)
+    l_sum = tl.sum(l_i, 0)
     # ---- sink (split 0)
     if S > 0:
         if (split == 0) & (n > 0):
             ps = tl.arange(0, BLOCK_S)
             vs = (ps < S) & (ps < n)
-            kT = tl.load(sink_k_ptr + b64 * ssk_b + h * ssk_h + ps[None, :] * D + d[:, None], mask=vs[None, :], other=0.0)
-            v = tl.load(sink_v_ptr + b64 * ssv_b + h * ssv_h + ps[:, None] * D + d[None, :], mask=vs[:, None], other=0.0)
-            s = tl.where(vs[None, :], _mm(q, kT.to(DOT), DOT) * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            k = tl.load(sink_k_ptr + b64 * ssk_b + h * ssk_h + ps[:, None] * D + d[None, :], mask=vs[:, None], other=0.0)
+            vT = tl.load(sink_v_ptr + b64 * ssv_b + h * ssv_h + ps[None, :] * D + d[:, None], mask=vs[None, :],
+                         other=0.0)
+            s = tl.where(vs[:, None], _mm(k.to(DOT), qT, DOT) * qk_scale, float("-inf"))  # (BLOCK_S, BLOCK_H)
+            m_new = tl.maximum(m_i, tl.max(s, 0))
             alpha = tl.exp2(m_i - m_new)  # m_new is finite: the sink holds >= 1 token here
-            p = tl.exp2(s - m_new[:, None])
-            l_sum = l_sum * alpha + tl.sum(p, 1)
-            acc0, acc1, acc2, acc3, cq, az = _rescale(alpha, acc0, acc1, acc2, acc3, cq, az)
-            acc_nat = acc_nat * alpha[:, None] + _mm(p.to(DOT), v.to(DOT), DOT)
+            p = tl.exp2(s - m_new[None, :])
+            l_sum = l_sum * alpha + tl.sum(p, 0)
+            av = _widen(alpha, VSPLIT)
+            acc = acc * av[None, :]
+            cq = cq * av[None, :]
+            az = az * alpha[None, :]
+            acc_nat = acc_nat * alpha[None, :] + _mm(vT.to(DOT), p.to(DOT), DOT)
             m_i = m_new
-    # ---- the split's result in natural channel order: quantized channel groups interleaved once
-    acc = acc_nat
+    # ---- the split's result (D, BLOCK_H): quantized values' units, offset and zero undone once
+    out = acc_nat
     if not VALUE_RAW:
-        zero_term = tl.sum(az, 1)
+        zero_term = tl.sum(az, 0)
         if VOFF != 0:
-            zero_term -= tl.sum(cq, 1) * (VOFF / VUNIT)  # (BLOCK_H,)
-        o0 = acc0 * (1.0 / VUNIT) + zero_term[:, None]
-        o1 = acc1 * (1.0 / VUNIT) + zero_term[:, None]
-        if VPER == 4:  # channel 4j + r <- o_r[:, j]
-            o = tl.join(tl.join(o0, acc2 * (1.0 / VUNIT) + zero_term[:, None]),
-                        tl.join(o1, acc3 * (1.0 / VUNIT) + zero_term[:, None]))
-        else:  # channel 2j + r <- o_r[:, j]
-            o = tl.join(o0, o1)
-        acc += tl.reshape(o, (BLOCK_H, D))
+            zero_term -= tl.sum(_merge(cq, VSPLIT), 0) * (VOFF / VUNIT)
+        out += _merge(acc, VSPLIT) * (1.0 / VUNIT) + zero_term[None, :]
     ws = (pid_bh * NUM_SPLITS + split) * BLOCK_H + r
     tl.store(ws_m_ptr + ws, m_i)
     tl.store(ws_l_ptr + ws, l_sum)
-    tl.store(ws_acc_ptr + ws[:, None] * D + d[None, :], acc)
+    tl.store(ws_acc_ptr + ws[None, :] * D + d[:, None], out)
 
 
 @triton.jit
@@ -507,18 +573,20 @@ def kernel_constants(cfg: KVQuantConfig, head_dim: int, group: int, dtype: torch
     ``benchmarks/sass.py`` compiles."""
     S, G, R, D = cfg.sink_tokens, cfg.group_size, cfg.local_window, head_dim
     nb = cfg.num_boosted(D)
+    nb4 = -(-nb // 4)  # bytes of a token's high-plane row
     dot = _dot_dtype(dtype)
     vbits = cfg.value_bits if cfg.quantizes_values else 2
     ka = [magic_code(dot, 2, s) for s in (0, 2, 4, 6)]
-    va = [magic_code(dot, vbits, vbits * r) for r in range(4)]
-    if G < 64 or D * vbits // 8 < 16:  # small tiles: plain conversions (same values) instead of the PTX blocks
+    va = [magic_code(dot, vbits, vbits * (u // (vbits // 2))) for u in range(4)]  # the shift of token quarter u
+    if G < 64 or D < 64:  # small tiles: plain conversions (same values) instead of the PTX blocks
         ka = [("",) + x[1:] for x in ka]
         va = [("",) + x[1:] for x in va]
+    split = 0 if dot == torch.float32 else int(launch.split_fold)  # fp32 operands are exact: nothing to split
     return dict(
-        S=S, G=G, R=R, D=D, NB=nb, NBP=max(16, triton.next_power_of_2(max(nb, 1))), VBITS=vbits,
+        S=S, G=G, R=R, D=D, NB=nb, NB4=nb4, NB4P=max(4, triton.next_power_of_2(max(nb4, 1))), VBITS=vbits,
         KEY_RAW=not cfg.quantizes_keys, VALUE_RAW=not cfg.quantizes_values,
         BLOCK_H=max(launch.block_h, triton.next_power_of_2(group)), BLOCK_S=max(16, triton.next_power_of_2(S)),
-        DOT=TLTYPE[dot], FULL_QBUF=bool(full_qbuffer), SPLIT=0 if dot == torch.float32 else int(launch.split_fold),
+        DOT=TLTYPE[dot], FULL_QBUF=bool(full_qbuffer), KSPLIT=bool(split & 1), VSPLIT=bool(split & 2),
         KA0=ka[0][0], KA1=ka[1][0], KA2=ka[2][0], KA3=ka[3][0], KOFF=ka[0][1], KUNIT=ka[0][2],
         VA0=va[0][0], VA1=va[1][0], VA2=va[2][0], VA3=va[3][0], VOFF=va[0][1], VUNIT=va[0][2],
     )
@@ -551,8 +619,8 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
     if cfg.quantizes_values and cfg.value_bits not in (2, 4):
         raise ValueError(f"value_bits must be 2, 4 or 16, got {cfg.value_bits}")
     if not INTERPRETING and not triton_supports(cfg, D, compiled=True):
-        raise ValueError(f"on the GPU the fused kernel needs group_size >= 64 and head_dim * value_bits / 8 >= 16, got "
-                         f"group_size={G}, head_dim={D}, value_bits={cfg.value_bits} (use the torch backend)")
+        raise ValueError(f"on the GPU the fused kernel needs group_size >= 64 and, for quantized keys, head_dim >= 64, "
+                         f"got group_size={G}, head_dim={D}, key_bits={cfg.key_bits} (use the torch backend)")
     if launch is not None and tuning:
         raise ValueError(f"pass either launch or its fields, got launch and {sorted(tuning)}")
     scaling = 1.0 / math.sqrt(D) if scaling is None else float(scaling)
@@ -601,11 +669,12 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
 def triton_supports(cfg: KVQuantConfig, head_dim: int, compiled: bool | None = None) -> bool:
     """Whether the fused kernel handles pages of ``cfg`` with ``head_dim`` channels: power-of-two group size and
     head_dim >= 16, 2/4/16-bit keys and values. ``compiled`` (default: not under ``TRITON_INTERPRET=1``): on the
-    GPU the kernel also needs page quarters and value rows of >= 16 (``group_size >= 64``, ``head_dim * value_bits
-    / 8 >= 16``); smaller tiles were measured wrong there (H200, triton 3.6) and take the torch path."""
+    GPU the kernel also needs token and channel quarters of >= 16 (``group_size >= 64``; ``head_dim >= 64`` for
+    quantized keys): smaller tiles fall back to broadcast sums, which were measured wrong there (H200, triton 3.6),
+    so they take the torch path."""
     ok = is_power_of_two(cfg.group_size, 16) and is_power_of_two(head_dim, 16) and cfg.key_bits in (2, 4, 16) and cfg.value_bits in (2, 4, 16)
     if compiled if compiled is not None else not INTERPRETING:
-        ok = ok and cfg.group_size >= 64 and (not cfg.quantizes_values or head_dim * cfg.value_bits // 8 >= 16)
+        ok = ok and cfg.group_size >= 64 and (not cfg.quantizes_keys or head_dim >= 64)
     return ok
 
 
