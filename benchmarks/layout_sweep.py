@@ -37,18 +37,18 @@ from kitty.kernels.launch import default_launch  # noqa: E402
 from kitty.kernels.testing import make_state, planted_kv  # noqa: E402
 
 FLOOR = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # tests/test_kernels.py's floors
-VARIANTS = [dict(num_warps=w, num_stages=s, split_fold=f) for w, s, f in itertools.product((1, 2, 4), (1, 2), (0, 1, 3))]
+# launch variants: warps x pipeline stages with the key operand split (the default), and the split choices at 2 warps
+VARIANTS = [dict(num_warps=w, num_stages=s, split_fold=1) for w, s in itertools.product((1, 2, 4), (1, 2))] + [
+    dict(num_warps=2, num_stages=1, split_fold=f) for f in (0, 3)
+]
 CHECK_CASES = [  # (preset, GQA, D, overrides)
     ("kitty", 4, 128, {}),
     ("kitty-pro", 4, 128, {}),
     ("kitty", 8, 128, {}),
     ("kitty", 3, 64, {}),
-    ("kitty-pro", 1, 64, {}),
     ("kitty", 4, 128, {"boost_fraction": 0.1}),  # nb = 13: a high plane whose last byte is part padding
-    ("kivi-k2v2-sink", 4, 128, {}),
     ("kivi-k2v4-sink", 4, 128, {}),
     ("kivi-k4v2-sink", 4, 128, {}),
-    ("fp16", 4, 128, {}),
 ]
 
 
@@ -67,7 +67,7 @@ def check(results: dict) -> bool:
         ref = decode_attention_ref(q, state, cfg, upcast=True).float()
         pt = decode_attention_ref(q, state, cfg, upcast=False).float()
         tol = 2 * (pt - ref).abs().max().item() + FLOOR[dtype]
-        variants = VARIANTS if (preset in ("kitty", "kitty-pro") and (gqa, D, kw) == (4, 128, {})) else VARIANTS[:3]
+        variants = VARIANTS[-2:] if (preset, gqa, D, kw) == ("kitty", 4, 128, {}) else []
         for name, kwl in [("default", {})] + [(json.dumps(vv), dict(vv, num_splits=3)) for vv in variants]:
             out = decode_attention_triton(q, state, cfg, **kwl).float()
             err = (out - ref).abs().max().item() if torch.isfinite(out).all() else float("inf")
@@ -77,6 +77,7 @@ def check(results: dict) -> bool:
             results["check"][key] = {"err": err, "tol": tol, "ok": ok}
             if not ok or name == "default":
                 kb.log(f"  {'PASS' if ok else 'FAIL'} {key}: err {err:.3g} tol {tol:.3g}")
+        kb.write(results)
     return ok_all
 
 
@@ -156,7 +157,7 @@ def main() -> None:
             kb.log(f"  {tag} default {launch}: {t * 1e6:.1f} us, {best_fp16[0] / t:.2f}x fastest FP16, "
                    f"{row['pct_copy']:.0f}% copy")
             variants = VARIANTS if (preset, dtype) == ("kitty", torch.float16) else [
-                v for v in VARIANTS if v["split_fold"] == 1]
+                v for v in VARIANTS if v["split_fold"] == 1 and v["num_stages"] == 1]
             best = None
             for var, waves in itertools.product(variants, (4, 8, 16) if B * HKV < 1024 else (2,)):
                 if time.time() - t_start > args.budget_s:

@@ -30,7 +30,7 @@ class Launch:
     num_stages: int
     maxnreg: int | None
     block_h: int = 4
-    split_fold: int = 0
+    split_fold: int = 1
 
     def replace(self, **changes) -> Launch:
         return replace(self, **changes)
@@ -67,7 +67,7 @@ def default_launch(
     maxnreg: int | None = None,
     waves: int | None = None,
     block_h: int = 4,
-    split_fold: int = 0,
+    split_fold: int = 1,
 ) -> Launch:
     """The launch for ``B * Hkv`` (row, KV head) pairs over at most ``max_blocks`` page slots per row on ``device``
     (or that many SMs); a given argument replaces its default (``waves``: programs per SM the splits aim at).
