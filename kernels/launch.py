@@ -73,16 +73,16 @@ def default_launch(
     (or that many SMs); a given argument replaces its default (``waves``: programs per SM the splits aim at).
 
     Measured on the H200 (triton 3.6, benchmarks/RESULTS.md): with at least a quarter as many pairs as SMs, 2 warps
-    with a 128-register cap and ~8 programs per SM (enough resident programs to hide load latency; 1.4-1.8x faster
-    than 4 warps at (8, 32K), (16, 8K), (64, 8K) and (256, 8K)); below that (batch 1), 4 warps with a 2-stage
-    pipelined page loop and ~2 programs per SM (each program has more pages to stream; 38.8 us at (1, 32K) against
-    42.5 us with ~4). The register cap goes with its warp count: it applies only when neither warps, stages nor a
-    cap are given.
+    with a 128-register cap and ~8 programs per SM (enough resident programs to hide load latency); below that
+    (batch 1), 2 warps with no cap and ~4 programs per SM (33 us at (1, 32K) against 57 us with the earlier 4 warps,
+    2 stages and ~2 per SM). ``split_fold=1``: the key operand ``q * scale`` as rounded part + remainder, which the
+    swap-AB kernel carries in the spare columns of its small side (what the correctness rule needs at no measured
+    cost). The register cap goes with its warp count: it applies only when neither warps, stages nor a cap are given.
     """
     if B * Hkv * 4 >= num_sms(device):
         auto = dict(num_warps=2, num_stages=1, maxnreg=128, waves=8)
     else:
-        auto = dict(num_warps=4, num_stages=2, maxnreg=None, waves=2)
+        auto = dict(num_warps=2, num_stages=1, maxnreg=None, waves=4)
     if num_warps is None and num_stages is None and maxnreg is None:
         maxnreg = auto["maxnreg"]
     waves = auto["waves"] if waves is None else waves

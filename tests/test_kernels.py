@@ -328,11 +328,13 @@ def test_decode_attention_mid_step_full_qbuffers(dtype):
 
 def test_default_launch_is_the_measured_heuristic():
     """The fused kernel's launch (kernels/launch.py) for the H200's 132 SMs: 2 warps, a 128-register cap and ~8
-    programs per SM from a quarter as many (row, KV head) pairs as SMs; 4 warps, 2 stages and ~2 per SM below."""
+    programs per SM from a quarter as many (row, KV head) pairs as SMs; 2 warps, no cap and ~4 per SM below. The key
+    operand is carried as two 16-bit parts (split_fold=1) by default."""
     from kitty.kernels.launch import Launch, default_launch
 
     assert default_launch(8, 8, 256, 132) == Launch(num_splits=17, num_warps=2, num_stages=1, maxnreg=128)
-    assert default_launch(1, 8, 256, 132) == Launch(num_splits=33, num_warps=4, num_stages=2, maxnreg=None)
+    assert default_launch(1, 8, 256, 132) == Launch(num_splits=66, num_warps=2, num_stages=1, maxnreg=None)
+    assert default_launch(8, 8, 256, 132).split_fold == 1
     assert default_launch(1, 8, 5, 132).num_splits == 5  # never more splits than page slots
     # a given field replaces its default; the register cap goes with the default warp count only
     assert default_launch(8, 8, 256, 132, num_warps=4) == Launch(17, 4, 1, None)
