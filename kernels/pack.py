@@ -7,9 +7,11 @@ KV heads, keys and values, in a single launch. It is bit-identical to the torch 
     key page   (per channel, §3.2–3.3):  ``quantize_key_page``    -> low / high / boost_idx / scale / zero
     value page (per token, KIVI-style):  ``quantize_value_page``  -> codes / scale / zero
 
-Algorithm, one program per (page, KV head), keys or values (``IS_KEY`` picks the branch, no per-element branching):
+Algorithm, one program per (page, KV head), keys or values (the program id picks the branch, no per-element
+branching). Every plane packs along the axis attention reduces over (``docs/LAYOUT.md``): a row of ``n`` codes is
+4 quarters of ``n/4``, quarter ``s`` at bits ``2s`` of the row's ``n/4`` bytes (4-bit value codes: 2 halves):
 
-    x      = qbuf[row, head]                              # (G, D) tokens x channels, loaded as (G/4, 4, D)
+    x      = qbuf[row, head]                              # (G, D) tokens x channels
     # keys: importance and top-k boost selection (§3.3)
     s[c]   = mean_t |x[t, c]|                              # channel importance
     rank[c]= #{c' : s[c'] > s[c]} + #{c' < c : s[c'] == s[c]}   # ties -> lower channel index first
@@ -17,11 +19,16 @@ Algorithm, one program per (page, KV head), keys or values (``IS_KEY`` picks the
     levels = boost ? 15 : 3
     # min-max over tokens, scale rounded UP to the next 16-bit value (kitty.quant.minmax_params)
     zero   = min_t x ;  scale = roundup16((max_t x - zero) / levels)   (a range past fp32: max/levels - zero/levels)
-    code   = clamp(floor((x - zero) / scale + 1/2), 0, levels)
-    low[c, j]       = OR_s (code[4j+s, c] & 3) << 2s
-    high[slot[c], j]= OR_s (code[4j+s, c] >> 2) << 2s        (boosted c only)
+    code   = clamp(floor((x - zero) / scale + 1/2), 0, levels)          # (G, D)
+    low[t, j]       = OR_s (code[t, s*D/4 + j] & 3) << 2s              # (G, D/4), token-major
+    chan[k]         = the boosted channel with slot k                  # k < nb
+    high[t, j]      = OR_s (code[t, chan[s*nq + j]] >> 2) << 2s        # (G, nq), nq = ceil(nb/4); slots >= nb: 0
     boost_idx[c]    = boost ? slot : 255
-    # values: the same min-max per token (over channels), codes packed along channels, PER = 8 / bits per byte
+    # values: min-max per token (over channels), codes packed along tokens, channel-major, PER = 8 / bits:
+    codes[c, i]     = OR_e code[e*G/PER + i, c] << (bits * e)          # (D, G/PER)
+
+The high plane gathers its channels through ``chan``: each slot's scale/zero is a one-hot pick from the per-channel
+vectors (exact) and its tokens are read again from the qbuffer (the same floats, so the same codes).
 
 Selection by ``channel_selection="random"`` is computed by the torch reference's ``channel_importance`` and passed
 in as a ready boost mask (the scores are a fixed per-layer permutation, no data dependence); the rest runs here.
@@ -92,21 +99,17 @@ def _pack_kernel(
     n_key_progs, Hkv, len_ptr, k_width, v_width,
     # strides of the two qbuffers (row, head, token); channels are contiguous
     skq_b, skq_h, skq_t, svq_b, svq_h, svq_t,
-    # meta-parameters
-    G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, KEY_LEVELS: tl.constexpr,
+    # meta-parameters; NBQP: ceil(NB / 4) rounded up to a power of two (the high plane's byte tile width)
+    G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, NBQP: tl.constexpr, KEY_LEVELS: tl.constexpr,
     VBITS: tl.constexpr, USE_MASK: tl.constexpr,
     DTYPE: tl.constexpr, ITYPE: tl.constexpr, ROUND_UP: tl.constexpr,
     PREDICATED: tl.constexpr = False, S: tl.constexpr = 0, R: tl.constexpr = 0,
 ):
-    G4: tl.constexpr = G // 4
     pid = tl.program_id(0)
-    # ---- tile indices: x viewed as (G/4, 4, D) so that token 4j+s sits at [j, s, :]
-    j = tl.arange(0, G4)
-    s = tl.arange(0, 4)
-    c = tl.arange(0, D)
-    t3 = 4 * j[:, None, None] + s[None, :, None]  # (G4, 4, 1) token index
     if pid < n_key_progs:
         # ================================================================= key page: per channel, boosted
+        D4: tl.constexpr = D // 4  # bytes of a low-plane row: channel s * D4 + j at bits 2s of byte j
+        NBQ: tl.constexpr = (NB + 3) // 4  # bytes of a high-plane row: slot s * NBQ + j at bits 2s of byte j
         i = pid // Hkv
         h = pid % Hkv
         if PREDICATED:  # program (row i, head h) of every row: only a row whose key qbuffer just filled packs
@@ -118,12 +121,16 @@ def _pack_kernel(
         else:
             row = tl.load(k_rows_ptr + i).to(tl.int64)
             page = tl.load(k_pages_ptr + i).to(tl.int64)
-        x = tl.load(kq_ptr + row * skq_b + h * skq_h + t3 * skq_t + c[None, None, :]).to(tl.float32)  # (G4, 4, D)
+        t = tl.arange(0, G)
+        c = tl.arange(0, D)
+        q4 = tl.arange(0, 4)
+        kbase = kq_ptr + row * skq_b + h * skq_h
+        x = tl.load(kbase + t[:, None] * skq_t + c[None, :]).to(tl.float32)  # (G, D) tokens x channels
         # -- importance and top-NB selection (rank by counting larger scores, ties -> lower index)
         if USE_MASK:
             boost = tl.load(k_mask_ptr + (i * Hkv + h) * D + c) != 0
         else:
-            score = tl.sum(tl.sum(tl.abs(x), axis=1), axis=0) / G  # (D,)
+            score = tl.sum(tl.abs(x), axis=0) / G  # (D,)
             sc = score[:, None]
             so = score[None, :]
             before = (so > sc) | ((so == sc) & (c[None, :] < c[:, None]))  # (D, D): channel c' ranks before c
@@ -132,31 +139,46 @@ def _pack_kernel(
         slot = tl.sum(((c[None, :] < c[:, None]) & boost[None, :]).to(tl.int32), axis=1)  # boosted channels before c
         levels = tl.where(boost, 15.0, KEY_LEVELS * 1.0)  # (D,)
         # -- min-max per channel over tokens
-        mn = tl.min(tl.min(x, axis=1), axis=0)
-        mx = tl.max(tl.max(x, axis=1), axis=0)
+        mn = tl.min(x, axis=0)
+        mx = tl.max(x, axis=0)
         if ROUND_UP:
             scale_q = _roundup_to(_range_scale(mx, mn, levels), DTYPE, ITYPE)
         else:
             scale_q = _range_scale(mx, mn, levels).to(DTYPE)
         zero_q = mn.to(DTYPE)
-        code = _quantize(x, zero_q.to(tl.float32)[None, None, :], scale_q.to(tl.float32)[None, None, :],
-                         levels[None, None, :])  # (G4, 4, D) int32
-        # -- pack: 4 tokens per byte, token 4j+s at bits 2s
-        shifts = 2 * s[None, :, None]
-        low = tl.sum((code & 3) << shifts, axis=1)  # (G4, D), disjoint bits: sum == or
+        scale_f = scale_q.to(tl.float32)
+        zero_f = zero_q.to(tl.float32)
+        code = _quantize(x, zero_f[None, :], scale_f[None, :], levels[None, :])  # (G, D) int32
+        # -- low plane: a token's row of D codes as 4 quarters of D/4 channels, quarter s at bits 2s
+        quarters = tl.reshape(code & 3, (G, 4, D4))  # [t, s, j] = channel s * D4 + j
+        low = tl.sum(quarters << (2 * q4)[None, :, None], axis=1)  # (G, D4), disjoint bits: sum == or
         pbase = page * Hkv + h
-        tl.store(k_low_ptr + pbase * (D * G4) + c[None, :] * G4 + j[:, None], low.to(tl.uint8))
+        jd = tl.arange(0, D4)
+        tl.store(k_low_ptr + pbase * (G * D4) + t[:, None] * D4 + jd[None, :], low.to(tl.uint8))
         if NB > 0:
-            high = tl.sum((code >> 2) << shifts, axis=1)
-            tl.store(k_high_ptr + pbase * (NB * G4) + slot[None, :] * G4 + j[:, None], high.to(tl.uint8),
-                     mask=boost[None, :])
+            # -- high plane, compact by slot: the boosted channel of each slot, its scale/zero (a one-hot pick from
+            # the per-channel vectors: exact) and its tokens re-read from the qbuffer (the codes come out the same)
+            jq = tl.arange(0, NBQP)
+            tgt = q4[:, None] * NBQ + jq[None, :]  # (4, NBQP): the slot at bits 2s of byte jq
+            live = (jq[None, :] < NBQ) & (tgt < NB)  # slots nb .. 4 * NBQ - 1 and the tile's padding hold code 0
+            pick = (tgt[:, :, None] == slot[None, None, :]) & boost[None, None, :]  # (4, NBQP, D)
+            chan = tl.sum(tl.where(pick, c[None, None, :], 0), axis=2)  # (4, NBQP)
+            hscale = tl.sum(tl.where(pick, scale_f[None, None, :], 0.0), axis=2)
+            hzero = tl.sum(tl.where(pick, zero_f[None, None, :], 0.0), axis=2)
+            xh = tl.load(kbase + t[:, None, None] * skq_t + chan[None, :, :], mask=live[None, :, :],
+                         other=0.0).to(tl.float32)  # (G, 4, NBQP)
+            hcode = _quantize(xh, hzero[None, :, :], hscale[None, :, :], 15.0) >> 2
+            hcode = tl.where(live[None, :, :], hcode, 0)
+            high = tl.sum(hcode << (2 * q4)[None, :, None], axis=1)  # (G, NBQP)
+            tl.store(k_high_ptr + pbase * (G * NBQ) + t[:, None] * NBQ + jq[None, :], high.to(tl.uint8),
+                     mask=(jq < NBQ)[None, :])
         tl.store(k_idx_ptr + pbase * D + c, tl.where(boost, slot, 255).to(tl.uint8))
         tl.store(k_scale_ptr + pbase * D + c, scale_q)
         tl.store(k_zero_ptr + pbase * D + c, zero_q)
     else:
         # ================================================================= value page: per token
-        PER: tl.constexpr = 8 // VBITS
-        DP: tl.constexpr = D // PER
+        PER: tl.constexpr = 8 // VBITS  # codes per byte
+        GQ: tl.constexpr = G // PER  # bytes of a channel's row: token e * GQ + i at bits VBITS * e of byte i
         vi = (pid - n_key_progs) // Hkv
         vh = (pid - n_key_progs) % Hkv
         if PREDICATED:  # likewise for a value qbuffer (filled once R more tokens came)
@@ -168,29 +190,34 @@ def _pack_kernel(
         else:
             vrow = tl.load(v_rows_ptr + vi).to(tl.int64)
             vpage = tl.load(v_pages_ptr + vi).to(tl.int64)
-        t = tl.arange(0, G)
-        k = tl.arange(0, DP)
         e = tl.arange(0, PER)
-        c3 = PER * k[None, :, None] + e[None, None, :]  # (1, DP, PER) channel index
-        vx = tl.load(vq_ptr + vrow * svq_b + vh * svq_h + t[:, None, None] * svq_t + c3).to(tl.float32)  # (G, DP, PER)
-        vmn = tl.min(tl.min(vx, axis=2), axis=1)  # (G,)
-        vmx = tl.max(tl.max(vx, axis=2), axis=1)
+        iq = tl.arange(0, GQ)
+        cv = tl.arange(0, D)
+        tok = e[:, None] * GQ + iq[None, :]  # (PER, GQ) token index
+        vx = tl.load(vq_ptr + vrow * svq_b + vh * svq_h + tok[:, :, None] * svq_t + cv[None, None, :]).to(tl.float32)
+        vmn = tl.min(vx, axis=2)  # (PER, GQ): per token, over channels
+        vmx = tl.max(vx, axis=2)
         VLEVELS: tl.constexpr = (1 << VBITS) - 1
+        vlevels = tl.full(vmx.shape, VLEVELS, tl.float32)
         if ROUND_UP:
-            vlevels = tl.full(vmx.shape, VLEVELS, tl.float32)
             vscale_q = _roundup_to(_range_scale(vmx, vmn, vlevels), DTYPE, ITYPE)
         else:
-            vscale_q = _range_scale(vmx, vmn, tl.full(vmx.shape, VLEVELS, tl.float32)).to(DTYPE)
+            vscale_q = _range_scale(vmx, vmn, vlevels).to(DTYPE)
         vzero_q = vmn.to(DTYPE)
-        vcode = _quantize(vx, vzero_q.to(tl.float32)[:, None, None], vscale_q.to(tl.float32)[:, None, None], VLEVELS * 1.0)
-        packed = tl.sum(vcode << (VBITS * e[None, None, :]), axis=2)  # (G, DP)
+        vcode = _quantize(vx, vzero_q.to(tl.float32)[:, :, None], vscale_q.to(tl.float32)[:, :, None], VLEVELS * 1.0)
+        packed = tl.sum(vcode << (VBITS * e)[:, None, None], axis=0)  # (GQ, D): tokens e * GQ + i of channel c
         vbase = vpage * Hkv + vh
-        tl.store(v_codes_ptr + vbase * (G * DP) + t[:, None] * DP + k[None, :], packed.to(tl.uint8))
-        tl.store(v_scale_ptr + vbase * G + t, vscale_q)
-        tl.store(v_zero_ptr + vbase * G + t, vzero_q)
+        tl.store(v_codes_ptr + vbase * (D * GQ) + cv[None, :] * GQ + iq[:, None], packed.to(tl.uint8))
+        tl.store(v_scale_ptr + vbase * G + tok, vscale_q)
+        tl.store(v_zero_ptr + vbase * G + tok, vzero_q)
 
 
 _ITYPE = {torch.float16: tl.int16, torch.bfloat16: tl.int16, torch.float32: tl.int32}
+
+
+def _high_tile(nb: int) -> int:
+    """Width of the kernel's high-plane byte tile: ``ceil(nb / 4)`` bytes per token, rounded up to a power of two."""
+    return triton.next_power_of_2(max(-(-nb // 4), 1))
 
 
 def _index(x: torch.Tensor | None, n: int, device, name: str) -> torch.Tensor:
@@ -220,7 +247,7 @@ def pack_pages(
         cfg: quantization config (key_bits 2 or 4, value_bits 2 or 4; 16-bit sides are plain copies, not handled here).
         k_qbuf, v_qbuf: ``[B, Hkv, G, D]`` full-precision qbuffers (either may be ``None``); channels contiguous.
         k_rows, v_rows: int ``[N]`` rows of the qbuffers to pack (default: all rows).
-        pool: if given, pages are written into these pool tensors (docs/LAYOUT.md names: ``k_low [P, Hkv, D, G/4]``,
+        pool: if given, pages are written into these pool tensors (docs/LAYOUT.md names: ``k_low [P, Hkv, G, D/4]``,
             ``k_high``, ``k_boost_idx``, ``k_scale``, ``k_zero``, ``v_codes``, ``v_scale``, ``v_zero``) at
             ``k_pages`` / ``v_pages`` (int ``[N]`` pool indices) and ``None`` is returned.
         salt: passed to ``channel_importance`` for ``channel_selection="random"``.
@@ -300,14 +327,15 @@ def pack_pages(
         out.get("v_codes", dummy), out.get("v_scale", dummy), out.get("v_zero", dummy),
         nk * Hkv, Hkv, k_rows, 0, 0,
         kq.stride(0), kq.stride(1), kq.stride(2), vq.stride(0), vq.stride(1), vq.stride(2),
-        G=G, D=D, NB=nb, KEY_LEVELS=(1 << cfg.key_bits) - 1, VBITS=cfg.value_bits, USE_MASK=use_mask,
+        G=G, D=D, NB=nb, NBQP=_high_tile(nb), KEY_LEVELS=(1 << cfg.key_bits) - 1, VBITS=cfg.value_bits, USE_MASK=use_mask,
         DTYPE=TLTYPE[dtype], ITYPE=_ITYPE[dtype], ROUND_UP=dtype != torch.float32,
         num_warps=4,
     )
     if pool is not None:
         return None
     empty = torch.empty(0, dtype=dtype, device=device)
-    kp = None if not nk else KeyPage(out["k_low"], out["k_high"], out["k_boost_idx"], out["k_scale"], out["k_zero"], empty, dtype)
+    kp = None if not nk else KeyPage(out["k_low"], out["k_high"], out["k_boost_idx"], out["k_scale"], out["k_zero"], empty, dtype,
+                                       nb)
     vp = None if not nv else ValuePage(out["v_codes"], out["v_scale"], out["v_zero"], empty, cfg.value_bits, dtype)
     return kp, vp
 
@@ -365,7 +393,7 @@ def pack_completed(
         value_pool["v_codes"], value_pool["v_scale"], value_pool["v_zero"],
         B * Hkv, Hkv, lengths, wk, max(wv, 1),
         k_qbuf.stride(0), k_qbuf.stride(1), k_qbuf.stride(2), v_qbuf.stride(0), v_qbuf.stride(1), v_qbuf.stride(2),
-        G=G, D=D, NB=nb, KEY_LEVELS=(1 << cfg.key_bits) - 1, VBITS=cfg.value_bits, USE_MASK=use_mask,
+        G=G, D=D, NB=nb, NBQP=_high_tile(nb), KEY_LEVELS=(1 << cfg.key_bits) - 1, VBITS=cfg.value_bits, USE_MASK=use_mask,
         DTYPE=TLTYPE[k_qbuf.dtype], ITYPE=_ITYPE[k_qbuf.dtype], ROUND_UP=k_qbuf.dtype != torch.float32,
         PREDICATED=True, S=cfg.sink_tokens, R=cfg.local_window,
         num_warps=4,

@@ -28,7 +28,14 @@ from kitty.kernels import (  # noqa: E402
 )
 from kitty.kernels.testing import make_state, planted_kv  # noqa: E402
 from kitty.memory import token_layout  # noqa: E402
-from kitty.quant import dequantize_key_page, dequantize_value_page, quantize_key_page, quantize_value_page  # noqa: E402
+from kitty.quant import (  # noqa: E402
+    dequantize_key_page,
+    dequantize_value_page,
+    quantize_key_page,
+    quantize_value_page,
+    unpack_2bit,
+)
+from kitty.storage import pool_fields  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -53,33 +60,42 @@ def small(preset: str, **kw):
 
 # ------------------------------------------------------------------------------------------------------ pack
 
-PACK_CASES = [  # (preset, D, dtype): >8 boosted channels (kitty-pro D=128 -> 32) catch uint8 slot overflow
-    ("kitty-pro", 128, torch.float16),
-    ("kitty", 64, torch.bfloat16),
-    ("kitty", 128, torch.bfloat16),
-    ("kivi-k4v4", 64, torch.float16),  # 4-bit keys: every channel "boosted"; 4-bit values
-    ("kivi-k2v4-sink", 128, torch.bfloat16),  # no boost, 4-bit values
-    ("kitty-random", 64, torch.float16),  # random selection: mask from torch, packing in the kernel
+PACK_CASES = [  # (preset, D, dtype, overrides): >8 boosted channels (kitty-pro D=128 -> 32) catch uint8 slot overflow;
+    # nb = 5 and 13 are not multiples of 4 (the high plane's last byte holds padding slots), nb = 12 needs a padded tile
+    ("kitty-pro", 128, torch.float16, {}),
+    ("kitty", 64, torch.bfloat16, {}),
+    ("kitty", 128, torch.bfloat16, {}),
+    ("kitty", 64, torch.float16, {"boost_fraction": 5 / 64}),
+    ("kitty", 64, torch.bfloat16, {"boost_fraction": 13 / 64}),
+    ("kitty", 64, torch.float32, {"boost_fraction": 12 / 64}),
+    ("kivi-k4v4", 64, torch.float16, {}),  # 4-bit keys: every channel "boosted"; 4-bit values
+    ("kivi-k4v2-sink", 64, torch.bfloat16, {}),  # 4-bit keys, 2-bit values
+    ("kivi-k2v4-sink", 128, torch.bfloat16, {}),  # no boost, 4-bit values
+    ("kitty-random", 64, torch.float16, {}),  # random selection: mask from torch, packing in the kernel
 ]
 
 
-@pytest.mark.parametrize("preset,D,dtype", PACK_CASES)
-def test_pack_bit_identical(preset, D, dtype):
-    cfg = small(preset, group_size=32)
+@pytest.mark.parametrize("preset,D,dtype,kw", PACK_CASES)
+def test_pack_bit_identical(preset, D, dtype, kw):
+    cfg = small(preset, group_size=32, **kw)
     k, v = planted_kv(4, 2, 32, D, dtype, DEVICE, seed=D + len(preset))
     k[0, 1, :, 3] = 0.25  # a constant channel: zero range -> scale 0, codes 0
     rows = [3, 0, 2]  # a subset, out of order
     kp, vp = pack_pages(cfg, k, v, k_rows=rows, v_rows=rows[:2], salt=5)
     rk, rv = pack_pages_ref(cfg, k, v, k_rows=rows, v_rows=rows[:2], salt=5)
-    assert kp.high.shape[-2] == cfg.num_boosted(D)
+    nb = cfg.num_boosted(D)
+    assert kp.num_boosted == rk.num_boosted == nb
+    assert kp.low.shape == (3, 2, 32, D // 4) and kp.high.shape == (3, 2, 32, -(-nb // 4))
+    assert vp.codes.shape == (2, 2, D, 32 * cfg.value_bits // 8)
     for f in KEY_FIELDS:
         assert torch.equal(getattr(kp, f), getattr(rk, f)), f"key {f} differs"
     for f in VALUE_FIELDS:
         assert torch.equal(getattr(vp, f), getattr(rv, f)), f"value {f} differs"
+    assert (unpack_2bit(kp.high)[..., nb:] == 0).all()  # padding slots of the last high-plane byte
     # the planted outlier channels are boosted (magnitude selection)
-    if cfg.channel_selection == "magnitude" and 0 < cfg.num_boosted(D) < D:
+    if cfg.channel_selection == "magnitude" and 0 < nb < D:
         top = k[3].float().abs().mean(-2).argmax(-1)  # (Hkv,)
-        assert (kp.boost_idx[0].gather(-1, top[:, None].long()) < cfg.num_boosted(D)).all()
+        assert (kp.boost_idx[0].gather(-1, top[:, None].long()) < nb).all()
 
 
 def test_pack_range_past_fp32_stays_finite_and_bit_identical():
@@ -100,31 +116,41 @@ def test_pack_range_past_fp32_stays_finite_and_bit_identical():
 
 
 def test_pack_into_pool_at_page_ids():
-    cfg = small("kitty-pro")
+    """Pages land at the given pool ids, every other page keeps its bytes, and the high plane's padding slots are
+    written as 0 over a pool that held other bytes (nb = 13: the last byte holds 3 padding slots)."""
+    cfg = small("kitty-pro", boost_fraction=13 / 64)
     D, G, Hkv, P = 64, cfg.group_size, 2, 6
     k, v = planted_kv(3, Hkv, G, D, torch.float16, DEVICE, seed=7)
-    nb = cfg.num_boosted(D)
-    u8 = dict(dtype=torch.uint8, device=DEVICE)
-    pool = dict(
-        k_low=torch.full((P, Hkv, D, G // 4), 0xAB, **u8),
-        k_high=torch.full((P, Hkv, nb, G // 4), 0xAB, **u8),
-        k_boost_idx=torch.full((P, Hkv, D), 0xAB, **u8),
-        k_scale=torch.full((P, Hkv, D), 7.0, dtype=torch.float16, device=DEVICE),
-        k_zero=torch.full((P, Hkv, D), 7.0, dtype=torch.float16, device=DEVICE),
-        v_codes=torch.full((P, Hkv, G, D // 4), 0xAB, **u8),
-        v_scale=torch.full((P, Hkv, G), 7.0, dtype=torch.float16, device=DEVICE),
-        v_zero=torch.full((P, Hkv, G), 7.0, dtype=torch.float16, device=DEVICE),
-    )
+    key_spec, value_spec = pool_fields(cfg, Hkv, D, torch.float16)
+    pool = {
+        name: torch.full((P, *shape), 0xAB if dt == torch.uint8 else 7.0, dtype=dt, device=DEVICE)
+        for name, (shape, dt) in {**key_spec, **value_spec}.items()
+    }
     before = {name: t.clone() for name, t in pool.items()}
     assert pack_pages(cfg, k, v, k_rows=[1, 2], k_pages=[4, 0], v_rows=[0], v_pages=[5], pool=pool) is None
     rk = quantize_key_page(k[[1, 2]], cfg)
     rv = quantize_value_page(v[[0]], cfg)
+    assert rk.num_boosted == 13 and pool["k_high"].shape[-1] == 4
     for name, f in zip(("k_low", "k_high", "k_boost_idx", "k_scale", "k_zero"), KEY_FIELDS):
         assert torch.equal(pool[name][[4, 0]], getattr(rk, f)), name
         assert torch.equal(pool[name][[1, 2, 3, 5]], before[name][[1, 2, 3, 5]]), f"{name}: other pages touched"
     for name, f in zip(("v_codes", "v_scale", "v_zero"), VALUE_FIELDS):
         assert torch.equal(pool[name][[5]], getattr(rv, f)), name
         assert torch.equal(pool[name][:5], before[name][:5]), f"{name}: other pages touched"
+    assert (unpack_2bit(pool["k_high"][[4, 0]])[..., 13:] == 0).all()
+
+
+@pytest.mark.parametrize("preset", ["kitty", "kivi-k2v4-sink"])
+def test_make_state_triton_pack_matches_torch_pack(preset):
+    """kernels/testing.make_state with pages packed by the Triton kernel (at shuffled pool ids) equals the torch
+    packing, tensor for tensor."""
+    cfg = small(preset)
+    lengths = _lengths(cfg, 4)
+    k, v = planted_kv(4, 2, max(lengths), 64, torch.bfloat16, DEVICE, seed=13)
+    ref = make_state(cfg, k, v, lengths, seed=4)
+    got = make_state(cfg, k, v, lengths, seed=4, pack="triton")
+    for name, t in ref.tensors().items():
+        assert torch.equal(t.nan_to_num(), got[name].nan_to_num()), name
 
 
 def test_pack_ties_keep_lower_channel_index():
