@@ -7,6 +7,7 @@ reference computed in the kernel dtype, both on the *same* 2-bit codes; a kernel
 Sizes are small (G=16, a few pages) to keep the interpreter under CI's time budget.
 """
 
+import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / kernels are imported
@@ -173,27 +174,44 @@ def test_pack_rejects_bad_shapes():
 # --------------------------------------------------------------------------------------------------- dequant
 
 
-@pytest.mark.parametrize(
-    "preset,D,dtype",
-    [("kitty-pro", 128, torch.bfloat16), ("kitty", 64, torch.float16), ("kivi-k4v4", 64, torch.bfloat16)],
-)
+DEQUANT_CASES = [  # (preset, D, dtype, overrides); nb = 5 and 13 are not multiples of 4
+    ("kitty-pro", 128, torch.bfloat16, {}),
+    ("kitty", 64, torch.float16, {}),
+    ("kitty", 64, torch.bfloat16, {"boost_fraction": 5 / 64}),
+    ("kitty", 64, torch.float16, {"boost_fraction": 13 / 64}),
+    ("kivi-k4v4", 64, torch.bfloat16, {}),
+    ("kivi-k4v2-sink", 64, torch.float16, {}),
+    ("kivi-k2v4-sink", 64, torch.bfloat16, {}),
+]
+
+
+@pytest.mark.parametrize("preset,D,dtype,kw", DEQUANT_CASES)
 @pytest.mark.parametrize("unpack_reshape", [True, False])
-def test_dequantize_pages_bit_identical(preset, D, dtype, unpack_reshape):
-    G = 128 if D == 128 else 32  # G=128: high-plane row = 32 bytes, so slot 8 * 32 wraps a uint8 index
-    cfg = small(preset, group_size=G)
+def test_dequantize_pages_bit_identical(preset, D, dtype, kw, unpack_reshape):
+    G = 128 if D == 128 else 32  # G=128, kitty-pro: 32 boosted channels, slots past 8 in every high-plane byte
+    cfg = small(preset, group_size=G, **kw)
     k, v = planted_kv(2, 3, G, D, dtype, DEVICE, seed=3)
     kp, vp = quantize_key_page(k, cfg), quantize_value_page(v, cfg)
     out = dequantize_key_page_triton(kp, unpack_reshape)
     assert torch.equal(out, dequantize_key_page(kp))
     assert torch.equal(dequantize_value_page_triton(vp, unpack_reshape), dequantize_value_page(vp))
-    # boosted channels in slots >= 8 really use their own high-plane rows (the paper kernel's uint8 overflow)
+    # boosted channels in every slot, up to the last, read their own high-plane bits: their error is the 4-bit one
     nb = kp.num_boosted
-    if 8 < nb < D:
-        late = (kp.boost_idx[0, 0] >= 8) & (kp.boost_idx[0, 0] < nb)
-        assert late.any()
-        err = (out[0, 0] - k[0, 0]).float().abs()[:, late]
-        step = kp.scale[0, 0, late].float()
-        assert (err <= step / 2 + 1e-2 * step + 1e-6).all()  # 4-bit error bound: a 2-bit-only decode breaks it
+    if 0 < nb < D:
+        boosted = kp.boost_idx[0, 0] < nb
+        assert int(kp.boost_idx[0, 0][boosted].max()) == nb - 1
+        x = k[0, 0].float()[:, boosted]
+        err = (out[0, 0].float()[:, boosted] - x).abs()
+        step = kp.scale[0, 0, boosted].float()
+        rounding = torch.finfo(dtype).eps * x.abs()  # the cast of code * scale + zero to the page dtype
+        assert (err <= step / 2 + 1e-2 * step + rounding + 1e-6).all()  # 4-bit bound: a 2-bit-only decode breaks it
+
+
+def test_dequantize_rejects_inconsistent_page():
+    cfg = small("kitty")
+    kp = quantize_key_page(planted_kv(1, 1, 16, 64, torch.float16, DEVICE)[0], cfg)
+    with pytest.raises(ValueError, match="inconsistent page"):
+        dequantize_key_page_triton(dataclasses.replace(kp, num_boosted=kp.num_boosted + 4))
 
 
 # ---------------------------------------------------------------------------------------------- attention
@@ -259,15 +277,30 @@ def test_decode_attention_scaling_pack_and_empty_row():
     assert (out[1] == 0).all()
 
 
-@pytest.mark.parametrize("preset,gqa,D,dtype,sink,G,kw", [ATTN_CASES[1], ATTN_CASES[2]])
-def test_decode_attention_unfused(preset, gqa, D, dtype, sink, G, kw):
-    cfg = small(preset, sink_tokens=sink, group_size=G)
+UNFUSED_CASES = [  # (preset, GQA ratio, D, dtype, sink, G, overrides, block_n): value blocks of several token
+    # quarters (block_n > G/4), of one quarter, and inside one (4-bit values at G=64: halves of 32 > block_n=16);
+    # nb = 5 and 13 (not multiples of 4); 4-bit keys
+    ("kitty-pro", 4, 128, torch.bfloat16, 8, 16, {}, 16),
+    ("kitty", 3, 64, torch.bfloat16, 0, 32, {}, 16),
+    ("kivi-k2v4-sink", 2, 64, torch.float16, 8, 64, {}, 16),
+    ("kivi-k2v4-sink", 2, 64, torch.bfloat16, 8, 64, {}, 32),
+    ("kivi-k4v2-sink", 2, 64, torch.bfloat16, 8, 32, {}, 16),
+    ("kitty", 4, 64, torch.float16, 8, 64, {"boost_fraction": 13 / 64}, 16),
+    ("kitty", 1, 64, torch.bfloat16, 4, 16, {"boost_fraction": 5 / 64}, 16),
+]
+
+
+@pytest.mark.parametrize("preset,gqa,D,dtype,sink,G,kw,block_n", UNFUSED_CASES)
+@pytest.mark.parametrize("unpack_reshape", [True, False])
+def test_decode_attention_unfused(preset, gqa, D, dtype, sink, G, kw, block_n, unpack_reshape):
+    cfg = small(preset, sink_tokens=sink, group_size=G, **kw)
     B, Hkv = 4, 2
     lengths = _lengths(cfg, B)
     k, v = planted_kv(B, Hkv, max(lengths), D, dtype, DEVICE, seed=5)
     state = make_state(cfg, k, v, lengths, seed=2)
     q = torch.randn(B, Hkv * gqa, D, generator=torch.Generator().manual_seed(6)).to(dtype).to(DEVICE)
-    _check(decode_attention_unfused(q, state, cfg, num_splits=2, block_n=16), q, state, cfg)
+    out = decode_attention_unfused(q, state, cfg, num_splits=2, block_n=block_n, unpack_reshape=unpack_reshape)
+    _check(out, q, state, cfg)
 
 
 def test_reference_matches_plain_attention_on_unquantized_cache():
