@@ -30,8 +30,12 @@ branching). Every plane packs along the axis attention reduces over (``docs/LAYO
 The high plane gathers its channels through ``chan``: each slot's scale/zero is a one-hot pick from the per-channel
 vectors (exact) and its tokens are read again from the qbuffer (the same floats, so the same codes).
 
-Selection by ``channel_selection="random"`` is computed by the torch reference's ``channel_importance`` and passed
-in as a ready boost mask (the scores are a fixed per-layer permutation, no data dependence); the rest runs here.
+Selection other than ``"magnitude"`` (``"random"``, ``"range"``, ``"query"``, ``"oracle"``, the last two with the
+rows' ``query_scale``) is computed by the torch reference's ``channel_importance`` and passed in as a ready boost mask,
+so that it is the reference's choice by construction (the oracle's scores sum squared errors over tokens in torch's
+order); the rest runs here. Fitted ranges (``key_range``/``value_range`` ``"fit"``, ``"fit-peak"``: a clipping search
+and least-squares refits whose fp32 sums would have to follow torch's order) are not packed here; a side with a
+min-max range is packed whatever the other side's range.
 Ties: ``torch.topk`` does not document which of equal scores it keeps; the kernel keeps the lower channel index.
 Random float data has no ties; the tests plant distinct outlier channels.
 """
@@ -215,6 +219,18 @@ def _pack_kernel(
 _ITYPE = {torch.float16: tl.int16, torch.bfloat16: tl.int16, torch.float32: tl.int32}
 
 
+def _boost_mask(cfg: KVQuantConfig, k: torch.Tensor | None, nb: int, salt: int, query_scale: torch.Tensor | None,
+                u8: dict) -> torch.Tensor:
+    """The boost mask uint8 ``[N, Hkv, D]`` that ``kitty.quant.quantize_key_page`` picks for keys ``k``, for the
+    selections the kernel does not rank itself (all but ``"magnitude"``: ``"random"``, ``"range"``, ``"query"``,
+    ``"oracle"``), computed by the same torch function; empty where the kernel ranks (or nothing is to choose)."""
+    if k is None or cfg.channel_selection == "magnitude" or not 0 < nb < k.shape[-1]:
+        return torch.empty(0, **u8)
+    if query_scale is not None:
+        query_scale = query_scale.to(k.device)
+    return select_boosted(channel_importance(k, cfg, salt, query_scale), nb).to(torch.uint8).contiguous()
+
+
 def _high_tile(nb: int) -> int:
     """Width of the kernel's high-plane byte tile: ``ceil(nb / 4)`` bytes per token, rounded up to a power of two."""
     return triton.next_power_of_2(max(-(-nb // 4), 1))
@@ -240,6 +256,7 @@ def pack_pages(
     k_pages=None,
     v_pages=None,
     salt: int = 0,
+    query_scale: torch.Tensor | None = None,
 ):
     """Quantize + pack full qbuffers into key and value pages with one kernel launch.
 
@@ -251,6 +268,8 @@ def pack_pages(
             ``k_high``, ``k_boost_idx``, ``k_scale``, ``k_zero``, ``v_codes``, ``v_scale``, ``v_zero``) at
             ``k_pages`` / ``v_pages`` (int ``[N]`` pool indices) and ``None`` is returned.
         salt: passed to ``channel_importance`` for ``channel_selection="random"``.
+        query_scale: ``[N, Hkv, D]`` per-channel query magnitude of the packed key rows, for
+            ``channel_selection="query"`` / ``"oracle"`` (as ``kitty.quant.quantize_key_page`` takes it).
 
     Returns:
         without ``pool``: ``(KeyPage | None, ValuePage | None)`` with leading dims ``[N, Hkv]``, equal bit for bit to
@@ -277,8 +296,9 @@ def pack_pages(
     if G != cfg.group_size:
         raise ValueError(f"qbuffer holds {G} tokens but cfg.group_size is {cfg.group_size}")
     check_power_of_two({"group_size": G, "head_dim": D}, 4, "Triton pack kernel")
-    if cfg.key_range != "minmax" or cfg.value_range != "minmax":
-        raise ValueError(f"pack_pages implements min-max ranges; fitted ranges (key_range={cfg.key_range!r}, value_range={cfg.value_range!r}) pack with kitty.quant")
+    for side, x, method in (("key", k_qbuf, cfg.key_range), ("value", v_qbuf, cfg.value_range)):
+        if x is not None and method != "minmax":
+            raise ValueError(f"pack_pages implements min-max ranges; fitted {side} ranges ({side}_range={method!r}) pack with kitty.quant")
     if cfg.boost_profile is not None:
         raise ValueError("cfg has a per-layer boost_profile: pass the layer's config, cfg.for_layer(layer_idx)")
     if k_qbuf is not None and cfg.key_bits not in (2, 4):
@@ -308,11 +328,8 @@ def pack_pages(
                 raise ValueError(f"pool[{name!r}] must be contiguous [P, {', '.join(map(str, shapes[name]))}] on {device}, got {tuple(t.shape)}")
         k_pages = _index(k_pages, nk, device, "k_pages")
         v_pages = _index(v_pages, nv, device, "v_pages")
-    # ---- random selection: the torch reference picks the mask, the kernel packs with it
-    use_mask = nk > 0 and cfg.channel_selection != "magnitude" and cfg.key_bits == 2
-    k_mask = torch.empty(0, **u8)
-    if use_mask:
-        k_mask = select_boosted(channel_importance(k_qbuf[k_rows.long()], cfg, salt), nb).to(torch.uint8).contiguous()
+    k_mask = _boost_mask(cfg, k_qbuf[k_rows.long()] if nk else None, nb, salt, query_scale, u8)
+    use_mask = k_mask.numel() > 0
     dummy = torch.empty(1, dtype=dtype, device=device)
     kq = k_qbuf if k_qbuf is not None else dummy.view(1, 1, 1, 1)
     vq = v_qbuf if v_qbuf is not None else dummy.view(1, 1, 1, 1)
@@ -350,9 +367,16 @@ def pack_completed(
     k_page_table: torch.Tensor,
     v_page_table: torch.Tensor,
     salt: int = 0,
+    query_scale: torch.Tensor | None = None,
+    keys: bool = True,
+    values: bool = True,
 ) -> None:
     """Pack, in one launch, every row whose key or value qbuffer the last decode token filled (a static cache's
     stage 3: no host synchronization, the same grid at every step).
+
+    ``query_scale`` ``[B, Hkv, D]``: for ``channel_selection="query"`` / ``"oracle"``. ``keys`` / ``values``: which
+    sides this launch packs (a side that ``kitty.quant`` must pack, e.g. fitted key ranges, is left to the caller;
+    its pool and page table are not touched).
 
     ``lengths`` int32 ``[B]`` (counting that token); ``k_qbuf``/``v_qbuf`` ``[B, Hkv, G, D]``; pools as in
     :func:`pack_pages`, of ``B * Wk`` key and ``B * Wv`` value pages, where ``Wk``/``Wv`` are the widths of the int32
@@ -370,28 +394,32 @@ def pack_completed(
         if t.dim() != 2 or t.shape[0] != B or t.dtype != torch.int32:
             raise ValueError(f"{name} must be int32 [B={B}, width], got {t.dtype} {tuple(t.shape)}")
     wk, wv = k_page_table.shape[1], v_page_table.shape[1]
-    if wk == 0:  # no page fits max_cache_len on either side (wv <= wk)
+    if wk == 0 or not (keys or values):  # no page fits max_cache_len on either side (wv <= wk), or nothing to pack
         return
     # the config and qbuffer checks of pack_pages, on an empty selection (nothing is launched)
     none = torch.empty(0, dtype=torch.int32, device=k_qbuf.device)
-    pack_pages(cfg, k_qbuf, v_qbuf, k_rows=none, v_rows=none, pool={**key_pool, **value_pool}, k_pages=none,
-               v_pages=none, salt=salt)
-    for name, pool, width in (("k_low", key_pool, wk), ("v_codes", value_pool, wv)):
-        if pool[name].shape[0] != B * width:
+    pack_pages(cfg, k_qbuf if keys else None, v_qbuf if values else None, k_rows=none, v_rows=none,
+               pool={**key_pool, **value_pool}, k_pages=none, v_pages=none, salt=salt)
+    for name, pool, width, side in (("k_low", key_pool, wk, keys), ("v_codes", value_pool, wv, values)):
+        if side and pool[name].shape[0] != B * width:
             raise ValueError(f"{name} must hold B * width = {B * width} pages, got {pool[name].shape[0]}")
     nb = cfg.num_boosted(D)
-    use_mask = cfg.channel_selection != "magnitude" and cfg.key_bits == 2
     u8 = dict(dtype=torch.uint8, device=k_qbuf.device)
-    k_mask = select_boosted(channel_importance(k_qbuf, cfg, salt), nb).to(torch.uint8).contiguous() if use_mask else torch.empty(0, **u8)
+    k_mask = _boost_mask(cfg, k_qbuf if keys else None, nb, salt, query_scale, u8)
+    use_mask = k_mask.numel() > 0
     dummy = torch.empty(1, dtype=k_qbuf.dtype, device=k_qbuf.device)
-    nv = B if wv else 0
-    _pack_kernel[((B + nv) * Hkv,)](
+    nk, nv = (B if keys else 0), (B if values and wv else 0)
+    if nk + nv == 0:
+        return
+    kpool = key_pool if keys else {}
+    vpool = value_pool if values else {}
+    _pack_kernel[((nk + nv) * Hkv,)](
         k_qbuf, lengths, lengths, k_mask,
-        key_pool["k_low"], key_pool["k_high"] if nb else dummy, key_pool["k_boost_idx"], key_pool["k_scale"],
-        key_pool["k_zero"],
+        kpool.get("k_low", dummy), kpool.get("k_high", dummy) if nb else dummy, kpool.get("k_boost_idx", dummy),
+        kpool.get("k_scale", dummy), kpool.get("k_zero", dummy),
         v_qbuf, lengths, lengths,
-        value_pool["v_codes"], value_pool["v_scale"], value_pool["v_zero"],
-        B * Hkv, Hkv, lengths, wk, max(wv, 1),
+        vpool.get("v_codes", dummy), vpool.get("v_scale", dummy), vpool.get("v_zero", dummy),
+        nk * Hkv, Hkv, lengths, wk, max(wv, 1),
         k_qbuf.stride(0), k_qbuf.stride(1), k_qbuf.stride(2), v_qbuf.stride(0), v_qbuf.stride(1), v_qbuf.stride(2),
         G=G, D=D, NB=nb, NBQP=_high_tile(nb), KEY_LEVELS=(1 << cfg.key_bits) - 1, VBITS=cfg.value_bits, USE_MASK=use_mask,
         DTYPE=TLTYPE[k_qbuf.dtype], ITYPE=_ITYPE[k_qbuf.dtype], ROUND_UP=k_qbuf.dtype != torch.float32,
@@ -402,27 +430,30 @@ def pack_completed(
     S, R = cfg.sink_tokens, cfg.local_window
     n = lengths.long()
     rows = torch.arange(B, device=n.device)
-    for table, width, start in ((k_page_table, wk, n - S), (v_page_table, wv, n - S - R)):
-        if width:
+    for table, width, start, side in ((k_page_table, wk, n - S, keys), (v_page_table, wv, n - S - R, values)):
+        if width and side:
             done = (start > 0) & (start % G == 0)
             j = (start // G - 1).clamp(0, width - 1)
             table[rows, j] = torch.where(done, (rows * width + j).to(torch.int32), table[rows, j])
 
 
 def pack_completed_ref(cfg: KVQuantConfig, lengths, k_qbuf, v_qbuf, key_pool, value_pool, k_page_table, v_page_table,
-                       salt: int = 0) -> None:
+                       salt: int = 0, query_scale: torch.Tensor | None = None) -> None:
     """Torch reference of :func:`pack_completed` (``kitty.backend.pack_completed_torch``): the same writes."""
     from kitty.backend import pack_completed_torch
 
-    pack_completed_torch(cfg, lengths, k_qbuf, v_qbuf, key_pool, value_pool, k_page_table, v_page_table, salt=salt)
+    pack_completed_torch(cfg, lengths, k_qbuf, v_qbuf, key_pool, value_pool, k_page_table, v_page_table, salt=salt,
+                         query_scale=query_scale)
 
 
-def pack_pages_ref(cfg: KVQuantConfig, k_qbuf=None, v_qbuf=None, *, k_rows=None, v_rows=None, salt: int = 0):
-    """Torch reference of :func:`pack_pages` (without ``pool``): ``kitty.quant`` on the selected rows."""
+def pack_pages_ref(cfg: KVQuantConfig, k_qbuf=None, v_qbuf=None, *, k_rows=None, v_rows=None, salt: int = 0,
+                   query_scale: torch.Tensor | None = None):
+    """Torch reference of :func:`pack_pages` (without ``pool``): ``kitty.quant`` on the selected rows
+    (``query_scale`` ``[N, Hkv, D]`` of those rows)."""
     kp = vp = None
     if k_qbuf is not None:
         rows = slice(None) if k_rows is None else torch.as_tensor(k_rows, device=k_qbuf.device).long()
-        kp = quantize_key_page(k_qbuf[rows], cfg, salt)
+        kp = quantize_key_page(k_qbuf[rows], cfg, salt, query_scale=query_scale)
     if v_qbuf is not None:
         rows = slice(None) if v_rows is None else torch.as_tensor(v_rows, device=v_qbuf.device).long()
         vp = quantize_value_page(v_qbuf[rows], cfg)

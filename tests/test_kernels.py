@@ -99,6 +99,45 @@ def test_pack_bit_identical(preset, D, dtype, kw):
         assert (kp.boost_idx[0].gather(-1, top[:, None].long()) < nb).all()
 
 
+@pytest.mark.parametrize(
+    "preset,D,dtype,kw",
+    [
+        ("kitty-query", 64, torch.bfloat16, {}),
+        ("kitty-pro-query", 128, torch.float16, {}),
+        ("kitty-query", 64, torch.float16, {"boost_fraction": 13 / 64}),
+        ("kitty-oracle", 64, torch.bfloat16, {}),
+        ("kitty-range", 64, torch.float16, {"boost_fraction": 5 / 64}),
+    ],
+)
+def test_pack_query_aware_selection_bit_identical(preset, D, dtype, kw):
+    """Query-aware selections ("query", "oracle") pack in the kernel with the rows' query_scale: the boost mask is
+    kitty.quant's own choice, the bytes are kitty.quant's."""
+    cfg = small(preset, group_size=32, **kw)
+    k, _ = planted_kv(4, 2, 32, D, dtype, DEVICE, seed=D + 1)
+    rows = [2, 0, 3]
+    g = torch.Generator().manual_seed(3)
+    qs = (torch.rand(len(rows), 2, D, generator=g) * 2 + 0.1).to(DEVICE)  # [N, Hkv, D], rows' query magnitudes
+    kp, _ = pack_pages(cfg, k, k_rows=rows, salt=2, query_scale=qs)
+    rk, _ = pack_pages_ref(cfg, k, k_rows=rows, salt=2, query_scale=qs)
+    for f in KEY_FIELDS:
+        assert torch.equal(getattr(kp, f), getattr(rk, f)), f"key {f} differs"
+    if cfg.channel_selection in ("query", "oracle"):
+        with pytest.raises(ValueError, match="query_scale"):
+            pack_pages(cfg, k, k_rows=rows)
+
+
+def test_pack_fitted_ranges_pack_the_min_max_side_only():
+    """kitty-fit fits key ranges (kitty.quant packs its keys) but its values are min-max: the kernel packs them."""
+    cfg = small("kitty-fit", group_size=32)
+    k, v = planted_kv(2, 2, 32, 64, torch.float16, DEVICE, seed=4)
+    _, vp = pack_pages(cfg, None, v)
+    _, rv = pack_pages_ref(cfg, None, v)
+    for f in VALUE_FIELDS:
+        assert torch.equal(getattr(vp, f), getattr(rv, f)), f"value {f} differs"
+    with pytest.raises(ValueError, match="fitted key ranges"):
+        pack_pages(cfg, k, v, query_scale=torch.ones(2, 2, 64, device=DEVICE))
+
+
 def test_pack_range_past_fp32_stays_finite_and_bit_identical():
     """A key channel and a value token spanning more than fp32 can hold (finite bf16 near its limits) pack to finite
     scales, exactly as kitty.quant does (its overflow-safe range), never to inf/NaN."""
