@@ -7,14 +7,16 @@ channel-major ``(D, G)`` as Algorithm 1 does (``K^T``, the operand of ``q @ K^T`
 counterpart for a value page, ``(G, D)``. Both return the model dtype, rounded exactly like the torch reference
 (``codes * scale + zero`` in fp32, then cast).
 
-Two ways to expand packed codes (``UNPACK_RESHAPE``):
-  * ``False`` -- Algorithm 1 literally: ``shifts = [0, 2, 4, 6, 0, ...]``; every byte is loaded once per code it holds
-    (4 loads of the same address, served by L1).
-  * ``True``  -- the plane is read as little-endian 32-bit words ``(rows, n/16)`` (2-bit codes: code ``k`` of a row
-    at bits ``2 (k % 16)`` of word ``k // 16``, the same bits as byte ``k // 4``, bits ``2 (k % 4)``), broadcast
-    against the 16 shifts to ``(rows, n/16, 16)`` and reshaped to ``(rows, n)``. Rows must start 4-byte aligned
-    (G % 16 == 0 for key planes, D * bits % 32 == 0 for value codes). Word loads cut the load/address instructions
-    ~4x against byte loads (measured on the H200, benchmarks/RESULTS.md).
+Every plane is quarter-strided (``docs/LAYOUT.md``): a row of ``N`` 2-bit codes is ``N/4`` bytes whose bits ``2s``
+hold codes ``s N/4 .. (s+1) N/4 - 1`` (4-bit: bits ``4s``, halves). Key rows are tokens (codes along channels),
+value rows are channels (codes along tokens). Two ways to expand them (``UNPACK_RESHAPE``):
+  * ``False`` -- Algorithm 1 literally: code ``k`` of a row from byte ``k % (N/4)`` shifted by ``2 (k // (N/4))``;
+    every byte is loaded once per code it holds (4 loads of the same address, served by L1).
+  * ``True``  -- every byte once: the ``(rows, N/4)`` byte tile, broadcast against the 4 shifts to
+    ``(rows, 4, N/4)`` (the row's quarters, in order) and reshaped to ``(rows, N)``. A block of a value page that
+    is smaller than a quarter lies inside one quarter: its bytes are read once with one shift.
+The compact high plane is gathered per channel (byte ``slot % ceil(nb/4)``, shift ``2 (slot // ceil(nb/4))``)
+either way.
 """
 
 from __future__ import annotations
@@ -61,36 +63,36 @@ def cast_to(x, DTYPE: tl.constexpr):
 @triton.jit
 def _load_packed(ptr, row_off, mask_rows, ROWS: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr,
                  UNPACK_RESHAPE: tl.constexpr):
-    """Packed codes of a ``(ROWS, N)`` tile at ``ptr + row_off[r] + byte`` (rows where ``mask_rows`` is False read
-    0, no memory traffic). With ``UNPACK_RESHAPE`` the bytes are read as little-endian 32-bit words,
-    ``(ROWS, N / codes_per_word)`` (code ``k`` of a row at bits ``BITS * (k % codes_per_word)`` of word
-    ``k // codes_per_word``; needs 4-byte aligned rows); else ``(ROWS, N)`` bytes, each loaded once per code it
-    holds (Algorithm 1's ``shifts = [0, 2, 4, 6, 0, ...]``)."""
+    """Packed codes of a ``(ROWS, N)`` tile: row ``r``'s ``N`` codes are the ``NQ = N * BITS / 8`` bytes at
+    ``ptr + row_off[r]``, quarter-strided (code ``e * NQ + j`` at bits ``BITS * e`` of byte ``j``). Rows where
+    ``mask_rows`` is False read 0, no memory traffic. With ``UNPACK_RESHAPE`` every byte is loaded once,
+    ``(ROWS, NQ)``; else ``(ROWS, N)``, byte ``k % NQ`` for code ``k`` (each byte loaded once per code it holds)."""
+    PER: tl.constexpr = 8 // BITS
+    NQ: tl.constexpr = N // PER
     if UNPACK_RESHAPE:
-        PERW: tl.constexpr = 32 // BITS
-        jw = tl.arange(0, N // PERW)
-        wptr = ptr.to(tl.pointer_type(tl.int32))
-        b = tl.load(wptr + (row_off // 4)[:, None] + jw[None, :], mask=mask_rows[:, None], other=0)
+        j = tl.arange(0, NQ)
+        b = tl.load(ptr + row_off[:, None] + j[None, :], mask=mask_rows[:, None], other=0)
     else:
-        PER: tl.constexpr = 8 // BITS
         k = tl.arange(0, N)
-        b = tl.load(ptr + row_off[:, None] + (k // PER)[None, :], mask=mask_rows[:, None], other=0)
+        b = tl.load(ptr + row_off[:, None] + (k % NQ)[None, :], mask=mask_rows[:, None], other=0)
     return b
 
 
 @triton.jit
 def _expand_packed(b, ROWS: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr, UNPACK_RESHAPE: tl.constexpr):
-    """Codes ``(ROWS, N)`` int32 from :func:`_load_packed`'s words / bytes."""
+    """Codes ``(ROWS, N)`` int32 from :func:`_load_packed`'s bytes: with ``UNPACK_RESHAPE`` the ``8 / BITS`` shifts
+    of the ``(ROWS, NQ)`` bytes are the row's parts in order, ``(ROWS, 8 / BITS, NQ)``, reshaped to ``(ROWS, N)``;
+    else byte ``k % NQ`` shifted by ``BITS * (k // NQ)``."""
     CODE_MASK: tl.constexpr = (1 << BITS) - 1
+    PER: tl.constexpr = 8 // BITS
+    NQ: tl.constexpr = N // PER
     if UNPACK_RESHAPE:
-        PERW: tl.constexpr = 32 // BITS
-        e = tl.arange(0, PERW)
-        codes3 = (b[:, :, None] >> (BITS * e)[None, None, :]) & CODE_MASK  # (ROWS, N/PERW, PERW)
-        codes = tl.reshape(codes3, (ROWS, N))
+        e = tl.arange(0, PER)
+        parts = (b.to(tl.int32)[:, None, :] >> (BITS * e)[None, :, None]) & CODE_MASK  # [r, e, j] = code e*NQ + j
+        codes = tl.reshape(parts, (ROWS, N))
     else:
-        PER: tl.constexpr = 8 // BITS
         k = tl.arange(0, N)
-        codes = (b.to(tl.int32) >> (BITS * (k % PER))[None, :]) & CODE_MASK
+        codes = (b.to(tl.int32) >> (BITS * (k // NQ))[None, :]) & CODE_MASK
     return codes
 
 
@@ -102,45 +104,53 @@ def _load_key_raw(low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, pbase, n0, ok
                   G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
                   UNPACK_RESHAPE: tl.constexpr):
     """Algorithm 1, the loads (lines 4-12 before unpacking) of tokens ``n0 .. n0+BN-1`` of one key page:
-    ``(low bytes, high bytes, scale, zero)``. Nothing is read where the scalar ``ok`` is False."""
-    G4: tl.constexpr = G // 4
+    ``(low bytes, high bytes (BN, D), high shift (D,), scale, zero)``. Both planes are token-major: a token's low row
+    holds its ``D`` channels (channel ``s * D/4 + j`` at bits ``2s`` of byte ``j``), its high row the ``nb`` boosted
+    channels by slot (slot ``s * NBQ + j`` at bits ``2s`` of byte ``j``, ``NBQ = ceil(nb / 4)``). Nothing is read
+    where the scalar ``ok`` is False."""
+    D4: tl.constexpr = D // 4
+    NBQ: tl.constexpr = (NB + 3) // 4
     d = tl.arange(0, D)
-    byte0 = n0 // 4  # first byte of the token block in each plane row
+    t = n0 + tl.arange(0, BN)
     okd = d < tl.where(ok, D, 0)  # all channels, or none where not ok
+    okt = t < tl.where(ok, G, 0)
     # lines 4-5: metadata
     scale = tl.load(scale_ptr + pbase * D + d, mask=okd, other=0.0)
     zero = tl.load(zero_ptr + pbase * D + d, mask=okd, other=0.0)
-    # lines 8: low plane, every channel
-    low = _load_packed(low_ptr + pbase * (D * G4) + byte0, d * G4, okd, D, BN, 2, UNPACK_RESHAPE)
+    # line 8: low plane, every channel of the block's token rows
+    low = _load_packed(low_ptr + pbase * (G * D4), t * D4, okt, BN, D, 2, UNPACK_RESHAPE)
     if NB > 0:
-        # lines 5-6: boost mask from boost_idx (sentinel 255 >= NB); int32 BEFORE address arithmetic (uint8 * row
-        # bytes wraps at 256: slots 8+ alias slots 0-7 at G=128, as in the paper's own kernel)
+        # lines 5-6: boost mask from boost_idx (sentinel 255 >= NB); int32 BEFORE address arithmetic (uint8 address
+        # terms wrap at 256)
         idx = tl.load(idx_ptr + pbase * D + d, mask=okd, other=255).to(tl.int32)
         boosted = idx < NB
         slot = tl.where(boosted, idx, 0)
-        # line 11: high-plane rows of boosted channels through boost_idx, masked load (no branching)
-        high = _load_packed(high_ptr + pbase * (NB * G4) + byte0, slot * G4, boosted, D, BN, 2, UNPACK_RESHAPE)
+        # line 11: each boosted channel's byte of the high rows through boost_idx, masked load (no branching)
+        high = tl.load(high_ptr + pbase * (G * NBQ) + t[:, None] * NBQ + (slot % NBQ)[None, :],
+                       mask=okt[:, None] & boosted[None, :], other=0)  # (BN, D)
+        hshift = 2 * (slot // NBQ)
     else:
         high = low
-    return low, high, scale, zero
+        hshift = d
+    return low, high, hshift, scale, zero
 
 
 @triton.jit
-def _key_from_raw(low, high, scale, zero, BN: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, DTYPE: tl.constexpr,
-                  UNPACK_RESHAPE: tl.constexpr):
-    """Algorithm 1, lines 9, 12, 14, 15: unpack, ``X_low | X_high << 2``, ``X * scale + zero`` -> ``(D, BN)``."""
-    code = _expand_packed(low, D, BN, 2, UNPACK_RESHAPE)
+def _key_from_raw(low, high, hshift, scale, zero, BN: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
+                  DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr):
+    """Algorithm 1, lines 9, 12, 14, 15: unpack, ``X_low | X_high << 2``, ``X * scale + zero`` -> ``(BN, D)``."""
+    code = _expand_packed(low, BN, D, 2, UNPACK_RESHAPE)
     if NB > 0:
-        code = code | (_expand_packed(high, D, BN, 2, UNPACK_RESHAPE) << 2)
+        code = code | (((high.to(tl.int32) >> hshift[None, :]) & 3) << 2)  # unboosted channels read 0
     # fp32, then the model dtype, as kitty.quant.dequantize_codes
-    return cast_to(code.to(tl.float32) * scale.to(tl.float32)[:, None] + zero.to(tl.float32)[:, None], DTYPE)
+    return cast_to(code.to(tl.float32) * scale.to(tl.float32)[None, :] + zero.to(tl.float32)[None, :], DTYPE)
 
 
 @triton.jit
 def _key_page_T(
-    # pool pointers (docs/LAYOUT.md): k_low [P, Hkv, D, G/4], k_high [P, Hkv, NB, G/4], k_boost_idx/scale/zero [P, Hkv, D]
+    # pool pointers (docs/LAYOUT.md): k_low [P, Hkv, G, D/4], k_high [P, Hkv, G, ceil(NB/4)], k_boost_idx/scale/zero [P, Hkv, D]
     low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, raw_ptr,
-    # which (page, head): pbase = page * Hkv + head, int64; tokens n0 .. n0 + BN - 1 of the page (n0 % 4 == 0)
+    # which (page, head): pbase = page * Hkv + head, int64; tokens n0 .. n0 + BN - 1 of the page
     pbase, n0,
     # meta-parameters
     G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, KEY_RAW: tl.constexpr,
@@ -152,9 +162,9 @@ def _key_page_T(
         t = n0 + tl.arange(0, BN)
         kT = tl.load(raw_ptr + pbase * (G * D) + t[None, :] * D + d[:, None])
     else:
-        low, high, scale, zero = _load_key_raw(low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, pbase, n0, True,
-                                               G, BN, D, NB, UNPACK_RESHAPE)
-        kT = _key_from_raw(low, high, scale, zero, BN, D, NB, DTYPE, UNPACK_RESHAPE)
+        low, high, hshift, scale, zero = _load_key_raw(low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, pbase, n0,
+                                                       True, G, BN, D, NB, UNPACK_RESHAPE)
+        kT = tl.trans(_key_from_raw(low, high, hshift, scale, zero, BN, D, NB, DTYPE, UNPACK_RESHAPE))
     return kT
 
 
@@ -164,32 +174,62 @@ def _key_page_T(
 @triton.jit
 def _load_value_raw(codes_ptr, scale_ptr, zero_ptr, pbase, n0, ok, G: tl.constexpr, BN: tl.constexpr,
                     D: tl.constexpr, VBITS: tl.constexpr, UNPACK_RESHAPE: tl.constexpr):
-    """Loads of tokens ``n0 .. n0+BN-1`` of one value page: ``(code bytes, scale, zero)``; nothing if not ``ok``."""
-    DB: tl.constexpr = D * VBITS // 8
+    """Loads of tokens ``n0 .. n0+BN-1`` (``n0 % BN == 0``) of one value page: ``(code bytes (D, *), scale, zero)``;
+    nothing if not ``ok``. ``v_codes`` rows are channels: token ``e * GQ + i`` at bits ``VBITS * e`` of byte ``i``
+    (``GQ = G * VBITS / 8`` bytes a row). With ``UNPACK_RESHAPE`` the block's bytes are loaded once: a block of
+    whole parts (``BN >= GQ``) reads every byte of the row, ``(D, GQ)``; a smaller block lies in one part and reads
+    its ``(D, BN)`` bytes. Else ``(D, BN)``, byte ``t % GQ`` for token ``t``."""
+    PER: tl.constexpr = 8 // VBITS
+    GQ: tl.constexpr = G // PER
     t = n0 + tl.arange(0, BN)
+    d = tl.arange(0, D)
     okt = t < tl.where(ok, G, 0)
+    okd = d < tl.where(ok, D, 0)
     scale = tl.load(scale_ptr + pbase * G + t, mask=okt, other=0.0)
     zero = tl.load(zero_ptr + pbase * G + t, mask=okt, other=0.0)
-    codes = _load_packed(codes_ptr + pbase * (G * DB), t * DB, okt, BN, D, VBITS, UNPACK_RESHAPE)
+    rows = codes_ptr + pbase * (D * GQ) + d[:, None] * GQ  # (D, 1)
+    if UNPACK_RESHAPE:
+        if BN >= GQ:
+            codes = tl.load(rows + tl.arange(0, GQ)[None, :], mask=okd[:, None], other=0)
+        else:
+            codes = tl.load(rows + (n0 % GQ + tl.arange(0, BN))[None, :], mask=okd[:, None], other=0)
+    else:
+        codes = tl.load(rows + (t % GQ)[None, :], mask=okd[:, None], other=0)
     return codes, scale, zero
 
 
 @triton.jit
-def _value_from_raw(codes, scale, zero, BN: tl.constexpr, D: tl.constexpr, VBITS: tl.constexpr, DTYPE: tl.constexpr,
-                    UNPACK_RESHAPE: tl.constexpr):
-    code = _expand_packed(codes, BN, D, VBITS, UNPACK_RESHAPE)  # (BN, D)
+def _value_from_raw(codes, scale, zero, n0, G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+                    VBITS: tl.constexpr, DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr):
+    """Tokens ``n0 ..`` of :func:`_load_value_raw`'s bytes, dequantized: ``(BN, D)`` in ``DTYPE``."""
+    CODE_MASK: tl.constexpr = (1 << VBITS) - 1
+    PER: tl.constexpr = 8 // VBITS
+    GQ: tl.constexpr = G // PER
+    b = codes.to(tl.int32)
+    if UNPACK_RESHAPE:
+        if BN >= GQ:
+            e = n0 // GQ + tl.arange(0, BN // GQ)  # the block's parts, in token order
+            parts = (b[:, None, :] >> (VBITS * e)[None, :, None]) & CODE_MASK  # [c, e, i] = token e*GQ + i
+            code = tl.reshape(parts, (D, BN))
+        else:
+            code = (b >> (VBITS * (n0 // GQ))) & CODE_MASK
+    else:
+        t = n0 + tl.arange(0, BN)
+        code = (b >> (VBITS * (t // GQ))[None, :]) & CODE_MASK
+    code = tl.trans(code)  # (BN, D)
     return cast_to(code.to(tl.float32) * scale.to(tl.float32)[:, None] + zero.to(tl.float32)[:, None], DTYPE)
 
 
 @triton.jit
 def _value_page(
-    # pool pointers: v_codes [P, Hkv, G, D*VBITS/8], v_scale/v_zero [P, Hkv, G], v_raw [P, Hkv, G, D]
+    # pool pointers: v_codes [P, Hkv, D, G*VBITS/8], v_scale/v_zero [P, Hkv, G], v_raw [P, Hkv, G, D]
     codes_ptr, scale_ptr, zero_ptr, raw_ptr,
     pbase, n0,
     G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, VBITS: tl.constexpr, VALUE_RAW: tl.constexpr,
     DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr,
 ):
-    """The dequantized values ``(BN, D)`` of tokens ``n0 ..`` of one page in ``DTYPE`` (per-token scale/zero)."""
+    """The dequantized values ``(BN, D)`` of tokens ``n0 ..`` of one page in ``DTYPE`` (per-token scale/zero);
+    ``n0`` a multiple of ``BN``."""
     if VALUE_RAW:
         t = n0 + tl.arange(0, BN)
         d = tl.arange(0, D)
@@ -197,7 +237,7 @@ def _value_page(
     else:
         codes, scale, zero = _load_value_raw(codes_ptr, scale_ptr, zero_ptr, pbase, n0, True, G, BN, D, VBITS,
                                              UNPACK_RESHAPE)
-        v = _value_from_raw(codes, scale, zero, BN, D, VBITS, DTYPE, UNPACK_RESHAPE)
+        v = _value_from_raw(codes, scale, zero, n0, G, BN, D, VBITS, DTYPE, UNPACK_RESHAPE)
     return v
 
 

@@ -7,10 +7,14 @@ Algorithm 1, one program per (page, KV head) (see ``kernels/_tiles.py::_key_page
     scale, zero  = load per-channel metadata                         # (D,)
     boost_idx    = load(boost_idx).to(int32)                         # cast BEFORE address arithmetic
     boost_mask   = boost_idx < nb                                    # sentinel 255 -> not boosted
-    X_low        = (load(low)  >> shifts) & 3                        # (D, G)
-    X_high       = (load(high[boost_idx], mask=boost_mask) >> shifts) & 3   # masked rows read 0
+    X_low[t, s*D/4 + j] = (low[t, j] >> 2s) & 3                      # (G, D): quarters of a token's row
+    X_high[t, c] = (high[t, slot % nq] >> 2 (slot // nq)) & 3        # slot = boost_idx[c], nq = ceil(nb/4);
+                                                                     # masked (unboosted) channels read 0
     X            = X_low | X_high << 2                               # no per-element branching
     K^T          = X * scale + zero                                  # (D, G), stored transposed as (G, D)
+
+Values: ``v_codes`` rows are channels, token ``e*G/4 + i`` at bits ``2e`` of byte ``i`` (4-bit: ``e*G/2 + i``, bits
+``4e``); ``V[t, c] = code * scale[t] + zero[t]``.
 
 Used by notebooks and tests (the attention kernels call the same device functions on tiles in registers).
 """
@@ -69,18 +73,24 @@ def _checked_output(page: KeyPage | ValuePage, lead: list[int], per: int, G: int
 
 
 def dequantize_key_page_triton(page: KeyPage, unpack_reshape: bool = True) -> torch.Tensor:
-    """Reconstruct keys ``[..., G, D]`` in ``page.dtype`` from a :class:`kitty.quant.KeyPage` (Algorithm 1)."""
+    """Reconstruct keys ``[..., G, D]`` in ``page.dtype`` from a :class:`kitty.quant.KeyPage` (Algorithm 1).
+
+    ``unpack_reshape``: read each packed byte once and reshape its quarters (``kernels/_tiles.py``), or once per
+    code it holds."""
     if page.raw.numel():
         return page.raw
     low, high, idx = page.low, page.high, page.boost_idx
     if low.dtype != torch.uint8 or high.dtype != torch.uint8 or idx.dtype != torch.uint8:
         raise ValueError("low, high and boost_idx must be uint8")
-    *lead, D, G4 = low.shape
-    G, nb = 4 * G4, high.shape[-2]
-    if tuple(high.shape) != (*lead, nb, G4) or tuple(idx.shape) != (*lead, D):
-        raise ValueError(f"inconsistent page: low {tuple(low.shape)}, high {tuple(high.shape)}, boost_idx {tuple(idx.shape)}")
+    *lead, G, D4 = low.shape
+    D, nb = 4 * D4, page.num_boosted
+    if tuple(high.shape) != (*lead, G, -(-nb // 4)) or tuple(idx.shape) != (*lead, D):
+        raise ValueError(
+            f"inconsistent page of {nb} boosted channels: low {tuple(low.shape)}, high {tuple(high.shape)}, "
+            f"boost_idx {tuple(idx.shape)}"
+        )
     out = _checked_output(page, lead, D, G, D)
-    n = low.numel() // (D * G4)
+    n = low.numel() // (G * D4)
     if n == 0:
         return out
     low, high, idx = low.contiguous(), high.contiguous(), idx.contiguous()
@@ -88,26 +98,27 @@ def dequantize_key_page_triton(page: KeyPage, unpack_reshape: bool = True) -> to
         high = low  # never read (NB == 0); any valid pointer
     _dequant_key_kernel[(n,)](
         low, high, idx, page.scale.contiguous(), page.zero.contiguous(), out,
-        G=G, D=D, NB=nb, DTYPE=TLTYPE[page.dtype], UNPACK_RESHAPE=unpack_reshape and G % 16 == 0,  # word loads
+        G=G, D=D, NB=nb, DTYPE=TLTYPE[page.dtype], UNPACK_RESHAPE=unpack_reshape,
     )
     return out
 
 
 def dequantize_value_page_triton(page: ValuePage, unpack_reshape: bool = True) -> torch.Tensor:
-    """Reconstruct values ``[..., G, D]`` in ``page.dtype`` from a :class:`kitty.quant.ValuePage`."""
+    """Reconstruct values ``[..., G, D]`` in ``page.dtype`` from a :class:`kitty.quant.ValuePage`
+    (``unpack_reshape`` as in :func:`dequantize_key_page_triton`)."""
     if page.raw.numel():
         return page.raw
     codes = page.codes
     if codes.dtype != torch.uint8:
         raise ValueError("codes must be uint8")
-    *lead, G, DB = codes.shape
-    D = DB * 8 // page.bits
+    *lead, D, GB = codes.shape
+    G = GB * 8 // page.bits
     out = _checked_output(page, lead, G, G, D)
-    n = codes.numel() // (G * DB)
+    n = codes.numel() // (D * GB)
     if n == 0:
         return out
     _dequant_value_kernel[(n,)](
         codes.contiguous(), page.scale.contiguous(), page.zero.contiguous(), out,
-        G=G, D=D, VBITS=page.bits, DTYPE=TLTYPE[page.dtype], UNPACK_RESHAPE=unpack_reshape and D * page.bits % 32 == 0,
+        G=G, D=D, VBITS=page.bits, DTYPE=TLTYPE[page.dtype], UNPACK_RESHAPE=unpack_reshape,
     )
     return out

@@ -7,9 +7,11 @@ KV heads, keys and values, in a single launch. It is bit-identical to the torch 
     key page   (per channel, §3.2–3.3):  ``quantize_key_page``    -> low / high / boost_idx / scale / zero
     value page (per token, KIVI-style):  ``quantize_value_page``  -> codes / scale / zero
 
-Algorithm, one program per (page, KV head), keys or values (``IS_KEY`` picks the branch, no per-element branching):
+Algorithm, one program per (page, KV head), keys or values (the program id picks the branch, no per-element
+branching). Every plane packs along the axis attention reduces over (``docs/LAYOUT.md``): a row of ``n`` codes is
+4 quarters of ``n/4``, quarter ``s`` at bits ``2s`` of the row's ``n/4`` bytes (4-bit value codes: 2 halves):
 
-    x      = qbuf[row, head]                              # (G, D) tokens x channels, loaded as (G/4, 4, D)
+    x      = qbuf[row, head]                              # (G, D) tokens x channels
     # keys: importance and top-k boost selection (§3.3)
     s[c]   = mean_t |x[t, c]|                              # channel importance
     rank[c]= #{c' : s[c'] > s[c]} + #{c' < c : s[c'] == s[c]}   # ties -> lower channel index first
@@ -17,14 +19,23 @@ Algorithm, one program per (page, KV head), keys or values (``IS_KEY`` picks the
     levels = boost ? 15 : 3
     # min-max over tokens, scale rounded UP to the next 16-bit value (kitty.quant.minmax_params)
     zero   = min_t x ;  scale = roundup16((max_t x - zero) / levels)   (a range past fp32: max/levels - zero/levels)
-    code   = clamp(floor((x - zero) / scale + 1/2), 0, levels)
-    low[c, j]       = OR_s (code[4j+s, c] & 3) << 2s
-    high[slot[c], j]= OR_s (code[4j+s, c] >> 2) << 2s        (boosted c only)
+    code   = clamp(floor((x - zero) / scale + 1/2), 0, levels)          # (G, D)
+    low[t, j]       = OR_s (code[t, s*D/4 + j] & 3) << 2s              # (G, D/4), token-major
+    chan[k]         = the boosted channel with slot k                  # k < nb
+    high[t, j]      = OR_s (code[t, chan[s*nq + j]] >> 2) << 2s        # (G, nq), nq = ceil(nb/4); slots >= nb: 0
     boost_idx[c]    = boost ? slot : 255
-    # values: the same min-max per token (over channels), codes packed along channels, PER = 8 / bits per byte
+    # values: min-max per token (over channels), codes packed along tokens, channel-major, PER = 8 / bits:
+    codes[c, i]     = OR_e code[e*G/PER + i, c] << (bits * e)          # (D, G/PER)
 
-Selection by ``channel_selection="random"`` is computed by the torch reference's ``channel_importance`` and passed
-in as a ready boost mask (the scores are a fixed per-layer permutation, no data dependence); the rest runs here.
+The high plane gathers its channels through ``chan``: each slot's scale/zero is a one-hot pick from the per-channel
+vectors (exact) and its tokens are read again from the qbuffer (the same floats, so the same codes).
+
+Selection other than ``"magnitude"`` (``"random"``, ``"range"``, ``"query"``, ``"oracle"``, the last two with the
+rows' ``query_scale``) is computed by the torch reference's ``channel_importance`` and passed in as a ready boost mask,
+so that it is the reference's choice by construction (the oracle's scores sum squared errors over tokens in torch's
+order); the rest runs here. Fitted ranges (``key_range``/``value_range`` ``"fit"``, ``"fit-peak"``: a clipping search
+and least-squares refits whose fp32 sums would have to follow torch's order) are not packed here; a side with a
+min-max range is packed whatever the other side's range.
 Ties: ``torch.topk`` does not document which of equal scores it keeps; the kernel keeps the lower channel index.
 Random float data has no ties; the tests plant distinct outlier channels.
 """
@@ -92,21 +103,17 @@ def _pack_kernel(
     n_key_progs, Hkv, len_ptr, k_width, v_width,
     # strides of the two qbuffers (row, head, token); channels are contiguous
     skq_b, skq_h, skq_t, svq_b, svq_h, svq_t,
-    # meta-parameters
-    G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, KEY_LEVELS: tl.constexpr,
+    # meta-parameters; NBQP: ceil(NB / 4) rounded up to a power of two (the high plane's byte tile width)
+    G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, NBQP: tl.constexpr, KEY_LEVELS: tl.constexpr,
     VBITS: tl.constexpr, USE_MASK: tl.constexpr,
     DTYPE: tl.constexpr, ITYPE: tl.constexpr, ROUND_UP: tl.constexpr,
     PREDICATED: tl.constexpr = False, S: tl.constexpr = 0, R: tl.constexpr = 0,
 ):
-    G4: tl.constexpr = G // 4
     pid = tl.program_id(0)
-    # ---- tile indices: x viewed as (G/4, 4, D) so that token 4j+s sits at [j, s, :]
-    j = tl.arange(0, G4)
-    s = tl.arange(0, 4)
-    c = tl.arange(0, D)
-    t3 = 4 * j[:, None, None] + s[None, :, None]  # (G4, 4, 1) token index
     if pid < n_key_progs:
         # ================================================================= key page: per channel, boosted
+        D4: tl.constexpr = D // 4  # bytes of a low-plane row: channel s * D4 + j at bits 2s of byte j
+        NBQ: tl.constexpr = (NB + 3) // 4  # bytes of a high-plane row: slot s * NBQ + j at bits 2s of byte j
         i = pid // Hkv
         h = pid % Hkv
         if PREDICATED:  # program (row i, head h) of every row: only a row whose key qbuffer just filled packs
@@ -118,12 +125,16 @@ def _pack_kernel(
         else:
             row = tl.load(k_rows_ptr + i).to(tl.int64)
             page = tl.load(k_pages_ptr + i).to(tl.int64)
-        x = tl.load(kq_ptr + row * skq_b + h * skq_h + t3 * skq_t + c[None, None, :]).to(tl.float32)  # (G4, 4, D)
+        t = tl.arange(0, G)
+        c = tl.arange(0, D)
+        q4 = tl.arange(0, 4)
+        kbase = kq_ptr + row * skq_b + h * skq_h
+        x = tl.load(kbase + t[:, None] * skq_t + c[None, :]).to(tl.float32)  # (G, D) tokens x channels
         # -- importance and top-NB selection (rank by counting larger scores, ties -> lower index)
         if USE_MASK:
             boost = tl.load(k_mask_ptr + (i * Hkv + h) * D + c) != 0
         else:
-            score = tl.sum(tl.sum(tl.abs(x), axis=1), axis=0) / G  # (D,)
+            score = tl.sum(tl.abs(x), axis=0) / G  # (D,)
             sc = score[:, None]
             so = score[None, :]
             before = (so > sc) | ((so == sc) & (c[None, :] < c[:, None]))  # (D, D): channel c' ranks before c
@@ -132,31 +143,46 @@ def _pack_kernel(
         slot = tl.sum(((c[None, :] < c[:, None]) & boost[None, :]).to(tl.int32), axis=1)  # boosted channels before c
         levels = tl.where(boost, 15.0, KEY_LEVELS * 1.0)  # (D,)
         # -- min-max per channel over tokens
-        mn = tl.min(tl.min(x, axis=1), axis=0)
-        mx = tl.max(tl.max(x, axis=1), axis=0)
+        mn = tl.min(x, axis=0)
+        mx = tl.max(x, axis=0)
         if ROUND_UP:
             scale_q = _roundup_to(_range_scale(mx, mn, levels), DTYPE, ITYPE)
         else:
             scale_q = _range_scale(mx, mn, levels).to(DTYPE)
         zero_q = mn.to(DTYPE)
-        code = _quantize(x, zero_q.to(tl.float32)[None, None, :], scale_q.to(tl.float32)[None, None, :],
-                         levels[None, None, :])  # (G4, 4, D) int32
-        # -- pack: 4 tokens per byte, token 4j+s at bits 2s
-        shifts = 2 * s[None, :, None]
-        low = tl.sum((code & 3) << shifts, axis=1)  # (G4, D), disjoint bits: sum == or
+        scale_f = scale_q.to(tl.float32)
+        zero_f = zero_q.to(tl.float32)
+        code = _quantize(x, zero_f[None, :], scale_f[None, :], levels[None, :])  # (G, D) int32
+        # -- low plane: a token's row of D codes as 4 quarters of D/4 channels, quarter s at bits 2s
+        quarters = tl.reshape(code & 3, (G, 4, D4))  # [t, s, j] = channel s * D4 + j
+        low = tl.sum(quarters << (2 * q4)[None, :, None], axis=1)  # (G, D4), disjoint bits: sum == or
         pbase = page * Hkv + h
-        tl.store(k_low_ptr + pbase * (D * G4) + c[None, :] * G4 + j[:, None], low.to(tl.uint8))
+        jd = tl.arange(0, D4)
+        tl.store(k_low_ptr + pbase * (G * D4) + t[:, None] * D4 + jd[None, :], low.to(tl.uint8))
         if NB > 0:
-            high = tl.sum((code >> 2) << shifts, axis=1)
-            tl.store(k_high_ptr + pbase * (NB * G4) + slot[None, :] * G4 + j[:, None], high.to(tl.uint8),
-                     mask=boost[None, :])
+            # -- high plane, compact by slot: the boosted channel of each slot, its scale/zero (a one-hot pick from
+            # the per-channel vectors: exact) and its tokens re-read from the qbuffer (the codes come out the same)
+            jq = tl.arange(0, NBQP)
+            tgt = q4[:, None] * NBQ + jq[None, :]  # (4, NBQP): the slot at bits 2s of byte jq
+            live = (jq[None, :] < NBQ) & (tgt < NB)  # slots nb .. 4 * NBQ - 1 and the tile's padding hold code 0
+            pick = (tgt[:, :, None] == slot[None, None, :]) & boost[None, None, :]  # (4, NBQP, D)
+            chan = tl.sum(tl.where(pick, c[None, None, :], 0), axis=2)  # (4, NBQP)
+            hscale = tl.sum(tl.where(pick, scale_f[None, None, :], 0.0), axis=2)
+            hzero = tl.sum(tl.where(pick, zero_f[None, None, :], 0.0), axis=2)
+            xh = tl.load(kbase + t[:, None, None] * skq_t + chan[None, :, :], mask=live[None, :, :],
+                         other=0.0).to(tl.float32)  # (G, 4, NBQP)
+            hcode = _quantize(xh, hzero[None, :, :], hscale[None, :, :], 15.0) >> 2
+            hcode = tl.where(live[None, :, :], hcode, 0)
+            high = tl.sum(hcode << (2 * q4)[None, :, None], axis=1)  # (G, NBQP)
+            tl.store(k_high_ptr + pbase * (G * NBQ) + t[:, None] * NBQ + jq[None, :], high.to(tl.uint8),
+                     mask=(jq < NBQ)[None, :])
         tl.store(k_idx_ptr + pbase * D + c, tl.where(boost, slot, 255).to(tl.uint8))
         tl.store(k_scale_ptr + pbase * D + c, scale_q)
         tl.store(k_zero_ptr + pbase * D + c, zero_q)
     else:
         # ================================================================= value page: per token
-        PER: tl.constexpr = 8 // VBITS
-        DP: tl.constexpr = D // PER
+        PER: tl.constexpr = 8 // VBITS  # codes per byte
+        GQ: tl.constexpr = G // PER  # bytes of a channel's row: token e * GQ + i at bits VBITS * e of byte i
         vi = (pid - n_key_progs) // Hkv
         vh = (pid - n_key_progs) % Hkv
         if PREDICATED:  # likewise for a value qbuffer (filled once R more tokens came)
@@ -168,29 +194,46 @@ def _pack_kernel(
         else:
             vrow = tl.load(v_rows_ptr + vi).to(tl.int64)
             vpage = tl.load(v_pages_ptr + vi).to(tl.int64)
-        t = tl.arange(0, G)
-        k = tl.arange(0, DP)
         e = tl.arange(0, PER)
-        c3 = PER * k[None, :, None] + e[None, None, :]  # (1, DP, PER) channel index
-        vx = tl.load(vq_ptr + vrow * svq_b + vh * svq_h + t[:, None, None] * svq_t + c3).to(tl.float32)  # (G, DP, PER)
-        vmn = tl.min(tl.min(vx, axis=2), axis=1)  # (G,)
-        vmx = tl.max(tl.max(vx, axis=2), axis=1)
+        iq = tl.arange(0, GQ)
+        cv = tl.arange(0, D)
+        tok = e[:, None] * GQ + iq[None, :]  # (PER, GQ) token index
+        vx = tl.load(vq_ptr + vrow * svq_b + vh * svq_h + tok[:, :, None] * svq_t + cv[None, None, :]).to(tl.float32)
+        vmn = tl.min(vx, axis=2)  # (PER, GQ): per token, over channels
+        vmx = tl.max(vx, axis=2)
         VLEVELS: tl.constexpr = (1 << VBITS) - 1
+        vlevels = tl.full(vmx.shape, VLEVELS, tl.float32)
         if ROUND_UP:
-            vlevels = tl.full(vmx.shape, VLEVELS, tl.float32)
             vscale_q = _roundup_to(_range_scale(vmx, vmn, vlevels), DTYPE, ITYPE)
         else:
-            vscale_q = _range_scale(vmx, vmn, tl.full(vmx.shape, VLEVELS, tl.float32)).to(DTYPE)
+            vscale_q = _range_scale(vmx, vmn, vlevels).to(DTYPE)
         vzero_q = vmn.to(DTYPE)
-        vcode = _quantize(vx, vzero_q.to(tl.float32)[:, None, None], vscale_q.to(tl.float32)[:, None, None], VLEVELS * 1.0)
-        packed = tl.sum(vcode << (VBITS * e[None, None, :]), axis=2)  # (G, DP)
+        vcode = _quantize(vx, vzero_q.to(tl.float32)[:, :, None], vscale_q.to(tl.float32)[:, :, None], VLEVELS * 1.0)
+        packed = tl.sum(vcode << (VBITS * e)[:, None, None], axis=0)  # (GQ, D): tokens e * GQ + i of channel c
         vbase = vpage * Hkv + vh
-        tl.store(v_codes_ptr + vbase * (G * DP) + t[:, None] * DP + k[None, :], packed.to(tl.uint8))
-        tl.store(v_scale_ptr + vbase * G + t, vscale_q)
-        tl.store(v_zero_ptr + vbase * G + t, vzero_q)
+        tl.store(v_codes_ptr + vbase * (D * GQ) + cv[None, :] * GQ + iq[:, None], packed.to(tl.uint8))
+        tl.store(v_scale_ptr + vbase * G + tok, vscale_q)
+        tl.store(v_zero_ptr + vbase * G + tok, vzero_q)
 
 
 _ITYPE = {torch.float16: tl.int16, torch.bfloat16: tl.int16, torch.float32: tl.int32}
+
+
+def _boost_mask(cfg: KVQuantConfig, k: torch.Tensor | None, nb: int, salt: int, query_scale: torch.Tensor | None,
+                u8: dict) -> torch.Tensor:
+    """The boost mask uint8 ``[N, Hkv, D]`` that ``kitty.quant.quantize_key_page`` picks for keys ``k``, for the
+    selections the kernel does not rank itself (all but ``"magnitude"``: ``"random"``, ``"range"``, ``"query"``,
+    ``"oracle"``), computed by the same torch function; empty where the kernel ranks (or nothing is to choose)."""
+    if k is None or cfg.channel_selection == "magnitude" or not 0 < nb < k.shape[-1]:
+        return torch.empty(0, **u8)
+    if query_scale is not None:
+        query_scale = query_scale.to(k.device)
+    return select_boosted(channel_importance(k, cfg, salt, query_scale), nb).to(torch.uint8).contiguous()
+
+
+def _high_tile(nb: int) -> int:
+    """Width of the kernel's high-plane byte tile: ``ceil(nb / 4)`` bytes per token, rounded up to a power of two."""
+    return triton.next_power_of_2(max(-(-nb // 4), 1))
 
 
 def _index(x: torch.Tensor | None, n: int, device, name: str) -> torch.Tensor:
@@ -213,6 +256,7 @@ def pack_pages(
     k_pages=None,
     v_pages=None,
     salt: int = 0,
+    query_scale: torch.Tensor | None = None,
 ):
     """Quantize + pack full qbuffers into key and value pages with one kernel launch.
 
@@ -220,10 +264,12 @@ def pack_pages(
         cfg: quantization config (key_bits 2 or 4, value_bits 2 or 4; 16-bit sides are plain copies, not handled here).
         k_qbuf, v_qbuf: ``[B, Hkv, G, D]`` full-precision qbuffers (either may be ``None``); channels contiguous.
         k_rows, v_rows: int ``[N]`` rows of the qbuffers to pack (default: all rows).
-        pool: if given, pages are written into these pool tensors (docs/LAYOUT.md names: ``k_low [P, Hkv, D, G/4]``,
+        pool: if given, pages are written into these pool tensors (docs/LAYOUT.md names: ``k_low [P, Hkv, G, D/4]``,
             ``k_high``, ``k_boost_idx``, ``k_scale``, ``k_zero``, ``v_codes``, ``v_scale``, ``v_zero``) at
             ``k_pages`` / ``v_pages`` (int ``[N]`` pool indices) and ``None`` is returned.
         salt: passed to ``channel_importance`` for ``channel_selection="random"``.
+        query_scale: ``[N, Hkv, D]`` per-channel query magnitude of the packed key rows, for
+            ``channel_selection="query"`` / ``"oracle"`` (as ``kitty.quant.quantize_key_page`` takes it).
 
     Returns:
         without ``pool``: ``(KeyPage | None, ValuePage | None)`` with leading dims ``[N, Hkv]``, equal bit for bit to
@@ -250,8 +296,9 @@ def pack_pages(
     if G != cfg.group_size:
         raise ValueError(f"qbuffer holds {G} tokens but cfg.group_size is {cfg.group_size}")
     check_power_of_two({"group_size": G, "head_dim": D}, 4, "Triton pack kernel")
-    if cfg.key_range != "minmax" or cfg.value_range != "minmax":
-        raise ValueError(f"pack_pages implements min-max ranges; fitted ranges (key_range={cfg.key_range!r}, value_range={cfg.value_range!r}) pack with kitty.quant")
+    for side, x, method in (("key", k_qbuf, cfg.key_range), ("value", v_qbuf, cfg.value_range)):
+        if x is not None and method != "minmax":
+            raise ValueError(f"pack_pages implements min-max ranges; fitted {side} ranges ({side}_range={method!r}) pack with kitty.quant")
     if cfg.boost_profile is not None:
         raise ValueError("cfg has a per-layer boost_profile: pass the layer's config, cfg.for_layer(layer_idx)")
     if k_qbuf is not None and cfg.key_bits not in (2, 4):
@@ -281,11 +328,8 @@ def pack_pages(
                 raise ValueError(f"pool[{name!r}] must be contiguous [P, {', '.join(map(str, shapes[name]))}] on {device}, got {tuple(t.shape)}")
         k_pages = _index(k_pages, nk, device, "k_pages")
         v_pages = _index(v_pages, nv, device, "v_pages")
-    # ---- random selection: the torch reference picks the mask, the kernel packs with it
-    use_mask = nk > 0 and cfg.channel_selection != "magnitude" and cfg.key_bits == 2
-    k_mask = torch.empty(0, **u8)
-    if use_mask:
-        k_mask = select_boosted(channel_importance(k_qbuf[k_rows.long()], cfg, salt), nb).to(torch.uint8).contiguous()
+    k_mask = _boost_mask(cfg, k_qbuf[k_rows.long()] if nk else None, nb, salt, query_scale, u8)
+    use_mask = k_mask.numel() > 0
     dummy = torch.empty(1, dtype=dtype, device=device)
     kq = k_qbuf if k_qbuf is not None else dummy.view(1, 1, 1, 1)
     vq = v_qbuf if v_qbuf is not None else dummy.view(1, 1, 1, 1)
@@ -300,14 +344,15 @@ def pack_pages(
         out.get("v_codes", dummy), out.get("v_scale", dummy), out.get("v_zero", dummy),
         nk * Hkv, Hkv, k_rows, 0, 0,
         kq.stride(0), kq.stride(1), kq.stride(2), vq.stride(0), vq.stride(1), vq.stride(2),
-        G=G, D=D, NB=nb, KEY_LEVELS=(1 << cfg.key_bits) - 1, VBITS=cfg.value_bits, USE_MASK=use_mask,
+        G=G, D=D, NB=nb, NBQP=_high_tile(nb), KEY_LEVELS=(1 << cfg.key_bits) - 1, VBITS=cfg.value_bits, USE_MASK=use_mask,
         DTYPE=TLTYPE[dtype], ITYPE=_ITYPE[dtype], ROUND_UP=dtype != torch.float32,
         num_warps=4,
     )
     if pool is not None:
         return None
     empty = torch.empty(0, dtype=dtype, device=device)
-    kp = None if not nk else KeyPage(out["k_low"], out["k_high"], out["k_boost_idx"], out["k_scale"], out["k_zero"], empty, dtype)
+    kp = None if not nk else KeyPage(out["k_low"], out["k_high"], out["k_boost_idx"], out["k_scale"], out["k_zero"], empty, dtype,
+                                       nb)
     vp = None if not nv else ValuePage(out["v_codes"], out["v_scale"], out["v_zero"], empty, cfg.value_bits, dtype)
     return kp, vp
 
@@ -322,9 +367,16 @@ def pack_completed(
     k_page_table: torch.Tensor,
     v_page_table: torch.Tensor,
     salt: int = 0,
+    query_scale: torch.Tensor | None = None,
+    keys: bool = True,
+    values: bool = True,
 ) -> None:
     """Pack, in one launch, every row whose key or value qbuffer the last decode token filled (a static cache's
     stage 3: no host synchronization, the same grid at every step).
+
+    ``query_scale`` ``[B, Hkv, D]``: for ``channel_selection="query"`` / ``"oracle"``. ``keys`` / ``values``: which
+    sides this launch packs (a side that ``kitty.quant`` must pack, e.g. fitted key ranges, is left to the caller;
+    its pool and page table are not touched).
 
     ``lengths`` int32 ``[B]`` (counting that token); ``k_qbuf``/``v_qbuf`` ``[B, Hkv, G, D]``; pools as in
     :func:`pack_pages`, of ``B * Wk`` key and ``B * Wv`` value pages, where ``Wk``/``Wv`` are the widths of the int32
@@ -342,30 +394,34 @@ def pack_completed(
         if t.dim() != 2 or t.shape[0] != B or t.dtype != torch.int32:
             raise ValueError(f"{name} must be int32 [B={B}, width], got {t.dtype} {tuple(t.shape)}")
     wk, wv = k_page_table.shape[1], v_page_table.shape[1]
-    if wk == 0:  # no page fits max_cache_len on either side (wv <= wk)
+    if wk == 0 or not (keys or values):  # no page fits max_cache_len on either side (wv <= wk), or nothing to pack
         return
     # the config and qbuffer checks of pack_pages, on an empty selection (nothing is launched)
     none = torch.empty(0, dtype=torch.int32, device=k_qbuf.device)
-    pack_pages(cfg, k_qbuf, v_qbuf, k_rows=none, v_rows=none, pool={**key_pool, **value_pool}, k_pages=none,
-               v_pages=none, salt=salt)
-    for name, pool, width in (("k_low", key_pool, wk), ("v_codes", value_pool, wv)):
-        if pool[name].shape[0] != B * width:
+    pack_pages(cfg, k_qbuf if keys else None, v_qbuf if values else None, k_rows=none, v_rows=none,
+               pool={**key_pool, **value_pool}, k_pages=none, v_pages=none, salt=salt)
+    for name, pool, width, side in (("k_low", key_pool, wk, keys), ("v_codes", value_pool, wv, values)):
+        if side and pool[name].shape[0] != B * width:
             raise ValueError(f"{name} must hold B * width = {B * width} pages, got {pool[name].shape[0]}")
     nb = cfg.num_boosted(D)
-    use_mask = cfg.channel_selection != "magnitude" and cfg.key_bits == 2
     u8 = dict(dtype=torch.uint8, device=k_qbuf.device)
-    k_mask = select_boosted(channel_importance(k_qbuf, cfg, salt), nb).to(torch.uint8).contiguous() if use_mask else torch.empty(0, **u8)
+    k_mask = _boost_mask(cfg, k_qbuf if keys else None, nb, salt, query_scale, u8)
+    use_mask = k_mask.numel() > 0
     dummy = torch.empty(1, dtype=k_qbuf.dtype, device=k_qbuf.device)
-    nv = B if wv else 0
-    _pack_kernel[((B + nv) * Hkv,)](
+    nk, nv = (B if keys else 0), (B if values and wv else 0)
+    if nk + nv == 0:
+        return
+    kpool = key_pool if keys else {}
+    vpool = value_pool if values else {}
+    _pack_kernel[((nk + nv) * Hkv,)](
         k_qbuf, lengths, lengths, k_mask,
-        key_pool["k_low"], key_pool["k_high"] if nb else dummy, key_pool["k_boost_idx"], key_pool["k_scale"],
-        key_pool["k_zero"],
+        kpool.get("k_low", dummy), kpool.get("k_high", dummy) if nb else dummy, kpool.get("k_boost_idx", dummy),
+        kpool.get("k_scale", dummy), kpool.get("k_zero", dummy),
         v_qbuf, lengths, lengths,
-        value_pool["v_codes"], value_pool["v_scale"], value_pool["v_zero"],
-        B * Hkv, Hkv, lengths, wk, max(wv, 1),
+        vpool.get("v_codes", dummy), vpool.get("v_scale", dummy), vpool.get("v_zero", dummy),
+        nk * Hkv, Hkv, lengths, wk, max(wv, 1),
         k_qbuf.stride(0), k_qbuf.stride(1), k_qbuf.stride(2), v_qbuf.stride(0), v_qbuf.stride(1), v_qbuf.stride(2),
-        G=G, D=D, NB=nb, KEY_LEVELS=(1 << cfg.key_bits) - 1, VBITS=cfg.value_bits, USE_MASK=use_mask,
+        G=G, D=D, NB=nb, NBQP=_high_tile(nb), KEY_LEVELS=(1 << cfg.key_bits) - 1, VBITS=cfg.value_bits, USE_MASK=use_mask,
         DTYPE=TLTYPE[k_qbuf.dtype], ITYPE=_ITYPE[k_qbuf.dtype], ROUND_UP=k_qbuf.dtype != torch.float32,
         PREDICATED=True, S=cfg.sink_tokens, R=cfg.local_window,
         num_warps=4,
@@ -374,27 +430,30 @@ def pack_completed(
     S, R = cfg.sink_tokens, cfg.local_window
     n = lengths.long()
     rows = torch.arange(B, device=n.device)
-    for table, width, start in ((k_page_table, wk, n - S), (v_page_table, wv, n - S - R)):
-        if width:
+    for table, width, start, side in ((k_page_table, wk, n - S, keys), (v_page_table, wv, n - S - R, values)):
+        if width and side:
             done = (start > 0) & (start % G == 0)
             j = (start // G - 1).clamp(0, width - 1)
             table[rows, j] = torch.where(done, (rows * width + j).to(torch.int32), table[rows, j])
 
 
 def pack_completed_ref(cfg: KVQuantConfig, lengths, k_qbuf, v_qbuf, key_pool, value_pool, k_page_table, v_page_table,
-                       salt: int = 0) -> None:
+                       salt: int = 0, query_scale: torch.Tensor | None = None) -> None:
     """Torch reference of :func:`pack_completed` (``kitty.backend.pack_completed_torch``): the same writes."""
     from kitty.backend import pack_completed_torch
 
-    pack_completed_torch(cfg, lengths, k_qbuf, v_qbuf, key_pool, value_pool, k_page_table, v_page_table, salt=salt)
+    pack_completed_torch(cfg, lengths, k_qbuf, v_qbuf, key_pool, value_pool, k_page_table, v_page_table, salt=salt,
+                         query_scale=query_scale)
 
 
-def pack_pages_ref(cfg: KVQuantConfig, k_qbuf=None, v_qbuf=None, *, k_rows=None, v_rows=None, salt: int = 0):
-    """Torch reference of :func:`pack_pages` (without ``pool``): ``kitty.quant`` on the selected rows."""
+def pack_pages_ref(cfg: KVQuantConfig, k_qbuf=None, v_qbuf=None, *, k_rows=None, v_rows=None, salt: int = 0,
+                   query_scale: torch.Tensor | None = None):
+    """Torch reference of :func:`pack_pages` (without ``pool``): ``kitty.quant`` on the selected rows
+    (``query_scale`` ``[N, Hkv, D]`` of those rows)."""
     kp = vp = None
     if k_qbuf is not None:
         rows = slice(None) if k_rows is None else torch.as_tensor(k_rows, device=k_qbuf.device).long()
-        kp = quantize_key_page(k_qbuf[rows], cfg, salt)
+        kp = quantize_key_page(k_qbuf[rows], cfg, salt, query_scale=query_scale)
     if v_qbuf is not None:
         rows = slice(None) if v_rows is None else torch.as_tensor(v_rows, device=v_qbuf.device).long()
         vp = quantize_value_page(v_qbuf[rows], cfg)

@@ -7,8 +7,9 @@ only in what their ops object does; the cache and the attention function call th
   (``kernels/reference.py``, also what the torch path of ``kitty.attention`` reads);
 - :class:`TritonOps`: decode steps attend with the fused kernel (``kitty.kernels.decode_attention``); full qbuffers
   of CUDA layers are packed by ``kitty.kernels.pack_pages`` where it packs bit-identically to ``kitty.quant`` (2/4
-  bits, min-max ranges, magnitude or random channel selection), else as :class:`TorchOps` packs them; a static
-  layer's completed qbuffers (``kitty.static``) by ``kitty.kernels.pack_completed`` under the same conditions.
+  bits and a min-max range on that side, any channel selection), else as :class:`TorchOps` packs them; a static
+  layer's completed qbuffers (``kitty.static``) by ``kitty.kernels.pack_completed`` under the same conditions, side
+  by side.
 
 ``backend="auto"`` is Triton for CUDA tensors when Triton is installed and the fused kernel handles the config
 (``kitty.kernels.triton_supports``), else torch. :func:`check_triton` is the one refusal of ``backend="triton"``.
@@ -22,7 +23,7 @@ import warnings
 import torch
 
 from . import kernels
-from .config import BACKENDS, QUERY_SELECTIONS, KVQuantConfig
+from .config import BACKENDS, KVQuantConfig
 from .kernels.reference import decode_attention_ref
 from .pages import PagePool
 from .quant import quantize_key_page, quantize_value_page
@@ -105,6 +106,8 @@ def pack_completed_torch(
     salt: int = 0,
     query_scale: torch.Tensor | None = None,
     skip_idle: bool = False,
+    keys: bool = True,
+    values: bool = True,
 ) -> None:
     """Torch reference of ``kitty.kernels.pack_completed``: pack every row whose qbuffer the last token filled.
 
@@ -113,14 +116,17 @@ def pack_completed_torch(
     and ``k_page_table[b, j]`` is set to that id; values likewise with ``m - R``. All rows are quantized and the
     completed ones kept with ``torch.where`` (no host synchronization, no data-dependent shape); ``skip_idle``:
     return early, after one host read, when no row completed a page (for the CPU, where reading is free).
+    ``keys`` / ``values``: the sides to pack (the other side's pool and table are left alone).
     """
     S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
     n = lengths.long()
     rows = torch.arange(n.shape[0], device=n.device)
-    for keys, table, pool, start in (
+    for is_key, table, pool, start in (
         (True, k_page_table, key_pool, n - S),
         (False, v_page_table, value_pool, n - S - R),
     ):
+        if not (keys if is_key else values):
+            continue
         width = table.shape[1]
         if width == 0:  # max_cache_len leaves no room for a page on this side
             continue
@@ -129,11 +135,11 @@ def pack_completed_torch(
             continue
         j = (start // G - 1).clamp(0, width - 1)
         ids = rows * width + j  # (B,) the fixed pool id of that page
-        if not (cfg.quantizes_keys if keys else cfg.quantizes_values):
+        if not (cfg.quantizes_keys if is_key else cfg.quantizes_values):
             # a 16-bit side stores the qbuffer itself (what quantize_*_page returns for 16 bits) without its
             # finiteness check, which reads a flag back to the host and would end a CUDA-graph capture
-            fields = {"k_raw": k_qbuf} if keys else {"v_raw": v_qbuf}
-        elif keys:
+            fields = {"k_raw": k_qbuf} if is_key else {"v_raw": v_qbuf}
+        elif is_key:
             fields = page_fields(quantize_key_page(k_qbuf, cfg, salt=salt, query_scale=query_scale))
         else:
             fields = page_fields(quantize_value_page(v_qbuf, cfg))
@@ -216,24 +222,23 @@ class TritonOps(TorchOps):
 
     def __init__(self, cfg: KVQuantConfig, device: torch.device):
         super().__init__(cfg, device)
-        same_bytes = device.type == "cuda" and cfg.key_range == "minmax" and cfg.value_range == "minmax"
-        same_bytes = same_bytes and cfg.boost_profile is None
-        self.packs_keys = same_bytes and cfg.quantizes_keys and cfg.channel_selection not in QUERY_SELECTIONS
-        self.packs_values = same_bytes and cfg.quantizes_values
-        # kitty.kernels.pack_completed packs both sides in one launch (on CUDA or under the interpreter)
-        self.packs_completed = (
-            cfg.quantizes_keys
-            and cfg.quantizes_values
-            and cfg.boost_profile is None
-            and cfg.key_range == "minmax"
-            and cfg.value_range == "minmax"
-            and cfg.channel_selection not in QUERY_SELECTIONS
-        )
+        # the kernel gives kitty.quant's bytes for a quantized side with min-max ranges (any channel selection: the
+        # non-magnitude ones pass it torch's boost mask); fitted ranges stay on kitty.quant. A layer's cfg is already
+        # its own (KVQuantConfig.for_layer), so a boost profile's per-layer nb needs nothing here.
+        kernel_keys = cfg.quantizes_keys and cfg.key_range == "minmax" and cfg.boost_profile is None
+        kernel_values = cfg.quantizes_values and cfg.value_range == "minmax"
+        self.packs_keys = device.type == "cuda" and kernel_keys
+        self.packs_values = device.type == "cuda" and kernel_values
+        # kitty.kernels.pack_completed packs these sides in one launch (on CUDA or under the interpreter), the torch
+        # reference the others
+        self.completes_keys, self.completes_values = kernel_keys, kernel_values
 
     def pack_keys(self, qbuf, rows, pool, ids, salt, query_scale) -> None:
         if not self.packs_keys:
             return super().pack_keys(qbuf, rows, pool, ids, salt, query_scale)
-        kernels.pack_pages(self.cfg, qbuf, None, k_rows=rows, pool=pool.tensors, k_pages=ids, salt=salt)
+        kernels.pack_pages(
+            self.cfg, qbuf, None, k_rows=rows, pool=pool.tensors, k_pages=ids, salt=salt, query_scale=query_scale
+        )
 
     def pack_values(self, qbuf, rows, pool, ids, salt) -> None:
         if not self.packs_values:
@@ -243,13 +248,38 @@ class TritonOps(TorchOps):
     def pack_completed(
         self, lengths, k_qbuf, v_qbuf, key_pool, value_pool, k_page_table, v_page_table, salt, query_scale
     ) -> None:
-        if not self.packs_completed:
-            return super().pack_completed(
-                lengths, k_qbuf, v_qbuf, key_pool, value_pool, k_page_table, v_page_table, salt, query_scale
+        keys, values = self.completes_keys, self.completes_values
+        if not (keys and values):  # the sides the kernel does not pack
+            pack_completed_torch(
+                self.cfg,
+                lengths,
+                k_qbuf,
+                v_qbuf,
+                key_pool,
+                value_pool,
+                k_page_table,
+                v_page_table,
+                salt=salt,
+                query_scale=query_scale,
+                skip_idle=self.device.type == "cpu",
+                keys=not keys,
+                values=not values,
             )
-        kernels.pack_completed(
-            self.cfg, lengths, k_qbuf, v_qbuf, key_pool, value_pool, k_page_table, v_page_table, salt=salt
-        )
+        if keys or values:
+            kernels.pack_completed(
+                self.cfg,
+                lengths,
+                k_qbuf,
+                v_qbuf,
+                key_pool,
+                value_pool,
+                k_page_table,
+                v_page_table,
+                salt=salt,
+                query_scale=query_scale,
+                keys=keys,
+                values=values,
+            )
 
     def decode_attention(self, q, state, scaling, full_qbuffer=False, workspace=None) -> torch.Tensor:
         # looked up on the package at every call, so that the kernel can be wrapped (tests count its calls)

@@ -7,6 +7,7 @@ reference computed in the kernel dtype, both on the *same* 2-bit codes; a kernel
 Sizes are small (G=16, a few pages) to keep the interpreter under CI's time budget.
 """
 
+import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / kernels are imported
@@ -28,7 +29,14 @@ from kitty.kernels import (  # noqa: E402
 )
 from kitty.kernels.testing import make_state, planted_kv  # noqa: E402
 from kitty.memory import token_layout  # noqa: E402
-from kitty.quant import dequantize_key_page, dequantize_value_page, quantize_key_page, quantize_value_page  # noqa: E402
+from kitty.quant import (  # noqa: E402
+    dequantize_key_page,
+    dequantize_value_page,
+    quantize_key_page,
+    quantize_value_page,
+    unpack_2bit,
+)
+from kitty.storage import pool_fields  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -53,33 +61,81 @@ def small(preset: str, **kw):
 
 # ------------------------------------------------------------------------------------------------------ pack
 
-PACK_CASES = [  # (preset, D, dtype): >8 boosted channels (kitty-pro D=128 -> 32) catch uint8 slot overflow
-    ("kitty-pro", 128, torch.float16),
-    ("kitty", 64, torch.bfloat16),
-    ("kitty", 128, torch.bfloat16),
-    ("kivi-k4v4", 64, torch.float16),  # 4-bit keys: every channel "boosted"; 4-bit values
-    ("kivi-k2v4-sink", 128, torch.bfloat16),  # no boost, 4-bit values
-    ("kitty-random", 64, torch.float16),  # random selection: mask from torch, packing in the kernel
+PACK_CASES = [  # (preset, D, dtype, overrides): >8 boosted channels (kitty-pro D=128 -> 32) catch uint8 slot overflow;
+    # nb = 5 and 13 are not multiples of 4 (the high plane's last byte holds padding slots), nb = 12 needs a padded tile
+    ("kitty-pro", 128, torch.float16, {}),
+    ("kitty", 64, torch.bfloat16, {}),
+    ("kitty", 128, torch.bfloat16, {}),
+    ("kitty", 64, torch.float16, {"boost_fraction": 5 / 64}),
+    ("kitty", 64, torch.bfloat16, {"boost_fraction": 13 / 64}),
+    ("kitty", 64, torch.float32, {"boost_fraction": 12 / 64}),
+    ("kivi-k4v4", 64, torch.float16, {}),  # 4-bit keys: every channel "boosted"; 4-bit values
+    ("kivi-k4v2-sink", 64, torch.bfloat16, {}),  # 4-bit keys, 2-bit values
+    ("kivi-k2v4-sink", 128, torch.bfloat16, {}),  # no boost, 4-bit values
+    ("kitty-random", 64, torch.float16, {}),  # random selection: mask from torch, packing in the kernel
 ]
 
 
-@pytest.mark.parametrize("preset,D,dtype", PACK_CASES)
-def test_pack_bit_identical(preset, D, dtype):
-    cfg = small(preset, group_size=32)
+@pytest.mark.parametrize("preset,D,dtype,kw", PACK_CASES)
+def test_pack_bit_identical(preset, D, dtype, kw):
+    cfg = small(preset, group_size=32, **kw)
     k, v = planted_kv(4, 2, 32, D, dtype, DEVICE, seed=D + len(preset))
     k[0, 1, :, 3] = 0.25  # a constant channel: zero range -> scale 0, codes 0
     rows = [3, 0, 2]  # a subset, out of order
     kp, vp = pack_pages(cfg, k, v, k_rows=rows, v_rows=rows[:2], salt=5)
     rk, rv = pack_pages_ref(cfg, k, v, k_rows=rows, v_rows=rows[:2], salt=5)
-    assert kp.high.shape[-2] == cfg.num_boosted(D)
+    nb = cfg.num_boosted(D)
+    assert kp.num_boosted == rk.num_boosted == nb
+    assert kp.low.shape == (3, 2, 32, D // 4) and kp.high.shape == (3, 2, 32, -(-nb // 4))
+    assert vp.codes.shape == (2, 2, D, 32 * cfg.value_bits // 8)
     for f in KEY_FIELDS:
         assert torch.equal(getattr(kp, f), getattr(rk, f)), f"key {f} differs"
     for f in VALUE_FIELDS:
         assert torch.equal(getattr(vp, f), getattr(rv, f)), f"value {f} differs"
+    assert (unpack_2bit(kp.high)[..., nb:] == 0).all()  # padding slots of the last high-plane byte
     # the planted outlier channels are boosted (magnitude selection)
-    if cfg.channel_selection == "magnitude" and 0 < cfg.num_boosted(D) < D:
+    if cfg.channel_selection == "magnitude" and 0 < nb < D:
         top = k[3].float().abs().mean(-2).argmax(-1)  # (Hkv,)
-        assert (kp.boost_idx[0].gather(-1, top[:, None].long()) < cfg.num_boosted(D)).all()
+        assert (kp.boost_idx[0].gather(-1, top[:, None].long()) < nb).all()
+
+
+@pytest.mark.parametrize(
+    "preset,D,dtype,kw",
+    [
+        ("kitty-query", 64, torch.bfloat16, {}),
+        ("kitty-pro-query", 128, torch.float16, {}),
+        ("kitty-query", 64, torch.float16, {"boost_fraction": 13 / 64}),
+        ("kitty-oracle", 64, torch.bfloat16, {}),
+        ("kitty-range", 64, torch.float16, {"boost_fraction": 5 / 64}),
+    ],
+)
+def test_pack_query_aware_selection_bit_identical(preset, D, dtype, kw):
+    """Query-aware selections ("query", "oracle") pack in the kernel with the rows' query_scale: the boost mask is
+    kitty.quant's own choice, the bytes are kitty.quant's."""
+    cfg = small(preset, group_size=32, **kw)
+    k, _ = planted_kv(4, 2, 32, D, dtype, DEVICE, seed=D + 1)
+    rows = [2, 0, 3]
+    g = torch.Generator().manual_seed(3)
+    qs = (torch.rand(len(rows), 2, D, generator=g) * 2 + 0.1).to(DEVICE)  # [N, Hkv, D], rows' query magnitudes
+    kp, _ = pack_pages(cfg, k, k_rows=rows, salt=2, query_scale=qs)
+    rk, _ = pack_pages_ref(cfg, k, k_rows=rows, salt=2, query_scale=qs)
+    for f in KEY_FIELDS:
+        assert torch.equal(getattr(kp, f), getattr(rk, f)), f"key {f} differs"
+    if cfg.channel_selection in ("query", "oracle"):
+        with pytest.raises(ValueError, match="query_scale"):
+            pack_pages(cfg, k, k_rows=rows)
+
+
+def test_pack_fitted_ranges_pack_the_min_max_side_only():
+    """kitty-fit fits key ranges (kitty.quant packs its keys) but its values are min-max: the kernel packs them."""
+    cfg = small("kitty-fit", group_size=32)
+    k, v = planted_kv(2, 2, 32, 64, torch.float16, DEVICE, seed=4)
+    _, vp = pack_pages(cfg, None, v)
+    _, rv = pack_pages_ref(cfg, None, v)
+    for f in VALUE_FIELDS:
+        assert torch.equal(getattr(vp, f), getattr(rv, f)), f"value {f} differs"
+    with pytest.raises(ValueError, match="fitted key ranges"):
+        pack_pages(cfg, k, v, query_scale=torch.ones(2, 2, 64, device=DEVICE))
 
 
 def test_pack_range_past_fp32_stays_finite_and_bit_identical():
@@ -100,31 +156,41 @@ def test_pack_range_past_fp32_stays_finite_and_bit_identical():
 
 
 def test_pack_into_pool_at_page_ids():
-    cfg = small("kitty-pro")
+    """Pages land at the given pool ids, every other page keeps its bytes, and the high plane's padding slots are
+    written as 0 over a pool that held other bytes (nb = 13: the last byte holds 3 padding slots)."""
+    cfg = small("kitty-pro", boost_fraction=13 / 64)
     D, G, Hkv, P = 64, cfg.group_size, 2, 6
     k, v = planted_kv(3, Hkv, G, D, torch.float16, DEVICE, seed=7)
-    nb = cfg.num_boosted(D)
-    u8 = dict(dtype=torch.uint8, device=DEVICE)
-    pool = dict(
-        k_low=torch.full((P, Hkv, D, G // 4), 0xAB, **u8),
-        k_high=torch.full((P, Hkv, nb, G // 4), 0xAB, **u8),
-        k_boost_idx=torch.full((P, Hkv, D), 0xAB, **u8),
-        k_scale=torch.full((P, Hkv, D), 7.0, dtype=torch.float16, device=DEVICE),
-        k_zero=torch.full((P, Hkv, D), 7.0, dtype=torch.float16, device=DEVICE),
-        v_codes=torch.full((P, Hkv, G, D // 4), 0xAB, **u8),
-        v_scale=torch.full((P, Hkv, G), 7.0, dtype=torch.float16, device=DEVICE),
-        v_zero=torch.full((P, Hkv, G), 7.0, dtype=torch.float16, device=DEVICE),
-    )
+    key_spec, value_spec = pool_fields(cfg, Hkv, D, torch.float16)
+    pool = {
+        name: torch.full((P, *shape), 0xAB if dt == torch.uint8 else 7.0, dtype=dt, device=DEVICE)
+        for name, (shape, dt) in {**key_spec, **value_spec}.items()
+    }
     before = {name: t.clone() for name, t in pool.items()}
     assert pack_pages(cfg, k, v, k_rows=[1, 2], k_pages=[4, 0], v_rows=[0], v_pages=[5], pool=pool) is None
     rk = quantize_key_page(k[[1, 2]], cfg)
     rv = quantize_value_page(v[[0]], cfg)
+    assert rk.num_boosted == 13 and pool["k_high"].shape[-1] == 4
     for name, f in zip(("k_low", "k_high", "k_boost_idx", "k_scale", "k_zero"), KEY_FIELDS):
         assert torch.equal(pool[name][[4, 0]], getattr(rk, f)), name
         assert torch.equal(pool[name][[1, 2, 3, 5]], before[name][[1, 2, 3, 5]]), f"{name}: other pages touched"
     for name, f in zip(("v_codes", "v_scale", "v_zero"), VALUE_FIELDS):
         assert torch.equal(pool[name][[5]], getattr(rv, f)), name
         assert torch.equal(pool[name][:5], before[name][:5]), f"{name}: other pages touched"
+    assert (unpack_2bit(pool["k_high"][[4, 0]])[..., 13:] == 0).all()
+
+
+@pytest.mark.parametrize("preset", ["kitty", "kivi-k2v4-sink"])
+def test_make_state_triton_pack_matches_torch_pack(preset):
+    """kernels/testing.make_state with pages packed by the Triton kernel (at shuffled pool ids) equals the torch
+    packing, tensor for tensor."""
+    cfg = small(preset)
+    lengths = _lengths(cfg, 4)
+    k, v = planted_kv(4, 2, max(lengths), 64, torch.bfloat16, DEVICE, seed=13)
+    ref = make_state(cfg, k, v, lengths, seed=4)
+    got = make_state(cfg, k, v, lengths, seed=4, pack="triton")
+    for name, t in ref.tensors().items():
+        assert torch.equal(t.nan_to_num(), got[name].nan_to_num()), name
 
 
 def test_pack_ties_keep_lower_channel_index():
@@ -147,27 +213,44 @@ def test_pack_rejects_bad_shapes():
 # --------------------------------------------------------------------------------------------------- dequant
 
 
-@pytest.mark.parametrize(
-    "preset,D,dtype",
-    [("kitty-pro", 128, torch.bfloat16), ("kitty", 64, torch.float16), ("kivi-k4v4", 64, torch.bfloat16)],
-)
+DEQUANT_CASES = [  # (preset, D, dtype, overrides); nb = 5 and 13 are not multiples of 4
+    ("kitty-pro", 128, torch.bfloat16, {}),
+    ("kitty", 64, torch.float16, {}),
+    ("kitty", 64, torch.bfloat16, {"boost_fraction": 5 / 64}),
+    ("kitty", 64, torch.float16, {"boost_fraction": 13 / 64}),
+    ("kivi-k4v4", 64, torch.bfloat16, {}),
+    ("kivi-k4v2-sink", 64, torch.float16, {}),
+    ("kivi-k2v4-sink", 64, torch.bfloat16, {}),
+]
+
+
+@pytest.mark.parametrize("preset,D,dtype,kw", DEQUANT_CASES)
 @pytest.mark.parametrize("unpack_reshape", [True, False])
-def test_dequantize_pages_bit_identical(preset, D, dtype, unpack_reshape):
-    G = 128 if D == 128 else 32  # G=128: high-plane row = 32 bytes, so slot 8 * 32 wraps a uint8 index
-    cfg = small(preset, group_size=G)
+def test_dequantize_pages_bit_identical(preset, D, dtype, kw, unpack_reshape):
+    G = 128 if D == 128 else 32  # G=128, kitty-pro: 32 boosted channels, slots past 8 in every high-plane byte
+    cfg = small(preset, group_size=G, **kw)
     k, v = planted_kv(2, 3, G, D, dtype, DEVICE, seed=3)
     kp, vp = quantize_key_page(k, cfg), quantize_value_page(v, cfg)
     out = dequantize_key_page_triton(kp, unpack_reshape)
     assert torch.equal(out, dequantize_key_page(kp))
     assert torch.equal(dequantize_value_page_triton(vp, unpack_reshape), dequantize_value_page(vp))
-    # boosted channels in slots >= 8 really use their own high-plane rows (the paper kernel's uint8 overflow)
+    # boosted channels in every slot, up to the last, read their own high-plane bits: their error is the 4-bit one
     nb = kp.num_boosted
-    if 8 < nb < D:
-        late = (kp.boost_idx[0, 0] >= 8) & (kp.boost_idx[0, 0] < nb)
-        assert late.any()
-        err = (out[0, 0] - k[0, 0]).float().abs()[:, late]
-        step = kp.scale[0, 0, late].float()
-        assert (err <= step / 2 + 1e-2 * step + 1e-6).all()  # 4-bit error bound: a 2-bit-only decode breaks it
+    if 0 < nb < D:
+        boosted = kp.boost_idx[0, 0] < nb
+        assert int(kp.boost_idx[0, 0][boosted].max()) == nb - 1
+        x = k[0, 0].float()[:, boosted]
+        err = (out[0, 0].float()[:, boosted] - x).abs()
+        step = kp.scale[0, 0, boosted].float()
+        rounding = torch.finfo(dtype).eps * x.abs()  # the cast of code * scale + zero to the page dtype
+        assert (err <= step / 2 + 1e-2 * step + rounding + 1e-6).all()  # 4-bit bound: a 2-bit-only decode breaks it
+
+
+def test_dequantize_rejects_inconsistent_page():
+    cfg = small("kitty")
+    kp = quantize_key_page(planted_kv(1, 1, 16, 64, torch.float16, DEVICE)[0], cfg)
+    with pytest.raises(ValueError, match="inconsistent page"):
+        dequantize_key_page_triton(dataclasses.replace(kp, num_boosted=kp.num_boosted + 4))
 
 
 # ---------------------------------------------------------------------------------------------- attention
@@ -233,15 +316,30 @@ def test_decode_attention_scaling_pack_and_empty_row():
     assert (out[1] == 0).all()
 
 
-@pytest.mark.parametrize("preset,gqa,D,dtype,sink,G,kw", [ATTN_CASES[1], ATTN_CASES[2]])
-def test_decode_attention_unfused(preset, gqa, D, dtype, sink, G, kw):
-    cfg = small(preset, sink_tokens=sink, group_size=G)
+UNFUSED_CASES = [  # (preset, GQA ratio, D, dtype, sink, G, overrides, block_n): value blocks of several token
+    # quarters (block_n > G/4), of one quarter, and inside one (4-bit values at G=64: halves of 32 > block_n=16);
+    # nb = 5 and 13 (not multiples of 4); 4-bit keys
+    ("kitty-pro", 4, 128, torch.bfloat16, 8, 16, {}, 16),
+    ("kitty", 3, 64, torch.bfloat16, 0, 32, {}, 16),
+    ("kivi-k2v4-sink", 2, 64, torch.float16, 8, 64, {}, 16),
+    ("kivi-k2v4-sink", 2, 64, torch.bfloat16, 8, 64, {}, 32),
+    ("kivi-k4v2-sink", 2, 64, torch.bfloat16, 8, 32, {}, 16),
+    ("kitty", 4, 64, torch.float16, 8, 64, {"boost_fraction": 13 / 64}, 16),
+    ("kitty", 1, 64, torch.bfloat16, 4, 16, {"boost_fraction": 5 / 64}, 16),
+]
+
+
+@pytest.mark.parametrize("preset,gqa,D,dtype,sink,G,kw,block_n", UNFUSED_CASES)
+@pytest.mark.parametrize("unpack_reshape", [True, False])
+def test_decode_attention_unfused(preset, gqa, D, dtype, sink, G, kw, block_n, unpack_reshape):
+    cfg = small(preset, sink_tokens=sink, group_size=G, **kw)
     B, Hkv = 4, 2
     lengths = _lengths(cfg, B)
     k, v = planted_kv(B, Hkv, max(lengths), D, dtype, DEVICE, seed=5)
     state = make_state(cfg, k, v, lengths, seed=2)
     q = torch.randn(B, Hkv * gqa, D, generator=torch.Generator().manual_seed(6)).to(dtype).to(DEVICE)
-    _check(decode_attention_unfused(q, state, cfg, num_splits=2, block_n=16), q, state, cfg)
+    out = decode_attention_unfused(q, state, cfg, num_splits=2, block_n=block_n, unpack_reshape=unpack_reshape)
+    _check(out, q, state, cfg)
 
 
 def test_reference_matches_plain_attention_on_unquantized_cache():

@@ -224,3 +224,71 @@ def test_pack_completed_kernel_matches_reference(preset):
     assert tv.tolist() == [[0, -1], [-1, -1], [-1, -1], [-1, 7], [-1, -1]]
     changed = [p for p in range(Bq * Wk) if not torch.equal(kk["k_low"][p], before["k_low"][p])]
     assert changed == [1, 3, 11]  # only the completed pages were written
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(), reason="no Triton")
+@pytest.mark.parametrize("preset", ["kitty-query", "kitty-oracle", "kitty-fit", "kivi-k4v2-sink", "kivi-k2v4-sink"])
+def test_triton_ops_pack_completed_side_by_side(preset):
+    """The Triton backend's stage 3 packs each side the kernel packs bit-identically (query-aware selections with the
+    rows' query_scale; 4-bit keys or values) and leaves a fitted key side to the torch reference: the pools and
+    tables equal pack_completed_torch's."""
+    from kitty.backend import TritonOps
+    from kitty.storage import pool_fields
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = PRESETS[preset].with_(sink_tokens=4, group_size=16, local_window=16)
+    ops = TritonOps(cfg, torch.device(device))
+    assert ops.completes_keys == (cfg.key_range == "minmax") and ops.completes_values
+    Bq, H, D, Wk, Wv = 4, 2, 32, 3, 2
+    g = torch.Generator().manual_seed(1)
+    k_qbuf = (torch.randn(Bq, H, 16, D, generator=g) * torch.linspace(0.5, 3.0, D)).half().to(device)
+    v_qbuf = torch.randn(Bq, H, 16, D, generator=g).half().to(device)
+    qs = (torch.rand(Bq, H, D, generator=g) + 0.1).to(device) if cfg.channel_selection in ("query", "oracle") else None
+    lengths = torch.tensor([36, 20, 9, 52], dtype=torch.int32, device=device)  # key+value, key, nothing, key+value
+    kf, vf = pool_fields(cfg, H, D, torch.float16)
+
+    def pools():
+        torch.manual_seed(5)
+        key = {n: torch.randint(1, 200, (Bq * Wk, *s), device=device).to(dt) for n, (s, dt) in kf.items()}
+        value = {n: torch.randint(1, 200, (Bq * Wv, *s), device=device).to(dt) for n, (s, dt) in vf.items()}
+        tables = (
+            torch.full((Bq, Wk), -1, dtype=torch.int32, device=device),
+            torch.full((Bq, Wv), -1, dtype=torch.int32, device=device),
+        )
+        return key, value, tables
+
+    kk, vk, (tk, tv) = pools()
+    kr, vr, (rk, rv) = pools()
+    ops.pack_completed(lengths, k_qbuf, v_qbuf, kk, vk, tk, tv, 3, qs)
+    pack_completed_torch(cfg, lengths, k_qbuf, v_qbuf, kr, vr, rk, rv, salt=3, query_scale=qs)
+    for name in kk:
+        assert torch.equal(kk[name], kr[name]), name
+    for name in vk:
+        assert torch.equal(vk[name], vr[name]), name
+    assert torch.equal(tk, rk) and torch.equal(tv, rv)
+    assert tk.tolist() == [[-1, 1, -1], [3, -1, -1], [-1] * 3, [-1, -1, 11]]
+
+
+def test_triton_backend_packs_every_min_max_side():
+    """Which presets the Triton backend packs with the kernel on a GPU: every quantized side with a min-max range
+    (any channel selection, the layer's own nb under a boost profile); fitted key ranges stay on kitty.quant."""
+    from kitty.backend import TritonOps
+
+    cuda = torch.device("cuda")  # only read for its type: nothing is allocated
+    on_torch = {}
+    for name in PRESETS:
+        cfg = PRESETS[name].for_layer(0)  # what a layer holds (KittyCache builds layers with cfg.for_layer)
+        ops = TritonOps(cfg, cuda)
+        sides = [
+            s
+            for s, kernel, quantized in (
+                ("keys", ops.packs_keys, cfg.quantizes_keys),
+                ("values", ops.packs_values, cfg.quantizes_values),
+            )
+            if quantized and not kernel
+        ]
+        assert ops.packs_keys == ops.completes_keys and ops.packs_values == ops.completes_values
+        if sides:
+            on_torch[name] = sides
+    fitted = [n for n in PRESETS if PRESETS[n].key_range != "minmax"]
+    assert fitted and on_torch == {n: ["keys"] for n in fitted}
