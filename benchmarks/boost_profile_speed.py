@@ -4,10 +4,11 @@
 
 Everything beyond the paper (query/oracle channel selection, fitted ranges) happens at pack time: the decode kernel
 reads the same page layout and the same bytes, so its speed cannot change. The one thing that does reach the kernel
-is a layer-adaptive ``boost_profile``: each layer's pages hold its own number ``nb`` of high-plane rows. This script
-times the fused kernel for every ``nb`` the shipped SmolLM2-135M profiles use, at that model's shape (9 query / 3
-KV heads, D=64), and compares one decode step summed over the 30 layers: uniform ``kitty`` (8 channels everywhere)
-against the profile (the same 240 channels in total), and the same for ``kitty-pro`` (16 / 480).
+is a layer-adaptive ``boost_profile``: each layer's pages hold its own number ``nb`` of boosted channels (a high plane
+of ``ceil(nb / 4)`` bytes per token). This script times the fused kernel for every ``nb`` the shipped SmolLM2-135M
+profiles use, at that model's shape (9 query / 3 KV heads, D=64), and compares one decode step summed over the 30
+layers: uniform ``kitty`` (8 channels everywhere) against the profile (the same 240 channels in total), and the same
+for ``kitty-pro`` (16 / 480).
 
 Page contents do not change what the kernel reads, so the states are packed with magnitude selection and min-max
 ranges (the layout of every selection). Timing: ``benchmarks/kernels.py``'s ``bench`` (median of 30 replays of a

@@ -5,8 +5,9 @@ keys, so a one-off calibration on a shipped text measures, for every layer ``l``
 the damage ``KL(fp16 || model with only layer l's keys quantized with c boosted channels)`` averaged over the
 tokens that read quantized pages, then picks the counts ``c_l`` minimizing ``sum_l KL_l(c_l)`` under
 ``sum_l c_l = L * round(boost_fraction * D)`` (exact dynamic programming). Same total, so the same bits per element
-(``memory_report`` shows it); the result is a per-layer ``boost_profile`` of fractions ``c_l / D`` stored as JSON
-in ``kitty/profiles/``.
+(``memory_report`` shows it) as long as every count is a multiple of 4, as ``DEFAULT_COUNTS`` are: a page's compact
+high plane holds ``ceil(c / 4)`` bytes per token. The result is a per-layer ``boost_profile`` of fractions ``c_l / D``
+stored as JSON in ``kitty/profiles/``.
 
 The measurement is teacher-forced: one forward pass over the calibration text with the layer's keys past the sink
 replaced by their quantize -> dequantize round trip page by page (values exact; the other layers exact, or with

@@ -112,21 +112,35 @@ class MemoryReport:
         return text
 
 
+def field_bytes(cfg: KVQuantConfig, head_dim: int, dtype_bytes: int = 2) -> dict[str, int]:
+    """Bytes of each pool tensor (``docs/LAYOUT.md`` names) in one page of one KV head, from ``kitty.storage``'s
+    shapes: e.g. the compact high plane ``k_high`` holds ``G * ceil(nb / 4)`` bytes.
+
+    ``dtype_bytes`` is the element size of the model dtype, which scale/zero and raw pages use.
+    """
+    import torch  # the page tensors' own shapes (kitty.storage); imported here: `import kitty` stays light
+
+    from .storage import pool_fields
+
+    cfg.check_head_dim(head_dim)
+    key, value = pool_fields(cfg, 1, head_dim, torch.float16)
+    return {
+        name: math.prod(shape) * (1 if dt == torch.uint8 else dtype_bytes)
+        for name, (shape, dt) in {**key, **value}.items()
+    }
+
+
 def page_bytes(cfg: KVQuantConfig, head_dim: int, dtype_bytes: int = 2) -> dict[str, int]:
     """Bytes of one key page and one value page of one KV head, split into payload and metadata.
 
     ``dtype_bytes`` is the element size of the model dtype: full-precision buffers and scale/zero use it.
     """
-    import torch  # the page tensors' own shapes (kitty.storage); imported here: `import kitty` stays light
+    from .storage import PAYLOAD_FIELDS
 
-    from .storage import PAYLOAD_FIELDS, pool_fields
-
-    cfg.check_head_dim(head_dim)
     out = {"key_payload": 0, "key_meta": 0, "value_payload": 0, "value_meta": 0}
-    for side, spec in zip(("key", "value"), pool_fields(cfg, 1, head_dim, torch.float16)):
-        for name, (shape, dt) in spec.items():
-            n = math.prod(shape) * (1 if dt == torch.uint8 else dtype_bytes)
-            out[f"{side}_payload" if name in PAYLOAD_FIELDS else f"{side}_meta"] += n
+    for name, n in field_bytes(cfg, head_dim, dtype_bytes).items():
+        side = "key" if name.startswith("k_") else "value"
+        out[f"{side}_payload" if name in PAYLOAD_FIELDS else f"{side}_meta"] += n
     return out
 
 
@@ -163,22 +177,32 @@ def analytic_report(
 
 
 def asymptotic_bits(cfg: KVQuantConfig, head_dim: int, dtype_bytes: int = 2) -> dict[str, float]:
-    """Bits per element of pages alone (long-context limit), keys and values, split by component."""
-    G, D = cfg.group_size, head_dim
-    pb = page_bytes(cfg, D, dtype_bytes)
-    nb = cfg.num_boosted(D) if cfg.quantizes_keys else 0
-    per = 8 / (G * D)
+    """Bits per element of pages alone (long-context limit), keys and values, split by component.
+
+    Every component is the bytes of its pool tensor (:func:`field_bytes`) over the ``G * D`` elements of a page, so
+    the high plane costs ``8 * ceil(nb / 4) / D`` bits (its last byte is padded to 4 slots). With a
+    ``cfg.boost_profile`` the components are the mean over the profile's layers (each has its own ``nb``).
+    """
+    if cfg.boost_profile is not None:
+        layers = [asymptotic_bits(cfg.for_layer(i), head_dim, dtype_bytes) for i in range(len(cfg.boost_profile))]
+        return {name: sum(a[name] for a in layers) / len(layers) for name in layers[0]}
+    fb = field_bytes(cfg, head_dim, dtype_bytes)
+    per = 8 / (cfg.group_size * head_dim)  # bits per element of one byte per page
+
+    def bits(*names: str) -> float:
+        return sum(fb.get(name, 0) for name in names) * per
+
     out = {
-        "key_low": 2.0 if cfg.quantizes_keys else 0.0,
-        "key_high": 2.0 * nb / D,
-        "key_boost_idx": 8.0 / G if cfg.quantizes_keys else 0.0,
-        "key_scale_zero": 16.0 * dtype_bytes / G if cfg.quantizes_keys else 0.0,
-        "key_raw": 0.0 if cfg.quantizes_keys else 8.0 * dtype_bytes,
-        "value_codes": pb["value_payload"] * per,
-        "value_scale_zero": pb["value_meta"] * per,
+        "key_low": bits("k_low"),
+        "key_high": bits("k_high"),
+        "key_boost_idx": bits("k_boost_idx"),
+        "key_scale_zero": bits("k_scale", "k_zero"),
+        "key_raw": bits("k_raw"),
+        "value_codes": bits("v_codes", "v_raw"),
+        "value_scale_zero": bits("v_scale", "v_zero"),
     }
-    out["key_total"] = (pb["key_payload"] + pb["key_meta"]) * per
-    out["value_total"] = (pb["value_payload"] + pb["value_meta"]) * per
+    out["key_total"] = sum(v for k, v in out.items() if k.startswith("key_"))
+    out["value_total"] = out["value_codes"] + out["value_scale_zero"]
     out["total"] = (out["key_total"] + out["value_total"]) / 2
     return out
 

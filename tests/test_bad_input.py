@@ -356,7 +356,7 @@ def test_overflow_safe_step_is_bit_identical_for_normal_input():
         page = quantize_value_page(x, PRESETS["kitty"])
         from kitty.quant import unpack_bits
 
-        codes = unpack_bits(page.codes, 2).float()
+        codes = unpack_bits(page.codes, 2).transpose(-1, -2).float()  # codes [D, G/4] -> [G, D]
         expect = (codes * page.scale.float()[..., None] + page.zero.float()[..., None]).to(dtype)
         assert torch.equal(dequantize_value_page(page), expect)
 
@@ -470,9 +470,12 @@ def test_head_dim_above_256_runs_with_full_precision_keys():
     torch.testing.assert_close(logits[3], logits[2])
     with pytest.raises(ValueError, match="head_dim must be <= 256 for quantized keys"):
         KittyCache(model.config, "kitty")
-    PRESETS["fp16"].with_(value_bits=2).check_head_dim(320)  # 2-bit values pack along channels: multiple of 4
+    values_2bit = PRESETS["fp16"].with_(value_bits=2)
+    values_2bit.check_head_dim(322)  # value codes pack along tokens (4 per byte): any head_dim
+    page = quantize_value_page(torch.randn(values_2bit.group_size, 322), values_2bit)
+    assert page.codes.shape == (322, values_2bit.group_size // 4)
     with pytest.raises(ValueError, match="multiple of 4"):
-        PRESETS["fp16"].with_(value_bits=2).check_head_dim(322)
+        PRESETS["kitty"].check_head_dim(254)  # key codes pack 4 channels per byte
 
 
 def test_generate_tokens_names_ids_and_the_cache_it_cannot_take():

@@ -482,8 +482,8 @@ def test_oracle_selection_keeps_query_second_moments():
 def test_layer_adaptive_profile_moves_boost_between_layers_at_equal_bits():
     """Each layer packs its profile's number of high planes; the total (and memory_report) equals uniform kitty."""
     torch.manual_seed(9)
-    uniform = SMALL["kitty"].with_(boost_fraction=2 / D)
-    adaptive = uniform.with_(boost_profile=(4 / D, 0.0))
+    uniform = SMALL["kitty"].with_(boost_fraction=4 / D)  # nb a multiple of 4: k_high bytes add up across layers
+    adaptive = uniform.with_(boost_profile=(8 / D, 0.0))
     config = tiny_llama_config()
     caches = [KittyCache(config, c) for c in (uniform, adaptive)]
     B, T = 2, 29  # sink 4, 3 key pages of 8, 1 in the qbuffer
@@ -491,8 +491,8 @@ def test_layer_adaptive_profile_moves_boost_between_layers_at_equal_bits():
     for cache in caches:
         for layer_idx in range(2):
             feed(cache, k, v, layer_idx=layer_idx)
-    assert [l.key_page(0, 1).num_boosted for l in caches[1].layers] == [4, 0]
-    assert [l.key_page(0, 1).num_boosted for l in caches[0].layers] == [2, 2]
+    assert [l.key_page(0, 1).num_boosted for l in caches[1].layers] == [8, 0]
+    assert [l.key_page(0, 1).num_boosted for l in caches[0].layers] == [4, 4]
     reports = [c.memory_report() for c in caches]
     assert reports[0] == reports[1]
     assert reports[1] == analytic_report(adaptive, caches[1].lengths, D, HKV, 2, 4)

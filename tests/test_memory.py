@@ -51,3 +51,36 @@ def test_compression_grows_with_context_and_is_honest_for_short_ones():
     assert long.compression > short.compression
     assert analytic_report(PRESETS["fp16"], 8192, 64, 3, 30).compression == pytest.approx(1.0)
     assert (short + long).tokens == 8292
+
+
+@pytest.mark.parametrize("fraction", [1 / 64, 6 / 64, 0.125, 13 / 64])
+def test_asymptotic_bits_are_the_real_page_bytes(fraction):
+    """The compact high plane holds ``ceil(nb / 4)`` bytes per token: the bill counts its padded slots, as the
+    quantized page's tensors do (nb = 1, 6, 8, 13 at D = 64)."""
+    cfg = PRESETS["kitty"].with_(boost_fraction=fraction)
+    G, D = cfg.group_size, 64
+    nb = cfg.num_boosted(D)
+    page = quantize_key_page(torch.randn(G, D, dtype=torch.bfloat16), cfg)
+    assert page.num_boosted == nb and page.high.shape == (G, -(-nb // 4))
+    a = asymptotic_bits(cfg, D)
+    assert a["key_high"] == pytest.approx(8 * -(-nb // 4) / D)
+    assert a["key_total"] == pytest.approx(8 * page.nbytes / (G * D))
+    lay = token_layout(cfg, 1000)
+    rep = analytic_report(cfg, 1000, D)
+    assert rep.payload_bytes == lay.key_pages * page.payload_nbytes + lay.value_pages * G * D // 4
+
+
+def test_asymptotic_bits_of_a_boost_profile_average_its_layers():
+    """Layer-adaptive boost: each layer's high plane is rounded up to whole bytes on its own (nb = 1 and 15)."""
+    cfg = PRESETS["kitty"].with_(boost_fraction=0.125, boost_profile=(1 / 64, 15 / 64))
+    D, G = 64, cfg.group_size
+    x = torch.randn(G, D, dtype=torch.float16)
+    key_bytes = [quantize_key_page(x, cfg.for_layer(i)).nbytes for i in range(2)]
+    assert key_bytes[0] - key_bytes[1] == G * (1 - 4)  # k_high: 1 byte vs 4 bytes per token
+    a = asymptotic_bits(cfg, D)
+    assert a["key_high"] == pytest.approx((8 * 1 + 8 * 4) / D / 2)
+    assert a["key_total"] == pytest.approx(8 * sum(key_bytes) / 2 / (G * D))
+    n = 5000
+    lay, rep = token_layout(cfg, n), analytic_report(cfg, n, D, num_layers=2)
+    value_bytes = quantize_value_page(x, cfg).nbytes
+    assert rep.payload_bytes + rep.metadata_bytes == lay.key_pages * sum(key_bytes) + 2 * lay.value_pages * value_bytes
