@@ -56,7 +56,6 @@ assembles position-ordered K/V per row and runs softmax attention in fp32.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -223,7 +222,7 @@ def _key_operands(q0, q1, q2, q3, scale_ptr, zero_ptr, idx_ptr, pbase, D: tl.con
 def _key_quarter(low_ptr, high_ptr, pbase, u: tl.constexpr, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale,
                  G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, NB4: tl.constexpr, NB4P: tl.constexpr,
                  DOT: tl.constexpr, KA0: tl.constexpr, KA1: tl.constexpr, KA2: tl.constexpr, KA3: tl.constexpr,
-                 KOFF: tl.constexpr, KUNIT: tl.constexpr, SPLIT: tl.constexpr, HASM: tl.constexpr):
+                 KOFF: tl.constexpr, KUNIT: tl.constexpr, SPLIT: tl.constexpr):
     """Base-2 logits ``(G/4, BLOCK_H)`` of token quarter ``u`` of a quantized key page (``pbase`` = pool page * Hkv
     + head, int64): four channel-quarter products over the low plane and one over the joined high plane."""
     G4: tl.constexpr = G // 4
@@ -240,12 +239,8 @@ def _key_quarter(low_ptr, high_ptr, pbase, u: tl.constexpr, qs0, qs1, qs2, qs3, 
         high = tl.load(high_ptr + pbase * (G * NB4) + t[:, None] * NB4 + jh[None, :], mask=(jh < NB4)[None, :],
                        other=0)  # (G/4, NB4P) bytes of the compact high plane
         # [.., j, x, y] of the two joins is quarter 2x + y, which a row-major reshape puts at column 4j + 2x + y
-        if HASM:
-            h02 = tl.join(_codes(high, 0, 2, KA0, KOFF, KUNIT, DOT), _codes(high, 4, 2, KA2, KOFF, KUNIT, DOT))
-            h13 = tl.join(_codes(high, 2, 2, KA1, KOFF, KUNIT, DOT), _codes(high, 6, 2, KA3, KOFF, KUNIT, DOT))
-        else:
-            h02 = tl.join(_codes(high, 0, 2, "", KOFF, KUNIT, DOT), _codes(high, 4, 2, "", KOFF, KUNIT, DOT))
-            h13 = tl.join(_codes(high, 2, 2, "", KOFF, KUNIT, DOT), _codes(high, 6, 2, "", KOFF, KUNIT, DOT))
+        h02 = tl.join(_codes(high, 0, 2, KA0, KOFF, KUNIT, DOT), _codes(high, 4, 2, KA2, KOFF, KUNIT, DOT))
+        h13 = tl.join(_codes(high, 2, 2, KA1, KOFF, KUNIT, DOT), _codes(high, 6, 2, KA3, KOFF, KUNIT, DOT))
         hc = tl.reshape(tl.join(h02, h13), (G4, 4 * NB4P))  # column 4j + s: slot j + s * NB4
         acc += _mm(hc, qb4, DOT)
     if KOFF != 0:
@@ -383,7 +378,7 @@ def _decode_split_kernel(
     BLOCK_S: tl.constexpr, DOT: tl.constexpr, FULL_QBUF: tl.constexpr,
     KA0: tl.constexpr, KA1: tl.constexpr, KA2: tl.constexpr, KA3: tl.constexpr, KOFF: tl.constexpr,
     KUNIT: tl.constexpr, VA0: tl.constexpr, VA1: tl.constexpr, VA2: tl.constexpr, VA3: tl.constexpr,
-    VOFF: tl.constexpr, VUNIT: tl.constexpr, KSPLIT: tl.constexpr, VSPLIT: tl.constexpr, HASM: tl.constexpr,
+    VOFF: tl.constexpr, VUNIT: tl.constexpr, KSPLIT: tl.constexpr, VSPLIT: tl.constexpr,
 ):
     tl.static_assert(G % 4 == 0 and D % 4 == 0, "4 codes per byte")
     G4: tl.constexpr = G // 4
@@ -440,13 +435,13 @@ def _decode_split_kernel(
             qs0, qs1, qs2, qs3, qb4, qz, corr = _key_operands(q0, q1, q2, q3, k_scale_ptr, k_zero_ptr, k_idx_ptr,
                                                               kpage, D, NB, NB4, NB4P, DOT, KOFF, KSPLIT)
             s0 = _key_quarter(k_low_ptr, k_high_ptr, kpage, 0, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale, G, D, NB,
-                              NB4, NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT, HASM)
+                              NB4, NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
             s1 = _key_quarter(k_low_ptr, k_high_ptr, kpage, 1, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale, G, D, NB,
-                              NB4, NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT, HASM)
+                              NB4, NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
             s2 = _key_quarter(k_low_ptr, k_high_ptr, kpage, 2, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale, G, D, NB,
-                              NB4, NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT, HASM)
+                              NB4, NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
             s3 = _key_quarter(k_low_ptr, k_high_ptr, kpage, 3, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale, G, D, NB,
-                              NB4, NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT, HASM)
+                              NB4, NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
         p0, p1, p2, p3, alpha, m_i = _page_softmax(s0, s1, s2, s3, m_i)
         l_i = l_i * alpha[None, :] + ((p0 + p1) + (p2 + p3))
         acc_nat = acc_nat * alpha[None, :]
@@ -475,13 +470,13 @@ def _decode_split_kernel(
                 qs0, qs1, qs2, qs3, qb4, qz, corr = _key_operands(q0, q1, q2, q3, k_scale_ptr, k_zero_ptr, k_idx_ptr,
                                                                   kpage, D, NB, NB4, NB4P, DOT, KOFF, KSPLIT)
                 s0 = _key_quarter(k_low_ptr, k_high_ptr, kpage, 0, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale, G, D,
-                                  NB, NB4, NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT, HASM)
+                                  NB, NB4, NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
                 s1 = _key_quarter(k_low_ptr, k_high_ptr, kpage, 1, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale, G, D,
-                                  NB, NB4, NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT, HASM)
+                                  NB, NB4, NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
                 s2 = _key_quarter(k_low_ptr, k_high_ptr, kpage, 2, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale, G, D,
-                                  NB, NB4, NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT, HASM)
+                                  NB, NB4, NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
                 s3 = _key_quarter(k_low_ptr, k_high_ptr, kpage, 3, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale, G, D,
-                                  NB, NB4, NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT, HASM)
+                                  NB, NB4, NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
         else:
             s0 = _fp_key_quarter(qT, kq_ptr, j * G, 0, m, qk_scale, G, D, DOT)
             s1 = _fp_key_quarter(qT, kq_ptr, j * G, 1, m, qk_scale, G, D, DOT)
@@ -587,11 +582,11 @@ def kernel_constants(cfg: KVQuantConfig, head_dim: int, group: int, dtype: torch
         ka = [("",) + x[1:] for x in ka]
         va = [("",) + x[1:] for x in va]
     split = 0 if dot == torch.float32 else int(launch.split_fold)  # fp32 operands are exact: nothing to split
-    high_min = int(os.environ.get("KITTY_HIGH_PAD", "4"))  # experiment knobs, resolved after the H200 check
-    hasm = os.environ.get("KITTY_HIGH_ASM", "1") == "1"
     return dict(
-        S=S, G=G, R=R, D=D, NB=nb, NB4=nb4, NB4P=max(high_min, triton.next_power_of_2(max(nb4, 1))), VBITS=vbits,
-        HASM=hasm and ka[0][0] != "",
+        # the joined high tile has 4 * NB4P columns: at least 32, since a 16-column one (nb <= 16, e.g. kitty at
+        # D = 128) gave wrong products on the H200 (triton 3.6) with and without the PTX conversion, and 32 did not;
+        # the padding bytes are masked loads (no traffic), their columns meet zero rows of the gathered operand
+        S=S, G=G, R=R, D=D, NB=nb, NB4=nb4, NB4P=max(8, triton.next_power_of_2(max(nb4, 1))), VBITS=vbits,
         KEY_RAW=not cfg.quantizes_keys, VALUE_RAW=not cfg.quantizes_values,
         BLOCK_H=max(launch.block_h, triton.next_power_of_2(group)), BLOCK_S=max(16, triton.next_power_of_2(S)),
         DOT=TLTYPE[dot], FULL_QBUF=bool(full_qbuffer), KSPLIT=bool(split & 1), VSPLIT=bool(split & 2),
