@@ -606,11 +606,12 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
     ``launch``: a :class:`kernels.launch.Launch`; ``None``: :func:`kernels.launch.default_launch` for the batch at
     hand (the fastest configuration timed on the H200, checked for correctness there: benchmarks/RESULTS.md), with
     ``tuning`` (its keyword arguments: ``num_splits``, ``num_warps``, ``num_stages``, ``maxnreg``, ``waves``,
-    ``block_h``, ``split_fold``) replacing defaults. Folding the key scale into one 16-bit ``q * scale``
-    (``split_fold=0``) rounds a product that multiplies codes up to 3, where dequantizing first rounds the key
-    itself: on outlier-heavy keys, fp16 outputs were measured up to 2.2x further from the fp32 reference than the
-    fp16 torch reference is; ``split_fold=1`` cuts that error 2-3x but costs ~45% more time at (8, 32K) on the H200
-    (benchmarks/RESULTS.md), so it is off by default.
+    ``block_h``, ``split_fold``) replacing defaults. ``split_fold`` bit 1 carries the key operand ``q * scale`` as
+    its 16-bit rounding plus the remainder (bit 2: ``p * scale`` likewise): one rounding of ``q * scale``, which
+    multiplies codes up to 3 (15 when boosted), errs up to 2x more than dequantizing first and failed the
+    correctness rule on the H200; split, it passes. The swap-AB kernel carries the remainder in the spare columns
+    of its small operand, so the default ``split_fold=1`` cost nothing there: 205 us against 246 us unsplit at
+    (8, 32K), 399 against 483 at (64, 8K) (2 warps, no register cap; benchmarks/RESULTS.md, layout_sweep.json).
 
     ``workspace``: a dict that the first call fills with the split buffers and the output and later calls reuse
     (a static cache passes one per layer, so that a captured step allocates nothing); the result is then a view of
