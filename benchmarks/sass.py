@@ -138,7 +138,10 @@ def main():
     ap.add_argument("--num-warps", type=int, default=None, help="override the default launch's warps")
     ap.add_argument("--block-h", type=int, default=4, help="query rows per program (the kernel's block_h)")
     ap.add_argument(
-        "--split-fold", type=int, default=0, help="operands as two 16-bit parts: 1 q*scale, 2 p*scale, 3 both"
+        "--split-fold",
+        type=int,
+        default=1,
+        help="operands as two 16-bit parts: 1 q*scale (the default launch), 2 p*scale, 3 both",
     )
     ap.add_argument("--out", default=None, help="folder to write the PTX and SASS to")
     args = ap.parse_args()
