@@ -262,6 +262,34 @@ def _fp_key_quarter(qT, k_ptr, rel0, u: tl.constexpr, m, qk_scale, G: tl.constex
 
 
 @triton.jit
+def _stored_key_page(q0, q1, q2, q3, qT, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, k_raw_ptr, kpage,
+                     qk_scale, G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, NB4: tl.constexpr,
+                     NB4P: tl.constexpr, KEY_RAW: tl.constexpr, DOT: tl.constexpr, KA0: tl.constexpr,
+                     KA1: tl.constexpr, KA2: tl.constexpr, KA3: tl.constexpr, KOFF: tl.constexpr, KUNIT: tl.constexpr,
+                     KSPLIT: tl.constexpr):
+    """Base-2 logits of the four token quarters of a stored key page (``kpage`` = pool page * Hkv + head): from the
+    planes, or from ``k_raw`` rows for 16-bit keys."""
+    if KEY_RAW:
+        kr = k_raw_ptr + kpage * (G * D)
+        s0 = _fp_key_quarter(qT, kr, 0, 0, G, qk_scale, G, D, DOT)
+        s1 = _fp_key_quarter(qT, kr, 0, 1, G, qk_scale, G, D, DOT)
+        s2 = _fp_key_quarter(qT, kr, 0, 2, G, qk_scale, G, D, DOT)
+        s3 = _fp_key_quarter(qT, kr, 0, 3, G, qk_scale, G, D, DOT)
+    else:
+        qs0, qs1, qs2, qs3, qb4, qz, corr = _key_operands(q0, q1, q2, q3, k_scale_ptr, k_zero_ptr, k_idx_ptr, kpage, D,
+                                                          NB, NB4, NB4P, DOT, KOFF, KSPLIT)
+        s0 = _key_quarter(k_low_ptr, k_high_ptr, kpage, 0, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale, G, D, NB, NB4,
+                          NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
+        s1 = _key_quarter(k_low_ptr, k_high_ptr, kpage, 1, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale, G, D, NB, NB4,
+                          NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
+        s2 = _key_quarter(k_low_ptr, k_high_ptr, kpage, 2, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale, G, D, NB, NB4,
+                          NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
+        s3 = _key_quarter(k_low_ptr, k_high_ptr, kpage, 3, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale, G, D, NB, NB4,
+                          NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
+    return s0, s1, s2, s3
+
+
+@triton.jit
 def _page_softmax(s0, s1, s2, s3, m_i):
     """One online-softmax step over a page's four quarters ``(G/4, BLOCK_H)``: ``(p0, p1, p2, p3, alpha, m_new)``."""
     m_new = tl.maximum(m_i, tl.max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), 0))
@@ -309,21 +337,20 @@ def _value_page(p0, p1, p2, p3, codes_ptr, vscale_ptr, vzero_ptr, pbase, acc, cq
                 G: tl.constexpr, D: tl.constexpr, VBITS: tl.constexpr, DOT: tl.constexpr, VA0: tl.constexpr,
                 VA1: tl.constexpr, VA2: tl.constexpr, VA3: tl.constexpr, VOFF: tl.constexpr, VUNIT: tl.constexpr,
                 SPLIT: tl.constexpr):
-    """``(p @ V)^T`` of the four quarters of a quantized value page (see :func:`_value_quarter`)."""
-    vb = _value_bytes(codes_ptr, pbase, 0, G, D, VBITS)
-    acc, cq, az = _value_quarter(p0, 0, vb, vscale_ptr, vzero_ptr, pbase, acc, cq, az, G, VBITS, DOT, VA0, VOFF,
-                                 VUNIT, SPLIT)
+    """``(p @ V)^T`` of the four quarters of a quantized value page (see :func:`_value_quarter`): 2-bit codes hold
+    every quarter in the same bytes, 4-bit ones quarters 0, 2 in the first half of each row and 1, 3 in the second."""
+    vb0 = _value_bytes(codes_ptr, pbase, 0, G, D, VBITS)
     if VBITS == 4:
-        vb = _value_bytes(codes_ptr, pbase, 1, G, D, VBITS)
-    acc, cq, az = _value_quarter(p1, 1, vb, vscale_ptr, vzero_ptr, pbase, acc, cq, az, G, VBITS, DOT, VA1, VOFF,
+        vb1 = _value_bytes(codes_ptr, pbase, 1, G, D, VBITS)
+    else:
+        vb1 = vb0
+    acc, cq, az = _value_quarter(p0, 0, vb0, vscale_ptr, vzero_ptr, pbase, acc, cq, az, G, VBITS, DOT, VA0, VOFF,
                                  VUNIT, SPLIT)
-    if VBITS == 4:
-        vb = _value_bytes(codes_ptr, pbase, 0, G, D, VBITS)
-    acc, cq, az = _value_quarter(p2, 2, vb, vscale_ptr, vzero_ptr, pbase, acc, cq, az, G, VBITS, DOT, VA2, VOFF,
+    acc, cq, az = _value_quarter(p1, 1, vb1, vscale_ptr, vzero_ptr, pbase, acc, cq, az, G, VBITS, DOT, VA1, VOFF,
                                  VUNIT, SPLIT)
-    if VBITS == 4:
-        vb = _value_bytes(codes_ptr, pbase, 1, G, D, VBITS)
-    acc, cq, az = _value_quarter(p3, 3, vb, vscale_ptr, vzero_ptr, pbase, acc, cq, az, G, VBITS, DOT, VA3, VOFF,
+    acc, cq, az = _value_quarter(p2, 2, vb0, vscale_ptr, vzero_ptr, pbase, acc, cq, az, G, VBITS, DOT, VA2, VOFF,
+                                 VUNIT, SPLIT)
+    acc, cq, az = _value_quarter(p3, 3, vb1, vscale_ptr, vzero_ptr, pbase, acc, cq, az, G, VBITS, DOT, VA3, VOFF,
                                  VUNIT, SPLIT)
     return acc, cq, az
 
@@ -425,23 +452,9 @@ def _decode_split_kernel(
     for j in range(start, tl.minimum(end, vp)):
         kpage = tl.load(k_pt_ptr + b64 * spk_b + j).to(tl.int64) * Hkv + h
         vpage = tl.load(v_pt_ptr + b64 * spv_b + j).to(tl.int64) * Hkv + h
-        if KEY_RAW:
-            kr = k_raw_ptr + kpage * (G * D)
-            s0 = _fp_key_quarter(qT, kr, 0, 0, G, qk_scale, G, D, DOT)
-            s1 = _fp_key_quarter(qT, kr, 0, 1, G, qk_scale, G, D, DOT)
-            s2 = _fp_key_quarter(qT, kr, 0, 2, G, qk_scale, G, D, DOT)
-            s3 = _fp_key_quarter(qT, kr, 0, 3, G, qk_scale, G, D, DOT)
-        else:
-            qs0, qs1, qs2, qs3, qb4, qz, corr = _key_operands(q0, q1, q2, q3, k_scale_ptr, k_zero_ptr, k_idx_ptr,
-                                                              kpage, D, NB, NB4, NB4P, DOT, KOFF, KSPLIT)
-            s0 = _key_quarter(k_low_ptr, k_high_ptr, kpage, 0, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale, G, D, NB,
-                              NB4, NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
-            s1 = _key_quarter(k_low_ptr, k_high_ptr, kpage, 1, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale, G, D, NB,
-                              NB4, NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
-            s2 = _key_quarter(k_low_ptr, k_high_ptr, kpage, 2, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale, G, D, NB,
-                              NB4, NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
-            s3 = _key_quarter(k_low_ptr, k_high_ptr, kpage, 3, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale, G, D, NB,
-                              NB4, NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
+        s0, s1, s2, s3 = _stored_key_page(q0, q1, q2, q3, qT, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr,
+                                          k_zero_ptr, k_raw_ptr, kpage, qk_scale, G, D, NB, NB4, NB4P, KEY_RAW, DOT,
+                                          KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
         p0, p1, p2, p3, alpha, m_i = _page_softmax(s0, s1, s2, s3, m_i)
         l_i = l_i * alpha[None, :] + ((p0 + p1) + (p2 + p3))
         acc_nat = acc_nat * alpha[None, :]
@@ -460,23 +473,9 @@ def _decode_split_kernel(
     for j in range(tl.maximum(start, vp), end):
         if j < kp:
             kpage = tl.load(k_pt_ptr + b64 * spk_b + j).to(tl.int64) * Hkv + h
-            if KEY_RAW:
-                kr = k_raw_ptr + kpage * (G * D)
-                s0 = _fp_key_quarter(qT, kr, 0, 0, G, qk_scale, G, D, DOT)
-                s1 = _fp_key_quarter(qT, kr, 0, 1, G, qk_scale, G, D, DOT)
-                s2 = _fp_key_quarter(qT, kr, 0, 2, G, qk_scale, G, D, DOT)
-                s3 = _fp_key_quarter(qT, kr, 0, 3, G, qk_scale, G, D, DOT)
-            else:
-                qs0, qs1, qs2, qs3, qb4, qz, corr = _key_operands(q0, q1, q2, q3, k_scale_ptr, k_zero_ptr, k_idx_ptr,
-                                                                  kpage, D, NB, NB4, NB4P, DOT, KOFF, KSPLIT)
-                s0 = _key_quarter(k_low_ptr, k_high_ptr, kpage, 0, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale, G, D,
-                                  NB, NB4, NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
-                s1 = _key_quarter(k_low_ptr, k_high_ptr, kpage, 1, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale, G, D,
-                                  NB, NB4, NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
-                s2 = _key_quarter(k_low_ptr, k_high_ptr, kpage, 2, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale, G, D,
-                                  NB, NB4, NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
-                s3 = _key_quarter(k_low_ptr, k_high_ptr, kpage, 3, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale, G, D,
-                                  NB, NB4, NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
+            s0, s1, s2, s3 = _stored_key_page(q0, q1, q2, q3, qT, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr,
+                                              k_zero_ptr, k_raw_ptr, kpage, qk_scale, G, D, NB, NB4, NB4P, KEY_RAW,
+                                              DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
         else:
             s0 = _fp_key_quarter(qT, kq_ptr, j * G, 0, m, qk_scale, G, D, DOT)
             s1 = _fp_key_quarter(qT, kq_ptr, j * G, 1, m, qk_scale, G, D, DOT)

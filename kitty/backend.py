@@ -188,18 +188,20 @@ class TorchOps:
     ) -> None:
         """A static layer's stage 3 (``kitty.static``): pack every row whose qbuffer the last token filled into its
         fixed page, predicated on the device (:func:`pack_completed_torch`; no host read except on the CPU)."""
+        tensors = (lengths, k_qbuf, v_qbuf, key_pool, value_pool, k_page_table, v_page_table)
+        self._pack_completed_torch(*tensors, salt=salt, query_scale=query_scale)
+
+    def _pack_completed_torch(self, *tensors, salt, query_scale, keys: bool = True, values: bool = True) -> None:
+        """:func:`pack_completed_torch` of ``keys`` / ``values`` for this layer's config (``tensors``: lengths,
+        the two qbuffers, the two pools, the two page tables); a host read skips idle steps on the CPU only."""
         pack_completed_torch(
             self.cfg,
-            lengths,
-            k_qbuf,
-            v_qbuf,
-            key_pool,
-            value_pool,
-            k_page_table,
-            v_page_table,
+            *tensors,
             salt=salt,
             query_scale=query_scale,
             skip_idle=self.device.type == "cpu",
+            keys=keys,
+            values=values,
         )
 
     def decode_attention(
@@ -249,37 +251,11 @@ class TritonOps(TorchOps):
         self, lengths, k_qbuf, v_qbuf, key_pool, value_pool, k_page_table, v_page_table, salt, query_scale
     ) -> None:
         keys, values = self.completes_keys, self.completes_values
+        tensors = (lengths, k_qbuf, v_qbuf, key_pool, value_pool, k_page_table, v_page_table)
         if not (keys and values):  # the sides the kernel does not pack
-            pack_completed_torch(
-                self.cfg,
-                lengths,
-                k_qbuf,
-                v_qbuf,
-                key_pool,
-                value_pool,
-                k_page_table,
-                v_page_table,
-                salt=salt,
-                query_scale=query_scale,
-                skip_idle=self.device.type == "cpu",
-                keys=not keys,
-                values=not values,
-            )
+            self._pack_completed_torch(*tensors, salt=salt, query_scale=query_scale, keys=not keys, values=not values)
         if keys or values:
-            kernels.pack_completed(
-                self.cfg,
-                lengths,
-                k_qbuf,
-                v_qbuf,
-                key_pool,
-                value_pool,
-                k_page_table,
-                v_page_table,
-                salt=salt,
-                query_scale=query_scale,
-                keys=keys,
-                values=values,
-            )
+            kernels.pack_completed(self.cfg, *tensors, salt=salt, query_scale=query_scale, keys=keys, values=values)
 
     def decode_attention(self, q, state, scaling, full_qbuffer=False, workspace=None) -> torch.Tensor:
         # looked up on the package at every call, so that the kernel can be wrapped (tests count its calls)

@@ -13,9 +13,9 @@ from kitty.quant import (
     key_page_codes,
     pack_2bit,
     pack_bits,
+    quantize_codes,
     quantize_key_page,
     quantize_value_page,
-    quantize_codes,
     unpack_2bit,
     unpack_bits,
 )

@@ -180,6 +180,19 @@ def test_generate_static_sampling_eos_and_transformers_static_cache():
     assert len(set(out.flatten().tolist())) > 5  # sampling, not a constant
 
 
+def _random_pools(kf: dict, vf: dict, Bq: int, Wk: int, Wv: int, device, low: int):
+    """Key and value pools of ``pool_fields`` specs ``kf`` / ``vf`` (Wk / Wv pages per row) full of random bytes
+    from ``low``, and empty page tables: a pack must overwrite exactly the pages it completes."""
+    torch.manual_seed(5)
+    key = {n: torch.randint(low, 200, (Bq * Wk, *s), device=device).to(dt) for n, (s, dt) in kf.items()}
+    value = {n: torch.randint(low, 200, (Bq * Wv, *s), device=device).to(dt) for n, (s, dt) in vf.items()}
+    tables = (
+        torch.full((Bq, Wk), -1, dtype=torch.int32, device=device),
+        torch.full((Bq, Wv), -1, dtype=torch.int32, device=device),
+    )
+    return key, value, tables
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(), reason="no Triton")
 @pytest.mark.parametrize("preset", ["kitty", "kitty-pro"])
 def test_pack_completed_kernel_matches_reference(preset):
@@ -200,18 +213,8 @@ def test_pack_completed_kernel_matches_reference(preset):
 
     kf, vf = pool_fields(cfg, H, D, torch.float16)
 
-    def pools():
-        torch.manual_seed(5)
-        key = {n: torch.randint(0, 200, (Bq * Wk, *s), device=device).to(dt) for n, (s, dt) in kf.items()}
-        value = {n: torch.randint(0, 200, (Bq * Wv, *s), device=device).to(dt) for n, (s, dt) in vf.items()}
-        tables = (
-            torch.full((Bq, Wk), -1, dtype=torch.int32, device=device),
-            torch.full((Bq, Wv), -1, dtype=torch.int32, device=device),
-        )
-        return key, value, tables
-
-    kk, vk, (tk, tv) = pools()
-    kr, vr, (rk, rv) = pools()
+    kk, vk, (tk, tv) = _random_pools(kf, vf, Bq, Wk, Wv, device, low=0)
+    kr, vr, (rk, rv) = _random_pools(kf, vf, Bq, Wk, Wv, device, low=0)
     before = {n: t.clone() for n, t in kk.items()}
     pack_completed(cfg, lengths, k_qbuf, v_qbuf, kk, vk, tk, tv, salt=3)
     pack_completed_torch(cfg, lengths, k_qbuf, v_qbuf, kr, vr, rk, rv, salt=3)
@@ -247,18 +250,8 @@ def test_triton_ops_pack_completed_side_by_side(preset):
     lengths = torch.tensor([36, 20, 9, 52], dtype=torch.int32, device=device)  # key+value, key, nothing, key+value
     kf, vf = pool_fields(cfg, H, D, torch.float16)
 
-    def pools():
-        torch.manual_seed(5)
-        key = {n: torch.randint(1, 200, (Bq * Wk, *s), device=device).to(dt) for n, (s, dt) in kf.items()}
-        value = {n: torch.randint(1, 200, (Bq * Wv, *s), device=device).to(dt) for n, (s, dt) in vf.items()}
-        tables = (
-            torch.full((Bq, Wk), -1, dtype=torch.int32, device=device),
-            torch.full((Bq, Wv), -1, dtype=torch.int32, device=device),
-        )
-        return key, value, tables
-
-    kk, vk, (tk, tv) = pools()
-    kr, vr, (rk, rv) = pools()
+    kk, vk, (tk, tv) = _random_pools(kf, vf, Bq, Wk, Wv, device, low=1)
+    kr, vr, (rk, rv) = _random_pools(kf, vf, Bq, Wk, Wv, device, low=1)
     ops.pack_completed(lengths, k_qbuf, v_qbuf, kk, vk, tk, tv, 3, qs)
     pack_completed_torch(cfg, lengths, k_qbuf, v_qbuf, kr, vr, rk, rv, salt=3, query_scale=qs)
     for name in kk:
