@@ -55,8 +55,9 @@ CHECK_CASES = [  # (preset, GQA, D, overrides)
 def check(results: dict) -> bool:
     """Every check case x dtype x launch variant against the reference; returns whether all passed."""
     ok_all = True
-    for (preset, gqa, D, kw), dtype in tqdm(list(itertools.product(CHECK_CASES, (torch.float16, torch.bfloat16))),
-                                          desc="check"):
+    for (preset, gqa, D, kw), dtype in tqdm(
+        list(itertools.product(CHECK_CASES, (torch.float16, torch.bfloat16))), desc="check"
+    ):
         cfg = PRESETS[preset].with_(**kw)
         S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
         lengths = [S + 9 * G + 5, S + R + 2 * G, 1, S + G, S + 2 * G + R - 1, max(S, 1)]
@@ -99,13 +100,21 @@ def main() -> None:
         CHECK_CASES[:] = [("kitty", 2, 64, {"group_size": 16, "local_window": 16, "sink_tokens": 4})]
         VARIANTS[:] = VARIANTS[:2]
         args.shapes = "2x200"
-    props = torch.cuda.get_device_properties(0) if kb.DEV == "cuda" else type("P", (), dict(name="cpu",
-                                                                                     multi_processor_count=4))
+    props = (
+        torch.cuda.get_device_properties(0)
+        if kb.DEV == "cuda"
+        else type("P", (), dict(name="cpu", multi_processor_count=4))
+    )
     out = args.out or default_out(props.name)
     os.makedirs(out, exist_ok=True)
     kb.RESULT_PATH = str(unused_path(out, "layout_sweep.json"))
-    env = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-           "triton": __import__("triton").__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    env = {
+        "gpu": props.name,
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     results = {"env": env, "check": {}, "timing": [], "fastest_fp16": {}}
     kb.log("env", json.dumps(env))
     if args.check_presets:
@@ -121,7 +130,7 @@ def main() -> None:
     copy_bw = 2 * x.nbytes / min(kb.bench_eager(lambda: y.copy_(x)), kb.bench([lambda: y.copy_(x)], target_ms=5))
     results["copy_bw"] = copy_bw
     kb.log(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s")
-    del x, y
+    x = y = None  # free the 4 GiB before the sweep
     HQ, HKV, D = kb.HQ, kb.HKV, kb.D
     for shape in [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]:
         B, L = shape
@@ -145,7 +154,7 @@ def main() -> None:
                     best_fp16 = (t, f"sdpa-{bname} {form}")
         results["fastest_fp16"][f"{B},{L}"] = {"name": best_fp16[1], "us": best_fp16[0] * 1e6}
         k_full, v_full = kvs[0]
-        del qs, kvs
+        qs = kvs = None
         torch.cuda.empty_cache()
         for preset, dtype in itertools.product(("kitty", "kitty-pro"), (torch.float16, torch.bfloat16)):
             cfg = PRESETS[preset] if kb.DEV == "cuda" else PRESETS[preset].with_(group_size=16, local_window=16)
@@ -157,32 +166,60 @@ def main() -> None:
             tag = f"{preset} {str(dtype)[6:]}"
             t = kb.bench([lambda i=i: decode_attention_triton(qs[i], states[i], cfg) for i in range(nrot)])
             launch = default_launch(B, HKV, st0.k_page_table.shape[1] + 1, qs[0].device)
-            row = dict(B=B, L=L, method=f"{tag} default", us=t * 1e6, bytes=cache_b, launch=vars(launch),
-                       vs_fp16=best_fp16[0] / t, pct_copy=100 * cache_b / t / copy_bw)
+            row = dict(
+                B=B,
+                L=L,
+                method=f"{tag} default",
+                us=t * 1e6,
+                bytes=cache_b,
+                launch=vars(launch),
+                vs_fp16=best_fp16[0] / t,
+                pct_copy=100 * cache_b / t / copy_bw,
+            )
             results["timing"].append(row)
-            kb.log(f"  {tag} default {launch}: {t * 1e6:.1f} us, {best_fp16[0] / t:.2f}x fastest FP16, "
-                   f"{row['pct_copy']:.0f}% copy")
-            variants = VARIANTS if (preset, dtype) == ("kitty", torch.float16) else [
-                v for v in VARIANTS if v["split_fold"] == 1 and v["num_stages"] == 1]
+            kb.log(
+                f"  {tag} default {launch}: {t * 1e6:.1f} us, {best_fp16[0] / t:.2f}x fastest FP16, "
+                f"{row['pct_copy']:.0f}% copy"
+            )
+            variants = (
+                VARIANTS
+                if (preset, dtype) == ("kitty", torch.float16)
+                else [v for v in VARIANTS if v["split_fold"] == 1 and v["num_stages"] == 1]
+            )
             best = None
             for var, waves in itertools.product(variants, (4, 8, 16) if B * HKV < 1024 else (2,)):
                 if time.time() - t_start > args.budget_s:
                     break
                 try:
-                    t = kb.bench([lambda i=i: decode_attention_triton(qs[i], states[i], cfg, waves=waves, **var)
-                                  for i in range(nrot)])
+                    t = kb.bench(
+                        [
+                            lambda i=i: decode_attention_triton(qs[i], states[i], cfg, waves=waves, **var)
+                            for i in range(nrot)
+                        ]
+                    )
                 except Exception as e:  # noqa: BLE001
                     kb.log(f"  {tag} {var} waves={waves}: failed: {type(e).__name__}: {str(e)[:120]}")
                     continue
-                results["timing"].append(dict(B=B, L=L, method=f"{tag} sweep", us=t * 1e6, bytes=cache_b,
-                                              launch=dict(var, waves=waves), vs_fp16=best_fp16[0] / t,
-                                              pct_copy=100 * cache_b / t / copy_bw))
+                results["timing"].append(
+                    dict(
+                        B=B,
+                        L=L,
+                        method=f"{tag} sweep",
+                        us=t * 1e6,
+                        bytes=cache_b,
+                        launch=dict(var, waves=waves),
+                        vs_fp16=best_fp16[0] / t,
+                        pct_copy=100 * cache_b / t / copy_bw,
+                    )
+                )
                 if best is None or t < best[0]:
                     best = (t, dict(var, waves=waves))
             if best:
-                kb.log(f"  {tag} best {best[1]}: {best[0] * 1e6:.1f} us, {best_fp16[0] / best[0]:.2f}x, "
-                       f"{100 * cache_b / best[0] / copy_bw:.0f}% copy")
-            del states, qs, st0
+                kb.log(
+                    f"  {tag} best {best[1]}: {best[0] * 1e6:.1f} us, {best_fp16[0] / best[0]:.2f}x, "
+                    f"{100 * cache_b / best[0] / copy_bw:.0f}% copy"
+                )
+            states = qs = st0 = None  # free the rotating inputs before the next preset
             torch.cuda.empty_cache()
         kb.write(results)
     kb.write(results)

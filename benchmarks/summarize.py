@@ -370,8 +370,11 @@ def render_layout(d: dict, name: str) -> list[str]:
     failed = [k for k, v in checks.items() if not v["ok"]]
     out = [f"### `{name}`", "", f"{d['env']['gpu']}, {d['env']['date']}, triton {d['env']['triton']}."]
     if checks:
-        out += ["", f"Correctness (max |out - ref| <= 2 max |pt - ref| + floor): {len(checks) - len(failed)} of "
-                f"{len(checks)} cases pass."]
+        out += [
+            "",
+            f"Correctness (max |out - ref| <= 2 max |pt - ref| + floor): {len(checks) - len(failed)} of "
+            f"{len(checks)} cases pass.",
+        ]
         out += [f"- FAIL `{k}`: err {checks[k]['err']:.3g} > tol {checks[k]['tol']:.3g}" for k in failed]
     if d.get("copy_bw"):
         out += ["", f"Copy bandwidth: {d['copy_bw'] / 1e12:.2f} TB/s."]
@@ -379,20 +382,31 @@ def render_layout(d: dict, name: str) -> list[str]:
     shapes = sorted({(r["B"], r["L"]) for r in rows}, key=lambda x: (-x[0] * x[1], x[0]))
     if not shapes:
         return out
-    out += ["", "| (B, L) | fastest FP16 | method | default launch | x FP16 | % copy | best of sweep | x FP16 |",
-            "|---|---|---|---|---|---|---|---|"]
+    out += [
+        "",
+        "| (B, L) | fastest FP16 | method | default launch | x FP16 | % copy | best of sweep | x FP16 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for B, L in shapes:
         fp16 = d.get("fastest_fp16", {}).get(f"{B},{L}")
-        for method in sorted({r["method"].rsplit(" ", 1)[0] for r in rows if (r["B"], r["L"]) == (B, L)
-                              and not r["method"].startswith("sdpa")}):
+        for method in sorted(
+            {
+                r["method"].rsplit(" ", 1)[0]
+                for r in rows
+                if (r["B"], r["L"]) == (B, L) and not r["method"].startswith("sdpa")
+            }
+        ):
             mine = [r for r in rows if (r["B"], r["L"]) == (B, L) and r["method"].startswith(method + " ")]
             dflt = next((r for r in mine if r["method"].endswith(" default")), None)
             sweep = min((r for r in mine if r["method"].endswith(" sweep")), key=lambda r: r["us"], default=None)
             out.append(
                 f"| ({B}, {L}) | {fp16['name']} {fp16['us']:.1f} us | {method} | "
                 + (f"{dflt['us']:.1f} us | {dflt['vs_fp16']:.2f}x | {dflt['pct_copy']:.0f}% | " if dflt else "| | | ")
-                + (f"{sweep['us']:.1f} us `{json.dumps(sweep['launch'])}` | {sweep['vs_fp16']:.2f}x |" if sweep else
-                   " | |")
+                + (
+                    f"{sweep['us']:.1f} us `{json.dumps(sweep['launch'])}` | {sweep['vs_fp16']:.2f}x |"
+                    if sweep
+                    else " | |"
+                )
             )
     return out
 
