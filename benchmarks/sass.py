@@ -100,30 +100,33 @@ def sass_text(cubin: bytes) -> str:
         os.unlink(f.name)
 
 
-def hot_loop(sass: str) -> list[tuple[str, str]]:
-    """Instructions ``(opcode, text)`` of the loop holding the most HMMA instructions."""
+def loops(sass: str) -> list[list[tuple[str, str]]]:
+    """The loops of a SASS listing (bodies from a backward branch's target to the branch), in address order, each
+    as instructions ``(opcode, text)``."""
     lines = []
     for line in sass.splitlines():
         mm = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
         if mm:
             lines.append((int(mm.group(1), 16), mm.group(2).strip()))
     addr = {a: i for i, (a, _) in enumerate(lines)}
-    best = []
+    found = []
     for i, (a, text) in enumerate(lines):
-        bm = re.search(r"\bBRA\b.*?`?\(?\.?L?_?x?_?(\d+)\)?", text)
         tgt = re.search(r"0x([0-9a-f]+)", text) if "BRA" in text else None
         if tgt is None:
             continue
         t = int(tgt.group(1), 16)
         if t < a and t in addr:
-            body = lines[addr[t] : i + 1]
-            if sum("HMMA" in x for _, x in body) > sum("HMMA" in x for _, x in best):
-                best = body
+            found.append((t, lines[addr[t] : i + 1]))
     out = []
-    for _, text in best:
-        text = re.sub(r"^@!?U?P\w+\s+", "", text)
-        out.append((text.split()[0], text))
+    for _, body in sorted(found, key=lambda x: x[0]):
+        out.append([(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0], text) for _, text in body])
     return out
+
+
+def hot_loop(sass: str) -> list[tuple[str, str]]:
+    """The page loop over quantized keys and values: the first loop with tensor-core instructions (the fused kernel
+    runs it before the loop over pages whose values are still in full precision, which can hold more HMMAs)."""
+    return next((body for body in loops(sass) if any("HMMA" in op for op, _ in body)), [])
 
 
 def main():
@@ -167,6 +170,9 @@ def main():
         f"({per_thread:.0f} codes per thread per page)"
     )
     print("  " + ", ".join(f"{op} {c}" for op, c in ops.most_common(24)))
+    for i, body in enumerate(loops(sass)):
+        hmma = sum("HMMA" in op for op, _ in body)
+        print(f"loop {i}: {len(body)} instructions ({len(body) / per_thread:.2f} per cached element), {hmma} HMMA")
 
 
 if __name__ == "__main__":
