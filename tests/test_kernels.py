@@ -287,6 +287,7 @@ ATTN_CASES = [  # (preset, GQA ratio, D, dtype, sink, G, overrides): GQA 1/3/4/8
     ("kitty", 4, 128, torch.float16, 8, 64, {}),
     ("kitty-pro", 2, 64, torch.bfloat16, 8, 64, {}),
     ("kitty", 4, 64, torch.float16, 8, 64, {"boost_fraction": 0.5}),
+    ("kitty", 4, 128, torch.float16, 8, 64, {"boost_fraction": 0.1}),  # nb = 13: the last high-plane byte pads
 ]
 
 
@@ -422,6 +423,19 @@ def test_decode_attention_mid_step_full_qbuffers(dtype):
         kk, vv = kf[b, :, :n].repeat_interleave(4, 0), vf[b, :, :n].repeat_interleave(4, 0)
         expect = torch.einsum("hn,hnd->hd", torch.softmax(torch.einsum("hd,hnd->hn", qf[b], kk) / 8.0, -1), vv)
         torch.testing.assert_close(got[b], expect, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("preset,D,expect", [("kitty", 128, 8), ("kitty", 64, 8), ("kitty-pro", 128, 8),
+                                             ("kivi-k4v2-sink", 128, 32)])  # fmt: skip
+def test_high_plane_tile_is_at_least_32_columns(preset, D, expect):
+    """The fused kernel joins a page's high-plane slot quarters into one tile of 4 * NB4P columns: at least 32, since
+    16 columns gave wrong scores on the H200 (benchmarks/results/h200-2026-12-02/layout_check_high16cols.json)."""
+    from kitty.kernels.decode_attention import kernel_constants
+    from kitty.kernels.launch import default_launch
+
+    cfg = PRESETS[preset]
+    c = kernel_constants(cfg, D, 4, torch.float16, default_launch(8, 8, 64, 132), full_qbuffer=False)
+    assert c["NB4"] == -(-cfg.num_boosted(D) // 4) and c["NB4P"] == expect and 4 * c["NB4P"] >= 32
 
 
 def test_default_launch_is_the_measured_heuristic():
