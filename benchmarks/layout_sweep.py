@@ -34,9 +34,8 @@ from benchmarks.results_dir import default_out, unused_path  # noqa: E402
 from kitty.config import PRESETS  # noqa: E402
 from kitty.kernels import decode_attention_ref, decode_attention_triton  # noqa: E402
 from kitty.kernels.launch import default_launch  # noqa: E402
-from kitty.kernels.testing import make_state, planted_kv  # noqa: E402
+from kitty.kernels.testing import attention_tolerance, make_state, planted_kv  # noqa: E402
 
-FLOOR = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # tests/test_kernels.py's floors
 # launch variants: warps x pipeline stages with the key operand split (the default), and the split choices at 2 warps
 VARIANTS = [dict(num_warps=w, num_stages=s, split_fold=1) for w, s in itertools.product((1, 2, 4), (1, 2))] + [
     dict(num_warps=2, num_stages=1, split_fold=f) for f in (0, 3)
@@ -67,7 +66,7 @@ def check(results: dict) -> bool:
         q = torch.randn(B, Hkv * gqa, D, generator=torch.Generator().manual_seed(2)).to(dtype).to(kb.DEV)
         ref = decode_attention_ref(q, state, cfg, upcast=True).float()
         pt = decode_attention_ref(q, state, cfg, upcast=False).float()
-        tol = 2 * (pt - ref).abs().max().item() + FLOOR[dtype]
+        tol = attention_tolerance(ref, pt, dtype)
         variants = VARIANTS[-2:] if (preset, gqa, D, kw) == ("kitty", 4, 128, {}) and VARIANTS else []
         for name, kwl in [("default", {})] + [(json.dumps(vv), dict(vv, num_splits=3)) for vv in variants]:
             out = decode_attention_triton(q, state, cfg, **kwl).float()
@@ -125,12 +124,8 @@ def main() -> None:
         results["correct"] = check(results)
         kb.log(f"correctness: {'PASS' if results['correct'] else 'FAIL'} ({time.time() - t_start:.0f} s)")
         kb.write(results)
-    x = torch.empty(2**30 if kb.DEV == "cuda" else 2**16, dtype=torch.float16, device=kb.DEV).normal_()
-    y = torch.empty_like(x)
-    copy_bw = 2 * x.nbytes / min(kb.bench_eager(lambda: y.copy_(x)), kb.bench([lambda: y.copy_(x)], target_ms=5))
+    copy_bw, _ = kb.copy_bandwidth()
     results["copy_bw"] = copy_bw
-    kb.log(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s")
-    x = y = None  # free the 4 GiB before the sweep
     HQ, HKV, D = kb.HQ, kb.HKV, kb.D
     for shape in [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]:
         B, L = shape
@@ -140,29 +135,19 @@ def main() -> None:
         qs = [torch.randn(B, HQ, 1, D, device=kb.DEV, dtype=torch.float16) for _ in range(nrot)]
         kvs = [kb.gpu_kv(B, L, seed=i) for i in range(nrot)]
         best_fp16 = None
-        for bname, backend in kb.sdpa_backends():
-            for form in ("enable_gqa", "gqa-folded"):
-                fn = kb.sdpa_call(backend, form, qs, kvs, B)
-                try:
-                    t = kb.bench([lambda i=i: fn(i) for i in range(nrot)])
-                except Exception as e:  # noqa: BLE001
-                    kb.log(f"  sdpa-{bname} {form}: failed: {type(e).__name__}")
-                    continue
-                kb.log(f"  sdpa-{bname} {form}: {t * 1e6:.1f} us ({kv_bytes / t / 1e12:.2f} TB/s)")
-                results["timing"].append(dict(B=B, L=L, method=f"sdpa-{bname} {form}", us=t * 1e6, bytes=kv_bytes))
-                if best_fp16 is None or t < best_fp16[0]:
-                    best_fp16 = (t, f"sdpa-{bname} {form}")
+        for name, t, _ in kb.sdpa_timings(qs, kvs, B):
+            kb.log(f"  {name}: {t * 1e6:.1f} us ({kv_bytes / t / 1e12:.2f} TB/s)")
+            results["timing"].append(dict(B=B, L=L, method=name, us=t * 1e6, bytes=kv_bytes))
+            if best_fp16 is None or t < best_fp16[0]:
+                best_fp16 = (t, name)
         results["fastest_fp16"][f"{B},{L}"] = {"name": best_fp16[1], "us": best_fp16[0] * 1e6}
         k_full, v_full = kvs[0]
         qs = kvs = None
         torch.cuda.empty_cache()
         for preset, dtype in itertools.product(("kitty", "kitty-pro"), (torch.float16, torch.bfloat16)):
             cfg = PRESETS[preset] if kb.DEV == "cuda" else PRESETS[preset].with_(group_size=16, local_window=16)
-            st0 = make_state(cfg, k_full.to(dtype), v_full.to(dtype), [L] * B, seed=B)
-            nbytes, cache_b = kb.kitty_bytes(cfg, B, L, 1, 4)
-            nrot = kb.n_rotations(cache_b)
-            states = [st0] + [kb.clone_state(st0) for _ in range(nrot - 1)]
-            qs = [torch.randn(B, HQ, D, device=kb.DEV, dtype=dtype) for _ in range(nrot)]
+            states, qs, cache_b = kb.rotating_kitty(cfg, k_full, v_full, B, L, dtype)
+            st0, nrot = states[0], len(states)
             tag = f"{preset} {str(dtype)[6:]}"
             t = kb.bench([lambda i=i: decode_attention_triton(qs[i], states[i], cfg) for i in range(nrot)])
             launch = default_launch(B, HKV, st0.k_page_table.shape[1] + 1, qs[0].device)

@@ -62,6 +62,7 @@ import triton
 import triton.language as tl
 
 from kitty.config import BACKENDS, KVQuantConfig
+from kitty.quant import high_plane_bytes
 
 from ._tiles import (
     INTERPRET,
@@ -457,9 +458,9 @@ def _decode_split_kernel(
                                           KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
         p0, p1, p2, p3, alpha, m_i = _page_softmax(s0, s1, s2, s3, m_i)
         l_i = l_i * alpha[None, :] + ((p0 + p1) + (p2 + p3))
-        acc_nat = acc_nat * alpha[None, :]
+        # this loop runs first: only the accumulator its values feed holds anything yet, so only it is rescaled
         if VALUE_RAW:
-            acc_nat = _raw_value_quarter(p0, 0, acc_nat, v_raw_ptr, vpage, G, D, DOT)
+            acc_nat = _raw_value_quarter(p0, 0, acc_nat * alpha[None, :], v_raw_ptr, vpage, G, D, DOT)
             acc_nat = _raw_value_quarter(p1, 1, acc_nat, v_raw_ptr, vpage, G, D, DOT)
             acc_nat = _raw_value_quarter(p2, 2, acc_nat, v_raw_ptr, vpage, G, D, DOT)
             acc_nat = _raw_value_quarter(p3, 3, acc_nat, v_raw_ptr, vpage, G, D, DOT)
@@ -572,7 +573,7 @@ def kernel_constants(cfg: KVQuantConfig, head_dim: int, group: int, dtype: torch
     ``benchmarks/sass.py`` compiles."""
     S, G, R, D = cfg.sink_tokens, cfg.group_size, cfg.local_window, head_dim
     nb = cfg.num_boosted(D)
-    nb4 = -(-nb // 4)  # bytes of a token's high-plane row
+    nb4 = high_plane_bytes(nb)  # bytes of a token's high-plane row
     dot = _dot_dtype(dtype)
     vbits = cfg.value_bits if cfg.quantizes_values else 2
     ka = [magic_code(dot, 2, s) for s in (0, 2, 4, 6)]

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kitty.quant import KeyPage, ValuePage
+from kitty.quant import KeyPage, ValuePage, high_plane_bytes
 from kitty.quant import dequantize_key_page as dequantize_key_page_ref
 from kitty.quant import dequantize_value_page as dequantize_value_page_ref
 
@@ -84,7 +84,7 @@ def dequantize_key_page_triton(page: KeyPage, unpack_reshape: bool = True) -> to
         raise ValueError("low, high and boost_idx must be uint8")
     *lead, G, D4 = low.shape
     D, nb = 4 * D4, page.num_boosted
-    if tuple(high.shape) != (*lead, G, -(-nb // 4)) or tuple(idx.shape) != (*lead, D):
+    if tuple(high.shape) != (*lead, G, high_plane_bytes(nb)) or tuple(idx.shape) != (*lead, D):
         raise ValueError(
             f"inconsistent page of {nb} boosted channels: low {tuple(low.shape)}, high {tuple(high.shape)}, "
             f"boost_idx {tuple(idx.shape)}"

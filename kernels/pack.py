@@ -52,6 +52,7 @@ from kitty.quant import (
     KeyPage,
     ValuePage,
     channel_importance,
+    high_plane_bytes,
     quantize_key_page,
     quantize_value_page,
     select_boosted,
@@ -233,7 +234,7 @@ def _boost_mask(cfg: KVQuantConfig, k: torch.Tensor | None, nb: int, salt: int, 
 
 def _high_tile(nb: int) -> int:
     """Width of the kernel's high-plane byte tile: ``ceil(nb / 4)`` bytes per token, rounded up to a power of two."""
-    return triton.next_power_of_2(max(-(-nb // 4), 1))
+    return triton.next_power_of_2(max(high_plane_bytes(nb), 1))
 
 
 def _index(x: torch.Tensor | None, n: int, device, name: str) -> torch.Tensor:

@@ -15,6 +15,17 @@ from kitty.memory import token_layout
 from kitty.quant import quantize_key_page, quantize_value_page
 from kitty.storage import KittyLayerState, allocate_pool, page_fields, pool_fields
 
+# flash-attention's rule: a kernel passes when max|out - ref| <= 2 max|pt - ref| + floor, where ref is the fp32 torch
+# reference and pt the same reference in the kernel's dtype, both on the same 2-bit codes; the floor is ~1/10 of an
+# output ulp at |out| ~ 1
+TOLERANCE_FLOOR = {torch.float16: 1e-4, torch.bfloat16: 1e-3, torch.float32: 1e-5}
+
+
+def attention_tolerance(ref: torch.Tensor, pt: torch.Tensor, dtype: torch.dtype) -> float:
+    """The largest error a kernel in ``dtype`` may make against ``ref`` (the fp32 reference), given ``pt`` (the same
+    reference computed in ``dtype``): ``2 max|pt - ref| + TOLERANCE_FLOOR[dtype]``."""
+    return 2 * (pt.float() - ref.float()).abs().max().item() + TOLERANCE_FLOOR[dtype]
+
 
 def planted_kv(
     B: int, Hkv: int, L: int, D: int, dtype: torch.dtype, device="cpu", seed: int = 0, outliers: int = 4

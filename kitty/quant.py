@@ -71,6 +71,11 @@ def unpack_bits(packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
     return codes.reshape(*p.shape[:-1], -1).movedim(-1, dim)
 
 
+def high_plane_bytes(num_boosted: int) -> int:
+    """Bytes of a token's row of the compact high plane: ``ceil(nb / 4)`` (4 slots per byte, the last byte padded)."""
+    return -(-num_boosted // 4)
+
+
 def pack_2bit(codes: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Four 2-bit codes per byte along ``dim`` (:func:`pack_bits`)."""
     return pack_bits(codes, 2, dim)
@@ -397,7 +402,7 @@ def quantize_key_page(
     low = pack_2bit(codes.transpose(-1, -2) & 0x3).contiguous()  # (..., G, D/4): 4 channels per byte
     boosted_channels = boost_mask.nonzero()[:, -1].reshape(*lead, nb)  # (..., nb) ascending channel index
     high_codes = torch.gather(codes >> 2, -2, boosted_channels[..., None].expand(*lead, nb, G))  # (..., nb, G)
-    high_codes = torch.nn.functional.pad(high_codes, (0, 0, 0, -nb % 4))  # slots up to a multiple of 4, code 0
+    high_codes = torch.nn.functional.pad(high_codes, (0, 0, 0, 4 * high_plane_bytes(nb) - nb))  # padding slots: 0
     high = pack_2bit(high_codes.transpose(-1, -2)).contiguous()  # (..., G, ceil(nb/4))
     return KeyPage(low, high, boost_slots(boost_mask), scale, zero, empty, k.dtype, nb)
 

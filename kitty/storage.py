@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .config import KVQuantConfig
-from .quant import KeyPage, ValuePage
+from .quant import KeyPage, ValuePage, high_plane_bytes
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FieldSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (shape of one page, dtype)
@@ -41,7 +41,7 @@ def pool_fields(
     if cfg.quantizes_keys or quantized:
         key = {
             "k_low": ((H, G, D // 4), torch.uint8),
-            "k_high": ((H, G, -(-cfg.num_boosted(D) // 4)), torch.uint8),
+            "k_high": ((H, G, high_plane_bytes(cfg.num_boosted(D))), torch.uint8),
             "k_boost_idx": ((H, D), torch.uint8),
             "k_scale": ((H, D), dtype),
             "k_zero": ((H, D), dtype),

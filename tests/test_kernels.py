@@ -2,8 +2,9 @@
 
 Tolerances (flash-attention's rule, ``tests/test_flash_attn.py``): ``ref`` = torch reference in fp32, ``pt`` = the same
 reference computed in the kernel dtype, both on the *same* 2-bit codes; a kernel passes when
-``max|out - ref| <= 2 * max|pt - ref| + FLOOR[dtype]`` (FLOOR: fp16 1e-4, bf16 1e-3, ~1/10 of an output ulp at
-|out| ~ 1). Pack and dequantization are exact: bit-identical to ``kitty.quant``.
+``max|out - ref| <= 2 * max|pt - ref| + floor`` (``kitty.kernels.testing.attention_tolerance``: floor fp16 1e-4,
+bf16 1e-3, ~1/10 of an output ulp at |out| ~ 1; under the interpreter bf16 products run in fp32). Pack and
+dequantization are exact: bit-identical to ``kitty.quant``.
 Sizes are small (G=16, a few pages) to keep the interpreter under CI's time budget.
 """
 
@@ -27,7 +28,7 @@ from kitty.kernels import (  # noqa: E402
     pack_pages,
     pack_pages_ref,
 )
-from kitty.kernels.testing import make_state, planted_kv  # noqa: E402
+from kitty.kernels.testing import attention_tolerance, make_state, planted_kv  # noqa: E402
 from kitty.memory import token_layout  # noqa: E402
 from kitty.quant import (  # noqa: E402
     dequantize_key_page,
@@ -43,10 +44,6 @@ pytestmark = pytest.mark.skipif(
     reason="needs CUDA or TRITON_INTERPRET=1",
 )
 DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-FLOOR = {
-    torch.float16: 1e-4,
-    torch.bfloat16: 1e-3,
-}  # interpreter: tl.dot runs bf16 inputs in fp32 (its bf16 dot is wrong)
 KEY_FIELDS = ("low", "high", "boost_idx", "scale", "zero")
 VALUE_FIELDS = ("codes", "scale", "zero")
 
@@ -270,7 +267,7 @@ def _check(out, q, state, cfg, scaling=None):
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.isfinite(out).all(), "NaN/Inf: a kernel read an unused (NaN-filled) slot"
     err = (out.float() - ref.float()).abs().max().item()
-    tol = 2 * (pt.float() - ref.float()).abs().max().item() + FLOOR[q.dtype]
+    tol = attention_tolerance(ref, pt, q.dtype)
     assert err <= tol, f"max|out-ref| = {err:.3g} > {tol:.3g}"
     return err
 
@@ -412,7 +409,7 @@ def test_decode_attention_mid_step_full_qbuffers(dtype):
     pt = decode_attention_ref(q, state, cfg, upcast=False, full_qbuffer=True)
     assert torch.isfinite(out).all()
     err = (out.float() - ref.float()).abs().max().item()
-    assert err <= 2 * (pt.float() - ref.float()).abs().max().item() + FLOOR[dtype]
+    assert err <= attention_tolerance(ref, pt, dtype)
     # the mid-step reference pairs positions right: with 16-bit pages it is plain softmax attention
     raw = small("fp16", group_size=64, local_window=24)
     kf, vf = k.float(), v.float()
