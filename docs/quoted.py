@@ -337,7 +337,9 @@ def gpu_layout_speed() -> str:
         f"Measured {check['env']['date']} on an {check['env']['gpu']}, triton {check['env']['triton']}; the FP16 time "
         f"is the fastest SDPA backend of the same run. Before timing, the default launch passed the tolerance rule "
         f"in {correct} of {len(check['check'])} cases (`kitty` and `kitty-pro`, fp16 and bf16, GQA 3, 4 and 8, D 64 "
-        "and 128, and a high plane of 13 slots)."
+        "and 128, and a high plane of 13 slots). The batch-1 rows come from the sweep run, in which kitty's high-plane "
+        "tile had 16 columns and gave wrong scores (at (8, 32K) its time equalled the 32-column tile's); kitty-pro's "
+        "tile was the same in both runs."
     )
     return table(header, body, "lrrrrr") + "\n\n" + note
 
