@@ -20,7 +20,7 @@ Backends (``KittyCache(..., backend=)``, resolved once per layer into its ops ob
   dequantized transiently), then SDPA over ``[cached tokens | new tokens]`` with a causal + padding mask; the new
   tokens are attended in full precision. Nothing dequantized is kept. The torch backend runs decode steps so too.
 - decode steps (one new token per row) of a Triton layer: insert the token, attend with
-  ``layer.ops.decode_attention`` (the fused kernel) over the storage of ``docs/LAYOUT.md`` with a qbuffer the token
+  ``layer.ops.attend`` (the fused kernel) over the storage of ``docs/LAYOUT.md`` with a qbuffer the token
   filled still in full precision, then pack what filled, as the paper does.
 """
 
@@ -279,13 +279,11 @@ def _attend_and_insert(layer, query: torch.Tensor, key: PendingKV, valid: torch.
     B, Hq, T, D = query.shape
     layer.check_append(valid)  # errors before anything changes
     layer.observe_queries(query, valid)  # channel_selection="query" ranks the channels of pages packed below
-    if layer.ops.name == "triton" and T == 1 and bool(valid.all()):
+    if layer.ops.fused_decode and T == 1 and bool(valid.all()):
         # a decode step, every row at once: insert, attend over the qbuffers in full precision (a qbuffer this
         # token filled included), then pack what filled -- the paper's order, with no torch path for the batch
         filled = layer.insert_decode(key.key_states, key.value_states)
-        out = layer.ops.decode_attention(query[:, :, 0], layer.storage(), scale, full_qbuffer=True)[
-            :, :, None
-        ]  # (B, Hq, 1, D)
+        out = layer.ops.attend(query[:, :, 0], layer.storage(), scale, full_qbuffer=True)[:, :, None]  # (B, Hq, 1, D)
         layer.pack_filled(filled)
     else:
         out = attend_torch(

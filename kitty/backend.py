@@ -151,9 +151,14 @@ def pack_completed_torch(
 
 
 class TorchOps:
-    """The torch backend of one layer: pages by ``kitty.quant``, decode attention by the torch reference."""
+    """The torch backend of one layer: pages by ``kitty.quant``, decode attention by the torch reference.
 
-    name = "torch"
+    Capabilities, read where they matter (nothing downstream asks for a backend's name): ``fused_decode``, whether a
+    decode step (one new token in every row) inserts the token and attends with :meth:`attend` over the storage,
+    instead of the torch path's read-back and SDPA.
+    """
+
+    fused_decode = False
 
     def __init__(self, cfg: KVQuantConfig, device: torch.device):
         self.cfg, self.device = cfg, device
@@ -204,7 +209,7 @@ class TorchOps:
             values=values,
         )
 
-    def decode_attention(
+    def attend(
         self,
         q: torch.Tensor,
         state: KittyLayerState,
@@ -220,7 +225,7 @@ class TorchOps:
 class TritonOps(TorchOps):
     """The Triton backend of one layer: the fused decode kernel; the pack kernel where it gives kitty.quant's bytes."""
 
-    name = "triton"
+    fused_decode = True
 
     def __init__(self, cfg: KVQuantConfig, device: torch.device):
         super().__init__(cfg, device)
@@ -257,7 +262,7 @@ class TritonOps(TorchOps):
         if keys or values:
             kernels.pack_completed(self.cfg, *tensors, salt=salt, query_scale=query_scale, keys=keys, values=values)
 
-    def decode_attention(self, q, state, scaling, full_qbuffer=False, workspace=None) -> torch.Tensor:
+    def attend(self, q, state, scaling, full_qbuffer=False, workspace=None) -> torch.Tensor:
         # looked up on the package at every call, so that the kernel can be wrapped (tests count its calls)
         options = {} if workspace is None else {"workspace": workspace}
         return kernels.decode_attention(

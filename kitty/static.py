@@ -272,11 +272,11 @@ class StaticKittyLayer(KittyLayer):
         if key.key_states.shape[0] != len(self._n0):
             raise ValueError(f"the cache holds {len(self._n0)} rows but got a batch of {key.key_states.shape[0]}")
         self.observe_queries(query, self._all_valid)
-        if self.ops.name == "triton":  # the fused kernel (check_triton refused configs it cannot run at setup)
+        if self.ops.fused_decode:  # the fused kernel (check_triton refused configs it cannot run at setup)
             self.insert_static(key.key_states, key.value_states)
-            out = self.ops.decode_attention(
-                query[:, :, 0], self.storage(), scale, full_qbuffer=True, workspace=self._workspace
-            )[:, :, None]  # (B, Hq, 1, D)
+            out = self.ops.attend(query[:, :, 0], self.storage(), scale, full_qbuffer=True, workspace=self._workspace)[
+                :, :, None
+            ]  # (B, Hq, 1, D)
         else:
             out = kattention.attend_torch(
                 query, key.key_states, key.value_states, self._all_valid, self.storage(), self.cfg, scale
@@ -288,7 +288,7 @@ class StaticKittyLayer(KittyLayer):
     def insert_static(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Stage 1 of a decode step for every row: device writes at slots from ``lengths``, then ``lengths += 1``
         in place (the slots are those of ``kitty.layer.KittyLayer.insert_decode``)."""
-        if self.ops.name == "triton":
+        if self.ops.fused_decode:
             check_triton(None, None, key_states.device)
         self.check_room(1)
         k, v = key_states[:, :, 0], value_states[:, :, 0]  # (B, H, D)
