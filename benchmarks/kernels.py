@@ -263,8 +263,8 @@ def check_attention(results: dict, every_config: bool = True) -> bool:
                 runs.append(("fused 2 warps maxnreg=128", lambda: decode_attention_triton(q, st, cfg, launch=capped)))
         elif (preset, gqa, d, dtype, G) in swept:  # every configuration the sweep times, on the first cases
             for lc in (at_shape(lc, len(lengths), 2, units, waves=8) for lc in FUSED_LAUNCHES):
-                tag = launch_tag(lc).rsplit(" splits=", 1)[0]
-                runs.append((f"fused {tag}", lambda lc=lc: decode_attention_triton(q, st, cfg, launch=lc)))
+                name = "fused " + launch_tag(lc).rsplit(" splits=", 1)[0]
+                runs.append((name, lambda lc=lc: decode_attention_triton(q, st, cfg, launch=lc)))
         for name, fn in runs:
             ok &= judge(f"{name} {tag}", fn().float(), ref, tol)
         # mid-step layout (a qbuffer the new token filled is not packed yet), as the cache's decode step calls it

@@ -105,7 +105,8 @@ def decode_attention_ref(
     upcast: bool = True,
     full_qbuffer: bool = False,
 ) -> torch.Tensor:
-    """Torch reference of :func:`kitty.kernels.decode_attention`: ``[B, Hq, D]`` in ``q.dtype``.
+    """Torch reference of :func:`kitty.kernels.decode_attention_triton` (and the unfused path): ``[B, Hq, D]`` in
+    ``q.dtype``.
 
     ``q`` ``[B, Hq, D]``: the token at position ``lengths[b] - 1`` of each row (already in ``state``). GQA: query
     head h reads KV head ``h // (Hq / Hkv)``. ``upcast=True``: scores, softmax and ``p @ V`` in fp32 (the
