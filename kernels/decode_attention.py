@@ -48,7 +48,9 @@ Mid-step (``full_qbuffer=True``, how the cache calls it during a decode step): a
 packed yet, so ``pk = max(cdiv(m, G) - 1, 0)`` (and likewise ``pv``) and that qbuffer is attended in full precision.
 
 The torch reference ``decode_attention_ref`` (``kernels/reference.py``) dequantizes with ``kitty.quant``,
-assembles position-ordered K/V per row and runs softmax attention in fp32.
+assembles position-ordered K/V per row and runs softmax attention in fp32. The launch (splits, warps, stages,
+register cap, two-part operands) is a ``kernels/launch.py`` ``Launch``; which kernel a layer runs is decided by its
+ops object in ``kitty/backend.py``, never here.
 """
 
 from __future__ import annotations
