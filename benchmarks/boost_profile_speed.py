@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import benchmarks.kernels as bk  # noqa: E402  (bench: median of CUDA-graph replays over rotating inputs)
 from benchmarks.results_dir import default_out, unused_path  # noqa: E402
 from kitty.config import DEFAULT_PROFILE, PRESETS, load_boost_profile  # noqa: E402
-from kitty.kernels import decode_attention, decode_attention_ref  # noqa: E402
+from kitty.kernels import decode_attention_ref, decode_attention_triton  # noqa: E402
 from kitty.kernels.testing import make_state  # noqa: E402
 
 HQ, HKV, D, LAYERS = 9, 3, 64, 30
@@ -68,13 +68,13 @@ def main() -> None:
             v = torch.randn(B, HKV, L, D, device=DEV, generator=g, dtype=torch.float16)
             st = make_state(cfg, k, v, [L] * B)
             q = torch.randn(B, HQ, D, device=DEV, generator=g, dtype=torch.float16)
-            out = decode_attention(q, st, cfg, backend="triton")
+            out = decode_attention_triton(q, st, cfg)
             ref = decode_attention_ref(q, st, cfg) if seed == 0 else out
             max_err = max(max_err, (out.float() - ref.float()).abs().max().item())
             states.append(st)
             qs.append(q)
             del k, v
-        t = bk.bench([lambda st=st, q=q: decode_attention(q, st, cfg, backend="triton") for st, q in zip(states, qs)])
+        t = bk.bench([lambda st=st, q=q: decode_attention_triton(q, st, cfg) for st, q in zip(states, qs)])
         per_nb[nb] = {"us": t * 1e6, "max_abs_err_vs_ref": max_err}
         print(f"nb={nb:2d}: {t * 1e6:8.2f} us per layer call (B={B}, L={L}), max |out - ref| {max_err:.2e}", flush=True)
         del states, qs

@@ -52,7 +52,7 @@ from kitty.kernels import (  # noqa: E402
     dequantize_value_page_triton,
     pack_pages,
 )
-from kitty.kernels.launch import default_launch  # noqa: E402
+from kitty.kernels.launch import Launch, default_launch, default_num_splits  # noqa: E402
 from kitty.kernels.testing import attention_tolerance, make_state, planted_kv  # noqa: E402
 from kitty.memory import page_bytes, token_layout  # noqa: E402
 from kitty.quant import dequantize_key_page, dequantize_value_page, quantize_key_page, quantize_value_page  # noqa: E402
@@ -64,14 +64,30 @@ TARGET_SHAPES = list(summarize.TARGET_SHAPES)  # the shapes the targets name: al
 L2_BYTES = 60 * 2**20
 DEV = "cuda"
 LOG = []
-# fused-kernel configurations swept at every shape (split count: from ``waves`` programs per SM). The page loop is
-# one hot loop (page quarters, magic-number codes, scale/zero folded into q and p); earlier runs' variants (dequantized
-# tiles, FOLD, PREFETCH, byte vs word loads) are in benchmarks/RESULTS.md's git history.
-# split_fold: q*scale / p*scale as two 16-bit operands (1 keys, 2 values, 3 both). block_h=16 lost everywhere.
-FUSED_CONFIGS = [dict(num_warps=2, num_stages=1, maxnreg=128, block_h=4, split_fold=f) for f in (0, 1, 3)] + [
-    dict(num_warps=4, num_stages=2, block_h=4, split_fold=f) for f in (0, 1)
+# fused-kernel launches swept at every shape, each taking its split count at the shape (``at_shape``: from ``waves``
+# programs per SM). The page loop is one hot loop (page quarters, magic-number codes, scale/zero folded into q and p);
+# earlier runs' variants (dequantized tiles, FOLD, PREFETCH, byte vs word loads) are in benchmarks/RESULTS.md's git
+# history. operand_parts: q*scale / p*scale as two 16-bit parts (1 keys, 2 values, 3 both; result files recorded
+# before the rename call it split_fold). block_h=16 lost everywhere.
+SWEEP_BASE = Launch(num_splits=1, num_warps=2, num_stages=1, maxnreg=128, block_h=4)
+FUSED_LAUNCHES = [dataclasses.replace(SWEEP_BASE, operand_parts=f) for f in (0, 1, 3)] + [
+    dataclasses.replace(SWEEP_BASE, num_warps=4, num_stages=2, maxnreg=None, operand_parts=f) for f in (0, 1)
 ]
 SWEEP_WAVES = (2, 4, 8, 16)
+
+
+def at_shape(launch: Launch | None, B: int, Hkv: int, units: int, waves: int | None = None) -> Launch:
+    """``launch`` (``None``: the kernel's default launch) for ``B * Hkv`` (row, KV head) pairs over ``units`` page
+    slots: its split count is the default launch's, or the one for ``waves`` programs per SM."""
+    base = default_launch(B, Hkv, units, torch.device(DEV))
+    splits = base.num_splits if waves is None else default_num_splits(B, Hkv, units, torch.device(DEV), waves)
+    return dataclasses.replace(base if launch is None else launch, num_splits=splits)
+
+
+def launch_tag(launch: Launch) -> str:
+    """A launch as the result files name it: its fields (``maxnreg`` only when set), then ``splits=``."""
+    fields = {k: v for k, v in dataclasses.asdict(launch).items() if k != "num_splits" and v is not None}
+    return " ".join(f"{k}={v}" for k, v in fields.items()) + f" splits={launch.num_splits}"
 
 
 def log(*a):
@@ -228,31 +244,27 @@ def check_attention(results: dict, every_config: bool = True) -> bool:
         extra = "".join(f" {k}={v}" for k, v in kw.items())
         tag = f"{preset}{extra} gqa{gqa} D{d} G{G} {str(dtype)[6:]}"
         # (each configuration compiles once per case: keep the list short, the correctness part took 248 s with 5)
-        runs = [
-            ("fused splits=3", lambda: decode_attention_triton(q, st, cfg, num_splits=3)),
-            ("fused auto", lambda: decode_attention_triton(q, st, cfg)),
-            ("fused split_fold=0", lambda: decode_attention_triton(q, st, cfg, split_fold=0)),
-            ("fused split_fold=3", lambda: decode_attention_triton(q, st, cfg, split_fold=3)),
-            ("fused warps=4 stages=2", lambda: decode_attention_triton(q, st, cfg, num_warps=4, num_stages=2)),
-            ("unfused", lambda: decode_attention_unfused(q, st, cfg, num_splits=2)),
+        units = st.k_page_table.shape[1] + 1
+        base = at_shape(None, len(lengths), 2, units)
+        r = dataclasses.replace
+        launches = [
+            ("fused splits=3", r(base, num_splits=3)),
+            ("fused auto", None),
+            ("fused operand_parts=0", r(base, operand_parts=0)),
+            ("fused operand_parts=3", r(base, operand_parts=3)),
+            ("fused warps=4 stages=2", r(base, num_warps=4, num_stages=2, maxnreg=None)),
         ]
+        runs = [(name, lambda lc=lc: decode_attention_triton(q, st, cfg, launch=lc)) for name, lc in launches]
+        runs.append(("unfused", lambda: decode_attention_unfused(q, st, cfg, num_splits=2)))
         if not every_config:  # --check-only: the default launch everywhere, the B >= 8 launch on the first cases
             runs = [run for run in runs if run[0] == "fused auto"]
             if (preset, gqa, d, dtype, G) in swept:
-                runs.append(
-                    (
-                        "fused 2 warps maxnreg=128",
-                        lambda: decode_attention_triton(q, st, cfg, num_warps=2, num_stages=1, maxnreg=128, waves=8),
-                    )
-                )
+                capped = at_shape(SWEEP_BASE, len(lengths), 2, units, waves=8)
+                runs.append(("fused 2 warps maxnreg=128", lambda: decode_attention_triton(q, st, cfg, launch=capped)))
         elif (preset, gqa, d, dtype, G) in swept:  # every configuration the sweep times, on the first cases
-            runs += [
-                (
-                    f"fused {' '.join(f'{a}={b}' for a, b in kc.items())}",
-                    lambda kc=kc: decode_attention_triton(q, st, cfg, waves=8, **kc),
-                )
-                for kc in FUSED_CONFIGS
-            ]
+            for lc in (at_shape(lc, len(lengths), 2, units, waves=8) for lc in FUSED_LAUNCHES):
+                name = "fused " + launch_tag(lc).rsplit(" splits=", 1)[0]
+                runs.append((name, lambda lc=lc: decode_attention_triton(q, st, cfg, launch=lc)))
         for name, fn in runs:
             ok &= judge(f"{name} {tag}", fn().float(), ref, tol)
         # mid-step layout (a qbuffer the new token filled is not packed yet), as the cache's decode step calls it
@@ -356,7 +368,7 @@ def main():
         "--timing-only",
         action="store_true",
         help="skip the correctness part (when it was run on the same code before) and time only the "
-        "configurations without split_fold",
+        "launches with one-part operands (operand_parts=0)",
     )
     ap.add_argument(
         "--check-only",
@@ -420,7 +432,7 @@ def main():
         return
     if args.timing_only:
         results["correct"] = None
-        FUSED_CONFIGS[:] = [kc for kc in FUSED_CONFIGS if not kc.get("split_fold")]
+        FUSED_LAUNCHES[:] = [lc for lc in FUSED_LAUNCHES if not lc.operand_parts]
     else:
         ok_pack = check_pack_and_dequant(results)
         ok_attn = check_attention(results)
@@ -487,12 +499,12 @@ def main():
                 states, qs, cache_b = rotating_kitty(cfg, k_full, v_full, B, L, dtype)
                 st0, nrot = states[0], len(states)
                 best = None
-                for kc in FUSED_CONFIGS if not args.quick else FUSED_CONFIGS[:1]:
+                for swept in FUSED_LAUNCHES if not args.quick else FUSED_LAUNCHES[:1]:
                     max_units = st0.k_page_table.shape[1] + 1
                     for waves in sweep_waves:
-                        launch = default_launch(B, HKV, max_units, torch.device(DEV), waves=waves, **kc)
+                        launch = at_shape(swept, B, HKV, max_units, waves)
                         splits = launch.num_splits
-                        tag = " ".join(f"{k}={v}" for k, v in kc.items()) + f" splits={splits}"
+                        tag = launch_tag(launch)
                         if any(
                             sw["config"] == tag
                             and sw["B"] == B
@@ -594,17 +606,16 @@ def main():
             st = make_state(cfg, k_full, v_full, [L] * B, seed=B)
             q0 = torch.randn(B, HQ, D, device=DEV, dtype=torch.float16)
             best = None
-            for kc in [kc for kc in FUSED_CONFIGS if not kc.get("split_fold")][:2]:  # raw pages: no folding
+            for swept in [lc for lc in FUSED_LAUNCHES if not lc.operand_parts][:2]:  # 16-bit pages: one part
                 for waves in (2, 4):
-                    launch = default_launch(B, HKV, st.k_page_table.shape[1] + 1, torch.device(DEV), waves=waves, **kc)
-                    splits = launch.num_splits
+                    launch = at_shape(swept, B, HKV, st.k_page_table.shape[1] + 1, waves)
                     try:
                         t = bench([lambda: decode_attention_triton(q0, st, cfg, launch=launch)])
                     except Exception as e:  # noqa: BLE001
                         log(f"    fp16-pages fused failed: {type(e).__name__}: {str(e)[:300]}")
                         continue
                     if best is None or t < best[0]:
-                        best = (t, " ".join(f"{k}={v}" for k, v in kc.items()) + f" splits={splits}")
+                        best = (t, launch_tag(launch))
             if best:
                 lay = token_layout(cfg, L)
                 nbytes = (

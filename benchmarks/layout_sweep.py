@@ -18,6 +18,7 @@ Writes ``layout_sweep.json`` (and ``-2``, ... for later runs of the day) to ``--
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -33,13 +34,22 @@ from benchmarks import kernels as kb  # noqa: E402
 from benchmarks.results_dir import default_out, unused_path  # noqa: E402
 from kitty.config import PRESETS  # noqa: E402
 from kitty.kernels import decode_attention_ref, decode_attention_triton  # noqa: E402
-from kitty.kernels.launch import default_launch  # noqa: E402
+from kitty.kernels.launch import Launch  # noqa: E402
 from kitty.kernels.testing import attention_tolerance, make_state, planted_kv  # noqa: E402
 
-# launch variants: warps x pipeline stages with the key operand split (the default), and the split choices at 2 warps
-VARIANTS = [dict(num_warps=w, num_stages=s, split_fold=1) for w, s in itertools.product((1, 2, 4), (1, 2))] + [
-    dict(num_warps=2, num_stages=1, split_fold=f) for f in (0, 3)
+# launch variants, each taking its split count at the shape (benchmarks/kernels.py's at_shape): warps x pipeline
+# stages with the key operand in two parts (the default), and the other operand_parts choices at 2 warps
+BASE = Launch(num_splits=1, num_warps=2, num_stages=1, maxnreg=None, operand_parts=1)
+VARIANTS = [dataclasses.replace(BASE, num_warps=w, num_stages=s) for w, s in itertools.product((1, 2, 4), (1, 2))] + [
+    dataclasses.replace(BASE, operand_parts=f) for f in (0, 3)
 ]
+
+
+def variant(launch: Launch) -> dict:
+    """A launch variant as the result file records it: its fields but the split count (set at each shape)."""
+    return {k: v for k, v in dataclasses.asdict(launch).items() if k != "num_splits"}
+
+
 CHECK_CASES = [  # (preset, GQA, D, overrides)
     ("kitty", 4, 128, {}),
     ("kitty-pro", 4, 128, {}),
@@ -68,8 +78,10 @@ def check(results: dict) -> bool:
         pt = decode_attention_ref(q, state, cfg, upcast=False).float()
         tol = attention_tolerance(ref, pt, dtype)
         variants = VARIANTS[-2:] if (preset, gqa, D, kw) == ("kitty", 4, 128, {}) and VARIANTS else []
-        for name, kwl in [("default", {})] + [(json.dumps(vv), dict(vv, num_splits=3)) for vv in variants]:
-            out = decode_attention_triton(q, state, cfg, **kwl).float()
+        for name, launch in [("default", None)] + [
+            (json.dumps(variant(vv)), dataclasses.replace(vv, num_splits=3)) for vv in variants
+        ]:
+            out = decode_attention_triton(q, state, cfg, launch=launch).float()
             err = (out - ref).abs().max().item() if torch.isfinite(out).all() else float("inf")
             ok = err <= tol
             ok_all &= ok
@@ -150,14 +162,15 @@ def main() -> None:
             st0, nrot = states[0], len(states)
             tag = f"{preset} {str(dtype)[6:]}"
             t = kb.bench([lambda i=i: decode_attention_triton(qs[i], states[i], cfg) for i in range(nrot)])
-            launch = default_launch(B, HKV, st0.k_page_table.shape[1] + 1, qs[0].device)
+            units = st0.k_page_table.shape[1] + 1
+            launch = kb.at_shape(None, B, HKV, units)
             row = dict(
                 B=B,
                 L=L,
                 method=f"{tag} default",
                 us=t * 1e6,
                 bytes=cache_b,
-                launch=vars(launch),
+                launch=dataclasses.asdict(launch),
                 vs_fp16=best_fp16[0] / t,
                 pct_copy=100 * cache_b / t / copy_bw,
             )
@@ -169,21 +182,19 @@ def main() -> None:
             variants = (
                 VARIANTS
                 if (preset, dtype) == ("kitty", torch.float16)
-                else [v for v in VARIANTS if v["split_fold"] == 1 and v["num_stages"] == 1]
+                else [v for v in VARIANTS if v.operand_parts == 1 and v.num_stages == 1]
             )
             best = None
             for var, waves in itertools.product(variants, (4, 8, 16) if B * HKV < 1024 else (2,)):
                 if time.time() - t_start > args.budget_s:
                     break
+                run = kb.at_shape(var, B, HKV, units, waves)
                 try:
                     t = kb.bench(
-                        [
-                            lambda i=i: decode_attention_triton(qs[i], states[i], cfg, waves=waves, **var)
-                            for i in range(nrot)
-                        ]
+                        [lambda i=i: decode_attention_triton(qs[i], states[i], cfg, launch=run) for i in range(nrot)]
                     )
                 except Exception as e:  # noqa: BLE001
-                    kb.log(f"  {tag} {var} waves={waves}: failed: {type(e).__name__}: {str(e)[:120]}")
+                    kb.log(f"  {tag} {variant(var)} waves={waves}: failed: {type(e).__name__}: {str(e)[:120]}")
                     continue
                 results["timing"].append(
                     dict(
@@ -192,13 +203,13 @@ def main() -> None:
                         method=f"{tag} sweep",
                         us=t * 1e6,
                         bytes=cache_b,
-                        launch=dict(var, waves=waves),
+                        launch=dict(variant(var), waves=waves),
                         vs_fp16=best_fp16[0] / t,
                         pct_copy=100 * cache_b / t / copy_bw,
                     )
                 )
                 if best is None or t < best[0]:
-                    best = (t, dict(var, waves=waves))
+                    best = (t, dict(variant(var), waves=waves))
             if best:
                 kb.log(
                     f"  {tag} best {best[1]}: {best[0] * 1e6:.1f} us, {best_fp16[0] / best[0]:.2f}x, "

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib
+import dataclasses
 import os
 import re
 import subprocess
@@ -29,12 +29,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+import kitty.kernels.decode_attention as da  # noqa: E402
 from kitty.config import PRESETS  # noqa: E402
 from kitty.kernels.launch import H200_SMS, Launch, default_launch  # noqa: E402
-
-da = importlib.import_module(
-    "kitty.kernels.decode_attention"
-)  # the module (the package exports a function of that name)
 
 
 def compile_kernel(
@@ -75,10 +72,7 @@ def compile_kernel(
         else:
             signature[name] = "i32"
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
-    if launch.maxnreg is not None:
-        options["maxnreg"] = launch.maxnreg
-    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=launch.options())
     return {
         "ptx": k.asm["ptx"],
         "cubin": k.asm["cubin"],
@@ -138,22 +132,26 @@ def main():
     )
     ap.add_argument("--context", type=int, default=32768, help="tokens per row L (the split count's page slots)")
     ap.add_argument("--sms", type=int, default=H200_SMS, help="SMs of the target GPU (the launch heuristic reads it)")
-    ap.add_argument("--num-warps", type=int, default=None, help="override the default launch's warps")
+    ap.add_argument(
+        "--num-warps", type=int, default=None, help="replace the default launch's warps (and drop its register cap)"
+    )
     ap.add_argument("--block-h", type=int, default=4, help="query rows per program (the kernel's block_h)")
     ap.add_argument(
-        "--split-fold",
+        "--operand-parts",
         type=int,
         default=1,
-        help="operands as two 16-bit parts: 1 q*scale (the default launch), 2 p*scale, 3 both",
+        help="small operands carried as two 16-bit parts: 1 q*scale (the default launch), 2 p*scale, 3 both, 0 neither",
     )
     ap.add_argument("--out", default=None, help="folder to write the PTX and SASS to")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     cfg = PRESETS[args.preset]
     slots = max(args.context - cfg.sink_tokens, 0) // cfg.group_size + 1  # as the wrapper: page-table width + 1
-    launch = default_launch(
-        args.batch, 8, slots, args.sms, num_warps=args.num_warps, block_h=args.block_h, split_fold=args.split_fold
+    launch = dataclasses.replace(
+        default_launch(args.batch, 8, slots, args.sms), block_h=args.block_h, operand_parts=args.operand_parts
     )
+    if args.num_warps is not None:  # the register cap goes with the default warp count
+        launch = dataclasses.replace(launch, num_warps=args.num_warps, maxnreg=None)
     k = compile_kernel(args.preset, dtype, launch)
     sass = sass_text(k["cubin"])
     if args.out:

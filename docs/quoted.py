@@ -318,9 +318,9 @@ def gpu_speed() -> str:
 
 def gpu_layout_speed() -> str:
     """The current kernel (reduction-axis layout): the target shapes from the correctness-checked run, batch 1 from
-    the sweep at the small-batch default launch (2 warps, split key operand, ~4 programs per SM)."""
+    the sweep at the small-batch default launch (2 warps, two-part key operand, ~4 programs per SM)."""
     check, sweep = load_json("layout_check"), load_json("layout_sweep")
-    small = {"num_warps": 2, "num_stages": 1, "split_fold": 1, "waves": 4}
+    small = {"num_warps": 2, "num_stages": 1, "split_fold": 1, "waves": 4}  # as recorded: split_fold = operand_parts
     cases = [(check, r) for r in check["timing"] if r["method"].endswith(" default")]
     cases += [(sweep, r) for r in sweep["timing"] if r["B"] == 1 and r.get("launch") == small]
     cells: dict[tuple[int, int], dict[str, str]] = defaultdict(dict)

@@ -21,17 +21,16 @@ either way.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-# Whether kernels run under Triton's interpreter: read once, at import, as Triton itself reads TRITON_INTERPRET
-# when it decorates a kernel. The interpreter (triton 3.9) truncates fp32 -> bf16 casts instead of rounding to
-# nearest even; under it, cast_to rounds by hand so that results stay bit-identical to torch.
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
-INTERPRET = tl.constexpr(INTERPRETING)  # the same flag, for use inside kernels
+from .launch import INTERPRETING
+
+# kernels/launch.py's reading of TRITON_INTERPRET, for use inside kernels. The interpreter (triton 3.9) truncates
+# fp32 -> bf16 casts instead of rounding to nearest even; under it, cast_to rounds by hand so that results stay
+# bit-identical to torch.
+INTERPRET = tl.constexpr(INTERPRETING)
 
 TLTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}  # torch -> Triton dtype
 
@@ -100,7 +99,7 @@ def _expand_packed(b, ROWS: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr, U
 
 
 @triton.jit
-def _load_key_raw(low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, pbase, n0, ok,
+def _load_key_bytes(low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, pbase, n0, ok,
                   G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
                   UNPACK_RESHAPE: tl.constexpr):
     """Algorithm 1, the loads (lines 4-12 before unpacking) of tokens ``n0 .. n0+BN-1`` of one key page:
@@ -136,7 +135,7 @@ def _load_key_raw(low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, pbase, n0, ok
 
 
 @triton.jit
-def _key_from_raw(low, high, hshift, scale, zero, BN: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
+def _key_from_bytes(low, high, hshift, scale, zero, BN: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
                   DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr):
     """Algorithm 1, lines 9, 12, 14, 15: unpack, ``X_low | X_high << 2``, ``X * scale + zero`` -> ``(BN, D)``."""
     code = _expand_packed(low, BN, D, 2, UNPACK_RESHAPE)
@@ -162,9 +161,9 @@ def _key_page_T(
         t = n0 + tl.arange(0, BN)
         kT = tl.load(raw_ptr + pbase * (G * D) + t[None, :] * D + d[:, None])
     else:
-        low, high, hshift, scale, zero = _load_key_raw(low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, pbase, n0,
+        low, high, hshift, scale, zero = _load_key_bytes(low_ptr, high_ptr, idx_ptr, scale_ptr, zero_ptr, pbase, n0,
                                                        True, G, BN, D, NB, UNPACK_RESHAPE)
-        kT = tl.trans(_key_from_raw(low, high, hshift, scale, zero, BN, D, NB, DTYPE, UNPACK_RESHAPE))
+        kT = tl.trans(_key_from_bytes(low, high, hshift, scale, zero, BN, D, NB, DTYPE, UNPACK_RESHAPE))
     return kT
 
 
@@ -172,7 +171,7 @@ def _key_page_T(
 
 
 @triton.jit
-def _load_value_raw(codes_ptr, scale_ptr, zero_ptr, pbase, n0, ok, G: tl.constexpr, BN: tl.constexpr,
+def _load_value_bytes(codes_ptr, scale_ptr, zero_ptr, pbase, n0, ok, G: tl.constexpr, BN: tl.constexpr,
                     D: tl.constexpr, VBITS: tl.constexpr, UNPACK_RESHAPE: tl.constexpr):
     """Loads of tokens ``n0 .. n0+BN-1`` (``n0 % BN == 0``) of one value page: ``(code bytes (D, *), scale, zero)``;
     nothing if not ``ok``. ``v_codes`` rows are channels: token ``e * GQ + i`` at bits ``VBITS * e`` of byte ``i``
@@ -199,9 +198,9 @@ def _load_value_raw(codes_ptr, scale_ptr, zero_ptr, pbase, n0, ok, G: tl.constex
 
 
 @triton.jit
-def _value_from_raw(codes, scale, zero, n0, G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+def _value_from_bytes(codes, scale, zero, n0, G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
                     VBITS: tl.constexpr, DTYPE: tl.constexpr, UNPACK_RESHAPE: tl.constexpr):
-    """Tokens ``n0 ..`` of :func:`_load_value_raw`'s bytes, dequantized: ``(BN, D)`` in ``DTYPE``."""
+    """Tokens ``n0 ..`` of :func:`_load_value_bytes`'s bytes, dequantized: ``(BN, D)`` in ``DTYPE``."""
     CODE_MASK: tl.constexpr = (1 << VBITS) - 1
     PER: tl.constexpr = 8 // VBITS
     GQ: tl.constexpr = G // PER
@@ -235,9 +234,9 @@ def _value_page(
         d = tl.arange(0, D)
         v = tl.load(raw_ptr + pbase * (G * D) + t[:, None] * D + d[None, :])
     else:
-        codes, scale, zero = _load_value_raw(codes_ptr, scale_ptr, zero_ptr, pbase, n0, True, G, BN, D, VBITS,
+        codes, scale, zero = _load_value_bytes(codes_ptr, scale_ptr, zero_ptr, pbase, n0, True, G, BN, D, VBITS,
                                              UNPACK_RESHAPE)
-        v = _value_from_raw(codes, scale, zero, n0, G, BN, D, VBITS, DTYPE, UNPACK_RESHAPE)
+        v = _value_from_bytes(codes, scale, zero, n0, G, BN, D, VBITS, DTYPE, UNPACK_RESHAPE)
     return v
 
 

@@ -26,16 +26,14 @@ turning 2-bit codes into tensor-core operands costs a few instructions per code.
        p . V[:,c] = sum_t (p_t scale_t) code_tc + sum_t p_t zero_t
 
    so the big operands are exact small integers. ``q * scale`` is formed once per page in fp32 and carried as two
-   16-bit operands, its rounded value and its remainder, side by side as the columns ``2r, 2r + 1`` of the small
-   side (``SPLIT``): the product is then as accurate as dequantizing first, and with GQA 4 both fit in the 8 columns
-   of one ``m16n8k16`` tile. The boosted channels' high bits are a second product over the compact high plane, its
-   four slot quarters joined into one ``(G/4, 4 * slots/4)`` tile, with ``q * scale`` gathered to the slots by a
-   one-hot product with ``boost_idx`` (exact: one nonzero term per slot).
-4. **Codes as 16-bit floats by bit placement.** A code in the low bits of a zero fp16 lane is the subnormal
-   ``code * 2^-24``, exact (tensor cores keep fp16 subnormals); ``0x4300 | code`` read as bf16 is ``128 + code``.
-   One inline-PTX block turns four packed bytes into four such values. The scale ``UNIT`` is undone on the fp32
-   product; bf16's offset ``OFF`` is removed after it, ``dot(x, OFF + code) = OFF * sum(x) + dot(x, code)``, from
-   ``sum(x)`` of the same rounded ``x``. Under ``TRITON_INTERPRET=1`` the same values come from plain integer ops.
+   16-bit parts, its rounding and the remainder, side by side in the columns of the small side (``TWO_PART``,
+   ``kernels/operands.py``): the product is then as accurate as dequantizing first. The boosted channels' high
+   bits are a second product over the compact high plane, its four slot quarters joined into one
+   ``(G/4, 4 * slots/4)`` tile, with ``q * scale`` gathered to the slots by a one-hot product with ``boost_idx``
+   (exact: one nonzero term per slot).
+4. **Codes as 16-bit floats by bit placement** (``kernels/operands.py``: ``magic_code``): one inline-PTX block
+   turns four packed bytes into four exact fp16 subnormals (bf16: ``128 + code``); the unit and offset are undone
+   on the fp32 product.
 
 Per program (``m`` = tokens past the sink, ``pk = m // G`` full key pages, ``pv = max(m - R, 0) // G`` full value
 pages; split ``s`` owns a contiguous run of the ``cdiv(m, G)`` page slots)::
@@ -50,7 +48,9 @@ Mid-step (``full_qbuffer=True``, how the cache calls it during a decode step): a
 packed yet, so ``pk = max(cdiv(m, G) - 1, 0)`` (and likewise ``pv``) and that qbuffer is attended in full precision.
 
 The torch reference ``decode_attention_ref`` (``kernels/reference.py``) dequantizes with ``kitty.quant``,
-assembles position-ordered K/V per row and runs softmax attention in fp32.
+assembles position-ordered K/V per row and runs softmax attention in fp32. The launch (splits, warps, stages,
+register cap, two-part operands) is a ``kernels/launch.py`` ``Launch``; which kernel a layer runs is decided by its
+ops object in ``kitty/backend.py``, never here.
 """
 
 from __future__ import annotations
@@ -61,111 +61,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kitty.config import BACKENDS, KVQuantConfig
+from kitty.config import KVQuantConfig
 from kitty.quant import high_plane_bytes
+from kitty.storage import KittyLayerState, check_state
 
-from ._tiles import (
-    INTERPRET,
-    INTERPRETING,
-    TLTYPE,
-    cast_to,
-    check_power_of_two,
-    is_power_of_two,
-    program_row,
-)
-from .launch import Launch, default_launch
-from .reference import KittyLayerState, check_state, decode_attention_ref  # noqa: F401 (re-exported)
+from ._tiles import INTERPRETING, TLTYPE, cast_to, check_power_of_two, is_power_of_two, program_row
+from .launch import Launch, default_launch, dot_dtype
+from .operands import _codes, _merge, _mm, _operand, _widen, magic_code
 
-__all__ = ["KittyLayerState", "decode_attention", "decode_attention_ref", "decode_attention_triton", "triton_supports"]
+__all__ = ["decode_attention_triton", "kernel_constants", "triton_supports"]
 
 LOG2E = 1.4426950408889634  # 1 / ln 2: softmax in base 2
-
-
-# ------------------------------------------------------------------------------------- codes -> MMA operands
-
-
-def magic_code(dtype: torch.dtype, bits: int, shift: int) -> tuple[str, float, float]:
-    """``(asm, OFF, UNIT)`` for turning codes ``(byte >> shift) & (2**bits - 1)`` into ``OFF + UNIT * code``.
-
-    ``asm`` is one PTX block for ``tl.inline_asm_elementwise(..., pack=4)``: its input ``$2`` holds four bytes, its
-    outputs ``$0``/``$1`` two 16-bit values each. fp16: shift, one AND for all four codes, and two ``prmt`` that
-    spread the bytes into the low bits of 16-bit lanes: the lane is the fp16 *subnormal* ``code * 2**-24``, exact,
-    with no offset (4 instructions per 4 codes). bf16 (whose products of subnormals would underflow fp32): ``prmt``
-    also inserts the high byte ``0x43`` and one AND per lane keeps the code bits: ``128 + code``, exact.
-    ``asm`` is ``""`` where no such trick applies (fp32 operands): the kernel converts plainly.
-    """
-    if dtype == torch.float16:
-        mask = ((1 << bits) - 1) * 0x01010101
-        asm = ("{ .reg .b32 t; "
-               f"shr.b32 t, $2, {shift}; and.b32 t, t, 0x{mask:08X}; "
-               "prmt.b32 $0, t, 0, 0x4140; prmt.b32 $1, t, 0, 0x4342; }")
-        return asm, 0.0, 2.0**-24
-    if dtype == torch.bfloat16:
-        mask = (0xFF00 | ((1 << bits) - 1)) * 0x10001  # keep the OFF byte and the code bits of both lanes
-        asm = ("{ .reg .b32 t, c; "
-               f"mov.b32 c, 0x43434343; shr.b32 t, $2, {shift}; "
-               "prmt.b32 $0, t, c, 0x4140; prmt.b32 $1, t, c, 0x4342; "
-               f"and.b32 $0, $0, 0x{mask:08X}; and.b32 $1, $1, 0x{mask:08X}; }}")
-        return asm, 128.0, 1.0
-    return "", 0.0, 1.0
-
-
-@triton.jit
-def _codes(b, SHIFT: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, OFF: tl.constexpr, UNIT: tl.constexpr,
-           DOT: tl.constexpr):
-    """``OFF + UNIT * ((b >> SHIFT) & (2^BITS - 1))`` in ``DOT`` for a uint8 tensor ``b`` (see :func:`magic_code`)."""
-    if INTERPRET or ASM == "":
-        c = ((b.to(tl.int32) >> SHIFT) & ((1 << BITS) - 1)).to(tl.float32)
-        y = (c * UNIT + OFF).to(DOT)
-    elif DOT == tl.float16:
-        y = tl.inline_asm_elementwise(ASM, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
-    else:
-        y = tl.inline_asm_elementwise(ASM, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
-    return y
-
-
-@triton.jit
-def _mm(a, b, DOT: tl.constexpr):
-    """``a @ b`` in fp32 on the tensor cores (``tl.dot`` needs a reduction length >= 16), else as a broadcast sum."""
-    if a.shape[1] >= 16:
-        if DOT == tl.float32:
-            y = tl.dot(a, b, input_precision="ieee")
-        else:
-            y = tl.dot(a, b)
-    else:
-        y = tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
-    return y
-
-
-@triton.jit
-def _operand(x, DOT: tl.constexpr, SPLIT: tl.constexpr):
-    """The small operand ``x`` ``(K, N)`` fp32 in ``DOT``: ``(K, N)`` rounded, or with ``SPLIT`` ``(K, 2N)`` whose
-    columns ``2r, 2r + 1`` are ``x[:, r]`` rounded and the rounding's remainder (their sum is ``x`` to ~22 bits)."""
-    hi = x.to(DOT)
-    if SPLIT:
-        lo = (x - hi.to(tl.float32)).to(DOT)
-        y = tl.reshape(tl.join(hi, lo), (x.shape[0], 2 * x.shape[1]))
-    else:
-        y = hi
-    return y
-
-
-@triton.jit
-def _merge(y, SPLIT: tl.constexpr):
-    """Inverse layout of :func:`_operand` on a product: ``(M, 2N) -> (M, N)``, column ``r`` = ``y[:, 2r] +
-    y[:, 2r + 1]`` with ``SPLIT`` (else ``y``)."""
-    if SPLIT:
-        a, b = tl.split(tl.reshape(y, (y.shape[0], y.shape[1] // 2, 2)))
-        y = a + b
-    return y
-
-
-@triton.jit
-def _widen(x, SPLIT: tl.constexpr):
-    """A per-column vector ``(N,)`` for the ``(.., 2N)`` layout of :func:`_operand` (each entry twice)."""
-    if SPLIT:
-        x = tl.reshape(tl.join(x, x), (2 * x.shape[0],))
-    return x
 
 
 # ------------------------------------------------------------------------------------------- one page, keys
@@ -173,10 +79,10 @@ def _widen(x, SPLIT: tl.constexpr):
 
 @triton.jit
 def _key_operands(q0, q1, q2, q3, scale_ptr, zero_ptr, idx_ptr, pbase, D: tl.constexpr, NB: tl.constexpr,
-                  NB4: tl.constexpr, NB4P: tl.constexpr, DOT: tl.constexpr, KOFF: tl.constexpr, SPLIT: tl.constexpr):
+                  NB4: tl.constexpr, NB4P: tl.constexpr, DOT: tl.constexpr, KOFF: tl.constexpr, TWO_PART: tl.constexpr):
     """Per key page: the small operands ``(q * scale)^T`` of the four channel quarters ``(D/4, N)``, the boosted
     slots' ``4 (q * scale)^T`` ``(4 NB4P, N)``, ``sum_c q_c zero_c`` ``(BLOCK_H,)`` and the operands' column sums
-    ``(N,)`` (their ``OFF`` term); ``N`` = ``BLOCK_H`` or ``2 BLOCK_H`` with ``SPLIT``."""
+    ``(N,)`` (their ``OFF`` term); ``N`` = ``BLOCK_H`` or ``2 BLOCK_H`` with ``TWO_PART``."""
     D4: tl.constexpr = D // 4
     j = tl.arange(0, D4)
     meta = pbase * D + j
@@ -189,10 +95,10 @@ def _key_operands(q0, q1, q2, q3, scale_ptr, zero_ptr, idx_ptr, pbase, D: tl.con
     z2 = tl.load(zero_ptr + meta + 2 * D4).to(tl.float32)
     z3 = tl.load(zero_ptr + meta + 3 * D4).to(tl.float32)
     qz = tl.sum(q0 * z0[:, None] + q1 * z1[:, None] + q2 * z2[:, None] + q3 * z3[:, None], 0)
-    qs0 = _operand(q0 * sc0[:, None], DOT, SPLIT)  # exact fp32 products, rounded once
-    qs1 = _operand(q1 * sc1[:, None], DOT, SPLIT)
-    qs2 = _operand(q2 * sc2[:, None], DOT, SPLIT)
-    qs3 = _operand(q3 * sc3[:, None], DOT, SPLIT)
+    qs0 = _operand(q0 * sc0[:, None], DOT, TWO_PART)  # exact fp32 products, rounded once
+    qs1 = _operand(q1 * sc1[:, None], DOT, TWO_PART)
+    qs2 = _operand(q2 * sc2[:, None], DOT, TWO_PART)
+    qs3 = _operand(q3 * sc3[:, None], DOT, TWO_PART)
     if KOFF != 0:
         corr = tl.sum(qs0.to(tl.float32) + qs1.to(tl.float32) + qs2.to(tl.float32) + qs3.to(tl.float32), 0)
     else:
@@ -223,7 +129,7 @@ def _key_operands(q0, q1, q2, q3, scale_ptr, zero_ptr, idx_ptr, pbase, D: tl.con
 def _key_quarter(low_ptr, high_ptr, pbase, u: tl.constexpr, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale,
                  G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, NB4: tl.constexpr, NB4P: tl.constexpr,
                  DOT: tl.constexpr, KA0: tl.constexpr, KA1: tl.constexpr, KA2: tl.constexpr, KA3: tl.constexpr,
-                 KOFF: tl.constexpr, KUNIT: tl.constexpr, SPLIT: tl.constexpr):
+                 KOFF: tl.constexpr, KUNIT: tl.constexpr, TWO_PART: tl.constexpr):
     """Base-2 logits ``(G/4, BLOCK_H)`` of token quarter ``u`` of a quantized key page (``pbase`` = pool page * Hkv
     + head, int64): four channel-quarter products over the low plane and one over the joined high plane."""
     G4: tl.constexpr = G // 4
@@ -246,7 +152,7 @@ def _key_quarter(low_ptr, high_ptr, pbase, u: tl.constexpr, qs0, qs1, qs2, qs3, 
         acc += _mm(hc, qb4, DOT)
     if KOFF != 0:
         acc -= KOFF * corr[None, :]
-    return _merge(acc, SPLIT) * (qk_scale / KUNIT) + (qz * qk_scale)[None, :]
+    return _merge(acc, TWO_PART) * (qk_scale / KUNIT) + (qz * qk_scale)[None, :]
 
 
 @triton.jit
@@ -267,7 +173,7 @@ def _stored_key_page(q0, q1, q2, q3, qT, k_low_ptr, k_high_ptr, k_idx_ptr, k_sca
                      qk_scale, G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, NB4: tl.constexpr,
                      NB4P: tl.constexpr, KEY_RAW: tl.constexpr, DOT: tl.constexpr, KA0: tl.constexpr,
                      KA1: tl.constexpr, KA2: tl.constexpr, KA3: tl.constexpr, KOFF: tl.constexpr, KUNIT: tl.constexpr,
-                     KSPLIT: tl.constexpr):
+                     KEY_TWO_PART: tl.constexpr):
     """Base-2 logits of the four token quarters of a stored key page (``kpage`` = pool page * Hkv + head): from the
     planes, or from ``k_raw`` rows for 16-bit keys."""
     if KEY_RAW:
@@ -278,15 +184,15 @@ def _stored_key_page(q0, q1, q2, q3, qT, k_low_ptr, k_high_ptr, k_idx_ptr, k_sca
         s3 = _fp_key_quarter(qT, kr, 0, 3, G, qk_scale, G, D, DOT)
     else:
         qs0, qs1, qs2, qs3, qb4, qz, corr = _key_operands(q0, q1, q2, q3, k_scale_ptr, k_zero_ptr, k_idx_ptr, kpage, D,
-                                                          NB, NB4, NB4P, DOT, KOFF, KSPLIT)
+                                                          NB, NB4, NB4P, DOT, KOFF, KEY_TWO_PART)
         s0 = _key_quarter(k_low_ptr, k_high_ptr, kpage, 0, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale, G, D, NB, NB4,
-                          NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
+                          NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KEY_TWO_PART)
         s1 = _key_quarter(k_low_ptr, k_high_ptr, kpage, 1, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale, G, D, NB, NB4,
-                          NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
+                          NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KEY_TWO_PART)
         s2 = _key_quarter(k_low_ptr, k_high_ptr, kpage, 2, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale, G, D, NB, NB4,
-                          NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
+                          NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KEY_TWO_PART)
         s3 = _key_quarter(k_low_ptr, k_high_ptr, kpage, 3, qs0, qs1, qs2, qs3, qb4, qz, corr, qk_scale, G, D, NB, NB4,
-                          NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
+                          NB4P, DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KEY_TWO_PART)
     return s0, s1, s2, s3
 
 
@@ -306,7 +212,7 @@ def _page_softmax(s0, s1, s2, s3, m_i):
 @triton.jit
 def _value_quarter(p, u: tl.constexpr, vb, vscale_ptr, vzero_ptr, pbase, acc, cq, az,
                    G: tl.constexpr, VBITS: tl.constexpr, DOT: tl.constexpr, VA: tl.constexpr, VOFF: tl.constexpr,
-                   VUNIT: tl.constexpr, SPLIT: tl.constexpr):
+                   VUNIT: tl.constexpr, TWO_PART: tl.constexpr):
     """Add ``(p @ V)^T`` of token quarter ``u`` of a quantized value page to ``acc`` ``(D, N)`` (magic units):
     ``vb`` = the page's ``(D, G/4)`` value bytes holding the quarter (2-bit: bits ``2u``; 4-bit: bits ``4 (u // 2)``
     of the half ``u % 2``); ``cq += p * scale`` (the ``OFF`` term, per token and column), ``az += p * zero``."""
@@ -315,7 +221,7 @@ def _value_quarter(p, u: tl.constexpr, vb, vscale_ptr, vzero_ptr, pbase, acc, cq
     t = u * G4 + tl.arange(0, G4)
     vs = tl.load(vscale_ptr + pbase * G + t).to(tl.float32)
     vz = tl.load(vzero_ptr + pbase * G + t).to(tl.float32)
-    pv = _operand(p * vs[:, None], DOT, SPLIT)  # (G/4, N)
+    pv = _operand(p * vs[:, None], DOT, TWO_PART)  # (G/4, N)
     if VOFF != 0:
         cq += pv.to(tl.float32)
     az += p * vz[:, None]
@@ -337,7 +243,7 @@ def _value_bytes(codes_ptr, pbase, half: tl.constexpr, G: tl.constexpr, D: tl.co
 def _value_page(p0, p1, p2, p3, codes_ptr, vscale_ptr, vzero_ptr, pbase, acc, cq, az,
                 G: tl.constexpr, D: tl.constexpr, VBITS: tl.constexpr, DOT: tl.constexpr, VA0: tl.constexpr,
                 VA1: tl.constexpr, VA2: tl.constexpr, VA3: tl.constexpr, VOFF: tl.constexpr, VUNIT: tl.constexpr,
-                SPLIT: tl.constexpr):
+                TWO_PART: tl.constexpr):
     """``(p @ V)^T`` of the four quarters of a quantized value page (see :func:`_value_quarter`): 2-bit codes hold
     every quarter in the same bytes, 4-bit ones quarters 0, 2 in the first half of each row and 1, 3 in the second."""
     vb0 = _value_bytes(codes_ptr, pbase, 0, G, D, VBITS)
@@ -346,13 +252,13 @@ def _value_page(p0, p1, p2, p3, codes_ptr, vscale_ptr, vzero_ptr, pbase, acc, cq
     else:
         vb1 = vb0
     acc, cq, az = _value_quarter(p0, 0, vb0, vscale_ptr, vzero_ptr, pbase, acc, cq, az, G, VBITS, DOT, VA0, VOFF,
-                                 VUNIT, SPLIT)
+                                 VUNIT, TWO_PART)
     acc, cq, az = _value_quarter(p1, 1, vb1, vscale_ptr, vzero_ptr, pbase, acc, cq, az, G, VBITS, DOT, VA1, VOFF,
-                                 VUNIT, SPLIT)
+                                 VUNIT, TWO_PART)
     acc, cq, az = _value_quarter(p2, 2, vb0, vscale_ptr, vzero_ptr, pbase, acc, cq, az, G, VBITS, DOT, VA2, VOFF,
-                                 VUNIT, SPLIT)
+                                 VUNIT, TWO_PART)
     acc, cq, az = _value_quarter(p3, 3, vb1, vscale_ptr, vzero_ptr, pbase, acc, cq, az, G, VBITS, DOT, VA3, VOFF,
-                                 VUNIT, SPLIT)
+                                 VUNIT, TWO_PART)
     return acc, cq, az
 
 
@@ -406,11 +312,11 @@ def _decode_split_kernel(
     BLOCK_S: tl.constexpr, DOT: tl.constexpr, FULL_QBUF: tl.constexpr,
     KA0: tl.constexpr, KA1: tl.constexpr, KA2: tl.constexpr, KA3: tl.constexpr, KOFF: tl.constexpr,
     KUNIT: tl.constexpr, VA0: tl.constexpr, VA1: tl.constexpr, VA2: tl.constexpr, VA3: tl.constexpr,
-    VOFF: tl.constexpr, VUNIT: tl.constexpr, KSPLIT: tl.constexpr, VSPLIT: tl.constexpr,
+    VOFF: tl.constexpr, VUNIT: tl.constexpr, KEY_TWO_PART: tl.constexpr, VALUE_TWO_PART: tl.constexpr,
 ):
     tl.static_assert(G % 4 == 0 and D % 4 == 0, "4 codes per byte")
     G4: tl.constexpr = G // 4
-    NV: tl.constexpr = BLOCK_H * (2 if VSPLIT else 1)  # columns of the quantized-value products
+    NV: tl.constexpr = BLOCK_H * (2 if VALUE_TWO_PART else 1)  # columns of the quantized-value products
     # ---- program id -> (row, KV head, split); the split's run of page slots
     pid_bh, split, b, h, b64, n, m = program_row(len_ptr, Hkv, S)
     mv = tl.maximum(m - R, 0)
@@ -455,7 +361,7 @@ def _decode_split_kernel(
         vpage = tl.load(v_pt_ptr + b64 * spv_b + j).to(tl.int64) * Hkv + h
         s0, s1, s2, s3 = _stored_key_page(q0, q1, q2, q3, qT, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr,
                                           k_zero_ptr, k_raw_ptr, kpage, qk_scale, G, D, NB, NB4, NB4P, KEY_RAW, DOT,
-                                          KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
+                                          KA0, KA1, KA2, KA3, KOFF, KUNIT, KEY_TWO_PART)
         p0, p1, p2, p3, alpha, m_i = _page_softmax(s0, s1, s2, s3, m_i)
         l_i = l_i * alpha[None, :] + ((p0 + p1) + (p2 + p3))
         # this loop runs first: only the accumulator its values feed holds anything yet, so only it is rescaled
@@ -465,10 +371,10 @@ def _decode_split_kernel(
             acc_nat = _raw_value_quarter(p2, 2, acc_nat, v_raw_ptr, vpage, G, D, DOT)
             acc_nat = _raw_value_quarter(p3, 3, acc_nat, v_raw_ptr, vpage, G, D, DOT)
         else:
-            av = _widen(alpha, VSPLIT)
+            av = _widen(alpha, VALUE_TWO_PART)
             acc, cq, az = _value_page(p0, p1, p2, p3, v_codes_ptr, v_scale_ptr, v_zero_ptr, vpage, acc * av[None, :],
                                       cq * av[None, :], az * alpha[None, :], G, D, VBITS, DOT, VA0, VA1, VA2, VA3,
-                                      VOFF, VUNIT, VSPLIT)
+                                      VOFF, VUNIT, VALUE_TWO_PART)
     # ---- pages whose values are still in full precision (value qbuffer / local window); the last, partial page's
     # keys come from the key qbuffer
     for j in range(tl.maximum(start, vp), end):
@@ -476,7 +382,7 @@ def _decode_split_kernel(
             kpage = tl.load(k_pt_ptr + b64 * spk_b + j).to(tl.int64) * Hkv + h
             s0, s1, s2, s3 = _stored_key_page(q0, q1, q2, q3, qT, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr,
                                               k_zero_ptr, k_raw_ptr, kpage, qk_scale, G, D, NB, NB4, NB4P, KEY_RAW,
-                                              DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KSPLIT)
+                                              DOT, KA0, KA1, KA2, KA3, KOFF, KUNIT, KEY_TWO_PART)
         else:
             s0 = _fp_key_quarter(qT, kq_ptr, j * G, 0, m, qk_scale, G, D, DOT)
             s1 = _fp_key_quarter(qT, kq_ptr, j * G, 1, m, qk_scale, G, D, DOT)
@@ -484,7 +390,7 @@ def _decode_split_kernel(
             s3 = _fp_key_quarter(qT, kq_ptr, j * G, 3, m, qk_scale, G, D, DOT)
         p0, p1, p2, p3, alpha, m_i = _page_softmax(s0, s1, s2, s3, m_i)
         l_i = l_i * alpha[None, :] + ((p0 + p1) + (p2 + p3))
-        av = _widen(alpha, VSPLIT)
+        av = _widen(alpha, VALUE_TWO_PART)
         acc = acc * av[None, :]
         cq = cq * av[None, :]
         az = az * alpha[None, :]
@@ -506,7 +412,7 @@ def _decode_split_kernel(
             alpha = tl.exp2(m_i - m_new)  # m_new is finite: the sink holds >= 1 token here
             p = tl.exp2(s - m_new[None, :])
             l_sum = l_sum * alpha + tl.sum(p, 0)
-            av = _widen(alpha, VSPLIT)
+            av = _widen(alpha, VALUE_TWO_PART)
             acc = acc * av[None, :]
             cq = cq * av[None, :]
             az = az * alpha[None, :]
@@ -517,8 +423,8 @@ def _decode_split_kernel(
     if not VALUE_RAW:
         zero_term = tl.sum(az, 0)
         if VOFF != 0:
-            zero_term -= tl.sum(_merge(cq, VSPLIT), 0) * (VOFF / VUNIT)
-        out += _merge(acc, VSPLIT) * (1.0 / VUNIT) + zero_term[None, :]
+            zero_term -= tl.sum(_merge(cq, VALUE_TWO_PART), 0) * (VOFF / VUNIT)
+        out += _merge(acc, VALUE_TWO_PART) * (1.0 / VUNIT) + zero_term[None, :]
     ws = (pid_bh * NUM_SPLITS + split) * BLOCK_H + r
     tl.store(ws_m_ptr + ws, m_i)
     tl.store(ws_l_ptr + ws, l_sum)
@@ -553,19 +459,6 @@ def _decode_reduce_kernel(
 # -------------------------------------------------------------------------------------------------- wrappers
 
 
-def register_cap(maxnreg: int | None) -> dict:
-    """Launch option capping registers per thread (CUDA backend only; ignored by the interpreter)."""
-    return {} if (maxnreg is None or INTERPRETING) else {"maxnreg": int(maxnreg)}
-
-
-def _dot_dtype(dtype: torch.dtype):
-    """Operand dtype of the kernel's products: the model dtype, except fp32 (and bf16 under the interpreter, whose
-    bf16 ``tl.dot`` is wrong), which multiply in fp32."""
-    if dtype == torch.float32 or (INTERPRETING and dtype == torch.bfloat16):
-        return torch.float32
-    return dtype
-
-
 def kernel_constants(cfg: KVQuantConfig, head_dim: int, group: int, dtype: torch.dtype, launch: Launch,
                      full_qbuffer: bool) -> dict:
     """The compile-time constants of ``_decode_split_kernel`` for pages of ``cfg`` with ``head_dim`` channels,
@@ -574,14 +467,14 @@ def kernel_constants(cfg: KVQuantConfig, head_dim: int, group: int, dtype: torch
     S, G, R, D = cfg.sink_tokens, cfg.group_size, cfg.local_window, head_dim
     nb = cfg.num_boosted(D)
     nb4 = high_plane_bytes(nb)  # bytes of a token's high-plane row
-    dot = _dot_dtype(dtype)
+    dot = dot_dtype(dtype)
     vbits = cfg.value_bits if cfg.quantizes_values else 2
     ka = [magic_code(dot, 2, s) for s in (0, 2, 4, 6)]
     va = [magic_code(dot, vbits, vbits * (u // (vbits // 2))) for u in range(4)]  # the shift of token quarter u
     if G < 64 or D < 64:  # small tiles: plain conversions (same values) instead of the PTX blocks
         ka = [("",) + x[1:] for x in ka]
         va = [("",) + x[1:] for x in va]
-    split = 0 if dot == torch.float32 else int(launch.split_fold)  # fp32 operands are exact: nothing to split
+    parts = 0 if dot == torch.float32 else int(launch.operand_parts)  # fp32 operands are exact: one part each
     return dict(
         # the joined high tile has 4 * NB4P columns: at least 32, since a 16-column one (nb <= 16, e.g. kitty at
         # D = 128) gave wrong products on the H200 (triton 3.6) with and without the PTX conversion, and 32 did not;
@@ -589,33 +482,28 @@ def kernel_constants(cfg: KVQuantConfig, head_dim: int, group: int, dtype: torch
         S=S, G=G, R=R, D=D, NB=nb, NB4=nb4, NB4P=max(8, triton.next_power_of_2(max(nb4, 1))), VBITS=vbits,
         KEY_RAW=not cfg.quantizes_keys, VALUE_RAW=not cfg.quantizes_values,
         BLOCK_H=max(launch.block_h, triton.next_power_of_2(group)), BLOCK_S=max(16, triton.next_power_of_2(S)),
-        DOT=TLTYPE[dot], FULL_QBUF=bool(full_qbuffer), KSPLIT=bool(split & 1), VSPLIT=bool(split & 2),
+        DOT=TLTYPE[dot], FULL_QBUF=bool(full_qbuffer), KEY_TWO_PART=bool(parts & 1), VALUE_TWO_PART=bool(parts & 2),
         KA0=ka[0][0], KA1=ka[1][0], KA2=ka[2][0], KA3=ka[3][0], KOFF=ka[0][1], KUNIT=ka[0][2],
         VA0=va[0][0], VA1=va[1][0], VA2=va[2][0], VA3=va[3][0], VOFF=va[0][1], VUNIT=va[0][2],
     )
 
 
 def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig, scaling: float | None = None,
-                            launch: Launch | None = None, full_qbuffer: bool = False,
-                            workspace: dict[str, torch.Tensor] | None = None, **tuning) -> torch.Tensor:
-    """The fused Triton kernel (see module docstring). ``q``: ``[B, Hq, D]`` -> ``[B, Hq, D]`` in ``q.dtype``.
+                            *, full_qbuffer: bool = False, workspace: dict[str, torch.Tensor] | None = None,
+                            launch: Launch | None = None) -> torch.Tensor:
+    """The fused Triton kernel (see module docstring). ``q``: ``[B, Hq, D]`` -> ``[B, Hq, D]`` in ``q.dtype``;
+    ``scaling`` defaults to ``1/sqrt(D)``. ``ValueError`` for a config the kernel does not handle
+    (:func:`triton_supports`).
 
     ``full_qbuffer``: the state is mid-step, after the new token was inserted and before a qbuffer it filled is
     packed (qbuffers hold 1..G tokens, ``kitty.memory.token_layout``): the filled qbuffer is attended in full precision.
 
-    ``launch``: a :class:`kernels.launch.Launch`; ``None``: :func:`kernels.launch.default_launch` for the batch at
-    hand (the fastest configuration timed on the H200, checked for correctness there: benchmarks/RESULTS.md), with
-    ``tuning`` (its keyword arguments: ``num_splits``, ``num_warps``, ``num_stages``, ``maxnreg``, ``waves``,
-    ``block_h``, ``split_fold``) replacing defaults. ``split_fold`` bit 1 carries the key operand ``q * scale`` as
-    its 16-bit rounding plus the remainder (bit 2: ``p * scale`` likewise): one rounding of ``q * scale``, which
-    multiplies codes up to 3 (15 when boosted), errs up to 2x more than dequantizing first and failed the
-    correctness rule on the H200; split, it passes. The swap-AB kernel carries the remainder in the spare columns
-    of its small operand, so the default ``split_fold=1`` cost nothing there: 205 us against 246 us unsplit at
-    (8, 32K), 399 against 483 at (64, 8K) (2 warps, no register cap; benchmarks/RESULTS.md, layout_sweep.json).
-
     ``workspace``: a dict that the first call fills with the split buffers and the output and later calls reuse
     (a static cache passes one per layer, so that a captured step allocates nothing); the result is then a view of
     ``workspace["out"]``, valid until the next call.
+
+    ``launch``: a :class:`kernels.launch.Launch` (split count, warps, stages, register cap, query rows per program,
+    two-part operands); ``None``: :func:`kernels.launch.default_launch` for the batch at hand.
     """
     z = check_state(q, state, cfg)
     B, Hq, Hkv, D, S, G, R, nb = (z[k] for k in ("B", "Hq", "Hkv", "D", "S", "G", "R", "nb"))
@@ -625,12 +513,10 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
     if not INTERPRETING and not triton_supports(cfg, D, compiled=True):
         raise ValueError(f"on the GPU the fused kernel needs group_size >= 64 and, for quantized keys, head_dim >= 64, "
                          f"got group_size={G}, head_dim={D}, key_bits={cfg.key_bits} (use the torch backend)")
-    if launch is not None and tuning:
-        raise ValueError(f"pass either launch or its fields, got launch and {sorted(tuning)}")
     scaling = 1.0 / math.sqrt(D) if scaling is None else float(scaling)
     QH = Hq // Hkv
     max_pages = state.k_page_table.shape[1] + 1
-    launch = launch or default_launch(B, Hkv, max_pages, q.device, **tuning)
+    launch = launch or default_launch(B, Hkv, max_pages, q.device)
     consts = kernel_constants(cfg, D, QH, q.dtype, launch, full_qbuffer)
     BLOCK_H, splits = consts["BLOCK_H"], launch.num_splits
     dev, f32 = q.device, torch.float32
@@ -661,11 +547,11 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
         q.stride(0), q.stride(1), st.sink_k.stride(0), st.sink_k.stride(1), st.sink_v.stride(0), st.sink_v.stride(1),
         st.k_qbuf.stride(0), st.k_qbuf.stride(1), st.v_qbuf.stride(0), st.v_qbuf.stride(1),
         st.v_local.stride(0), st.v_local.stride(1), st.k_page_table.stride(0), st.v_page_table.stride(0),
-        **consts, num_warps=launch.num_warps, num_stages=launch.num_stages, **register_cap(launch.maxnreg),
+        **consts, **launch.options(),
     )
     _decode_reduce_kernel[(B * Hkv, QH)](
         ws_m, ws_l, ws_acc, out, Hkv, QH, splits, out.stride(0), out.stride(1),
-        D=D, BLOCK_H=BLOCK_H, SPLITS_P2=triton.next_power_of_2(splits),
+        D=D, BLOCK_H=BLOCK_H, SPLITS_P2=triton.next_power_of_2(splits), **launch.options(),
     )
     return out
 
@@ -681,22 +567,3 @@ def triton_supports(cfg: KVQuantConfig, head_dim: int, compiled: bool | None = N
         ok = ok and cfg.group_size >= 64 and (not cfg.quantizes_keys or head_dim >= 64)
     return ok
 
-
-def decode_attention(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig, scaling: float | None = None,
-                     backend: str = "auto", full_qbuffer: bool = False, **kernel_options) -> torch.Tensor:
-    """Decode attention of one new query token per row over a Kitty layer: ``[B, Hq, D]`` -> ``[B, Hq, D]``.
-
-    ``backend="auto"`` runs the fused Triton kernel on CUDA tensors or under ``TRITON_INTERPRET=1`` when
-    :func:`triton_supports` the config, else the torch reference; ``"triton"`` / ``"torch"`` force one (``"triton"``
-    raises ``ValueError`` for an unsupported config). ``scaling`` defaults to ``1/sqrt(D)``. ``kernel_options``:
-    the launch of :func:`decode_attention_triton` (``launch=`` or its fields).
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        ok = (q.is_cuda or INTERPRETING) and q.dim() == 3 and triton_supports(cfg, q.shape[-1])
-        backend = "triton" if ok else "torch"
-    if backend == "torch":
-        check_state(q, state, cfg)
-        return decode_attention_ref(q, state, cfg, scaling, full_qbuffer=full_qbuffer)
-    return decode_attention_triton(q, state, cfg, scaling, full_qbuffer=full_qbuffer, **kernel_options)

@@ -1,17 +1,37 @@
-"""The fused decode kernel's launch choice (``kernels/decode_attention.py``): one frozen :class:`Launch`, the same
-object for the kernel wrapper, ``benchmarks/kernels.py`` and ``benchmarks/sass.py`` (which compiles the kernel that
-runs). Change the heuristic here: :func:`default_launch`.
+"""How the fused decode kernel (``kernels/decode_attention.py``) is launched: one frozen :class:`Launch`, the same
+value for the kernel wrapper, ``benchmarks/kernels.py``, ``benchmarks/layout_sweep.py`` and ``benchmarks/sass.py``
+(which compiles the kernel that runs). Change the heuristic here: :func:`default_launch`. A sweep is a list of
+``dataclasses.replace(default_launch(...), field=value)``.
 
-Imports neither Triton nor a kernel.
+Also the launch facts every kernel of ``kernels/`` shares: whether kernels run under Triton's interpreter
+(:data:`INTERPRETING`), the register cap (:func:`register_cap`) and the dtype the products multiply in
+(:func:`dot_dtype`). Imports neither Triton nor a kernel.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import os
+from dataclasses import dataclass
 
 import torch
 
-H200_SMS = 132  # streaming multiprocessors of the GPU the defaults were timed on (benchmarks/RESULTS.md)
+# Whether kernels run under Triton's interpreter: read once, at import, as Triton itself reads TRITON_INTERPRET
+# when it decorates a kernel (the kernel modules import this module before they define a kernel).
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+H200_SMS = 132  # streaming multiprocessors of the GPU the defaults were timed on (docs/BENCHMARKS.md)
+
+
+def register_cap(maxnreg: int | None) -> dict:
+    """Launch option capping registers per thread (CUDA backend only; ignored by the interpreter)."""
+    return {} if (maxnreg is None or INTERPRETING) else {"maxnreg": int(maxnreg)}
+
+
+def dot_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Operand dtype of a kernel's products for ``dtype`` inputs: the model dtype, except fp32 (and bf16 under the
+    interpreter, whose bf16 ``tl.dot`` is wrong), which multiply in fp32."""
+    if dtype == torch.float32 or (INTERPRETING and dtype == torch.bfloat16):
+        return torch.float32
+    return dtype
 
 
 @dataclass(frozen=True)
@@ -21,8 +41,9 @@ class Launch:
     ``num_splits``: programs per (row, KV head), each taking a contiguous run of pages; ``num_warps``; ``num_stages``
     (Triton's software pipelining of the page loop); ``maxnreg``: a register cap per thread (``None``: none);
     ``block_h``: query rows per program (at least the GQA group; 16 fills a tensor-core tile, fewer rows cut the
-    softmax work on padding); ``split_fold``: carry ``q * key scale`` (1), ``p * value scale`` (2) or both (3) as two
-    16-bit operands (see ``decode_attention_triton``).
+    softmax work on padding); ``operand_parts``: which small operands are carried as two 16-bit parts, their
+    rounding and its remainder: ``q * key scale`` (bit 1), ``p * value scale`` (bit 2), both (3) or neither (0)
+    (the module docstring of ``kernels/decode_attention.py``, choice 3).
     """
 
     num_splits: int
@@ -30,10 +51,12 @@ class Launch:
     num_stages: int
     maxnreg: int | None
     block_h: int = 4
-    split_fold: int = 1
+    operand_parts: int = 1
 
-    def replace(self, **changes) -> Launch:
-        return replace(self, **changes)
+    def options(self) -> dict:
+        """The Triton launch options of every kernel of this launch: ``num_warps``, ``num_stages`` and, where it
+        applies, ``maxnreg``."""
+        return dict(num_warps=self.num_warps, num_stages=self.num_stages, **register_cap(self.maxnreg))
 
 
 def num_sms(device: torch.device | int) -> int:
@@ -46,8 +69,8 @@ def num_sms(device: torch.device | int) -> int:
 
 
 def default_num_splits(B: int, Hkv: int, max_blocks: int, device: torch.device | int, waves: int = 4) -> int:
-    """Splits so that B*Hkv*splits programs fill ~``waves`` per SM, never more than the work units of a row; at
-    most 2 once B*Hkv alone gives two programs per SM (measured on the H200: more splits only add programs then)."""
+    """Splits so that ``B * Hkv * splits`` programs fill ~``waves`` per SM, never more than the work units of a row;
+    at most 2 once ``B * Hkv`` alone gives two programs per SM (more splits then only add programs)."""
     programs, sms = max(B * Hkv, 1), num_sms(device)
     want = -(-waves * sms // programs)
     if programs >= 2 * sms:
@@ -55,42 +78,25 @@ def default_num_splits(B: int, Hkv: int, max_blocks: int, device: torch.device |
     return max(1, min(want, max_blocks, 256))
 
 
-def default_launch(
-    B: int,
-    Hkv: int,
-    max_blocks: int,
-    device: torch.device | int,
-    *,
-    num_splits: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    maxnreg: int | None = None,
-    waves: int | None = None,
-    block_h: int = 4,
-    split_fold: int = 1,
-) -> Launch:
+def default_launch(B: int, Hkv: int, max_blocks: int, device: torch.device | int) -> Launch:
     """The launch for ``B * Hkv`` (row, KV head) pairs over at most ``max_blocks`` page slots per row on ``device``
-    (or that many SMs); a given argument replaces its default (``waves``: programs per SM the splits aim at).
+    (or that many SMs).
 
-    Measured on the H200 (triton 3.6, benchmarks/RESULTS.md): with at least a quarter as many pairs as SMs, 2 warps
-    with a 128-register cap and ~8 programs per SM (enough resident programs to hide load latency); below that
-    (batch 1), 2 warps with no cap and ~4 programs per SM (33 us at (1, 32K) against 57 us with the earlier 4 warps,
-    2 stages and ~2 per SM). ``split_fold=1``: the key operand ``q * scale`` as rounded part + remainder, which the
-    swap-AB kernel carries in the spare columns of its small side (what the correctness rule needs at no measured
-    cost). The register cap goes with its warp count: it applies only when neither warps, stages nor a cap are given.
+    With at least a quarter as many pairs as SMs: 2 warps, one stage, a 128-register cap and splits for ~8 programs
+    per SM (enough resident programs to hide load latency); below that (batch 1): 2 warps, one stage, no cap and ~4
+    programs per SM. The key operand ``q * scale`` is carried as two parts (``operand_parts=1``), which the swap-AB
+    kernel holds in the spare columns of its small side. The measurements behind each choice are in
+    ``docs/BENCHMARKS.md`` ("The default launch"); ``tests/test_kernels.py`` pins the values.
     """
     if B * Hkv * 4 >= num_sms(device):
-        auto = dict(num_warps=2, num_stages=1, maxnreg=128, waves=8)
+        maxnreg, waves = 128, 8
     else:
-        auto = dict(num_warps=2, num_stages=1, maxnreg=None, waves=4)
-    if num_warps is None and num_stages is None and maxnreg is None:
-        maxnreg = auto["maxnreg"]
-    waves = auto["waves"] if waves is None else waves
+        maxnreg, waves = None, 4
     return Launch(
-        num_splits=num_splits or default_num_splits(B, Hkv, max_blocks, device, waves),
-        num_warps=auto["num_warps"] if num_warps is None else num_warps,
-        num_stages=auto["num_stages"] if num_stages is None else num_stages,
+        num_splits=default_num_splits(B, Hkv, max_blocks, device, waves),
+        num_warps=2,
+        num_stages=1,
         maxnreg=maxnreg,
-        block_h=block_h,
-        split_fold=split_fold,
+        block_h=4,
+        operand_parts=1,
     )

@@ -53,15 +53,13 @@ from kitty.quant import (
     ValuePage,
     channel_importance,
     high_plane_bytes,
-    quantize_key_page,
-    quantize_value_page,
     select_boosted,
 )
 from kitty.storage import allocate_pool, pool_fields
 
 from ._tiles import TLTYPE, check_power_of_two
 
-__all__ = ["pack_completed", "pack_completed_ref", "pack_pages", "pack_pages_ref"]
+__all__ = ["pack_completed", "pack_pages"]
 
 
 @triton.jit
@@ -93,6 +91,15 @@ def _quantize(x, zero, scale, levels):
 
 
 @triton.jit
+def _filled_page(len_ptr, i, start, G: tl.constexpr):
+    """The rule of ``kitty.pages.filled_page`` for row ``i`` after one new token (``lengths[i]`` counts it): did its
+    qbuffer, whose first token is at position ``start`` (``S`` keys, ``S + R`` values), just fill, and which page
+    ``j`` of the row it becomes (``m = lengths[i] - start``: ``m > 0``, ``m % G == 0``, ``j = m // G - 1``)."""
+    m = tl.load(len_ptr + i) - start
+    return (m > 0) & (m % G == 0), m // G - 1
+
+
+@triton.jit
 def _pack_kernel(
     # key side: qbuffer [*, Hkv, G, D], rows to pack, destination pages in the pool
     kq_ptr, k_rows_ptr, k_pages_ptr, k_mask_ptr,
@@ -100,8 +107,9 @@ def _pack_kernel(
     # value side
     vq_ptr, v_rows_ptr, v_pages_ptr,
     v_codes_ptr, v_scale_ptr, v_zero_ptr,
-    # sizes; with PREDICATED, the rows' lengths and the page-table widths (row b's page j is pool id b * width + j)
-    n_key_progs, Hkv, len_ptr, k_width, v_width,
+    # sizes; with PREDICATED, the rows' lengths, the page tables [B, width] (row b's page j is pool id b * width + j)
+    # and their row strides
+    n_key_progs, Hkv, len_ptr, k_pt_ptr, v_pt_ptr, k_width, v_width, spt_k, spt_v,
     # strides of the two qbuffers (row, head, token); channels are contiguous
     skq_b, skq_h, skq_t, svq_b, svq_h, svq_t,
     # meta-parameters; NBQP: ceil(NB / 4) rounded up to a power of two (the high plane's byte tile width)
@@ -118,11 +126,13 @@ def _pack_kernel(
         i = pid // Hkv
         h = pid % Hkv
         if PREDICATED:  # program (row i, head h) of every row: only a row whose key qbuffer just filled packs
-            mk = tl.load(len_ptr + i) - S
-            if (mk <= 0) | (mk % G != 0):
+            done, j = _filled_page(len_ptr, i, S, G)
+            if done == 0:
                 return
             row = i.to(tl.int64)
-            page = (i * k_width + mk // G - 1).to(tl.int64)
+            page = (i * k_width + j).to(tl.int64)
+            if h == 0:  # the page-table entry, once per row
+                tl.store(k_pt_ptr + i * spt_k + j, page.to(tl.int32))
         else:
             row = tl.load(k_rows_ptr + i).to(tl.int64)
             page = tl.load(k_pages_ptr + i).to(tl.int64)
@@ -187,11 +197,13 @@ def _pack_kernel(
         vi = (pid - n_key_progs) // Hkv
         vh = (pid - n_key_progs) % Hkv
         if PREDICATED:  # likewise for a value qbuffer (filled once R more tokens came)
-            mv = tl.load(len_ptr + vi) - S - R
-            if (mv <= 0) | (mv % G != 0):
+            vdone, vj = _filled_page(len_ptr, vi, S + R, G)
+            if vdone == 0:
                 return
             vrow = vi.to(tl.int64)
-            vpage = (vi * v_width + mv // G - 1).to(tl.int64)
+            vpage = (vi * v_width + vj).to(tl.int64)
+            if vh == 0:
+                tl.store(v_pt_ptr + vi * spt_v + vj, vpage.to(tl.int32))
         else:
             vrow = tl.load(v_rows_ptr + vi).to(tl.int64)
             vpage = tl.load(v_pages_ptr + vi).to(tl.int64)
@@ -343,7 +355,7 @@ def pack_pages(
         out.get("k_scale", dummy), out.get("k_zero", dummy),
         vq, v_rows, v_pages,
         out.get("v_codes", dummy), out.get("v_scale", dummy), out.get("v_zero", dummy),
-        nk * Hkv, Hkv, k_rows, 0, 0,
+        nk * Hkv, Hkv, k_rows, k_rows, k_rows, 0, 0, 0, 0,
         kq.stride(0), kq.stride(1), kq.stride(2), vq.stride(0), vq.stride(1), vq.stride(2),
         G=G, D=D, NB=nb, NBQP=_high_tile(nb), KEY_LEVELS=(1 << cfg.key_bits) - 1, VBITS=cfg.value_bits, USE_MASK=use_mask,
         DTYPE=TLTYPE[dtype], ITYPE=_ITYPE[dtype], ROUND_UP=dtype != torch.float32,
@@ -384,7 +396,8 @@ def pack_completed(
     page tables ``[B, Wk]``/``[B, Wv]``. Program (row b, head h) of the key side reads ``lengths[b]`` and returns
     unless ``m = lengths[b] - S > 0`` and ``m % G == 0``; then it packs key page ``j = m // G - 1`` at pool id
     ``b * Wk + j``. The value side likewise with ``m - R``. Completed rows get ``table[b, j] = id``.
-    Torch reference: :func:`pack_completed_ref` (``kitty.backend.pack_completed_torch``).
+    The completion test is the rule of ``kitty.pages.filled_page``, kept inline once (``_filled_page``).
+    Torch reference: ``kernels/reference.py`` ``pack_completed_ref``.
     """
     B, Hkv, G, D = k_qbuf.shape
     if tuple(v_qbuf.shape) != (B, Hkv, G, D) or v_qbuf.dtype != k_qbuf.dtype:
@@ -420,45 +433,14 @@ def pack_completed(
         kpool.get("k_scale", dummy), kpool.get("k_zero", dummy),
         v_qbuf, lengths, lengths,
         vpool.get("v_codes", dummy), vpool.get("v_scale", dummy), vpool.get("v_zero", dummy),
-        nk * Hkv, Hkv, lengths, wk, max(wv, 1),
+        nk * Hkv, Hkv, lengths, k_page_table, v_page_table if wv else lengths, wk, max(wv, 1), k_page_table.stride(0),
+        v_page_table.stride(0),
         k_qbuf.stride(0), k_qbuf.stride(1), k_qbuf.stride(2), v_qbuf.stride(0), v_qbuf.stride(1), v_qbuf.stride(2),
         G=G, D=D, NB=nb, NBQP=_high_tile(nb), KEY_LEVELS=(1 << cfg.key_bits) - 1, VBITS=cfg.value_bits, USE_MASK=use_mask,
         DTYPE=TLTYPE[k_qbuf.dtype], ITYPE=_ITYPE[k_qbuf.dtype], ROUND_UP=k_qbuf.dtype != torch.float32,
         PREDICATED=True, S=cfg.sink_tokens, R=cfg.local_window,
         num_warps=4,
     )
-    # the completed rows' table entries (a few int32 writes; predicated like the kernel)
-    S, R = cfg.sink_tokens, cfg.local_window
-    n = lengths.long()
-    rows = torch.arange(B, device=n.device)
-    for table, width, start, side in ((k_page_table, wk, n - S, keys), (v_page_table, wv, n - S - R, values)):
-        if width and side:
-            done = (start > 0) & (start % G == 0)
-            j = (start // G - 1).clamp(0, width - 1)
-            table[rows, j] = torch.where(done, (rows * width + j).to(torch.int32), table[rows, j])
-
-
-def pack_completed_ref(cfg: KVQuantConfig, lengths, k_qbuf, v_qbuf, key_pool, value_pool, k_page_table, v_page_table,
-                       salt: int = 0, query_scale: torch.Tensor | None = None) -> None:
-    """Torch reference of :func:`pack_completed` (``kitty.backend.pack_completed_torch``): the same writes."""
-    from kitty.backend import pack_completed_torch
-
-    pack_completed_torch(cfg, lengths, k_qbuf, v_qbuf, key_pool, value_pool, k_page_table, v_page_table, salt=salt,
-                         query_scale=query_scale)
-
-
-def pack_pages_ref(cfg: KVQuantConfig, k_qbuf=None, v_qbuf=None, *, k_rows=None, v_rows=None, salt: int = 0,
-                   query_scale: torch.Tensor | None = None):
-    """Torch reference of :func:`pack_pages` (without ``pool``): ``kitty.quant`` on the selected rows
-    (``query_scale`` ``[N, Hkv, D]`` of those rows)."""
-    kp = vp = None
-    if k_qbuf is not None:
-        rows = slice(None) if k_rows is None else torch.as_tensor(k_rows, device=k_qbuf.device).long()
-        kp = quantize_key_page(k_qbuf[rows], cfg, salt, query_scale=query_scale)
-    if v_qbuf is not None:
-        rows = slice(None) if v_rows is None else torch.as_tensor(v_rows, device=v_qbuf.device).long()
-        vp = quantize_value_page(v_qbuf[rows], cfg)
-    return kp, vp
 
 
 assert BOOST_SENTINEL == 255  # the kernel writes 255 for unboosted channels

@@ -1,5 +1,8 @@
 """Torch reference of Kitty decode attention: the specification the kernels are tested against (no Triton needed).
 
+The kernels' torch references live here: :func:`decode_attention_ref` (the fused and unfused attention kernels),
+:func:`pack_pages_ref` and :func:`pack_completed_ref` (``kernels/pack.py``).
+
 One layer's storage (``docs/LAYOUT.md``; the contract is ``kitty/storage.py``) is read back in position order by
 :func:`dequantize_cache` -- sink | dequantized pages (``kitty.quant``) | qbuffers | local ring, all rows at once --
 and :func:`decode_attention_ref` runs softmax attention of one query token per row over it. The generation path's
@@ -15,12 +18,20 @@ import torch
 
 from kitty.config import KVQuantConfig
 from kitty.memory import token_layout
-from kitty.quant import dequantize_key_page, dequantize_value_page
+from kitty.quant import (
+    KeyPage,
+    ValuePage,
+    dequantize_key_page,
+    dequantize_value_page,
+    quantize_key_page,
+    quantize_value_page,
+)
 from kitty.storage import (  # noqa: F401 (the contract, re-exported)
     FLOAT_DTYPES,
     KittyLayerState,
     check_state,
     key_page_from_storage,
+    page_fields,
     value_page_from_storage,
 )
 
@@ -94,7 +105,8 @@ def decode_attention_ref(
     upcast: bool = True,
     full_qbuffer: bool = False,
 ) -> torch.Tensor:
-    """Torch reference of :func:`kitty.kernels.decode_attention`: ``[B, Hq, D]`` in ``q.dtype``.
+    """Torch reference of :func:`kitty.kernels.decode_attention_triton` (and the unfused path): ``[B, Hq, D]`` in
+    ``q.dtype``.
 
     ``q`` ``[B, Hq, D]``: the token at position ``lengths[b] - 1`` of each row (already in ``state``). GQA: query
     head h reads KV head ``h // (Hq / Hkv)``. ``upcast=True``: scores, softmax and ``p @ V`` in fp32 (the
@@ -112,3 +124,80 @@ def decode_attention_ref(
     p = torch.softmax(s, -1).nan_to_num(0.0)  # a row of length 0 has no valid column: all -inf -> 0
     out = torch.einsum("bhqn,bhnd->bhqd", p, values.to(cdt))
     return out.reshape(B, Hq, D).to(q.dtype)
+
+
+def pack_pages_ref(
+    cfg: KVQuantConfig,
+    k_qbuf: torch.Tensor | None = None,
+    v_qbuf: torch.Tensor | None = None,
+    *,
+    k_rows=None,
+    v_rows=None,
+    salt: int = 0,
+    query_scale: torch.Tensor | None = None,
+) -> tuple[KeyPage | None, ValuePage | None]:
+    """Torch reference of ``kitty.kernels.pack_pages`` (without ``pool``): ``kitty.quant`` on the selected rows
+    (``query_scale`` ``[N, Hkv, D]`` of those rows)."""
+    kp = vp = None
+    if k_qbuf is not None:
+        rows = slice(None) if k_rows is None else torch.as_tensor(k_rows, device=k_qbuf.device).long()
+        kp = quantize_key_page(k_qbuf[rows], cfg, salt, query_scale=query_scale)
+    if v_qbuf is not None:
+        rows = slice(None) if v_rows is None else torch.as_tensor(v_rows, device=v_qbuf.device).long()
+        vp = quantize_value_page(v_qbuf[rows], cfg)
+    return kp, vp
+
+
+def pack_completed_ref(
+    cfg: KVQuantConfig,
+    lengths: torch.Tensor,
+    k_qbuf: torch.Tensor,
+    v_qbuf: torch.Tensor,
+    key_pool: dict[str, torch.Tensor],
+    value_pool: dict[str, torch.Tensor],
+    k_page_table: torch.Tensor,
+    v_page_table: torch.Tensor,
+    salt: int = 0,
+    query_scale: torch.Tensor | None = None,
+    skip_idle: bool = False,
+    keys: bool = True,
+    values: bool = True,
+) -> None:
+    """Torch reference of ``kitty.kernels.pack_completed``: pack every row whose qbuffer the last token filled (a
+    static layer's stage 3 on the torch backend).
+
+    ``lengths`` int32 ``[B]`` count that token. Row b's key qbuffer filled when ``m = lengths[b] - S > 0`` and
+    ``m % G == 0``: it becomes key page ``j = m // G - 1`` at pool id ``b * Wk + j`` (``Wk = k_page_table.shape[1]``)
+    and ``k_page_table[b, j]`` is set to that id; values likewise with ``m - R``. All rows are quantized and the
+    completed ones kept with ``torch.where`` (no host synchronization, no data-dependent shape); ``skip_idle``:
+    return early, after one host read, when no row completed a page (for the CPU, where reading is free).
+    ``keys`` / ``values``: the sides to pack (the other side's pool and table are left alone).
+    """
+    S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
+    n = lengths.long()
+    rows = torch.arange(n.shape[0], device=n.device)
+    for is_key, table, pool, start in ((True, k_page_table, key_pool, S), (False, v_page_table, value_pool, S + R)):
+        if not (keys if is_key else values):
+            continue
+        width = table.shape[1]
+        if width == 0:  # max_cache_len leaves no room for a page on this side
+            continue
+        # the rule of kitty.pages.filled_page: did row b's qbuffer just fill (done), and which page j it becomes
+        m = n - start
+        done, j = (m > 0) & (m % G == 0), (m // G - 1).clamp(0, max(width - 1, 0))  # (B,), (B,)
+        if skip_idle and not bool(done.any()):
+            continue
+        ids = rows * width + j  # (B,) the fixed pool id of that page
+        if not (cfg.quantizes_keys if is_key else cfg.quantizes_values):
+            # a 16-bit side stores the qbuffer itself (what quantize_*_page returns for 16 bits) without its
+            # finiteness check, which reads a flag back to the host and would end a CUDA-graph capture
+            fields = {"k_raw": k_qbuf} if is_key else {"v_raw": v_qbuf}
+        elif is_key:
+            fields = page_fields(quantize_key_page(k_qbuf, cfg, salt=salt, query_scale=query_scale))
+        else:
+            fields = page_fields(quantize_value_page(v_qbuf, cfg))
+        for name, new in fields.items():  # new: (B, Hkv, ...)
+            t = pool[name]
+            keep = done.view(-1, *([1] * (new.dim() - 1)))
+            t[ids] = torch.where(keep, new, t[ids])
+        table[rows, j] = torch.where(done, ids.to(table.dtype), table[rows, j])

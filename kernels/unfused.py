@@ -20,9 +20,8 @@ import triton.language as tl
 
 from kitty.config import KVQuantConfig
 
-from ._tiles import INTERPRETING, TLTYPE, _key_page_T, _value_page, check_power_of_two, fp_values, program_row
-from .decode_attention import register_cap
-from .launch import default_num_splits
+from ._tiles import TLTYPE, _key_page_T, _value_page, check_power_of_two, fp_values, program_row
+from .launch import default_num_splits, dot_dtype, register_cap
 from .reference import KittyLayerState, check_state
 
 __all__ = ["decode_attention_unfused"]
@@ -150,7 +149,7 @@ def decode_attention_unfused(q: torch.Tensor, state: KittyLayerState, cfg: KVQua
     max_blocks = (L_CAP - S) // BLOCK_N
     splits = num_splits or default_num_splits(B, Hkv, max_blocks, q.device)
     dtype = TLTYPE[q.dtype]
-    dot_dtype = tl.float32 if ((INTERPRETING and q.dtype == torch.bfloat16) or q.dtype == torch.float32) else dtype
+    dot = TLTYPE[dot_dtype(q.dtype)]
     q = q.contiguous()
     st, dummy = state, state.k_qbuf
     lengths = st.lengths.to(torch.int32)
@@ -165,7 +164,7 @@ def decode_attention_unfused(q: torch.Tensor, state: KittyLayerState, cfg: KVQua
         q.stride(0), q.stride(1), st.sink_k.stride(0), st.sink_k.stride(1), st.k_qbuf.stride(0), st.k_qbuf.stride(1),
         st.k_page_table.stride(0),
         S=S, G=G, D=D, NB=nb, KEY_RAW=not cfg.quantizes_keys, BLOCK_H=BLOCK_H, BLOCK_S=BLOCK_S, BLOCK_N=BLOCK_N,
-        DTYPE=dtype, DOT_DTYPE=dot_dtype, UNPACK_RESHAPE=unpack_reshape, num_warps=num_warps, **register_cap(maxnreg),
+        DTYPE=dtype, DOT_DTYPE=dot, UNPACK_RESHAPE=unpack_reshape, num_warps=num_warps, **register_cap(maxnreg),
     )
     # 2) softmax in torch (fp32); rows of length 0 are all -inf -> NaN, zeroed
     probs = torch.softmax(logits, -1).nan_to_num_(0.0)
@@ -178,7 +177,7 @@ def decode_attention_unfused(q: torch.Tensor, state: KittyLayerState, cfg: KVQua
         st.sink_v.stride(0), st.sink_v.stride(1), st.v_qbuf.stride(0), st.v_qbuf.stride(1),
         st.v_local.stride(0), st.v_local.stride(1), st.v_page_table.stride(0),
         S=S, G=G, R=R, D=D, VBITS=cfg.value_bits if cfg.quantizes_values else 2, VALUE_RAW=not cfg.quantizes_values,
-        BLOCK_H=BLOCK_H, BLOCK_S=BLOCK_S, BLOCK_N=BLOCK_N, DTYPE=dtype, DOT_DTYPE=dot_dtype,
+        BLOCK_H=BLOCK_H, BLOCK_S=BLOCK_S, BLOCK_N=BLOCK_N, DTYPE=dtype, DOT_DTYPE=dot,
         UNPACK_RESHAPE=unpack_reshape,
         num_warps=num_warps, **register_cap(maxnreg),
     )

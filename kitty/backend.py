@@ -5,11 +5,11 @@ only in what their ops object does; the cache and the attention function call th
 
 - :class:`TorchOps`: full qbuffers become pages with ``kitty.quant``; decode attention is the torch reference
   (``kernels/reference.py``, also what the torch path of ``kitty.attention`` reads);
-- :class:`TritonOps`: decode steps attend with the fused kernel (``kitty.kernels.decode_attention``); full qbuffers
-  of CUDA layers are packed by ``kitty.kernels.pack_pages`` where it packs bit-identically to ``kitty.quant`` (2/4
-  bits and a min-max range on that side, any channel selection), else as :class:`TorchOps` packs them; a static
-  layer's completed qbuffers (``kitty.static``) by ``kitty.kernels.pack_completed`` under the same conditions, side
-  by side.
+- :class:`TritonOps`: decode steps attend with the fused kernel (``kitty.kernels.decode_attention_triton``); full
+  qbuffers of CUDA layers are packed by ``kitty.kernels.pack_pages`` where it packs bit-identically to
+  ``kitty.quant`` (2/4 bits and a min-max range on that side, any channel selection), else as :class:`TorchOps`
+  packs them; a static layer's completed qbuffers (``kitty.static``) by ``kitty.kernels.pack_completed`` under the
+  same conditions, side by side.
 
 ``backend="auto"`` is Triton for CUDA tensors when Triton is installed and the fused kernel handles the config
 (``kitty.kernels.triton_supports``), else torch. :func:`check_triton` is the one refusal of ``backend="triton"``.
@@ -24,12 +24,13 @@ import torch
 
 from . import kernels
 from .config import BACKENDS, KVQuantConfig
-from .kernels.reference import decode_attention_ref
+from .kernels.reference import decode_attention_ref, pack_completed_ref
 from .pages import PagePool
 from .quant import quantize_key_page, quantize_value_page
 from .storage import KittyLayerState, page_fields
 
 BACKEND_ENV = "KITTY_BACKEND"
+pack_completed_torch = pack_completed_ref  # the name kitty.static and tests/test_static.py import
 
 
 def interpreting() -> bool:
@@ -61,7 +62,7 @@ def check_triton(cfg: KVQuantConfig | None, head_dim: int | None, device: torch.
         raise error(f"backend='triton' {why}; use backend='auto' or 'torch' (or ${BACKEND_ENV}=torch)")
 
     if not kernels.HAS_TRITON:
-        refuse("needs Triton for kitty.kernels.decode_attention, which is not installed", NotImplementedError)
+        refuse("needs Triton for kitty.kernels.decode_attention_triton, which is not installed", NotImplementedError)
     if device is None and not torch.cuda.is_available() and not interpreting():
         refuse("needs a CUDA GPU, and torch sees none (CPU runs need TRITON_INTERPRET=1 set before triton is imported)")
     if device is not None and device.type != "cuda" and not interpreting():
@@ -92,62 +93,6 @@ def resolve_backend(
     if cfg is not None and not kernels.triton_supports(cfg, head_dim):
         return "torch"
     return "triton"
-
-
-def pack_completed_torch(
-    cfg: KVQuantConfig,
-    lengths: torch.Tensor,
-    k_qbuf: torch.Tensor,
-    v_qbuf: torch.Tensor,
-    key_pool: dict[str, torch.Tensor],
-    value_pool: dict[str, torch.Tensor],
-    k_page_table: torch.Tensor,
-    v_page_table: torch.Tensor,
-    salt: int = 0,
-    query_scale: torch.Tensor | None = None,
-    skip_idle: bool = False,
-    keys: bool = True,
-    values: bool = True,
-) -> None:
-    """Torch reference of ``kitty.kernels.pack_completed``: pack every row whose qbuffer the last token filled.
-
-    ``lengths`` int32 ``[B]`` count that token. Row b's key qbuffer filled when ``m = lengths[b] - S > 0`` and
-    ``m % G == 0``: it becomes key page ``j = m // G - 1`` at pool id ``b * Wk + j`` (``Wk = k_page_table.shape[1]``)
-    and ``k_page_table[b, j]`` is set to that id; values likewise with ``m - R``. All rows are quantized and the
-    completed ones kept with ``torch.where`` (no host synchronization, no data-dependent shape); ``skip_idle``:
-    return early, after one host read, when no row completed a page (for the CPU, where reading is free).
-    ``keys`` / ``values``: the sides to pack (the other side's pool and table are left alone).
-    """
-    S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
-    n = lengths.long()
-    rows = torch.arange(n.shape[0], device=n.device)
-    for is_key, table, pool, start in (
-        (True, k_page_table, key_pool, n - S),
-        (False, v_page_table, value_pool, n - S - R),
-    ):
-        if not (keys if is_key else values):
-            continue
-        width = table.shape[1]
-        if width == 0:  # max_cache_len leaves no room for a page on this side
-            continue
-        done = (start > 0) & (start % G == 0)  # (B,) this row's qbuffer just filled
-        if skip_idle and not bool(done.any()):
-            continue
-        j = (start // G - 1).clamp(0, width - 1)
-        ids = rows * width + j  # (B,) the fixed pool id of that page
-        if not (cfg.quantizes_keys if is_key else cfg.quantizes_values):
-            # a 16-bit side stores the qbuffer itself (what quantize_*_page returns for 16 bits) without its
-            # finiteness check, which reads a flag back to the host and would end a CUDA-graph capture
-            fields = {"k_raw": k_qbuf} if is_key else {"v_raw": v_qbuf}
-        elif is_key:
-            fields = page_fields(quantize_key_page(k_qbuf, cfg, salt=salt, query_scale=query_scale))
-        else:
-            fields = page_fields(quantize_value_page(v_qbuf, cfg))
-        for name, new in fields.items():  # new: (B, Hkv, ...)
-            t = pool[name]
-            keep = done.view(-1, *([1] * (new.dim() - 1)))
-            t[ids] = torch.where(keep, new, t[ids])
-        table[rows, j] = torch.where(done, ids.to(table.dtype), table[rows, j])
 
 
 class TorchOps:
@@ -192,14 +137,15 @@ class TorchOps:
         query_scale: torch.Tensor | None,
     ) -> None:
         """A static layer's stage 3 (``kitty.static``): pack every row whose qbuffer the last token filled into its
-        fixed page, predicated on the device (:func:`pack_completed_torch`; no host read except on the CPU)."""
+        fixed page, predicated on the device (``kernels/reference.py`` ``pack_completed_ref``; no host read except on
+        the CPU)."""
         tensors = (lengths, k_qbuf, v_qbuf, key_pool, value_pool, k_page_table, v_page_table)
         self._pack_completed_torch(*tensors, salt=salt, query_scale=query_scale)
 
     def _pack_completed_torch(self, *tensors, salt, query_scale, keys: bool = True, values: bool = True) -> None:
-        """:func:`pack_completed_torch` of ``keys`` / ``values`` for this layer's config (``tensors``: lengths,
+        """``pack_completed_ref`` of ``keys`` / ``values`` for this layer's config (``tensors``: lengths,
         the two qbuffers, the two pools, the two page tables); a host read skips idle steps on the CPU only."""
-        pack_completed_torch(
+        pack_completed_ref(
             self.cfg,
             *tensors,
             salt=salt,
@@ -218,7 +164,8 @@ class TorchOps:
         workspace: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """One query token per row ``q`` ``[B, Hq, D]`` over the layer's ``state`` -> ``[B, Hq, D]``. ``workspace``:
-        the fused kernel's preallocated buffers (``decode_attention_triton``); the torch reference ignores it."""
+        the fused kernel's preallocated buffers (``kitty.kernels.decode_attention_triton``); the torch reference
+        ignores it."""
         return decode_attention_ref(q, state, self.cfg, scaling, full_qbuffer=full_qbuffer)
 
 
@@ -264,9 +211,8 @@ class TritonOps(TorchOps):
 
     def attend(self, q, state, scaling, full_qbuffer=False, workspace=None) -> torch.Tensor:
         # looked up on the package at every call, so that the kernel can be wrapped (tests count its calls)
-        options = {} if workspace is None else {"workspace": workspace}
-        return kernels.decode_attention(
-            q, state, self.cfg, scaling=scaling, backend="triton", full_qbuffer=full_qbuffer, **options
+        return kernels.decode_attention_triton(
+            q, state, self.cfg, scaling, full_qbuffer=full_qbuffer, workspace=workspace
         )
 
 

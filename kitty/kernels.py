@@ -1,13 +1,20 @@
 """Triton kernels for the Kitty cache (paper arXiv 2511.18643, §4), each with its torch reference: ``kitty.kernels``.
 
-    pack_pages                  quantize + pack full qbuffers into key/value pages, one launch (kernels/pack.py)
+    pack_pages                  quantize + pack full qbuffers into key/value pages, one launch; pack_completed: a
+                                static layer's filled qbuffers, predicated on the device (kernels/pack.py)
     dequantize_key_page_triton  Algorithm 1 page dequantization (kernels/dequant.py)
-    decode_attention            fused split-K decode attention over sink | pages | qbuffers | local
-                                (kernels/decode_attention.py)
+    decode_attention_triton     fused split-K decode attention over sink | pages | qbuffers | local, and
+                                triton_supports, the configs it handles (kernels/decode_attention.py; its
+                                code-to-operand primitives: kernels/operands.py)
     decode_attention_unfused    the paper's qk kernel -> torch softmax -> sv kernel path (kernels/unfused.py)
-    decode_attention_ref        the torch reference; dequantize_cache reads a layer back in position order
-                                (kernels/reference.py); KittyLayerState = the tensors of docs/LAYOUT.md
+    decode_attention_ref        the torch references: decode_attention_ref, pack_pages_ref, pack_completed_ref;
+                                dequantize_cache reads a layer back in position order (kernels/reference.py);
+                                KittyLayerState = the tensors of docs/LAYOUT.md
     launch.Launch               the fused kernel's launch and its heuristic, default_launch (kernels/launch.py)
+
+Which kernel a layer runs is decided once, in ``kitty/backend.py`` (the ops objects); this package holds no
+dispatcher. ``kernels/`` imports only the data contract of ``kitty``: ``kitty.config``, ``kitty.quant``,
+``kitty.storage``, ``kitty.memory``, ``kitty.pages`` (``tests/test_package.py`` checks it).
 
 The code lives in the repository's top-level ``kernels/`` folder; this module makes that folder the package
 ``kitty.kernels`` (its ``__path__``), so that the name ``kernels`` stays free for Hugging Face's hub package,
@@ -40,8 +47,8 @@ HAS_TRITON = find_spec("triton") is not None
 def interpreting() -> bool:
     """Whether Triton kernels run under Triton's interpreter (``TRITON_INTERPRET=1``): the kernels' own reading,
     taken once when they are imported (as Triton reads it), or the environment's before that."""
-    tiles = sys.modules.get(__name__ + "._tiles")
-    return tiles.INTERPRETING if tiles is not None else os.environ.get("TRITON_INTERPRET", "0") == "1"
+    launch = sys.modules.get(__name__ + ".launch")
+    return launch.INTERPRETING if launch is not None else os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 _EXPORTS = {  # name -> the submodule defining it; every submodule but the reference needs Triton
@@ -49,15 +56,14 @@ _EXPORTS = {  # name -> the submodule defining it; every submodule but the refer
     "check_state": "reference",
     "decode_attention_ref": "reference",
     "dequantize_cache": "reference",
-    "decode_attention": "decode_attention",
+    "pack_pages_ref": "reference",
+    "pack_completed_ref": "reference",
     "decode_attention_triton": "decode_attention",
     "triton_supports": "decode_attention",
     "dequantize_key_page_triton": "dequant",
     "dequantize_value_page_triton": "dequant",
     "pack_pages": "pack",
-    "pack_pages_ref": "pack",
     "pack_completed": "pack",
-    "pack_completed_ref": "pack",
     "decode_attention_unfused": "unfused",
 }
 __all__ = ["HAS_TRITON", "interpreting", *(n for n, m in _EXPORTS.items() if HAS_TRITON or m == "reference")]
@@ -73,7 +79,7 @@ def __getattr__(name: str):
 
 class _Kernels(types.ModuleType):
     """This module's type: the import system binds every loaded submodule as an attribute of its package, which
-    would hide the function ``decode_attention`` behind the submodule ``decode_attention``; exported names win."""
+    would hide an exported function behind a submodule of the same name; exported names win."""
 
     def __setattr__(self, name: str, value) -> None:
         if isinstance(value, types.ModuleType) and name in _EXPORTS:

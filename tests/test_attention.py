@@ -219,11 +219,11 @@ TRITON_SCRIPT = textwrap.dedent(
     from kitty import KittyCache, PRESETS
     from kitty.compat import cache_kwargs
     calls = [0]
-    fused = kernels.decode_attention
+    fused = kernels.decode_attention_triton
     def counting(*a, **k):
         calls[0] += 1
         return fused(*a, **k)
-    kernels.decode_attention = counting
+    kernels.decode_attention_triton = counting
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                          num_key_value_heads=2, head_dim=16, vocab_size=128)).eval()

@@ -120,8 +120,8 @@ def test_cache_uses_the_fused_kernel_on_cuda(monkeypatch):
 
     model = tiny_model("llama")
     calls = []
-    real = kernels.decode_attention
-    monkeypatch.setattr(kernels, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = kernels.decode_attention_triton
+    monkeypatch.setattr(kernels, "decode_attention_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
     cache = KittyCache(model.config, "kitty")  # backend="auto"
     generate(model, cache, torch.randint(0, 512, (1, 40)).cuda(), 8)
     assert len(calls) >= 8 * model.config.num_hidden_layers - 2 * model.config.num_hidden_layers

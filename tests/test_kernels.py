@@ -17,17 +17,19 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import kitty.kernels as kernels  # noqa: E402
+from kitty.backend import backend_ops  # noqa: E402
 from kitty.config import PRESETS  # noqa: E402
 from kitty.kernels import (  # noqa: E402
     KittyLayerState,
-    decode_attention,
     decode_attention_ref,
+    decode_attention_triton,
     decode_attention_unfused,
     dequantize_key_page_triton,
     dequantize_value_page_triton,
     pack_pages,
     pack_pages_ref,
 )
+from kitty.kernels.launch import Launch, default_launch  # noqa: E402
 from kitty.kernels.testing import attention_tolerance, make_state, planted_kv  # noqa: E402
 from kitty.memory import token_layout  # noqa: E402
 from kitty.quant import (  # noqa: E402
@@ -190,6 +192,34 @@ def test_make_state_triton_pack_matches_torch_pack(preset):
         assert torch.equal(t.nan_to_num(), got[name].nan_to_num()), name
 
 
+@pytest.mark.parametrize("preset,R", [("kitty", 16), ("kivi-k4v2-sink", 24)])  # R = G: both sides fill at once
+def test_pack_completed_matches_its_reference(preset, R):
+    """The predicated pack kernel (a static layer's stage 3) against pack_completed_ref on random qbuffers: rows whose
+    key qbuffer, value qbuffer, both or neither the last token filled; pools and page tables compared whole."""
+    cfg = small(preset, group_size=16, local_window=R, sink_tokens=4)
+    S, G = cfg.sink_tokens, cfg.group_size
+    B, Hkv, D, W = 5, 2, 64, 4
+    lengths = torch.tensor([S + 2 * G, S + R + G, S + 2 * G + R, S + G + 3, S], dtype=torch.int32, device=DEVICE)
+    k_qbuf, v_qbuf = planted_kv(B, Hkv, G, D, torch.float16, DEVICE, seed=17)
+    key_spec, value_spec = pool_fields(cfg, Hkv, D, torch.float16)
+    pools = [
+        {n: torch.zeros(B * W, *shape, dtype=dt, device=DEVICE) for n, (shape, dt) in spec.items()}
+        for spec in (key_spec, value_spec)
+    ]
+    tables = [torch.full((B, W), -1, dtype=torch.int32, device=DEVICE) for _ in range(2)]
+    ref_pools = [{n: t.clone() for n, t in pool.items()} for pool in pools]
+    ref_tables = [t.clone() for t in tables]
+    kernels.pack_completed(cfg, lengths, k_qbuf, v_qbuf, *pools, *tables, salt=1)
+    kernels.pack_completed_ref(cfg, lengths, k_qbuf, v_qbuf, *ref_pools, *ref_tables, salt=1)
+    for got, ref in zip(pools, ref_pools):
+        for name in got:
+            assert torch.equal(got[name], ref[name]), name
+    for got, ref in zip(tables, ref_tables):
+        assert torch.equal(got, ref)
+    assert tables[0][0, 1] == 0 * W + 1 and tables[1][1, 0] == 1 * W + 0  # row b's page j is pool id b * W + j
+    assert (tables[0][3:] == -1).all() and (tables[1][3:] == -1).all()  # rows that filled nothing
+
+
 def test_pack_ties_keep_lower_channel_index():
     cfg = small("kitty")  # D=32 -> 4 boosted
     k = torch.ones(1, 1, 16, 32, dtype=torch.float16, device=DEVICE)
@@ -261,6 +291,12 @@ def _lengths(cfg, B):
     return cands[:B]
 
 
+def _launch(q, state, **changes) -> Launch:
+    """The default launch for ``q`` over ``state`` with ``changes`` (a sweep's launch: ``dataclasses.replace``)."""
+    B, Hkv = q.shape[0], state.k_qbuf.shape[1]
+    return dataclasses.replace(default_launch(B, Hkv, state.k_page_table.shape[1] + 1, q.device), **changes)
+
+
 def _check(out, q, state, cfg, scaling=None):
     ref = decode_attention_ref(q, state, cfg, scaling, upcast=True)
     pt = decode_attention_ref(q, state, cfg, scaling, upcast=False)
@@ -296,9 +332,10 @@ def test_decode_attention_fused(preset, gqa, D, dtype, sink, G, kw):
     k, v = planted_kv(B, Hkv, max(lengths), D, dtype, DEVICE, seed=gqa * D + sink)
     state = make_state(cfg, k, v, lengths, seed=1)
     q = torch.randn(B, Hkv * gqa, D, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
-    # one program per row/head over all its pages; rows split over programs (including empty splits)
-    for kw_run in (dict(num_splits=1), dict(num_splits=3, num_warps=2)):
-        _check(decode_attention(q, state, cfg, **kw_run), q, state, cfg)
+    # one program per row/head over all its pages, then rows split over programs (including empty splits); the
+    # two-part operands for neither side and for both
+    for changes in (dict(num_splits=1, operand_parts=0), dict(num_splits=3, num_warps=4, operand_parts=3)):
+        _check(decode_attention_triton(q, state, cfg, launch=_launch(q, state, **changes)), q, state, cfg)
 
 
 def test_decode_attention_scaling_pack_and_empty_row():
@@ -309,7 +346,7 @@ def test_decode_attention_scaling_pack_and_empty_row():
     k, v = planted_kv(B, Hkv, max(lengths), D, dtype, DEVICE, seed=11)
     state = make_state(cfg, k, v, lengths, seed=3, pack="triton")
     q = torch.randn(B, 5 * Hkv, D, generator=torch.Generator().manual_seed(4)).to(dtype).to(DEVICE)
-    out = decode_attention(q, state, cfg, scaling=0.3)
+    out = decode_attention_triton(q, state, cfg, scaling=0.3)
     _check(out, q, state, cfg, scaling=0.3)
     assert (out[1] == 0).all()
 
@@ -358,20 +395,23 @@ def test_reference_matches_plain_attention_on_unquantized_cache():
     assert lay.key_pages > lay.value_pages > 0  # the lagging value side was exercised
 
 
-def test_dispatch_and_checks():
+def test_checks_and_the_one_dispatcher():
+    """The kernel checks its inputs; which kernel runs is the ops object's (kitty.backend), never the kernel's."""
     cfg = small("kitty")
     k, v = planted_kv(2, 2, 40, 64, torch.float16, DEVICE)
     state = make_state(cfg, k, v, [40, 17])
     q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(0)).to(torch.float16).to(DEVICE)
-    torch.testing.assert_close(decode_attention(q, state, cfg, backend="torch"), decode_attention_ref(q, state, cfg))
-    with pytest.raises(ValueError, match="backend"):
-        decode_attention(q, state, cfg, backend="cuda")
     with pytest.raises(ValueError, match="multiple of KV heads"):
-        decode_attention(torch.zeros(2, 3, 64, dtype=torch.float16, device=DEVICE), state, cfg)
+        decode_attention_triton(torch.zeros(2, 3, 64, dtype=torch.float16, device=DEVICE), state, cfg)
     bad = KittyLayerState(**{**state.tensors(), "v_local": state.v_local[:, :, :3]})
     with pytest.raises(ValueError, match="v_local"):
-        decode_attention(q, bad, cfg)
-    # auto falls back to the reference where the kernel cannot run (group size 8); forcing triton says why
+        decode_attention_triton(q, bad, cfg)
+    # the ops objects: torch attends with the reference, triton with the kernel
+    torch.testing.assert_close(
+        backend_ops("torch", q.device, cfg, 64).attend(q, state, 0.125), decode_attention_ref(q, state, cfg, 0.125)
+    )
+    _check(backend_ops("triton", q.device, cfg, 64).attend(q, state, 0.125), q, state, cfg, 0.125)
+    # where the kernel cannot run (group size 8) the dispatcher refuses triton and says why, as does the kernel
     cfg8 = small("kitty", group_size=8)
     state8 = make_state(cfg8, k, v, [40, 17])
     assert not kernels.triton_supports(cfg8, 64) and kernels.triton_supports(cfg, 64)
@@ -379,17 +419,22 @@ def test_dispatch_and_checks():
     assert not kernels.triton_supports(cfg, 64, compiled=True)  # G=16
     assert kernels.triton_supports(small("kitty", group_size=64), 64, compiled=True)
     assert not kernels.triton_supports(small("kitty", group_size=64), 32, compiled=True)  # 8-byte value rows
-    torch.testing.assert_close(decode_attention(q, state8, cfg8), decode_attention_ref(q, state8, cfg8))
     with pytest.raises(ValueError, match="group_size"):
-        decode_attention(q, state8, cfg8, backend="triton")
+        backend_ops("triton", q.device, cfg8, 64)
+    with pytest.raises(ValueError, match="group_size"):
+        decode_attention_triton(q, state8, cfg8)
     assert {
-        "decode_attention",
+        "decode_attention_triton",
+        "triton_supports",
         "KittyLayerState",
         "pack_pages",
+        "pack_pages_ref",
+        "pack_completed_ref",
         "dequantize_key_page_triton",
         "decode_attention_unfused",
         "decode_attention_ref",
     } <= set(kernels.__all__)
+    assert "decode_attention" not in kernels.__all__  # no second dispatcher
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -404,7 +449,7 @@ def test_decode_attention_mid_step_full_qbuffers(dtype):
     lay = [token_layout(cfg, n, full_qbuffer=True) for n in lengths]
     assert lay[0].key_qbuffer == G and lay[1].value_qbuffer == G and lay[3].key_qbuffer == G
     q = torch.randn(len(lengths), 8, 64, generator=torch.Generator().manual_seed(8)).to(dtype).to(DEVICE)
-    out = decode_attention(q, state, cfg, full_qbuffer=True, num_splits=2)
+    out = decode_attention_triton(q, state, cfg, full_qbuffer=True, launch=_launch(q, state, num_splits=2))
     ref = decode_attention_ref(q, state, cfg, upcast=True, full_qbuffer=True)
     pt = decode_attention_ref(q, state, cfg, upcast=False, full_qbuffer=True)
     assert torch.isfinite(out).all()
@@ -428,7 +473,6 @@ def test_high_plane_tile_is_at_least_32_columns(preset, D, expect):
     """The fused kernel joins a page's high-plane slot quarters into one tile of 4 * NB4P columns: at least 32, since
     16 columns gave wrong scores on the H200 (benchmarks/results/h200-2026-12-02/layout_check_high16cols.json)."""
     from kitty.kernels.decode_attention import kernel_constants
-    from kitty.kernels.launch import default_launch
 
     cfg = PRESETS[preset]
     c = kernel_constants(cfg, D, 4, torch.float16, default_launch(8, 8, 64, 132), full_qbuffer=False)
@@ -438,13 +482,13 @@ def test_high_plane_tile_is_at_least_32_columns(preset, D, expect):
 def test_default_launch_is_the_measured_heuristic():
     """The fused kernel's launch (kernels/launch.py) for the H200's 132 SMs: 2 warps, a 128-register cap and ~8
     programs per SM from a quarter as many (row, KV head) pairs as SMs; 2 warps, no cap and ~4 per SM below. The key
-    operand is carried as two 16-bit parts (split_fold=1) by default."""
-    from kitty.kernels.launch import Launch, default_launch
-
+    operand is carried as two 16-bit parts (operand_parts=1). Every kernel of a launch passes its options()."""
     assert default_launch(8, 8, 256, 132) == Launch(num_splits=17, num_warps=2, num_stages=1, maxnreg=128)
     assert default_launch(1, 8, 256, 132) == Launch(num_splits=66, num_warps=2, num_stages=1, maxnreg=None)
-    assert default_launch(8, 8, 256, 132).split_fold == 1
+    assert default_launch(8, 8, 256, 132).operand_parts == 1
     assert default_launch(1, 8, 5, 132).num_splits == 5  # never more splits than page slots
-    # a given field replaces its default; the register cap goes with the default warp count only
-    assert default_launch(8, 8, 256, 132, num_warps=4) == Launch(17, 4, 1, None)
-    assert default_launch(8, 8, 256, 132, num_splits=3, split_fold=1) == Launch(3, 2, 1, 128, split_fold=1)
+    # a sweep's launch is a replaced field; the options are what Triton receives (no register cap when interpreting)
+    four = dataclasses.replace(default_launch(8, 8, 256, 132), num_warps=4, maxnreg=None)
+    assert four == Launch(17, 4, 1, None) and four.options() == dict(num_warps=4, num_stages=1)
+    capped = default_launch(8, 8, 256, 132).options()
+    assert capped == dict(num_warps=2, num_stages=1, **({} if kernels.interpreting() else {"maxnreg": 128}))

@@ -137,9 +137,15 @@ def test_import_kitty_reads_no_profile_and_loads_no_model_code():
     assert "OK" in out
 
 
-def test_kitty_modules_import_each_other_without_a_cycle():
-    """The library's modules (kitty/*.py, and kernels/*.py through kitty.*) import one way (docs/ARCHITECTURE.md):
-    no module reaches itself through its imports, lazy ones (inside functions) included."""
+# What kernels/ may import of kitty: the data contract (a kernel reads and writes storage, it never decides which
+# backend runs or how a cache behaves).
+KERNELS_CONTRACT = {"kitty.config", "kitty.quant", "kitty.storage", "kitty.memory", "kitty.pages"}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the library modules it imports (kitty/*.py, and kernels/*.py as kitty.kernels.*), lazy imports inside
+    functions included, and the submodules that kitty/kernels.py loads by name (its ``_EXPORTS`` table, read by
+    ``import_module``), which no import statement shows."""
     import ast
 
     graph: dict[str, set[str]] = {}
@@ -147,13 +153,26 @@ def test_kitty_modules_import_each_other_without_a_cycle():
         for path in folder.glob("*.py"):
             name = "kitty" if path.stem == "__init__" else f"{package}.{path.stem}"
             deps = graph.setdefault(name, set())
-            for node in ast.walk(ast.parse(path.read_text())):
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
                 if isinstance(node, ast.ImportFrom) and node.level:
                     base = package if node.level == 1 else "kitty"
                     deps.update(f"{base}.{node.module}" if node.module else f"{base}.{a.name}" for a in node.names)
                 elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kitty."):
                     deps.add(node.module)
-    graph = {n: {d.split(".__init__")[0] for d in deps if d in graph} for n, deps in graph.items()}
+                elif isinstance(node, ast.Import):
+                    deps.update(a.name for a in node.names if a.name.startswith("kitty."))
+                elif name == "kitty.kernels" and isinstance(node, ast.Assign):
+                    if any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in node.targets):
+                        deps.update(f"kitty.kernels.{m}" for m in ast.literal_eval(node.value).values())
+    assert {"kitty.kernels.reference", "kitty.kernels.pack"} <= graph["kitty.kernels"], "_EXPORTS was not read"
+    return {n: {d.split(".__init__")[0] for d in deps if d in graph} for n, deps in graph.items()}
+
+
+def test_kitty_modules_import_each_other_without_a_cycle():
+    """The library's modules import one way (docs/ARCHITECTURE.md): no module reaches itself through its imports,
+    lazy ones and kitty/kernels.py's ``import_module`` loads included."""
+    graph = import_graph()
 
     def reaches(start: str) -> set[str]:
         seen, todo = set(), list(graph[start])
@@ -166,3 +185,15 @@ def test_kitty_modules_import_each_other_without_a_cycle():
 
     assert len(graph) > 20, sorted(graph)  # both folders were read
     assert [n for n in graph if n in reaches(n)] == []
+
+
+def test_kernels_import_only_the_data_contract():
+    """kernels/*.py import, of kitty, only the data contract and each other: never backend, cache, layer, ..."""
+    graph = import_graph()
+    kernels = [n for n in graph if n.startswith("kitty.kernels.")]
+    assert len(kernels) >= 8, kernels
+    outside = {
+        n: sorted(d for d in graph[n] if not d.startswith("kitty.kernels") and d not in KERNELS_CONTRACT)
+        for n in kernels
+    }
+    assert {n: d for n, d in outside.items() if d} == {}
