@@ -31,7 +31,6 @@ CHROMIUM_ARGS = [
 # The README's screenshot is rewritten only on request (KITTY_UPDATE_SCREENSHOT=1), so `make test` leaves the tree clean.
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SCREENSHOTS = {"generate": ASSETS / "demo_screenshot.png", "inside": ASSETS / "demo_screenshot_inside.png"}
-FIRST_RUN_S = 90  # the default first generation on a 2-core CPU: ~30 s measured alone, slack for a loaded machine
 
 pytestmark = [
     pytest.mark.skipif(
@@ -102,6 +101,7 @@ def test_generate_in_browser(demo_url, tmp_path):
             early = [page.locator(f"#out-{i} textarea").input_value() for i in range(3)]
             wait_done(page, 240_000)
             first_run_s = time.perf_counter() - t0
+            # printed, never asserted: the speed is benchmarks/demo_timing.py's job, and a loaded CI machine varies
             print(f"default first generation: {first_run_s:.1f} s")
 
             texts = [page.locator(f"#out-{i} textarea").input_value() for i in range(3)]
@@ -169,7 +169,6 @@ def test_generate_in_browser(demo_url, tmp_path):
     assert fp16["bits"] == 16.0 and "all full precision" in fp16["text"]
     assert kitty["bits"] < 16 and kitty["compression"] > 1.0, "the first run shows no compression"
     assert "Why more than 2 bits now" in summary
-    assert first_run_s < FIRST_RUN_S, f"the default first generation took {first_run_s:.0f} s"
 
     assert "page 0" in inside and "qbuffer" in inside and "largest mean |K|" in intro
     assert "cache at 0 tokens" not in bits_text and "kitty" in bits_text
