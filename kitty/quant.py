@@ -29,7 +29,9 @@ import torch
 
 from .config import KVQuantConfig
 
-BOOST_SENTINEL = 255  # boost_idx of an unboosted channel; always >= nb since head_dim <= 256
+# boost_idx of an unboosted channel. A channel is boosted iff boost_idx < nb (the kernels' test too): at nb = D = 256
+# every channel is boosted and slot 255 is a real slot, so the sentinel is never compared for equality.
+BOOST_SENTINEL = 255
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # ----------------------------------------------------------------------------------------------- bit packing
@@ -412,7 +414,7 @@ def key_page_codes(page: KeyPage) -> torch.Tensor:
     low = unpack_2bit(page.low).transpose(-1, -2)  # (..., D, G)
     if page.num_boosted == 0:
         return low
-    boost_mask = page.boost_idx != BOOST_SENTINEL  # (..., D)
+    boost_mask = page.boost_idx.long() < page.num_boosted  # (..., D); slot 255 is real when nb = 256
     slot = torch.where(boost_mask, page.boost_idx.long(), 0)
     high_slots = unpack_2bit(page.high)  # (..., G, slots)
     high = torch.gather(high_slots, -1, slot[..., None, :].expand(*high_slots.shape[:-1], slot.shape[-1]))

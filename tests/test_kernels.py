@@ -69,6 +69,7 @@ PACK_CASES = [  # (preset, D, dtype, overrides): >8 boosted channels (kitty-pro 
     ("kitty", 64, torch.bfloat16, {"boost_fraction": 13 / 64}),
     ("kitty", 64, torch.float32, {"boost_fraction": 12 / 64}),
     ("kivi-k4v4", 64, torch.float16, {}),  # 4-bit keys: every channel "boosted"; 4-bit values
+    ("kivi-k4v4", 256, torch.float16, {}),  # nb = D = 256: slot 255 is a real slot
     ("kivi-k4v2-sink", 64, torch.bfloat16, {}),  # 4-bit keys, 2-bit values
     ("kivi-k2v4-sink", 128, torch.bfloat16, {}),  # no boost, 4-bit values
     ("kitty-random", 64, torch.float16, {}),  # random selection: mask from torch, packing in the kernel
@@ -321,6 +322,9 @@ ATTN_CASES = [  # (preset, GQA ratio, D, dtype, sink, G, overrides): GQA 1/3/4/8
     ("kitty-pro", 2, 64, torch.bfloat16, 8, 64, {}),
     ("kitty", 4, 64, torch.float16, 8, 64, {"boost_fraction": 0.5}),
     ("kitty", 4, 128, torch.float16, 8, 64, {"boost_fraction": 0.1}),  # nb = 13: the last high-plane byte pads
+    # D = 256 with every channel boosted: boost_idx 255 is channel 255's real slot, not the sentinel (the torch
+    # reference and the kernel must both read it as boosted)
+    ("kivi-k4v4", 1, 256, torch.float16, 8, 16, {}),
 ]
 
 

@@ -98,6 +98,17 @@ def test_kitty_kernels_and_the_hub_kernels_package_coexist(hub_kernels, tmp_path
     assert "OK 24" in out
 
 
+def hub_installed() -> bool:
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("kernels")
+    except PackageNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(hub_installed(), reason="the hub package is installed (transformers >= 5.25 requires it)")
 def test_without_the_hub_package_transformers_sees_no_kernels():
     """transformers' probe imports a ``kernels`` it finds without metadata: ours is an empty namespace to it."""
     out = run(
@@ -107,6 +118,24 @@ def test_without_the_hub_package_transformers_sees_no_kernels():
         assert not is_kernels_available()
         assert getattr(kernels, "__file__", None) is None  # the namespace directory, nothing executed
         assert "triton" not in sys.modules
+        print("OK")
+    """,
+        ROOT,
+    )
+    assert "OK" in out
+
+
+@pytest.mark.skipif(not hub_installed(), reason="the hub package is not installed (transformers < 5.25 runs without)")
+def test_the_installed_hub_package_wins_over_the_kernels_folder():
+    """With the real hub package installed (a dependency of transformers from 5.25), ``import kernels`` from the
+    repository root is the hub's, and ``kitty.kernels`` still reads the repository's folder."""
+    out = run(
+        f"""
+        import kernels
+        import kitty.kernels
+        assert kernels.__file__ and not kernels.__file__.startswith({str(ROOT / "kernels")!r}), kernels.__file__
+        assert kitty.kernels.__path__ == [{str(ROOT / "kernels")!r}], kitty.kernels.__path__
+        assert callable(kitty.kernels.decode_attention_ref)
         print("OK")
     """,
         ROOT,
