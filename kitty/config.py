@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -304,6 +305,20 @@ PRESETS.add_lazy("kitty-fit-adaptive", lambda: _adaptive("kitty-fit-adaptive", "
 PRESETS.add_lazy("kitty-pro-fit-adaptive", lambda: _adaptive("kitty-pro-fit-adaptive", "kitty-pro-fit", 0.25))
 
 
+_INT = re.compile(r"[+-]?\d+")
+_FLOAT = re.compile(r"[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?")
+
+
+def _override_value(text: str) -> int | float | str:
+    """A ``+field=value`` override's value: plain decimal digits are an int, a plain decimal number a float, the rest
+    a string (Python's ``int``/``float`` would also take ``1_28``, `` 5`` or ``nan``, which no user means)."""
+    if _INT.fullmatch(text):
+        return int(text)
+    if _FLOAT.fullmatch(text):
+        return float(text)
+    return text
+
+
 def get_preset(name: str) -> KVQuantConfig:
     """Look up a preset by name, with a ``ValueError`` listing the choices.
 
@@ -323,12 +338,6 @@ def get_preset(name: str) -> KVQuantConfig:
             raise ValueError(
                 f"method override must be field=value with a field in {sorted(names)}, got {change!r} in {name!r}"
             )
-        try:
-            kw[key] = int(value)
-        except ValueError:
-            try:
-                kw[key] = float(value)
-            except ValueError:
-                kw[key] = value
+        kw[key] = _override_value(value)
     description = f"{PRESETS[base].description} Changed: {', '.join(changes)}."
     return PRESETS[base].with_(name=name, description=description, **kw)

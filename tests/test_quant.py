@@ -5,7 +5,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kitty import PRESETS, KVQuantConfig
+from kitty import PRESETS, KVQuantConfig, get_preset
 from kitty.quant import (
     BOOST_SENTINEL,
     dequantize_key_page,
@@ -474,7 +474,6 @@ def test_fit_peak_is_a_range_option_at_equal_bytes():
         rel
         < (dequantize_key_page(quantize_key_page(k, PRESETS["kitty"])).float() - k.float()).norm() / k.float().norm()
     )
-    from kitty.config import get_preset
     from kitty.quant import range_params
 
     assert PRESETS["kitty-pro-fit-peak"] == get_preset("kitty-pro-fit+key_range=fit-peak")  # the measured config
@@ -495,3 +494,20 @@ def test_boost_profile_validation_and_layers():
         cfg.for_layer(0, num_layers=30)
     with pytest.raises(ValueError, match="key_range"):
         KITTY.with_(key_range="percentile")
+
+
+@pytest.mark.parametrize(
+    "name,field",
+    [
+        ("kitty+group_size=1_28", "group_size"),
+        ("kitty+group_size= 64", "group_size"),
+        ("kitty+boost_fraction=nan", "boost_fraction"),
+    ],
+)
+def test_preset_overrides_take_plain_numbers_only(name, field):
+    """``+field=value`` reads plain decimals only: Python's int()/float() would take ``1_28`` (128), `` 64`` or
+    ``nan``, silently running a setting nobody typed."""
+    with pytest.raises(ValueError, match=field):
+        get_preset(name)
+    assert get_preset("kitty+group_size=64+boost_fraction=.25").group_size == 64
+    assert get_preset("kitty+group_size=64+boost_fraction=.25").boost_fraction == 0.25
