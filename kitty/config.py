@@ -25,10 +25,23 @@ def is_int(x: object) -> bool:
 
 
 def kv_dims(config) -> tuple[int, int, int]:
-    """``(num_layers, num_kv_heads, head_dim)`` of a transformers config (its text part for multimodal ones)."""
+    """``(num_layers, num_kv_heads, head_dim)`` of a transformers config (its text part for multimodal ones).
+
+    The key/value head count is ``num_key_value_heads``, or Falcon's spelling ``num_kv_heads``; a config with
+    neither has one key/value head per query head (multi-head attention). Raises ``ValueError`` naming the field
+    when a count is not a positive integer or does not divide the query heads."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    for name in ("num_hidden_layers", "num_attention_heads"):
+        if not is_int(getattr(text, name, None)) or getattr(text, name) <= 0:
+            raise ValueError(f"config.{name} must be a positive integer, got {getattr(text, name, None)!r}")
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    field = next((f for f in ("num_key_value_heads", "num_kv_heads") if getattr(text, f, None) is not None), None)
+    num_kv_heads = getattr(text, field) if field else heads
+    if field and (not is_int(num_kv_heads) or num_kv_heads <= 0 or heads % num_kv_heads):
+        raise ValueError(
+            f"config.{field} must be a positive integer dividing num_attention_heads={heads}, got {num_kv_heads!r}"
+        )
     return text.num_hidden_layers, num_kv_heads, head_dim
 
 
