@@ -237,3 +237,22 @@ def insert_token_ref(
     else:
         v_qbuf[rows, :, slot] = torch.where(past, v, v_qbuf[rows, :, slot])
     lengths.add_(1)
+
+
+def merge_splits_ref(
+    ws_m: torch.Tensor, ws_l: torch.Tensor, ws_acc: torch.Tensor, B: int, Hkv: int, QH: int, splits: int, block_h: int
+) -> torch.Tensor:
+    """Torch reference of the split-K merge of ``kitty.kernels.decode_attention_triton`` (its second launch, or the
+    last program of each (row, KV head) with ``Launch.merge_inside``): fp32 ``[B, Hkv * QH, D]`` from the splits'
+    base-2 running maxima ``ws_m``, sums ``ws_l`` ``[B * Hkv * splits * block_h]`` and unnormalized outputs ``ws_acc``
+    ``[.., D]``: ``sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s`` with ``M = max_s m_s``; rows of length 0 give 0."""
+    D = ws_acc.shape[-1]
+    m = ws_m.view(B, Hkv, splits, block_h)[..., :QH].float()
+    l = ws_l.view(B, Hkv, splits, block_h)[..., :QH].float()
+    acc = ws_acc.view(B, Hkv, splits, block_h, D)[..., :QH, :].float()
+    M = m.amax(2, keepdim=True)
+    M = torch.where(M > float("-inf"), M, torch.zeros_like(M))
+    w = torch.exp2(m - M)  # (B, Hkv, splits, QH); empty splits weigh 0
+    L = (w * l).sum(2)
+    o = (w[..., None] * acc).sum(2) / torch.where(L > 0, L, torch.ones_like(L))[..., None]
+    return o.reshape(B, Hkv * QH, D)

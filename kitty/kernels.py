@@ -10,7 +10,7 @@
                                 code-to-operand primitives: kernels/operands.py)
     decode_attention_unfused    the paper's qk kernel -> torch softmax -> sv kernel path (kernels/unfused.py)
     decode_attention_ref        the torch references: decode_attention_ref, pack_pages_ref, pack_completed_ref,
-                                insert_token_ref;
+                                insert_token_ref, merge_splits_ref (the split-K merge);
                                 dequantize_cache reads a layer back in position order (kernels/reference.py);
                                 KittyLayerState = the tensors of docs/LAYOUT.md
     launch.Launch               the fused kernel's launch and its heuristic, default_launch (kernels/launch.py)
@@ -62,6 +62,7 @@ _EXPORTS = {  # name -> the submodule defining it; every submodule but the refer
     "pack_pages_ref": "reference",
     "pack_completed_ref": "reference",
     "insert_token_ref": "reference",
+    "merge_splits_ref": "reference",
     "decode_attention_triton": "decode_attention",
     "triton_supports": "decode_attention",
     "dequantize_key_page_triton": "dequant",
