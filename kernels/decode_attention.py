@@ -42,7 +42,9 @@ pages; split ``s`` owns a contiguous run of the ``cdiv(m, G)`` page slots)::
                          j < pk:  quantized keys, values from v_qbuf / v_local (full precision)
                          else:    keys from k_qbuf (masked past m), values full precision
         4 quarters: scores (base-2 logits) -> one online-softmax step for the page -> P @ V per quarter
-    split 0: the sink;  write (m_i, l_i, acc) of the split;  a second kernel reduces the splits.
+    split 0: the sink;  write (m_i, l_i, acc) of the split;  a second kernel reduces the splits, or, with
+    ``Launch.merge_inside``, the last program of the (row, KV head) to finish does (an int32 ticket per (row, KV head)
+    in the workspace, taken with an atomic add and reset to 0 by that program): one launch instead of two.
 
 Mid-step (``full_qbuffer=True``, how the cache calls it during a decode step): a qbuffer the new token filled is not
 packed yet, so ``pk = max(cdiv(m, G) - 1, 0)`` (and likewise ``pv``) and that qbuffer is attended in full precision.
@@ -295,8 +297,8 @@ def _raw_value_quarter(p, u: tl.constexpr, acc_nat, raw_ptr, pbase, G: tl.conste
 
 @triton.jit
 def _decode_split_kernel(
-    # ---- pointers: query, split outputs
-    q_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
+    # ---- pointers: query, split outputs; with MERGE the tickets of (row, KV head) and the output
+    q_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, ticket_ptr, out_ptr,
     # ---- per-row state
     len_ptr, sink_k_ptr, sink_v_ptr, k_qbuf_ptr, v_qbuf_ptr, v_local_ptr, k_pt_ptr, v_pt_ptr,
     # ---- page pool
@@ -305,7 +307,7 @@ def _decode_split_kernel(
     # ---- sizes
     Hkv, QH, NUM_SPLITS, qk_scale,
     # ---- strides (row, head) of q and the per-row buffers; page-table row strides
-    sq_b, sq_h, ssk_b, ssk_h, ssv_b, ssv_h, skq_b, skq_h, svq_b, svq_h, svl_b, svl_h, spk_b, spv_b,
+    sq_b, sq_h, ssk_b, ssk_h, ssv_b, ssv_h, skq_b, skq_h, svq_b, svq_h, svl_b, svl_h, spk_b, spv_b, so_b, so_h,
     # ---- meta-parameters
     S: tl.constexpr, G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, NB4: tl.constexpr,
     NB4P: tl.constexpr, VBITS: tl.constexpr, KEY_RAW: tl.constexpr, VALUE_RAW: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -313,6 +315,7 @@ def _decode_split_kernel(
     KA0: tl.constexpr, KA1: tl.constexpr, KA2: tl.constexpr, KA3: tl.constexpr, KOFF: tl.constexpr,
     KUNIT: tl.constexpr, VA0: tl.constexpr, VA1: tl.constexpr, VA2: tl.constexpr, VA3: tl.constexpr,
     VOFF: tl.constexpr, VUNIT: tl.constexpr, KEY_TWO_PART: tl.constexpr, VALUE_TWO_PART: tl.constexpr,
+    MERGE: tl.constexpr, SPLITS_P2: tl.constexpr,
 ):
     tl.static_assert(G % 4 == 0 and D % 4 == 0, "4 codes per byte")
     G4: tl.constexpr = G // 4
@@ -429,6 +432,39 @@ def _decode_split_kernel(
     tl.store(ws_m_ptr + ws, m_i)
     tl.store(ws_l_ptr + ws, l_sum)
     tl.store(ws_acc_ptr + ws[None, :] * D + d[:, None], out)
+    if MERGE:
+        # the last program of (row, KV head) to finish merges the splits: every thread's partial is stored before
+        # the ticket is taken (barrier), and the ticket's release / acquire makes the other programs' partials
+        # visible to this one; it resets the ticket, so that the next launch (a replayed graph) starts at 0
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ticket_ptr + pid_bh, 1, sem="acq_rel", scope="gpu")
+        if ticket == NUM_SPLITS - 1:
+            tl.store(ticket_ptr + pid_bh, 0)
+            for rr in tl.static_range(BLOCK_H):
+                if rr < QH:
+                    _merge_splits(ws_m_ptr, ws_l_ptr, ws_acc_ptr, out_ptr, pid_bh, b, h, rr, QH, NUM_SPLITS, so_b,
+                                  so_h, D, BLOCK_H, SPLITS_P2, ".cg")
+
+
+@triton.jit
+def _merge_splits(ws_m_ptr, ws_l_ptr, ws_acc_ptr, out_ptr, pid_bh, b, h, r, QH, NUM_SPLITS, so_b, so_h,
+                  D: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS_P2: tl.constexpr, CACHE: tl.constexpr):
+    """Query head ``r`` of (row ``b``, KV head ``h``): the splits' ``(m, l, acc)`` merged into ``out`` (one row of
+    ``D``). ``CACHE``: the loads' cache modifier (``".cg"``, past L1, when other programs of the same launch wrote
+    the partials)."""
+    sp = tl.arange(0, SPLITS_P2)
+    d = tl.arange(0, D)
+    ok = sp < NUM_SPLITS
+    ws = (pid_bh * NUM_SPLITS + sp) * BLOCK_H + r
+    m = tl.load(ws_m_ptr + ws, mask=ok, other=float("-inf"), cache_modifier=CACHE)
+    l = tl.load(ws_l_ptr + ws, mask=ok, other=0.0, cache_modifier=CACHE)
+    acc = tl.load(ws_acc_ptr + ws[:, None] * D + d[None, :], mask=ok[:, None], other=0.0, cache_modifier=CACHE)
+    M = tl.max(m, 0)
+    M = tl.where(M > float("-inf"), M, 0.0)  # every split empty (length 0): avoid -inf - -inf
+    w = tl.exp2(m - M)  # empty splits (m = -inf) weigh 0
+    L = tl.sum(w * l, 0)
+    o = tl.sum(w[:, None] * acc, 0) / tl.where(L > 0, L, 1.0)  # rows of length 0 give 0
+    tl.store(out_ptr + b.to(tl.int64) * so_b + (h * QH + r) * so_h + d, cast_to(o, out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -439,21 +475,8 @@ def _decode_reduce_kernel(
 ):
     pid_bh = tl.program_id(0)
     r = tl.program_id(1)  # query head within the group
-    b = pid_bh // Hkv
-    h = pid_bh % Hkv
-    sp = tl.arange(0, SPLITS_P2)
-    d = tl.arange(0, D)
-    ok = sp < NUM_SPLITS
-    ws = (pid_bh * NUM_SPLITS + sp) * BLOCK_H + r
-    m = tl.load(ws_m_ptr + ws, mask=ok, other=float("-inf"))
-    l = tl.load(ws_l_ptr + ws, mask=ok, other=0.0)
-    acc = tl.load(ws_acc_ptr + ws[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-    M = tl.max(m, 0)
-    M = tl.where(M > float("-inf"), M, 0.0)  # every split empty (length 0): avoid -inf - -inf
-    w = tl.exp2(m - M)  # empty splits (m = -inf) weigh 0
-    L = tl.sum(w * l, 0)
-    o = tl.sum(w[:, None] * acc, 0) / tl.where(L > 0, L, 1.0)  # rows of length 0 give 0
-    tl.store(out_ptr + b.to(tl.int64) * so_b + (h * QH + r) * so_h + d, cast_to(o, out_ptr.dtype.element_ty))
+    _merge_splits(ws_m_ptr, ws_l_ptr, ws_acc_ptr, out_ptr, pid_bh, pid_bh // Hkv, pid_bh % Hkv, r, QH, NUM_SPLITS,
+                  so_b, so_h, D, BLOCK_H, SPLITS_P2, "")
 
 
 # -------------------------------------------------------------------------------------------------- wrappers
@@ -485,6 +508,7 @@ def kernel_constants(cfg: KVQuantConfig, head_dim: int, group: int, dtype: torch
         DOT=TLTYPE[dot], FULL_QBUF=bool(full_qbuffer), KEY_TWO_PART=bool(parts & 1), VALUE_TWO_PART=bool(parts & 2),
         KA0=ka[0][0], KA1=ka[1][0], KA2=ka[2][0], KA3=ka[3][0], KOFF=ka[0][1], KUNIT=ka[0][2],
         VA0=va[0][0], VA1=va[1][0], VA2=va[2][0], VA3=va[3][0], VOFF=va[0][1], VUNIT=va[0][2],
+        MERGE=bool(launch.merge_inside), SPLITS_P2=triton.next_power_of_2(launch.num_splits),
     )
 
 
@@ -500,7 +524,8 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
 
     ``workspace``: a dict that the first call fills with the split buffers and the output and later calls reuse
     (a static cache passes one per layer, so that a captured step allocates nothing); the result is then a view of
-    ``workspace["out"]``, valid until the next call.
+    ``workspace["out"]``, valid until the next call. With ``launch.merge_inside`` it also holds ``"tickets"``, int32
+    ``[B * Hkv]`` zeros that each launch leaves at zero.
 
     ``launch``: a :class:`kernels.launch.Launch` (split count, warps, stages, register cap, query rows per program,
     two-part operands); ``None``: :func:`kernels.launch.default_launch` for the batch at hand.
@@ -532,13 +557,20 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
         out = torch.empty(B, Hq, D, dtype=q.dtype, device=dev)
         if workspace is not None:
             workspace.update(m=ws_m, l=ws_l, acc=ws_acc, out=out)
+    tickets = None
+    if launch.merge_inside:  # int32 per (row, KV head), 0 between launches (the merging program resets its own)
+        tickets = None if workspace is None else workspace.get("tickets")
+        if tickets is None or tickets.shape != (B * Hkv,):
+            tickets = torch.zeros(B * Hkv, dtype=torch.int32, device=dev)
+            if workspace is not None:
+                workspace["tickets"] = tickets
     if q.stride(-1) != 1:
         q = q.contiguous()
     dummy = state.k_qbuf
     st = state
     lengths = st.lengths.to(torch.int32)
     _decode_split_kernel[(B * Hkv, splits)](
-        q, ws_m, ws_l, ws_acc,
+        q, ws_m, ws_l, ws_acc, lengths if tickets is None else tickets, out,
         lengths, st.sink_k, st.sink_v, st.k_qbuf, st.v_qbuf, st.v_local, st.k_page_table, st.v_page_table,
         *((st.k_low, st.k_high if nb else dummy, st.k_boost_idx, st.k_scale, st.k_zero, dummy)
           if cfg.quantizes_keys else (dummy,) * 5 + (st.k_raw,)),
@@ -547,12 +579,14 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
         q.stride(0), q.stride(1), st.sink_k.stride(0), st.sink_k.stride(1), st.sink_v.stride(0), st.sink_v.stride(1),
         st.k_qbuf.stride(0), st.k_qbuf.stride(1), st.v_qbuf.stride(0), st.v_qbuf.stride(1),
         st.v_local.stride(0), st.v_local.stride(1), st.k_page_table.stride(0), st.v_page_table.stride(0),
+        out.stride(0), out.stride(1),
         **consts, **launch.options(),
     )
-    _decode_reduce_kernel[(B * Hkv, QH)](
-        ws_m, ws_l, ws_acc, out, Hkv, QH, splits, out.stride(0), out.stride(1),
-        D=D, BLOCK_H=BLOCK_H, SPLITS_P2=triton.next_power_of_2(splits), **launch.options(),
-    )
+    if not launch.merge_inside:
+        _decode_reduce_kernel[(B * Hkv, QH)](
+            ws_m, ws_l, ws_acc, out, Hkv, QH, splits, out.stride(0), out.stride(1),
+            D=D, BLOCK_H=BLOCK_H, SPLITS_P2=consts["SPLITS_P2"], **launch.options(),
+        )
     return out
 
 

@@ -43,7 +43,9 @@ class Launch:
     ``block_h``: query rows per program (at least the GQA group; 16 fills a tensor-core tile, fewer rows cut the
     softmax work on padding); ``operand_parts``: which small operands are carried as two 16-bit parts, their
     rounding and its remainder: ``q * key scale`` (bit 1), ``p * value scale`` (bit 2), both (3) or neither (0)
-    (the module docstring of ``kernels/decode_attention.py``, choice 3).
+    (the module docstring of ``kernels/decode_attention.py``, choice 3); ``merge_inside``: the split-K partials are
+    merged by the last program of each (row, KV head) inside the attention launch (an atomic ticket in the
+    workspace) instead of by a second launch (off by default until it is timed on the GPU).
     """
 
     num_splits: int
@@ -52,6 +54,7 @@ class Launch:
     maxnreg: int | None
     block_h: int = 4
     operand_parts: int = 1
+    merge_inside: bool = False
 
     def options(self) -> dict:
         """The Triton launch options of every kernel of this launch: ``num_warps``, ``num_stages`` and, where it

@@ -201,3 +201,58 @@ def pack_completed_ref(
             keep = done.view(-1, *([1] * (new.dim() - 1)))
             t[ids] = torch.where(keep, new, t[ids])
         table[rows, j] = torch.where(done, ids.to(table.dtype), table[rows, j])
+
+
+def insert_token_ref(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    sink_k: torch.Tensor,
+    sink_v: torch.Tensor,
+    k_qbuf: torch.Tensor,
+    v_qbuf: torch.Tensor,
+    v_local: torch.Tensor,
+) -> None:
+    """Torch reference of ``kitty.kernels.insert_token``: the new token of every row (``k``, ``v`` ``[B, Hkv, D]``)
+    at the slots of position ``p = lengths[b]`` (sink slot ``p``; key qbuffer slot ``(p - S) % G``; local ring slot
+    ``(p - S) % R``, whose old value, position ``p - R``, first moves to value qbuffer slot ``(p - R - S) % G``; no
+    local window: the value goes to the value qbuffer), then ``lengths += 1`` in place. ``S``, ``G``, ``R`` are the
+    buffers' slot counts. Every row is written at once with ``torch.where`` (no host read)."""
+    S, G, R = sink_k.shape[2], k_qbuf.shape[2], v_local.shape[2]
+    rows = torch.arange(k.shape[0], device=k.device)
+    p = lengths.long()
+    if S:
+        slot, here = p.clamp(max=S - 1), (p < S)[:, None, None]
+        sink_k[rows, :, slot] = torch.where(here, k, sink_k[rows, :, slot])
+        sink_v[rows, :, slot] = torch.where(here, v, sink_v[rows, :, slot])
+    m = (p - S).clamp(min=0)
+    past = (p >= S)[:, None, None]
+    slot = m % G
+    k_qbuf[rows, :, slot] = torch.where(past, k, k_qbuf[rows, :, slot])
+    if R:
+        local, qslot = m % R, (m - R).clamp(min=0) % G
+        leaving = past & (m >= R)[:, None, None]
+        v_qbuf[rows, :, qslot] = torch.where(leaving, v_local[rows, :, local], v_qbuf[rows, :, qslot])
+        v_local[rows, :, local] = torch.where(past, v, v_local[rows, :, local])
+    else:
+        v_qbuf[rows, :, slot] = torch.where(past, v, v_qbuf[rows, :, slot])
+    lengths.add_(1)
+
+
+def merge_splits_ref(
+    ws_m: torch.Tensor, ws_l: torch.Tensor, ws_acc: torch.Tensor, B: int, Hkv: int, QH: int, splits: int, block_h: int
+) -> torch.Tensor:
+    """Torch reference of the split-K merge of ``kitty.kernels.decode_attention_triton`` (its second launch, or the
+    last program of each (row, KV head) with ``Launch.merge_inside``): fp32 ``[B, Hkv * QH, D]`` from the splits'
+    base-2 running maxima ``ws_m``, sums ``ws_l`` ``[B * Hkv * splits * block_h]`` and unnormalized outputs ``ws_acc``
+    ``[.., D]``: ``sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s`` with ``M = max_s m_s``; rows of length 0 give 0."""
+    D = ws_acc.shape[-1]
+    m = ws_m.view(B, Hkv, splits, block_h)[..., :QH].float()
+    l = ws_l.view(B, Hkv, splits, block_h)[..., :QH].float()
+    acc = ws_acc.view(B, Hkv, splits, block_h, D)[..., :QH, :].float()
+    M = m.amax(2, keepdim=True)
+    M = torch.where(M > float("-inf"), M, torch.zeros_like(M))
+    w = torch.exp2(m - M)  # (B, Hkv, splits, QH); empty splits weigh 0
+    L = (w * l).sum(2)
+    o = (w[..., None] * acc).sum(2) / torch.where(L > 0, L, torch.ones_like(L))[..., None]
+    return o.reshape(B, Hkv * QH, D)

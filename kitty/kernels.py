@@ -2,12 +2,15 @@
 
     pack_pages                  quantize + pack full qbuffers into key/value pages, one launch; pack_completed: a
                                 static layer's filled qbuffers, predicated on the device (kernels/pack.py)
+    insert_token                a decode step's new token into sink / qbuffer / local slots of every row and
+                                lengths += 1, one launch (kernels/insert.py)
     dequantize_key_page_triton  Algorithm 1 page dequantization (kernels/dequant.py)
     decode_attention_triton     fused split-K decode attention over sink | pages | qbuffers | local, and
                                 triton_supports, the configs it handles (kernels/decode_attention.py; its
                                 code-to-operand primitives: kernels/operands.py)
     decode_attention_unfused    the paper's qk kernel -> torch softmax -> sv kernel path (kernels/unfused.py)
-    decode_attention_ref        the torch references: decode_attention_ref, pack_pages_ref, pack_completed_ref;
+    decode_attention_ref        the torch references: decode_attention_ref, pack_pages_ref, pack_completed_ref,
+                                insert_token_ref, merge_splits_ref (the split-K merge);
                                 dequantize_cache reads a layer back in position order (kernels/reference.py);
                                 KittyLayerState = the tensors of docs/LAYOUT.md
     launch.Launch               the fused kernel's launch and its heuristic, default_launch (kernels/launch.py)
@@ -58,12 +61,15 @@ _EXPORTS = {  # name -> the submodule defining it; every submodule but the refer
     "dequantize_cache": "reference",
     "pack_pages_ref": "reference",
     "pack_completed_ref": "reference",
+    "insert_token_ref": "reference",
+    "merge_splits_ref": "reference",
     "decode_attention_triton": "decode_attention",
     "triton_supports": "decode_attention",
     "dequantize_key_page_triton": "dequant",
     "dequantize_value_page_triton": "dequant",
     "pack_pages": "pack",
     "pack_completed": "pack",
+    "insert_token": "insert",
     "decode_attention_unfused": "unfused",
 }
 __all__ = ["HAS_TRITON", "interpreting", *(n for n, m in _EXPORTS.items() if HAS_TRITON or m == "reference")]
