@@ -14,7 +14,6 @@ import argparse
 import csv
 import math
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm as _tqdm
 
+from . import cliargs
 from . import generate as gen
 from .config import PRESETS, KVQuantConfig, get_preset
 from .generate import eos_ids, generate_tokens, make_cache
@@ -502,7 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"parts (--skip): ppl = decode perplexity, agreement = greedy agreement with fp16, passkey = passkey "
         f"retrieval, pack = pack-time cost per page. presets: {', '.join(PRESETS)}.",
     )
-    p.add_argument("--model", default=None, help="hub id or local path (default: the embedded SmolLM2-135M-Instruct)")
+    cliargs.add_model(p)
     p.add_argument(
         "--methods",
         default=None,
@@ -534,93 +534,50 @@ def build_parser() -> argparse.ArgumentParser:
         "--jobs", type=int, default=1, help="worker processes for perplexity, one torch thread each (default: 1)"
     )
     p.add_argument("--tag", default=None, help="suffix of the output files (default: full, or quick with --quick)")
-    p.add_argument(
-        "--tp",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="shard the model over the torchrun ranks (tp_plan='auto') (default: on when WORLD_SIZE > 1)",
-    )
+    cliargs.add_tp(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
     a = build_parser().parse_args(argv)
-    try:
+    with cliargs.closing_distributed():
         _run(a)
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():  # from_pretrained(tp_plan=...) opened it
-            dist.destroy_process_group()
 
 
 def _fail(message: str) -> None:
     """Exit with status 2 and ``message`` (said once, by rank 0: every rank meets the same error)."""
-    try:
-        rank0 = tp_rank_and_size()[0] == 0
-    except ValueError:  # a malformed RANK: say the error anyway
-        rank0 = True
-    if rank0:
-        print(f"error: {message}", file=sys.stderr)
+    cliargs.say_error(message)
     raise SystemExit(2)
-
-
-def writable_folder(path: Path, flag: str) -> str | None:
-    """Why ``path`` cannot take the output files (``None`` when it can): the folder is made and a file is written
-    and removed there, so that a run never fails at its end for want of a place to write."""
-    import tempfile
-
-    if path.exists() and not path.is_dir():
-        return f"{flag} {str(path)!r} is a file, not a folder"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".kitty-eval-probe-"):
-            pass
-    except OSError as e:
-        return f"{flag} {str(path)!r} cannot take files: {e.strerror or e}"
-    return None
 
 
 def _check_flags(a: argparse.Namespace) -> tuple[list[str] | None, set[str]]:
     """Every flag that can be checked without the model, each refused with a message naming it: the methods (or
     ``None`` for every preset that fits), the parts to skip; ``a.passkey_lengths`` becomes a tuple of ints."""
-    methods = None
-    if a.methods is not None:
-        methods = [m.strip() for m in a.methods.split(",") if m.strip()]
-        if not methods:
-            _fail(f"--methods names no preset; choose from {list(PRESETS)}")
-        for m in methods:
-            try:
-                get_preset(m)
-            except ValueError as e:
-                _fail(f"--methods: {e}")
-    skip = {s.strip() for s in a.skip.split(",")} - {""}
-    if skip - set(PARTS):
-        _fail(f"--skip takes parts from {PARTS}, got {sorted(skip - set(PARTS))}")
-    if skip == set(PARTS):
-        _fail(f"--skip {a.skip!r} skips every part: nothing to run")
-    for flag, value in (
-        ("--prefill", a.prefill),
-        ("--scored", a.scored),
-        ("--windows-per-text", a.windows_per_text),
-        ("--agreement-prompts", a.agreement_prompts),
-        ("--agreement-tokens", a.agreement_tokens),
-        ("--passkey-trials", a.passkey_trials),
-        ("--jobs", a.jobs),
-    ):
-        if value < 1:
-            _fail(f"{flag} must be >= 1, got {value}")
     try:
-        a.passkey_lengths = tuple(int(x) for x in a.passkey_lengths.split(","))
-    except ValueError:
-        _fail(f"--passkey-lengths must be comma-separated integers, got {a.passkey_lengths!r}")
-    if min(a.passkey_lengths) < 1:
-        _fail(f"--passkey-lengths must be >= 1 each, got {a.passkey_lengths}")
-    if a.tag is not None and (not a.tag or set(a.tag) - TAG_CHARS):
-        _fail(f"--tag must be letters, digits, '.', '_' or '-' (it names files), got {a.tag!r}")
-    if a.model is not None and a.model.startswith(("/", ".", "~")) and not Path(a.model).expanduser().exists():
-        _fail(f"--model {a.model!r}: no such folder (give a local model folder or a hub id)")
-    problem = writable_folder(Path(a.out), "--out")
+        methods = None if a.methods is None else cliargs.parse_methods(a.methods)
+        skip = {s.strip() for s in a.skip.split(",")} - {""}
+        if skip - set(PARTS):
+            raise ValueError(f"--skip takes parts from {PARTS}, got {sorted(skip - set(PARTS))}")
+        if skip == set(PARTS):
+            raise ValueError(f"--skip {a.skip!r} skips every part: nothing to run")
+        cliargs.check_at_least_one(
+            prefill=a.prefill,
+            scored=a.scored,
+            windows_per_text=a.windows_per_text,
+            agreement_prompts=a.agreement_prompts,
+            agreement_tokens=a.agreement_tokens,
+            passkey_trials=a.passkey_trials,
+            jobs=a.jobs,
+        )
+        a.passkey_lengths = cliargs.parse_numbers(a.passkey_lengths, "--passkey-lengths")
+        if min(a.passkey_lengths) < 1:
+            raise ValueError(f"--passkey-lengths must be >= 1 each, got {a.passkey_lengths}")
+        if a.tag is not None and (not a.tag or set(a.tag) - TAG_CHARS):
+            raise ValueError(f"--tag must be letters, digits, '.', '_' or '-' (it names files), got {a.tag!r}")
+        cliargs.check_model_path(a.model)
+    except ValueError as e:
+        _fail(str(e))
+    problem = cliargs.writable_folder(Path(a.out), "--out")
     if problem:
         _fail(problem)
     if a.quick:
@@ -657,12 +614,9 @@ def _run(a: argparse.Namespace) -> None:
     from .models import check_tensor_parallel, kv_dims, load_model
 
     try:
-        rank, world = tp_rank_and_size()
+        rank, world, tp = cliargs.tensor_parallel(a.tp)
     except ValueError as e:
         _fail(str(e))
-    tp = world > 1 if a.tp is None else a.tp
-    if tp and world < 2:
-        _fail(f"--tp needs a launch by torchrun --nproc-per-node N with N >= 2 (WORLD_SIZE is {world})")
     if tp and a.jobs > 1:
         _fail("--jobs > 1 starts unsharded worker processes; under tensor parallelism use --jobs 1")
     if tp:
