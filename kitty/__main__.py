@@ -112,10 +112,11 @@ def describe(result: Result) -> str:
     rank = f" (per rank of {r.ranks})" if r.ranks > 1 else ""
     return "\n".join(
         [
-            f"[{result.method}] {result.new_tokens} new tokens in {result.seconds:.1f} s ({result.tokens_per_second:.1f} tokens/s)",
+            f"[{result.method}] {result.new_tokens} new tokens in {result.seconds:.1f} s "
+            f"({result.tokens_per_second:.1f} tokens/s)",
             f"KV cache: {r.summary()}",
-            f"  quantized payload{rank} {r.payload_bytes / 2**10:.1f} KiB | metadata {r.metadata_bytes / 2**10:.1f} KiB | "
-            f"full precision {r.full_precision_bytes / 2**10:.1f} KiB",
+            f"  quantized payload{rank} {r.payload_bytes / 2**10:.1f} KiB | "
+            f"metadata {r.metadata_bytes / 2**10:.1f} KiB | full precision {r.full_precision_bytes / 2**10:.1f} KiB",
             f"  tokens per layer: sink {c['sink']} | key pages {c['key_pages']} | key qbuffer {c['key_qbuffer']} | "
             f"value pages {c['value_pages']} | value qbuffer {c['value_qbuffer']} | local {c['local']}",
         ]

@@ -16,7 +16,8 @@ attention function registered as ``"kitty-calibrate"`` that reads which layer to
 ``kitty_calibration`` argument (a :class:`CalibrationTarget`). Query statistics for ``"query"``/``"oracle"`` selection
 come from the same pass.
 
-``python -m kitty.calibrate [--model M] [--base kitty-query+key_range=fit] [--in-context] [--out kitty/profiles/NAME.json]``
+``python -m kitty.calibrate [--model M] [--base kitty-query+key_range=fit] [--in-context]
+[--out kitty/profiles/NAME.json]``
 
 Measured on the default model (README): both calibration modes give profiles that lose to uniform allocation in
 decode perplexity; they are kept as a tool and a negative result.
@@ -133,7 +134,8 @@ def layer_sensitivity(
 
 
 def allocate(kl: torch.Tensor, counts: tuple[int, ...], total: int) -> list[int]:
-    """Counts ``c_l`` (one of ``counts`` per layer) with ``sum c_l == total`` minimizing ``sum_l kl[l, c_l]`` (exact DP)."""
+    """Counts ``c_l`` (one of ``counts`` per layer) with ``sum c_l == total`` minimizing ``sum_l kl[l, c_l]``
+    (exact DP)."""
     step = math.gcd(*counts) if any(counts) else 1
     if total % step:
         raise ValueError(f"total must be a multiple of {step} (the gcd of counts), got {total}")
