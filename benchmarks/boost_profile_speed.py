@@ -1,6 +1,6 @@
 """Fused decode attention with layer-adaptive boost vs uniform boost, at equal bits, on one NVIDIA GPU.
 
-    python benchmarks/boost_profile_speed.py [--out DIR] [--batch 32] [--context 8192]
+    python -m benchmarks.boost_profile_speed [--out DIR] [--batch 32] [--context 8192]
 
 Everything beyond the paper (query/oracle channel selection, fitted ranges) happens at pack time: the decode kernel
 reads the same page layout and the same bytes, so its speed cannot change. The one thing that does reach the kernel
@@ -21,17 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import torch  # noqa: E402
+import torch
 
 import benchmarks.kernels as bk  # noqa: E402  (bench: median of CUDA-graph replays over rotating inputs)
-from benchmarks.results_dir import default_out, unused_path  # noqa: E402
-from kitty.config import DEFAULT_PROFILE, PRESETS, load_boost_profile  # noqa: E402
-from kitty.kernels import decode_attention_ref, decode_attention_triton  # noqa: E402
-from kitty.kernels.testing import make_state  # noqa: E402
+from benchmarks.results_dir import default_out, unused_path
+from kitty.config import DEFAULT_PROFILE, PRESETS, load_boost_profile
+from kitty.kernels import decode_attention_ref, decode_attention_triton
+from kitty.kernels.testing import make_state
 
 HQ, HKV, D, LAYERS = 9, 3, 64, 30
 DEV = "cuda"

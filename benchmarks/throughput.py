@@ -7,7 +7,7 @@ batch sizes up to that maximum. Caches are filled with random keys/values throug
 (``DynamicCache.update``, ``StaticCache.update``, ``KittyLayer.append``, which quantizes pages), so no prefill
 compute is spent on an 8B model.
 
-    python benchmarks/throughput.py --budget-gib 20 --context 8192 --out $OUT
+    python -m benchmarks.throughput --budget-gib 20 --context 8192 --out $OUT
 
 Writes ``throughput.json`` (rows, notes and the run's settings; ``benchmarks/summarize.py`` renders it into
 ``benchmarks/RESULTS.md``), ``throughput.md`` and ``throughput.png`` (memory and tokens/s against batch) to ``--out``
@@ -21,19 +21,17 @@ import datetime
 import gc
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.results_dir import default_out  # noqa: E402
-from kitty import PRESETS, KittyCache  # noqa: E402
-from kitty.compat import cache_kwargs  # noqa: E402
-from kitty.memory import analytic_report, token_layout  # noqa: E402
+from benchmarks.results_dir import default_out
+from kitty import PRESETS, KittyCache
+from kitty.compat import cache_kwargs
+from kitty.memory import analytic_report, token_layout
 
 
 DEVICE = "cuda"
