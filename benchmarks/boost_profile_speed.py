@@ -12,7 +12,8 @@ for ``kitty-pro`` (16 / 480).
 
 Page contents do not change what the kernel reads, so the states are packed with magnitude selection and min-max
 ranges (the layout of every selection). Timing: ``benchmarks/kernels.py``'s ``bench`` (median of 30 replays of a
-CUDA graph of many calls) rotating over 4 states per ``nb`` (more than the L2 cache). Also checks each state's output against the torch reference.
+CUDA graph of many calls) rotating over 4 states per ``nb`` (more than the L2 cache). Also checks each state's output
+against the torch reference.
 Writes ``boost_profile_<gpu>.json`` to ``--out`` (default ``benchmarks/results/<gpu>-<date>/``) and prints a table.
 """
 
@@ -81,7 +82,8 @@ def main() -> None:
         tot = {k: sum(per_nb[c]["us"] for c in cs) for k, cs in p.items()}
         summary[preset] = {**tot, "profile_over_uniform": tot["profile"] / tot["uniform"], "counts": p["profile"]}
         print(
-            f"{preset}: one decode step over {LAYERS} layers: uniform {tot['uniform']:.1f} us, profile {tot['profile']:.1f} us "
+            f"{preset}: one decode step over {LAYERS} layers: uniform {tot['uniform']:.1f} us, "
+            f"profile {tot['profile']:.1f} us "
             f"({tot['profile'] / tot['uniform']:.3f}x)"
         )
     gpu = torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu-smoke"

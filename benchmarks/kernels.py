@@ -206,8 +206,8 @@ def check_pack_and_dequant(results: dict) -> bool:
 
 
 def check_attention(results: dict, every_config: bool = True) -> bool:
-    """Fused (and unfused) attention vs the fp32 reference on ragged rows: GQA 1/3/4/8, D 64/128, fp16/bf16, G 32/64/128,
-    boost fractions 0 / 12.5% / 25% / 50% and 4-bit values, several split counts and warp counts."""
+    """Fused (and unfused) attention vs the fp32 reference on ragged rows: GQA 1/3/4/8, D 64/128, fp16/bf16,
+    G 32/64/128, boost fractions 0 / 12.5% / 25% / 50% and 4-bit values, several split counts and warp counts."""
     ok = True
     cases = [
         ("kitty", 4, 128, torch.float16, 128, {}),
@@ -459,7 +459,8 @@ def main():
         }
         rows.append(r)
         log(
-            f"  {method:28s} {t * 1e6:9.1f} us  {nbytes / 1e6:9.2f} MB  {r['gbps']:7.0f} GB/s  {r['pct_copy']:5.1f}% copy  {extra}"
+            f"  {method:28s} {t * 1e6:9.1f} us  {nbytes / 1e6:9.2f} MB  {r['gbps']:7.0f} GB/s  "
+            f"{r['pct_copy']:5.1f}% copy  {extra}"
         )
         return r
 
@@ -591,7 +592,8 @@ def main():
                             }
                         )
                         log(
-                            f"  {preset} pack {B}x{HKV} pages (k+v): {tp * 1e6:.1f} us; /G = {amort:.2f}% of one fused decode step"
+                            f"  {preset} pack {B}x{HKV} pages (k+v): {tp * 1e6:.1f} us; "
+                            f"/G = {amort:.2f}% of one fused decode step"
                         )
                     except Exception as e:  # noqa: BLE001
                         log(f"  {preset} pack failed: {type(e).__name__}: {str(e)[:300]}")

@@ -69,7 +69,8 @@ def test_shipped_profile_spends_exactly_the_uniform_budget(fraction, preset):
 
 
 def test_adaptive_presets_store_as_many_bytes_as_uniform_on_the_default_model():
-    """memory_report of real caches after the same prompt: the adaptive presets cost exactly kitty's / kitty-pro's bytes."""
+    """memory_report of real caches after the same prompt: the adaptive presets cost exactly kitty's / kitty-pro's
+    bytes."""
     from kitty import KittyCache, load_model
 
     model, tok = load_model()
