@@ -1,6 +1,6 @@
 """Fused decode attention with layer-adaptive boost vs uniform boost, at equal bits, on one NVIDIA GPU.
 
-    python benchmarks/boost_profile_speed.py [--out DIR] [--batch 32] [--context 8192]
+    python -m benchmarks.boost_profile_speed [--out DIR] [--batch 32] [--context 8192]
 
 Everything beyond the paper (query/oracle channel selection, fitted ranges) happens at pack time: the decode kernel
 reads the same page layout and the same bytes, so its speed cannot change. The one thing that does reach the kernel
@@ -12,7 +12,8 @@ for ``kitty-pro`` (16 / 480).
 
 Page contents do not change what the kernel reads, so the states are packed with magnitude selection and min-max
 ranges (the layout of every selection). Timing: ``benchmarks/kernels.py``'s ``bench`` (median of 30 replays of a
-CUDA graph of many calls) rotating over 4 states per ``nb`` (more than the L2 cache). Also checks each state's output against the torch reference.
+CUDA graph of many calls) rotating over 4 states per ``nb`` (more than the L2 cache). Also checks each state's output
+against the torch reference.
 Writes ``boost_profile_<gpu>.json`` to ``--out`` (default ``benchmarks/results/<gpu>-<date>/``) and prints a table.
 """
 
@@ -21,17 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import torch  # noqa: E402
+import torch
 
 import benchmarks.kernels as bk  # noqa: E402  (bench: median of CUDA-graph replays over rotating inputs)
-from benchmarks.results_dir import default_out, unused_path  # noqa: E402
-from kitty.config import DEFAULT_PROFILE, PRESETS, load_boost_profile  # noqa: E402
-from kitty.kernels import decode_attention_ref, decode_attention_triton  # noqa: E402
-from kitty.kernels.testing import make_state  # noqa: E402
+from benchmarks.results_dir import default_out, unused_path
+from kitty.config import DEFAULT_PROFILE, PRESETS, load_boost_profile
+from kitty.kernels import decode_attention_ref, decode_attention_triton
+from kitty.kernels.testing import make_state
 
 HQ, HKV, D, LAYERS = 9, 3, 64, 30
 DEV = "cuda"
@@ -84,7 +82,8 @@ def main() -> None:
         tot = {k: sum(per_nb[c]["us"] for c in cs) for k, cs in p.items()}
         summary[preset] = {**tot, "profile_over_uniform": tot["profile"] / tot["uniform"], "counts": p["profile"]}
         print(
-            f"{preset}: one decode step over {LAYERS} layers: uniform {tot['uniform']:.1f} us, profile {tot['profile']:.1f} us "
+            f"{preset}: one decode step over {LAYERS} layers: uniform {tot['uniform']:.1f} us, "
+            f"profile {tot['profile']:.1f} us "
             f"({tot['profile'] / tot['uniform']:.3f}x)"
         )
     gpu = torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu-smoke"

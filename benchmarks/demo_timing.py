@@ -1,6 +1,6 @@
 """The demo's per-column decode speed for each schedule (threads / interleave) and torch thread count, on the CPU.
 
-    python benchmarks/demo_timing.py [--model NAME] [--new-tokens 32] [--repeats 3] [--prompt TEXT]
+    python -m benchmarks.demo_timing [--model NAME] [--new-tokens 32] [--repeats 3] [--prompt TEXT]
 
 Runs :func:`kitty.demo.stream_side_by_side` as the app does (three columns, greedy) and prints a markdown table of
 the median slowest-column and mean-column tokens/s and the prefill seconds (numbers quoted in the README's demo
@@ -12,18 +12,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from kitty.demo import DEFAULT_METHODS, SCHEDULES, stream_side_by_side  # noqa: E402
-from kitty.generate import Sampling  # noqa: E402
-from kitty.prompts import example_prompts, prepare_prompt  # noqa: E402
+from kitty.demo import DEFAULT_METHODS, SCHEDULES, stream_side_by_side
+from kitty.generate import Sampling
+from kitty.prompts import example_prompts, prepare_prompt
 
 
 def benchmark(

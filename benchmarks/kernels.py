@@ -1,6 +1,6 @@
 """Kitty kernels on one NVIDIA GPU: correctness first, then timing.
 
-    python benchmarks/kernels.py [--out DIR] [--quick] [--timing-only | --check-only]
+    python -m benchmarks.kernels [--out DIR] [--quick] [--timing-only | --check-only]
 
 Writes ``kernels_results.json`` (``kernels_timing.json`` with ``--timing-only``, ``kernels_check.json`` with
 ``--check-only``) and its log to ``--out`` (default ``benchmarks/results/<gpu>-<date>/``, see
@@ -33,17 +33,15 @@ import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.nn.functional as F
+import triton
+from tqdm.auto import tqdm
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
-
-from benchmarks import summarize  # noqa: E402
-from benchmarks.results_dir import default_out, unused_path  # noqa: E402
-from kitty.config import PRESETS  # noqa: E402
-from kitty.kernels import (  # noqa: E402
+from benchmarks import summarize
+from benchmarks.results_dir import default_out, unused_path
+from kitty.config import PRESETS
+from kitty.kernels import (
     KittyLayerState,
     decode_attention_ref,
     decode_attention_triton,
@@ -52,11 +50,11 @@ from kitty.kernels import (  # noqa: E402
     dequantize_value_page_triton,
     pack_pages,
 )
-from kitty.kernels.launch import Launch, default_launch, default_num_splits  # noqa: E402
-from kitty.kernels.testing import attention_tolerance, make_state, planted_kv  # noqa: E402
-from kitty.memory import page_bytes, token_layout  # noqa: E402
-from kitty.quant import dequantize_key_page, dequantize_value_page, quantize_key_page, quantize_value_page  # noqa: E402
-from kitty.storage import pool_fields  # noqa: E402
+from kitty.kernels.launch import Launch, default_launch, default_num_splits
+from kitty.kernels.testing import attention_tolerance, make_state, planted_kv
+from kitty.memory import page_bytes, token_layout
+from kitty.quant import dequantize_key_page, dequantize_value_page, quantize_key_page, quantize_value_page
+from kitty.storage import pool_fields
 
 HQ, HKV, D = 32, 8, 128
 SHAPES = [(8, 32768), (64, 8192), (1, 4096), (1, 32768), (16, 8192), (256, 8192)]  # target shapes first
@@ -208,8 +206,8 @@ def check_pack_and_dequant(results: dict) -> bool:
 
 
 def check_attention(results: dict, every_config: bool = True) -> bool:
-    """Fused (and unfused) attention vs the fp32 reference on ragged rows: GQA 1/3/4/8, D 64/128, fp16/bf16, G 32/64/128,
-    boost fractions 0 / 12.5% / 25% / 50% and 4-bit values, several split counts and warp counts."""
+    """Fused (and unfused) attention vs the fp32 reference on ragged rows: GQA 1/3/4/8, D 64/128, fp16/bf16,
+    G 32/64/128, boost fractions 0 / 12.5% / 25% / 50% and 4-bit values, several split counts and warp counts."""
     ok = True
     cases = [
         ("kitty", 4, 128, torch.float16, 128, {}),
@@ -461,7 +459,8 @@ def main():
         }
         rows.append(r)
         log(
-            f"  {method:28s} {t * 1e6:9.1f} us  {nbytes / 1e6:9.2f} MB  {r['gbps']:7.0f} GB/s  {r['pct_copy']:5.1f}% copy  {extra}"
+            f"  {method:28s} {t * 1e6:9.1f} us  {nbytes / 1e6:9.2f} MB  {r['gbps']:7.0f} GB/s  "
+            f"{r['pct_copy']:5.1f}% copy  {extra}"
         )
         return r
 
@@ -593,7 +592,8 @@ def main():
                             }
                         )
                         log(
-                            f"  {preset} pack {B}x{HKV} pages (k+v): {tp * 1e6:.1f} us; /G = {amort:.2f}% of one fused decode step"
+                            f"  {preset} pack {B}x{HKV} pages (k+v): {tp * 1e6:.1f} us; "
+                            f"/G = {amort:.2f}% of one fused decode step"
                         )
                     except Exception as e:  # noqa: BLE001
                         log(f"  {preset} pack failed: {type(e).__name__}: {str(e)[:300]}")

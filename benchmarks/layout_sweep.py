@@ -1,6 +1,6 @@
 """The fused kernel over the reduction-axis page layout on one GPU: correctness of every launch variant, then a sweep.
 
-    python benchmarks/layout_sweep.py [--out DIR] [--shapes 8x32768,64x8192,...] [--budget-s 480]
+    python -m benchmarks.layout_sweep [--out DIR] [--shapes 8x32768,64x8192,...] [--budget-s 480]
 
 One call does what a layout change needs measured (``benchmarks/kernels.py`` is the full benchmark):
 
@@ -22,20 +22,17 @@ import dataclasses
 import itertools
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+from tqdm.auto import tqdm
 
-import torch  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
-
-from benchmarks import kernels as kb  # noqa: E402
-from benchmarks.results_dir import default_out, unused_path  # noqa: E402
-from kitty.config import PRESETS  # noqa: E402
-from kitty.kernels import decode_attention_ref, decode_attention_triton  # noqa: E402
-from kitty.kernels.launch import Launch  # noqa: E402
-from kitty.kernels.testing import attention_tolerance, make_state, planted_kv  # noqa: E402
+from benchmarks import kernels as kb
+from benchmarks.results_dir import default_out, unused_path
+from kitty.config import PRESETS
+from kitty.kernels import decode_attention_ref, decode_attention_triton
+from kitty.kernels.launch import Launch
+from kitty.kernels.testing import attention_tolerance, make_state, planted_kv
 
 # launch variants, each taking its split count at the shape (benchmarks/kernels.py's at_shape): warps x pipeline
 # stages with the key operand in two parts (the default), and the other operand_parts choices at 2 warps

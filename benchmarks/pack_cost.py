@@ -1,6 +1,6 @@
 """Pack-time cost per page of every key-selection and range strategy on one GPU (``kitty.eval.pack_cost_table``).
 
-    python benchmarks/pack_cost.py [--out DIR] [--repeats 7]
+    python -m benchmarks.pack_cost [--out DIR] [--repeats 7]
 
 Pages of ``--pages`` rows x 8 KV heads x D=128 in fp16 (the kernel benchmark's layer shape), torch quantizers,
 CUDA-synchronized median per page. Writes ``pack_cost.csv`` to ``--out`` (default
@@ -10,15 +10,13 @@ CUDA-synchronized median per page. Writes ``pack_cost.csv`` to ``--out`` (defaul
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.results_dir import default_out, unused_path  # noqa: E402
-from kitty.eval import pack_cost_table, write_csv  # noqa: E402
+from benchmarks.results_dir import default_out, unused_path
+from kitty.eval_metrics import pack_cost_table
+from kitty.eval_report import write_csv
 
 # The strategies of README's pack-cost table: paper rule, the selection rules, fitted key / value ranges.
 METHODS = [

@@ -1,6 +1,6 @@
 """Compile the fused decode kernel for the H100/H200 (sm_90a) without a GPU and count the SASS of its hot loop.
 
-    python benchmarks/sass.py [--preset kitty] [--dtype float16] [--out DIR]
+    python -m benchmarks.sass [--preset kitty] [--dtype float16] [--out DIR]
 
 Builds ``kernels.decode_attention._decode_split_kernel`` exactly as the wrapper launches it during a decode step at the
 benchmark's target shape (B=8 rows, 32 query / 8 KV heads, D=128, L=32K; the preset's G, S, R): the constants of
@@ -19,19 +19,16 @@ import dataclasses
 import os
 import re
 import subprocess
-import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
-import kitty.kernels.decode_attention as da  # noqa: E402
-from kitty.config import PRESETS  # noqa: E402
-from kitty.kernels.launch import H200_SMS, Launch, default_launch  # noqa: E402
+import kitty.kernels.decode_attention as da
+from kitty.config import PRESETS
+from kitty.kernels.launch import H200_SMS, Launch, default_launch
 
 
 def compile_kernel(

@@ -1,7 +1,7 @@
 """One GPU run for the static cache and the captured decode step: correctness first, then throughput (H200).
 
-    python benchmarks/static_h200.py                       # everything, < 9 minutes
-    python benchmarks/static_h200.py --layers 12 --minutes 6   # shallower model / shorter budget if time is short
+    python -m benchmarks.static_h200                       # everything, < 9 minutes
+    python -m benchmarks.static_h200 --layers 12 --minutes 6   # shallower model / shorter budget
 
 (a) correctness on a tiny random fp16 Llama (seconds): generate_static captured vs eager tokens for the fp16,
     kitty and kitty-pro presets on a left-padded ragged batch (equal required), the same against transformers'
@@ -23,18 +23,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import sys
 import time
 import traceback
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from kitty import KittyCache  # noqa: E402
-from kitty.generate import generate_static  # noqa: E402
+from kitty import KittyCache
+from kitty.generate import generate_static
 
 
 def tiny_llama():

@@ -7,7 +7,7 @@ batch sizes up to that maximum. Caches are filled with random keys/values throug
 (``DynamicCache.update``, ``StaticCache.update``, ``KittyLayer.append``, which quantizes pages), so no prefill
 compute is spent on an 8B model.
 
-    python benchmarks/throughput.py --budget-gib 20 --context 8192 --out $OUT
+    python -m benchmarks.throughput --budget-gib 20 --context 8192 --out $OUT
 
 Writes ``throughput.json`` (rows, notes and the run's settings; ``benchmarks/summarize.py`` renders it into
 ``benchmarks/RESULTS.md``), ``throughput.md`` and ``throughput.png`` (memory and tokens/s against batch) to ``--out``
@@ -21,26 +21,23 @@ import datetime
 import gc
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.results_dir import default_out  # noqa: E402
-from kitty import PRESETS, KittyCache  # noqa: E402
-from kitty.compat import cache_kwargs  # noqa: E402
-from kitty.memory import analytic_report, token_layout  # noqa: E402
-
+from benchmarks.results_dir import default_out
+from kitty import PRESETS, KittyCache
+from kitty.compat import cache_kwargs
+from kitty.memory import analytic_report, token_layout
 
 DEVICE = "cuda"
 
 
 def qwen3_8b_config(num_layers: int | None = None, smoke: bool = False):
-    """Qwen3-8B's architecture (36 layers, 32 query / 8 KV heads, head_dim 128); ``smoke``: a tiny one for CPU checks."""
+    """Qwen3-8B's architecture (36 layers, 32 query / 8 KV heads, head_dim 128); ``smoke``: a tiny one for CPU
+    checks."""
     from transformers import Qwen3Config
 
     if smoke:
@@ -204,11 +201,12 @@ def main() -> None:
     for method in a.methods.split(","):
         if method == "quantized-hf":
             try:
-                from transformers import QuantizedCache  # noqa: F401
                 import optimum.quanto  # noqa: F401
+                from transformers import QuantizedCache  # noqa: F401
             except Exception as e:  # noqa: BLE001
                 notes.append(
-                    f"transformers' QuantizedCache: not run ({type(e).__name__}: {e}); it needs optimum-quanto or hqq, absent on the device"
+                    f"transformers' QuantizedCache: not run ({type(e).__name__}: {e}); it needs optimum-quanto or hqq, "
+                    "absent on the device"
                 )
                 continue
         per_seq = kv_bytes_per_seq(method, model.config, a.context + a.warmup + a.steps)
@@ -254,9 +252,11 @@ def main() -> None:
     lines = [
         f"## End-to-end decode throughput at one KV budget ({a.budget_gib:g} GiB), context {a.context}",
         "",
-        f"`benchmarks/throughput.py` on {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'CPU (smoke)'}, torch {torch.__version__}, "
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Qwen3-8B architecture, random bf16 weights "
-        f"({weights / 2**30:.1f} GiB), {model.config.num_hidden_layers} layers; tokens/s = batch / median wall time (synchronized) of {a.steps} steps after {a.warmup} warm-up.",
+        f"`benchmarks/throughput.py` on {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'CPU (smoke)'}, "
+        f"torch {torch.__version__}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. "
+        "Qwen3-8B architecture, random bf16 weights "
+        f"({weights / 2**30:.1f} GiB), {model.config.num_hidden_layers} layers; tokens/s = batch / median wall time "
+        f"(synchronized) of {a.steps} steps after {a.warmup} warm-up.",
         "",
         "KV GiB: GPU memory held by the filled cache (allocated, including empty buffer slots and pool capacity).",
         "",
@@ -267,7 +267,8 @@ def main() -> None:
         rel_b = r["batch"] / base["batch"] if base else float("nan")
         rel_t = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
         lines.append(
-            f"| {m} | {r['batch']} | {rel_b:.1f}x | {r['kv_gib']:.2f} | {r['peak_gib']:.2f} | {r['tokens_per_s']:.0f} | {rel_t:.2f}x |"
+            f"| {m} | {r['batch']} | {rel_b:.1f}x | {r['kv_gib']:.2f} | {r['peak_gib']:.2f} | {r['tokens_per_s']:.0f} "
+            f"| {rel_t:.2f}x |"
         )
     lines += [
         "",
@@ -280,7 +281,7 @@ def main() -> None:
         f"| {r['method']} | {r['batch']} | {r['kv_gib']:.2f} | {r['peak_gib']:.2f} | {r['tokens_per_s']:.0f} |"
         for r in rows
     ]
-    lines += [""] + [f"- {n}" for n in notes] + [f"", f"_run took {time.time() - t0:.0f} s_", ""]
+    lines += [""] + [f"- {n}" for n in notes] + ["", f"_run took {time.time() - t0:.0f} s_", ""]
     (out / "throughput.md").write_text("\n".join(lines))
     (out / "throughput.json").write_text(json.dumps(dict(meta=meta, rows=rows, notes=notes), indent=1))
     plot(rows, out / "throughput.png", a.budget_gib)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import textwrap
 import time
@@ -21,18 +20,15 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-
+from . import cliargs
+from .cliargs import DTYPES, SAMPLE_TEMPERATURE, SAMPLING, sampling_of
 from .config import PRESETS, get_preset
-from .generate import MAX_SEED, Sampling, eos_ids, make_cache, stream_tokens
+from .generate import Sampling, eos_ids, make_cache, stream_tokens
 from .memory import MemoryReport
 from .models import tp_rank_and_size
 from .prompts import encode_prompt
 
 DEFAULT_COMPARE = "fp16,kivi-k2v2,kitty,kitty-pro"
-SAMPLING = Sampling()  # the defaults the demo app uses too: greedy, top-p 0.95 once a temperature is set, seed 0
-SAMPLE_TEMPERATURE = 1.0  # --sample without --temperature: the model's own distribution
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass
@@ -116,10 +112,11 @@ def describe(result: Result) -> str:
     rank = f" (per rank of {r.ranks})" if r.ranks > 1 else ""
     return "\n".join(
         [
-            f"[{result.method}] {result.new_tokens} new tokens in {result.seconds:.1f} s ({result.tokens_per_second:.1f} tokens/s)",
+            f"[{result.method}] {result.new_tokens} new tokens in {result.seconds:.1f} s "
+            f"({result.tokens_per_second:.1f} tokens/s)",
             f"KV cache: {r.summary()}",
-            f"  quantized payload{rank} {r.payload_bytes / 2**10:.1f} KiB | metadata {r.metadata_bytes / 2**10:.1f} KiB | "
-            f"full precision {r.full_precision_bytes / 2**10:.1f} KiB",
+            f"  quantized payload{rank} {r.payload_bytes / 2**10:.1f} KiB | "
+            f"metadata {r.metadata_bytes / 2**10:.1f} KiB | full precision {r.full_precision_bytes / 2**10:.1f} KiB",
             f"  tokens per layer: sink {c['sink']} | key pages {c['key_pages']} | key qbuffer {c['key_qbuffer']} | "
             f"value pages {c['value_pages']} | value qbuffer {c['value_qbuffer']} | local {c['local']}",
         ]
@@ -193,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to generate (default: 64)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template (default: off)")
-    p.add_argument("--model", default=None, help="hub id or local path (default: the embedded SmolLM2-135M-Instruct)")
+    cliargs.add_model(p)
     p.add_argument(
         "--compare", action="store_true", help="run several presets on the same prompt and print a table (default: off)"
     )
@@ -208,40 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="cut each text in the --compare table to this many characters (default: 0, the whole text)",
     )
-    p.add_argument(
-        "--temperature",
-        type=float,
-        default=None,
-        help=f"sampling temperature; 0 decodes greedily (default: {SAMPLING.temperature:g}, greedy, as the demo app; "
-        f"{SAMPLE_TEMPERATURE:g} with --sample)",
-    )
-    p.add_argument(
-        "--sample",
-        action="store_true",
-        help=f"sample (at --temperature, default {SAMPLE_TEMPERATURE:g}) instead of greedy decoding",
-    )
-    p.add_argument(
-        "--top-p",
-        type=float,
-        default=SAMPLING.top_p,
-        help=f"nucleus sampling mass (default: {SAMPLING.top_p:g}, as the demo app)",
-    )
-    p.add_argument(
-        "--seed", type=int, default=SAMPLING.seed, help=f"sampling seed in [0, 2**63) (default: {SAMPLING.seed})"
-    )
-    p.add_argument(
-        "--backend",
-        default=None,
-        choices=("auto", "torch", "triton"),
-        help="attention backend (default: $KITTY_BACKEND, else auto)",
-    )
-    p.add_argument("--dtype", default="bfloat16", choices=tuple(DTYPES), help="weight dtype (default: bfloat16)")
-    p.add_argument(
-        "--tp",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="shard the model over the torchrun ranks (tp_plan='auto') (default: on when WORLD_SIZE > 1)",
-    )
+    cliargs.add_sampling(p)
+    cliargs.add_backend(p)
+    cliargs.add_dtype(p)
+    cliargs.add_tp(p)
     p.add_argument(
         "--json",
         default=None,
@@ -251,16 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _is_rank0() -> bool:
-    try:
-        return tp_rank_and_size()[0] == 0
-    except ValueError:  # a malformed RANK: say the error anyway
-        return True
-
-
 def _fail(message: str) -> int:
-    if _is_rank0():  # every rank meets the same error: say it once
-        print(f"error: {message}", file=sys.stderr)
+    cliargs.say_error(message)
     return 2
 
 
@@ -271,13 +230,8 @@ def utf8_text(arg: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
+    with cliargs.closing_distributed():
         return run(build_parser().parse_args(argv))
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():  # from_pretrained(tp_plan=...) opened it; close it on every path
-            dist.destroy_process_group()
 
 
 def read_prompt(args: argparse.Namespace) -> str:
@@ -311,40 +265,6 @@ def read_prompt(args: argparse.Namespace) -> str:
     return utf8_text(text)
 
 
-def sampling_of(args: argparse.Namespace) -> Sampling:
-    """The run's sampling from ``--temperature``/``--sample``/``--top-p``/``--seed``; ``ValueError`` names the flag."""
-    temperature = args.temperature
-    if temperature is None:
-        temperature = SAMPLE_TEMPERATURE if args.sample else SAMPLING.temperature
-    if not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
-    if args.sample and temperature == 0:
-        raise ValueError("--temperature must be > 0 with --sample (or leave out --sample for greedy decoding)")
-    if not 0 < args.top_p <= 1:
-        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if not 0 <= args.seed < MAX_SEED:
-        raise ValueError(f"--seed must be in [0, 2**63), got {args.seed}")
-    return Sampling(temperature, args.top_p, args.seed)
-
-
-def check_json_path(path: Path) -> str | None:
-    """Why the results cannot be written to ``path`` (``None`` when they can): checked before any generation by
-    opening it for appending (a file made only for the check is removed again)."""
-    if path.is_dir():
-        return f"--json {str(path)!r} is a folder; give a file path"
-    if not path.parent.is_dir():
-        return f"--json {str(path)!r}: its folder does not exist"
-    existed = path.exists()
-    try:
-        with open(path, "a"):
-            pass
-    except OSError as e:
-        return f"--json {str(path)!r}: cannot write there ({e.strerror or e})"
-    if not existed:
-        path.unlink()
-    return None
-
-
 def run(args: argparse.Namespace) -> int:
     """The command for parsed ``args``; returns the exit status."""
     try:
@@ -357,39 +277,24 @@ def run(args: argparse.Namespace) -> int:
         print("warning: the prompt holds bytes that are not UTF-8; they were replaced by U+FFFD", file=sys.stderr)
     if not args.prompt.strip():
         return _fail("the prompt is empty")
-    if args.max_new_tokens < 1:
-        return _fail(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.width < 0:
         return _fail(f"--width must be >= 0 (0: the whole text), got {args.width}")
     if args.methods is not None and not args.compare:
         return _fail("--methods is for --compare; use --method for a single preset")
-    if args.compare:
-        methods = [
-            m.strip() for m in (args.methods if args.methods is not None else DEFAULT_COMPARE).split(",") if m.strip()
-        ]
-        if not methods:
-            return _fail(f"--methods names no preset; choose from {sorted(PRESETS)}")
-    else:
-        methods = [args.method]
-    for m in methods:
-        try:
-            get_preset(m)
-        except ValueError as e:
-            return _fail(f"unknown method {m!r}: {e}")
-
-    if args.model is not None and args.model.startswith(("/", ".", "~")) and not Path(args.model).expanduser().exists():
-        return _fail(f"--model {args.model!r}: no such folder (give a local model folder or a hub id)")
-    if args.json is not None:
-        problem = check_json_path(Path(args.json).expanduser())
-        if problem:
-            return _fail(problem)
     try:
-        rank, world = tp_rank_and_size()
+        cliargs.check_at_least_one(max_new_tokens=args.max_new_tokens)
+        if args.compare:
+            methods = cliargs.parse_methods(args.methods if args.methods is not None else DEFAULT_COMPARE)
+        else:
+            methods = [cliargs.check_method(args.method, "--method")]
+        cliargs.check_model_path(args.model)
+        rank, world, tp = cliargs.tensor_parallel(args.tp)
     except ValueError as e:
         return _fail(str(e))
-    tp = world > 1 if args.tp is None else args.tp
-    if tp and world < 2:
-        return _fail(f"--tp needs a launch by torchrun --nproc-per-node N with N >= 2 (WORLD_SIZE is {world})")
+    if args.json is not None:
+        problem = cliargs.writable_file(Path(args.json).expanduser(), "--json")
+        if problem:
+            return _fail(problem)
 
     from .models import check_tensor_parallel, load_model
 

@@ -16,7 +16,8 @@ attention function registered as ``"kitty-calibrate"`` that reads which layer to
 ``kitty_calibration`` argument (a :class:`CalibrationTarget`). Query statistics for ``"query"``/``"oracle"`` selection
 come from the same pass.
 
-``python -m kitty.calibrate [--model M] [--base kitty-query+key_range=fit] [--in-context] [--out kitty/profiles/NAME.json]``
+``python -m kitty.calibrate [--model M] [--base kitty-query+key_range=fit] [--in-context]
+[--out kitty/profiles/NAME.json]``
 
 Measured on the default model (README): both calibration modes give profiles that lose to uniform allocation in
 decode perplexity; they are kept as a tool and a negative result.
@@ -38,6 +39,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from . import cliargs
 from .config import PROFILES_DIR, QUERY_SELECTIONS, KVQuantConfig, get_preset
 from .prompts import shipped_text
 from .quant import dequantize_key_page, quantize_key_page, query_scale_from, query_statistic
@@ -132,7 +134,8 @@ def layer_sensitivity(
 
 
 def allocate(kl: torch.Tensor, counts: tuple[int, ...], total: int) -> list[int]:
-    """Counts ``c_l`` (one of ``counts`` per layer) with ``sum c_l == total`` minimizing ``sum_l kl[l, c_l]`` (exact DP)."""
+    """Counts ``c_l`` (one of ``counts`` per layer) with ``sum c_l == total`` minimizing ``sum_l kl[l, c_l]``
+    (exact DP)."""
     step = math.gcd(*counts) if any(counts) else 1
     if total % step:
         raise ValueError(f"total must be a multiple of {step} (the gcd of counts), got {total}")
@@ -216,26 +219,38 @@ def calibrate_profile(
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m kitty.calibrate", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="hub id or local path (default: embedded SmolLM2-135M-Instruct)")
+    cliargs.add_model(p)
     p.add_argument(
         "--base",
         default="kitty-query+key_range=fit",
-        help="method (preset[+field=value...]) whose selection and key ranges are calibrated",
+        help="method (preset[+field=value...]) whose selection and key ranges are calibrated "
+        "(default: kitty-query+key_range=fit)",
     )
-    p.add_argument("--tokens", type=int, default=1024)
-    p.add_argument("--fractions", default="0.125,0.25", help="average boost fractions to allocate (comma-separated)")
+    p.add_argument("--tokens", type=int, default=1024, help="calibration tokens (default: 1024)")
+    p.add_argument(
+        "--fractions",
+        default="0.125,0.25",
+        help="average boost fractions to allocate, comma-separated (default: 0.125,0.25)",
+    )
     p.add_argument(
         "--in-context",
         action="store_true",
-        help="measure each layer with the other layers quantized uniformly at each fraction (default: the other layers exact)",
+        help="measure each layer with the other layers quantized uniformly at each fraction (default: the other "
+        "layers exact)",
     )
     p.add_argument("--out", default=None, help="JSON path (default: kitty/profiles/<model name>.json)")
     a = p.parse_args(argv)
+    try:  # the flags, before the model loads
+        base = get_preset(cliargs.check_method(a.base, "--base"))
+        fractions = cliargs.parse_numbers(a.fractions, "--fractions", float)
+        cliargs.check_at_least_one(tokens=a.tokens)
+        cliargs.check_model_path(a.model)
+    except ValueError as e:
+        cliargs.say_error(str(e))
+        raise SystemExit(2) from None
     from .models import DEFAULT_MODEL_NAME, load_model
 
-    base = get_preset(a.base)
     model, tokenizer = load_model(a.model)
-    fractions = tuple(float(f) for f in a.fractions.split(","))
     data = calibrate_profile(model, tokenizer, base, fractions, n_tokens=a.tokens, in_context=a.in_context)
     name = Path(a.model).name if a.model else DEFAULT_MODEL_NAME
     out = Path(a.out) if a.out else PROFILES_DIR / f"{name}.json"

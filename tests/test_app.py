@@ -1,7 +1,7 @@
 """The Gradio demo, driven over HTTP with ``gradio_client`` as a user's browser would, plus its streaming logic.
 
-The app is launched in-process once for the test session (``demo_url`` in conftest) (the model loads once, at import of ``app``). Expected values
-come from the library itself: a :class:`kitty.KittyCache` of the same preset run through ``model.generate`` on the
+The app is launched in-process once for the test session (``demo_url`` in conftest) (the model loads once, at
+import of ``app``). Expected values come from the library itself: a :class:`kitty.KittyCache` of the same preset run through ``model.generate`` on the
 same prompt, greedy, for the same number of tokens.
 """
 

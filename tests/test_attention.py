@@ -10,6 +10,7 @@ import types
 
 import pytest
 import torch
+from fixtures import tiny_config
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -43,7 +44,7 @@ def config(**kw) -> LlamaConfig:
         vocab_size=128,
     )
     args.update(kw)
-    return LlamaConfig(**args)
+    return tiny_config(**args)
 
 
 def feed(cache, k, v, valid=None, q=None):

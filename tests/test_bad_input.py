@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from fixtures import tiny_config
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kitty import PRESETS, KittyCache, KVQuantConfig
@@ -27,14 +28,11 @@ SMALL = PRESETS["kitty"].with_(sink_tokens=4, group_size=8, local_window=8)
 
 def tiny_model(layers: int = 4, attn: str = "sdpa", seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
+    config = tiny_config(
         num_hidden_layers=layers,
         num_attention_heads=HQ,
         num_key_value_heads=HKV,
         head_dim=D,
-        vocab_size=128,
         max_position_embeddings=512,
     )
     config._attn_implementation = attn
@@ -451,15 +449,7 @@ def test_float64_model_is_refused_at_the_first_forward_pass(preset):
 def test_head_dim_above_256_runs_with_full_precision_keys():
     """Only quantized keys need head_dim <= 256 (uint8 boost_idx): the fp16 preset runs any head_dim."""
     torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=320,
-        vocab_size=128,
-    )
+    config = tiny_config(num_attention_heads=2, num_key_value_heads=1, head_dim=320)
     model = LlamaForCausalLM(config).eval()
     ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from fixtures import tiny_config
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3ForCausalLM
 
 from kitty import PRESETS, KittyCache, analytic_report, token_layout
 from kitty.attention import KittyMask, kitty_attention_forward
@@ -39,7 +40,7 @@ def tiny_llama_config(**kw) -> LlamaConfig:
         max_position_embeddings=512,
     )
     args.update(kw)
-    return LlamaConfig(**args)
+    return tiny_config(**args)
 
 
 def feed(
@@ -304,15 +305,7 @@ def test_fp16_matches_dynamic_cache_tiny_random_models(arch):
         model = LlamaForCausalLM(tiny_llama_config()).eval()
     else:
         model = Qwen3ForCausalLM(
-            Qwen3Config(
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=HQ,
-                num_key_value_heads=HKV,
-                head_dim=D,
-                vocab_size=128,
-            )
+            tiny_config("qwen3", num_attention_heads=HQ, num_key_value_heads=HKV, head_dim=D)
         ).eval()
     ids = torch.randint(3, 128, (2, 7))
     mask = torch.ones_like(ids)

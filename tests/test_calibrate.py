@@ -6,9 +6,9 @@ import itertools
 
 import pytest
 import torch
+from fixtures import tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from kitty import PRESETS, analytic_report
 from kitty.calibrate import allocate, fake_quantize_keys, layer_sensitivity
@@ -48,19 +48,7 @@ def test_allocate_is_the_exact_optimum(rows, units):
 
 
 def test_layer_sensitivity_on_a_tiny_model():
-    torch.manual_seed(1)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=128,
-        max_position_embeddings=256,
-        initializer_range=0.3,
-    )  # peaked attention and logits
-    model = LlamaForCausalLM(config).eval()
+    model = tiny_model(seed=1, initializer_range=0.3)  # peaked attention and logits
     cfg = PRESETS["kitty"].with_(sink_tokens=4, group_size=16)
     ids = torch.randint(0, 128, (100,))
     kl = layer_sensitivity(model, ids, cfg, counts=(0, 8, 16), progress=False)
@@ -81,7 +69,8 @@ def test_shipped_profile_spends_exactly_the_uniform_budget(fraction, preset):
 
 
 def test_adaptive_presets_store_as_many_bytes_as_uniform_on_the_default_model():
-    """memory_report of real caches after the same prompt: the adaptive presets cost exactly kitty's / kitty-pro's bytes."""
+    """memory_report of real caches after the same prompt: the adaptive presets cost exactly kitty's / kitty-pro's
+    bytes."""
     from kitty import KittyCache, load_model
 
     model, tok = load_model()

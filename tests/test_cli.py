@@ -40,7 +40,7 @@ def test_cli_compare_prints_a_table_per_preset():
     "argv, message",
     [
         (["  "], "prompt is empty"),
-        (["hi", "--compare", "--methods", "fp16,nope"], "unknown method"),
+        (["hi", "--compare", "--methods", "fp16,nope"], "--methods 'nope': method must be one of"),
         (["hi", "--max-new-tokens", "0"], "max-new-tokens"),
     ],
 )

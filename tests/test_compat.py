@@ -17,49 +17,19 @@ import sys
 import pytest
 import torch
 import transformers
+from fixtures import W, tiny_config, tiny_model
 from transformers import (
     DynamicCache,
     Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    LlamaConfig,
     LlamaForCausalLM,
-    MistralConfig,
     MistralForCausalLM,
-    Qwen2Config,
     Qwen2ForCausalLM,
-    Qwen3Config,
     Qwen3ForCausalLM,
 )
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
 from kitty import PRESETS, KittyCache, compat
 from kitty.generate import generate_tokens
-
-SIZES = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=128,
-    max_position_embeddings=256,
-)
-W = 16  # sliding window of the hybrid configs
-
-
-def config_of(family: str):
-    """A tiny config of each supported family; the hybrid ones with sliding layers of window ``W``."""
-    if family == "llama":
-        return LlamaConfig(num_hidden_layers=2, **SIZES)
-    if family == "qwen3":
-        return Qwen3Config(num_hidden_layers=2, **SIZES)
-    if family == "gemma3":
-        types = ["sliding_attention", "sliding_attention", "full_attention"]
-        return Gemma3TextConfig(num_hidden_layers=3, sliding_window=W, layer_types=types, **SIZES)
-    if family == "mistral":
-        return MistralConfig(num_hidden_layers=2, sliding_window=W, **SIZES)
-    return Qwen2Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=W, max_window_layers=1, **SIZES)
-
 
 FAMILIES = ("llama", "qwen3", "gemma3", "mistral", "qwen2")
 MODEL_CLASSES = (LlamaForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)
@@ -108,7 +78,7 @@ def test_layer_types_match_transformers(family):
     """One type and one dict per layer, equal to transformers' own inference (its per-layer lists where the
     release returns them, its shared dict given to each windowed layer where it returns one dict) and to the
     layers ``DynamicCache`` builds from the same config."""
-    text = config_of(family)
+    text = tiny_config(family)  # the hybrid ones with sliding layers of window W
     types, kwargs = compat.layer_types_and_kwargs(text)
     own_types, own_kwargs = get_layer_types_and_kwargs(text)
     assert types == list(own_types) and len(kwargs) == len(types) == text.num_hidden_layers
@@ -182,8 +152,7 @@ def test_kv_heads_rule_matches_transformers_on_a_grid():
 
 @pytest.fixture(scope="module")
 def tiny_llama():
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, **SIZES)).eval()
+    return tiny_model()
 
 
 PROMPT, NEW = 30, 12  # with S=4, G=8, R=8 the prompt alone fills pages
@@ -222,9 +191,8 @@ def test_cli_run_fills_the_cache(tmp_path):
     from kitty.models import resolve_default_model
 
     tok = AutoTokenizer.from_pretrained(resolve_default_model())
-    torch.manual_seed(0)
     folder = tmp_path / "llama"
-    LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, **(SIZES | {"vocab_size": len(tok)}))).save_pretrained(folder)
+    tiny_model(vocab_size=len(tok)).save_pretrained(folder)
     tok.save_pretrained(folder)
     out = tmp_path / "run.json"
     args = ["Name three colors of the rainbow, please.", "--model", str(folder), "--method", "kitty"]

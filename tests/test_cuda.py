@@ -23,7 +23,8 @@ LOGIT_RTOL = 0.02
 
 
 def tiny_model(kind: str):
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    from fixtures import tiny_config
+    from transformers import AutoModelForCausalLM
 
     common = dict(
         vocab_size=512,
@@ -36,7 +37,7 @@ def tiny_model(kind: str):
         max_position_embeddings=4096,
         initializer_range=0.1,
     )
-    config = LlamaConfig(**common) if kind == "llama" else Qwen3Config(**common)
+    config = tiny_config(kind, **common)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float16).cuda().eval()
 

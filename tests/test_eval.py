@@ -63,7 +63,7 @@ def test_pack_cost_covers_every_strategy():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--methods", "nope"], "--methods: method must be one of"),
+        (["--methods", "nope"], "--methods 'nope': method must be one of"),
         (["--methods", ""], "--methods names no preset"),
         (["--methods", " , "], "--methods names no preset"),
         (["--skip", "bogus"], "--skip takes parts from"),

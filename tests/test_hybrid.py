@@ -11,48 +11,18 @@ import warnings
 
 import pytest
 import torch
-from transformers import (
-    DynamicCache,
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    LlamaConfig,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from fixtures import W, tiny_config, tiny_model
+from transformers import DynamicCache
 
 from kitty import PRESETS, KittyCache, analytic_report
 from kitty.cache import KittyLayer, SlidingWindowLayer
 from kitty.compat import cache_kwargs
 
-W = 16  # sliding window (transformers keeps the newest W - 1 columns)
 SMALL = {name: PRESETS[name].with_(sink_tokens=4, group_size=8, local_window=8) for name in ("fp16", "kitty")}
-COMMON = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=128,
-    max_position_embeddings=256,
-)
 
 
 def build(family: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    if family == "gemma3":
-        config = Gemma3TextConfig(
-            num_hidden_layers=3,
-            sliding_window=W,
-            **COMMON,
-            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-        )
-        return Gemma3ForCausalLM(config).eval()
-    if family == "mistral":
-        return MistralForCausalLM(MistralConfig(num_hidden_layers=2, sliding_window=W, **COMMON)).eval()
-    config = Qwen2Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=W, max_window_layers=1, **COMMON)
-    return Qwen2ForCausalLM(config).eval()
+    return tiny_model(family)  # seed 0; gemma3: sliding, sliding, full; mistral: all sliding; qwen2: full, sliding
 
 
 def kitty_cache(model, name: str) -> KittyCache:
@@ -137,15 +107,14 @@ def test_padded_batch_rows_equal_alone_and_windows_stay_bounded(family, monkeypa
 
 
 def test_bad_hybrid_configs_raise_before_any_work():
-    base = dict(COMMON, num_hidden_layers=2)
     with pytest.raises(ValueError, match="sliding_window"):
-        KittyCache(MistralConfig(sliding_window=1, **base), "kitty")  # would keep every column
-    config = LlamaConfig(**base)
+        KittyCache(tiny_config("mistral", sliding_window=1), "kitty")  # would keep every column
+    config = tiny_config()
     config.layer_types, config.attention_chunk_size = ["chunked_attention", "full_attention"], 8
     with pytest.raises(ValueError, match="chunked_attention"):
         KittyCache(config, "kitty")
     with pytest.warns(UserWarning, match="quantizes nothing"):
-        KittyCache(MistralConfig(sliding_window=W, **base), "kitty")
+        KittyCache(tiny_config("mistral"), "kitty")
 
 
 def test_failure_in_a_later_full_layer_restores_the_windows(monkeypatch):

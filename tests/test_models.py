@@ -9,7 +9,8 @@ import shutil
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from fixtures import tiny_model
+from transformers import AutoTokenizer
 
 from kitty import models
 
@@ -19,17 +20,7 @@ def tiny_model_dir(tmp_path_factory):
     """A complete, loadable model folder: 2-layer random Llama (seed 0) with the default model's tokenizer."""
     path = tmp_path_factory.mktemp("tiny-hub-model")
     tok = AutoTokenizer.from_pretrained(models.default_model_path())
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(path)
+    tiny_model(vocab_size=len(tok)).save_pretrained(path)
     tok.save_pretrained(path)
     return path
 

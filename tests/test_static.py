@@ -12,15 +12,8 @@ import os
 
 import pytest
 import torch
-from transformers import (
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-    StaticCache,
-)
+from fixtures import tiny_model
+from transformers import StaticCache
 
 from kitty import PRESETS, KittyCache
 from kitty.generate import Sampling, generate_static
@@ -30,29 +23,13 @@ S, G, R = 4, 8, 8
 SMALL = {
     name: PRESETS[name].with_(sink_tokens=S, group_size=G, local_window=R) for name in ("fp16", "kitty", "kitty-pro")
 }
-COMMON = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=128,
-    max_position_embeddings=256,
-)
 B, T, NEW = 3, 13, 30
 
 
 def build(family: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, **COMMON))
-    elif family == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=2, **COMMON))
-    else:
-        types = ["sliding_attention", "sliding_attention", "full_attention"]
-        model = Gemma3ForCausalLM(Gemma3TextConfig(num_hidden_layers=3, sliding_window=16, layer_types=types, **COMMON))
+    model = tiny_model(family)  # seed 0; gemma3: sliding, sliding, full with a window of 16
     model.generation_config.eos_token_id = None
-    return model.eval()
+    return model
 
 
 def ragged_batch() -> tuple[torch.Tensor, torch.Tensor]:

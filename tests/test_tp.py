@@ -46,23 +46,15 @@ def save_models(folder: Path, families=FAMILIES, tokenizer=None, num_key_value_h
 
     ``tokenizer``: saved beside the weights (a folder the CLI can load), the vocabulary sized to it; else 128 ids.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from fixtures import tiny_model
 
     sizes = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
         num_attention_heads=8,
         num_key_value_heads=num_key_value_heads,
-        head_dim=16,
         vocab_size=128 if tokenizer is None else len(tokenizer),
-        max_position_embeddings=256,
     )
-    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
     for family in families:
-        config_cls, model_cls = classes[family]
-        torch.manual_seed(0)
-        model_cls(config_cls(**sizes)).save_pretrained(folder / family)
+        tiny_model(family, **sizes).save_pretrained(folder / family)  # seed 0
         if tokenizer is not None:
             tokenizer.save_pretrained(folder / family)
 
@@ -173,12 +165,12 @@ def test_two_ranks_generate_what_one_process_generates(tmp_path):
 
 
 def test_kv_heads_that_do_not_divide_by_the_ranks_raise_at_construction():
-    from transformers import LlamaConfig
+    from fixtures import tiny_config
     from transformers.distributed import DistributedConfig
 
     from kitty import KittyCache
 
-    config = LlamaConfig(hidden_size=48, num_attention_heads=3, num_key_value_heads=3, head_dim=16, num_hidden_layers=1)
+    config = tiny_config(hidden_size=48, num_attention_heads=3, num_key_value_heads=3, num_hidden_layers=1)
     config.distributed_config = DistributedConfig(tp_size=2)
     with pytest.raises(ValueError, match="tp_size=2"):
         KittyCache(config, "kitty")
@@ -229,12 +221,12 @@ def test_cli_sharded_prints_once_the_text_of_one_process(cli_model, tmp_path):
 
 
 def test_cli_refuses_heads_that_do_not_divide_before_loading(tmp_path, monkeypatch, capsys):
-    from transformers import LlamaConfig
+    from fixtures import tiny_config
 
     import kitty.models
     from kitty.__main__ import main
 
-    LlamaConfig(hidden_size=48, num_attention_heads=3, num_key_value_heads=3, head_dim=16).save_pretrained(tmp_path)
+    tiny_config(hidden_size=48, num_attention_heads=3, num_key_value_heads=3).save_pretrained(tmp_path)
 
     def no_load(*args, **kwargs):
         raise AssertionError("the weights must not load for a bad launch")
