@@ -129,8 +129,9 @@ def _fp_values(v_ptr, rows, ok, v2_ptr, rows2, ok2, p, acc_n, alpha_v, T: gl.con
     r2 = gl.convert_layout(rows2, gl.SliceLayout(0, LV))
     o2 = gl.convert_layout(ok2, gl.SliceLayout(0, LV))
     d = gl.arange(0, D, gl.SliceLayout(1, LV))
-    vT = gl.load(v_ptr + r1[None, :] * D + d[:, None], mask=o1[None, :], other=0.0).to(gl.float32)
-    vT += gl.load(v2_ptr + r2[None, :] * D + d[:, None], mask=o2[None, :] & ~o1[None, :], other=0.0).to(gl.float32)
+    vT = gl.load(v_ptr + r1[None, :] * D + d[:, None], mask=o1[None, :], other=0.0)
+    vT2 = gl.load(v2_ptr + r2[None, :] * D + d[:, None], mask=o2[None, :] & ~o1[None, :], other=0.0)
+    vT = gl.where(o1[None, :], vT, vT2)
     pp = p.to(DOT)
     if PV == 2:
         pp = gl.reshape(gl.join(pp, gl.zeros_like(pp)), [T, 2 * p.shape[1]])
@@ -284,9 +285,8 @@ def _decode_gluon_kernel(
     kq_ptr = k_qbuf_ptr + b64 * skq_b + h * skq_h
     vq_ptr = v_qbuf_ptr + b64 * svq_b + h * svq_h
     vl_ptr = v_local_ptr + b64 * svl_b + h * svl_h
-    tg = gl.arange(0, G, gl.SliceLayout(1, LS))
     for j in range(gl.maximum(start, vp), end):
-        rel = j * G + tg
+        rel0 = j * G
         if j < kp:
             kpage = gl.load(k_pt_ptr + b64 * spk_b + j).to(gl.int64) * Hkv + h
             bop, corr = _key_operand(q_perm, k_scale_ptr, k_zero_ptr, kpage * D, kk, part, D, D4, TWO, IS_BF16,
@@ -304,20 +304,38 @@ def _decode_gluon_kernel(
                                                  NB, NWH, RW, NK, PK, IS_BF16, MMA, DA), LS)
             s3 = gl.convert_layout(_quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 3, G, D4,
                                                  NB, NWH, RW, NK, PK, IS_BF16, MMA, DA), LS)
-            s = gl.convert_layout(cat4(s0, s1, s2, s3), LS)
         else:
-            s = _fp_scores(kq_ptr, tg, rel < m, q_nat, qk_scale, G, D, NK, PK, DOT, MMA, DA, LS)
-        m_new = gl.maximum(m_i, gl.max(s, 0))
+            s0 = _fp_scores(kq_ptr, tt, rel0 + tt < m, q_nat, qk_scale, 32, D, NK, PK, DOT, MMA, DA, LS)
+            s1 = _fp_scores(kq_ptr, 32 + tt, rel0 + 32 + tt < m, q_nat, qk_scale, 32, D, NK, PK, DOT, MMA, DA, LS)
+            s2 = _fp_scores(kq_ptr, 64 + tt, rel0 + 64 + tt < m, q_nat, qk_scale, 32, D, NK, PK, DOT, MMA, DA, LS)
+            s3 = _fp_scores(kq_ptr, 96 + tt, rel0 + 96 + tt < m, q_nat, qk_scale, 32, D, NK, PK, DOT, MMA, DA, LS)
+        m_new = gl.maximum(m_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), 0))
         m_safe = gl.where(m_new > float("-inf"), m_new, 0.0)
         alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - m_safe[None, :])
+        p0 = gl.exp2(s0 - m_safe[None, :])
+        p1 = gl.exp2(s1 - m_safe[None, :])
+        p2 = gl.exp2(s2 - m_safe[None, :])
+        p3 = gl.exp2(s3 - m_safe[None, :])
         m_i = m_new
-        l_i = l_i * alpha + gl.sum(p, 0)
+        l_i = l_i * alpha + gl.sum((p0 + p1) + (p2 + p3), 0)
         az = az * alpha
         av = widen(alpha, PV)
         acc_q = acc_q * gl.convert_layout(av, gl.SliceLayout(0, LO))[None, :]
-        acc_n = _fp_values(vq_ptr, rel % G, rel < mv, vl_ptr, rel % gl.maximum(R, 1), (rel >= mv) & (rel < m), p,
-                           acc_n, gl.convert_layout(av, gl.SliceLayout(0, MMA)), G, D, PV, DOT, MMA, DA, DB)
+        avm = gl.convert_layout(av, gl.SliceLayout(0, MMA))
+        one = gl.full([NV], 1.0, gl.float32, gl.SliceLayout(0, MMA))
+        Rm = gl.maximum(R, 1)
+        r0 = rel0 + tt
+        acc_n = _fp_values(vq_ptr, r0 % G, r0 < mv, vl_ptr, r0 % Rm, (r0 >= mv) & (r0 < m), p0, acc_n, avm, 32, D,
+                           PV, DOT, MMA, DA, DB)
+        r0 = rel0 + 32 + tt
+        acc_n = _fp_values(vq_ptr, r0 % G, r0 < mv, vl_ptr, r0 % Rm, (r0 >= mv) & (r0 < m), p1, acc_n, one, 32, D,
+                           PV, DOT, MMA, DA, DB)
+        r0 = rel0 + 64 + tt
+        acc_n = _fp_values(vq_ptr, r0 % G, r0 < mv, vl_ptr, r0 % Rm, (r0 >= mv) & (r0 < m), p2, acc_n, one, 32, D,
+                           PV, DOT, MMA, DA, DB)
+        r0 = rel0 + 96 + tt
+        acc_n = _fp_values(vq_ptr, r0 % G, r0 < mv, vl_ptr, r0 % Rm, (r0 >= mv) & (r0 < m), p3, acc_n, one, 32, D,
+                           PV, DOT, MMA, DA, DB)
     if S > 0:
         if (split == 0) & (n > 0):
             ps = gl.arange(0, BLOCK_S, gl.SliceLayout(1, LS))
@@ -440,6 +458,6 @@ def decode_attention_gluon(q: torch.Tensor, state: KittyLayerState, cfg: KVQuant
         st.sink_v.stride(0), st.sink_v.stride(1), st.k_qbuf.stride(0), st.k_qbuf.stride(1), st.v_qbuf.stride(0),
         st.v_qbuf.stride(1), st.v_local.stride(0), st.v_local.stride(1), st.k_page_table.stride(0),
         st.v_page_table.stride(0),
-        **consts, num_warps=1,
+        **consts, num_warps=1, maxnreg=255,
     )
     return out
