@@ -60,10 +60,12 @@ def check(results: dict) -> bool:
             name = f"two={int(two)} splits={splits}"
             try:
                 ws = {}
-                out = decode_attention_gluon(q, state, cfg, full_qbuffer=fq, workspace=ws,
-                                             launch=GluonLaunch(splits, two)).float()
-                out2 = decode_attention_gluon(q, state, cfg, full_qbuffer=fq, workspace=ws,
-                                              launch=GluonLaunch(splits, two)).float()  # tickets were reset
+                out = decode_attention_gluon(
+                    q, state, cfg, full_qbuffer=fq, workspace=ws, launch=GluonLaunch(splits, two)
+                ).float()
+                out2 = decode_attention_gluon(
+                    q, state, cfg, full_qbuffer=fq, workspace=ws, launch=GluonLaunch(splits, two)
+                ).float()  # tickets were reset
                 err = (out - ref).abs().max().item() if torch.isfinite(out).all() else float("inf")
                 err = max(err, (out2 - ref).abs().max().item() if torch.isfinite(out2).all() else float("inf"))
             except Exception as e:  # noqa: BLE001
@@ -89,8 +91,13 @@ def main() -> None:
     out = args.out or default_out(props.name)
     os.makedirs(out, exist_ok=True)
     kb.RESULT_PATH = str(unused_path(out, "gluon_check.json"))
-    env = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-           "triton": __import__("triton").__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    env = {
+        "gpu": props.name,
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     results = {"env": env, "check": {}, "timing": [], "fastest_fp16": {}}
     kb.log("env", json.dumps(env))
     if not args.no_check:
@@ -124,8 +131,16 @@ def main() -> None:
             units = states[0].k_page_table.shape[1] + 1
 
             def row(method, t, **extra):
-                r = dict(B=B, L=L, method=f"{tag} {method}", us=t * 1e6, bytes=cache_b, vs_fp16=best[0] / t,
-                         pct_copy=100 * cache_b / t / copy_bw, **extra)
+                r = dict(
+                    B=B,
+                    L=L,
+                    method=f"{tag} {method}",
+                    us=t * 1e6,
+                    bytes=cache_b,
+                    vs_fp16=best[0] / t,
+                    pct_copy=100 * cache_b / t / copy_bw,
+                    **extra,
+                )
                 results["timing"].append(r)
                 kb.log(f"  {tag} {method} {extra}: {t * 1e6:.1f} us, {best[0] / t:.2f}x, {r['pct_copy']:.0f}% copy")
 
@@ -135,12 +150,17 @@ def main() -> None:
             for cps, two in itertools.product((2, 4, 8, 16), (True, False)):
                 if time.time() - t0 > args.budget_s and cps != 8:
                     continue
-                gl_launch = dataclasses.replace(default_gluon_launch(B, HKV, units, torch.device("cuda"), cps),
-                                                key_two_part=two)
+                gl_launch = dataclasses.replace(
+                    default_gluon_launch(B, HKV, units, torch.device("cuda"), cps), key_two_part=two
+                )
                 ws = [{} for _ in range(nrot)]
                 try:
-                    t = kb.bench([lambda i=i: decode_attention_gluon(qs[i], states[i], cfg, workspace=ws[i],
-                                                                     launch=gl_launch) for i in range(nrot)])
+                    t = kb.bench(
+                        [
+                            lambda i=i: decode_attention_gluon(qs[i], states[i], cfg, workspace=ws[i], launch=gl_launch)
+                            for i in range(nrot)
+                        ]
+                    )
                 except Exception as e:  # noqa: BLE001
                     kb.log(f"  {tag} gluon cps={cps} two={two}: failed {type(e).__name__}: {str(e)[:200]}")
                     continue

@@ -29,8 +29,16 @@ from kitty.kernels.gluon_launch import GluonLaunch  # noqa: E402
 
 MAXNREG = int(os.environ.get("GLUON_MAXNREG", "0"))
 PTR_TYPES = {
-    "ws_m_ptr": "fp32", "ws_l_ptr": "fp32", "ws_z_ptr": "fp32", "ws_acc_ptr": "fp32", "ticket_ptr": "i32",
-    "len_ptr": "i32", "k_pt_ptr": "i32", "v_pt_ptr": "i32", "k_low_ptr": "u8", "k_idx_ptr": "u8",
+    "ws_m_ptr": "fp32",
+    "ws_l_ptr": "fp32",
+    "ws_z_ptr": "fp32",
+    "ws_acc_ptr": "fp32",
+    "ticket_ptr": "i32",
+    "len_ptr": "i32",
+    "k_pt_ptr": "i32",
+    "v_pt_ptr": "i32",
+    "k_low_ptr": "u8",
+    "k_idx_ptr": "u8",
     "v_codes_ptr": "u8",
 }
 
@@ -68,21 +76,35 @@ def compile_gluon(preset: str, dtype: torch.dtype, gqa: int = 4, D: int = 128, t
         else:
             signature[name] = "i32"
     src = GluonASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, **({"maxnreg": MAXNREG} if MAXNREG else {})})
+    k = triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, **({"maxnreg": MAXNREG} if MAXNREG else {})}
+    )
     sass = sass_text(k.asm["cubin"])
     loop = hot_loop(sass)
     ops = [op for op, _ in loop]
     elems = 2 * cfg.group_size * D
     return {
-        "preset": preset, "dtype": tdt, "gqa": gqa, "D": D, "two_part": two_part,
-        "regs": getattr(k.metadata, "num_regs", None) or _regs(k), "spills": None, "shared": k.metadata.shared,
+        "preset": preset,
+        "dtype": tdt,
+        "gqa": gqa,
+        "D": D,
+        "two_part": two_part,
+        "regs": getattr(k.metadata, "num_regs", None) or _regs(k),
+        "spills": None,
+        "shared": k.metadata.shared,
         "local_all": sum(1 for line in sass.splitlines() if re.search(r"\b(LDL|STL)\b", line)),
-        "loop_sass": len(ops), "sass_per_element": len(ops) * 32 / elems,
+        "loop_sass": len(ops),
+        "sass_per_element": len(ops) * 32 / elems,
         "loop_local": sum(op.startswith(("LDL", "STL")) for op in ops),
         "loop_shared": sum(op.startswith(("LDS", "STS")) for op in ops),
         "loop_shared_ops": sorted({t for op, t in loop if op.startswith(("LDS", "STS"))})[:8],
-        "loop_int": sum(op.split(".")[0] in ("LOP3", "SHF", "IADD3", "IMAD", "ISETP", "SEL", "PRMT", "LEA", "SHL",
-                                              "IMNMX", "I2F", "F2I") for op in ops) * 32 / elems,
+        "loop_int": sum(
+            op.split(".")[0]
+            in ("LOP3", "SHF", "IADD3", "IMAD", "ISETP", "SEL", "PRMT", "LEA", "SHL", "IMNMX", "I2F", "F2I")
+            for op in ops
+        )
+        * 32
+        / elems,
         "loop_hmma": sum(op.startswith("HMMA") for op in ops),
         "ops": {o: ops.count(o) for o in sorted(set(ops), key=lambda o: -ops.count(o))[:25]},
         "_sass": sass,

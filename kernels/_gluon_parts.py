@@ -52,15 +52,21 @@ def unpack_low(ptr, row0, M: gl.constexpr, BPR: gl.constexpr, IS_BF16: gl.conste
     q = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LP))))
     w = gl.arange(0, W, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, LP))))
     b = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LP))))
-    off = (t[:, None, None, None] * BPR + q[None, :, None, None] * (4 * W) + w[None, None, :, None] * 4
-           + b[None, None, None, :])
+    off = (
+        t[:, None, None, None] * BPR
+        + q[None, :, None, None] * (4 * W)
+        + w[None, None, :, None] * 4
+        + b[None, None, None, :]
+    )
     x = gl.load(ptr + row0 + off)
     if IS_BF16:
-        a0, a1, a2, a3 = gl.inline_asm_elementwise(LOW_ASM_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r", [x],
-                                                   dtype=(gl.bfloat16,) * 4, is_pure=True, pack=4)
+        a0, a1, a2, a3 = gl.inline_asm_elementwise(
+            LOW_ASM_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r", [x], dtype=(gl.bfloat16,) * 4, is_pure=True, pack=4
+        )
     else:
-        a0, a1, a2, a3 = gl.inline_asm_elementwise(LOW_ASM_F16, "=r,=r,=r,=r,=r,=r,=r,=r,r", [x],
-                                                   dtype=(gl.float16,) * 4, is_pure=True, pack=4)
+        a0, a1, a2, a3 = gl.inline_asm_elementwise(
+            LOW_ASM_F16, "=r,=r,=r,=r,=r,=r,=r,=r,r", [x], dtype=(gl.float16,) * 4, is_pure=True, pack=4
+        )
     a = gl.join(gl.join(a0, a1), gl.join(a2, a3))  # (M, q, kt, b, s0, s1)
     a = gl.reshape(a, [M, 4, W, 2, 2, 2, 2])  # b = 2 h + e
     a = gl.permute(a, [0, 6, 5, 2, 3, 1, 4])  # (M, s1, s0, kt, h, q, e)
@@ -69,8 +75,9 @@ def unpack_low(ptr, row0, M: gl.constexpr, BPR: gl.constexpr, IS_BF16: gl.conste
 
 
 @gluon.jit
-def unpack_high(ptr, row0, M: gl.constexpr, NWH: gl.constexpr, RW: gl.constexpr, IS_BF16: gl.constexpr,
-                DA: gl.constexpr):
+def unpack_high(
+    ptr, row0, M: gl.constexpr, NWH: gl.constexpr, RW: gl.constexpr, IS_BF16: gl.constexpr, DA: gl.constexpr
+):
     """High-plane codes of ``M`` token rows as the ``(M, 16 NWH)`` A fragment ``DA`` (``gluon_launch.
     high_plane_order``): ``ptr`` reads a row as ``RW`` elements of 8, 16 or 32 bits (``NWH`` words, zero-extended),
     lane ``q`` unpacks field ``q``."""

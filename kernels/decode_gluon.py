@@ -42,8 +42,19 @@ LOG2E = 1.4426950408889634
 
 
 @gluon.jit
-def _key_operand(q_perm, scale_ptr, zero_ptr, meta, kk, part, D: gl.constexpr, D4: gl.constexpr,
-                 TWO: gl.constexpr, IS_BF16: gl.constexpr, DOT: gl.constexpr):
+def _key_operand(
+    q_perm,
+    scale_ptr,
+    zero_ptr,
+    meta,
+    kk,
+    part,
+    D: gl.constexpr,
+    D4: gl.constexpr,
+    TWO: gl.constexpr,
+    IS_BF16: gl.constexpr,
+    DOT: gl.constexpr,
+):
     """Per key page: ``B`` ``(D, N)`` (``q * scale`` at the permuted channels, two parts or hi and a zero column)
     and its per-column term ``corr`` ``(N,)``: ``sum q zero`` (part 0), minus the bf16 offsets' share."""
     ch = low_channel(kk, D4)
@@ -68,15 +79,31 @@ def _key_operand(q_perm, scale_ptr, zero_ptr, meta, kk, part, D: gl.constexpr, D
 
 
 @gluon.jit
-def _high_operand(bop, idx_ptr, meta, kk, slot, D4: gl.constexpr, KH: gl.constexpr, NK: gl.constexpr,
-                  IS_BF16: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
-                  DB: gl.constexpr):
+def _high_operand(
+    bop,
+    idx_ptr,
+    meta,
+    kk,
+    slot,
+    D4: gl.constexpr,
+    KH: gl.constexpr,
+    NK: gl.constexpr,
+    IS_BF16: gl.constexpr,
+    DOT: gl.constexpr,
+    MMA: gl.constexpr,
+    DA: gl.constexpr,
+    DB: gl.constexpr,
+):
     """The high plane's small operand ``4 B[channel of slot]`` ``(KH, N)``, gathered by a one-hot product (exact),
     and its bf16 offset term."""
     ch = low_channel(kk, D4)
     idx = gl.load(idx_ptr + meta + ch).to(gl.int32)
     idx = gl.convert_layout(idx, gl.SliceLayout(0, DA))
-    oh = gl.where(idx[None, :] == slot[:, None], 1.0, 0.0).to(DOT)
+    if IS_BF16:
+        unit = gl.full([D4 * 4], 1.0, gl.float32, gl.SliceLayout(0, DA))
+    else:  # the fp16 low operand carries 4^-s of the channel's field; high codes have unit 1
+        unit = gl.convert_layout(gl.exp2(2.0 * (kk // D4).to(gl.float32)), gl.SliceLayout(0, DA))
+    oh = gl.where(idx[None, :] == slot[:, None], unit[None, :], 0.0).to(DOT)
     g = mma_v2(oh, bop, gl.zeros([KH, NK], gl.float32, MMA))
     bh = gl.convert_layout((g * 4.0).to(DOT), DB)
     if IS_BF16:
@@ -87,9 +114,26 @@ def _high_operand(bop, idx_ptr, meta, kk, slot, D4: gl.constexpr, KH: gl.constex
 
 
 @gluon.jit
-def _quant_scores(low_ptr, high_ptr, kpage, bop, bh, corr_m, qk_scale, c: gl.constexpr, G: gl.constexpr,
-                  D4: gl.constexpr, NB: gl.constexpr, NWH: gl.constexpr, RW: gl.constexpr, NK: gl.constexpr,
-                  PK: gl.constexpr, IS_BF16: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr):
+def _quant_scores(
+    low_ptr,
+    high_ptr,
+    kpage,
+    bop,
+    bh,
+    corr_m,
+    qk_scale,
+    c: gl.constexpr,
+    G: gl.constexpr,
+    D4: gl.constexpr,
+    NB: gl.constexpr,
+    NWH: gl.constexpr,
+    RW: gl.constexpr,
+    NK: gl.constexpr,
+    PK: gl.constexpr,
+    IS_BF16: gl.constexpr,
+    MMA: gl.constexpr,
+    DA: gl.constexpr,
+):
     """Base-2 logits ``(32, BH)`` of tokens ``32 c ..`` of a quantized key page."""
     a = unpack_low(low_ptr, (kpage * G + 32 * c) * D4, 32, D4, IS_BF16, DA)
     acc = mma_v2(a, bop, gl.zeros([32, NK], gl.float32, MMA))
@@ -104,8 +148,21 @@ def _quant_scores(low_ptr, high_ptr, kpage, bop, bh, corr_m, qk_scale, c: gl.con
 
 
 @gluon.jit
-def _fp_scores(k_ptr, rows, ok, q_nat, qk_scale, T: gl.constexpr, D: gl.constexpr, NK: gl.constexpr,
-               PK: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr, LS: gl.constexpr):
+def _fp_scores(
+    k_ptr,
+    rows,
+    ok,
+    q_nat,
+    qk_scale,
+    T: gl.constexpr,
+    D: gl.constexpr,
+    NK: gl.constexpr,
+    PK: gl.constexpr,
+    DOT: gl.constexpr,
+    MMA: gl.constexpr,
+    DA: gl.constexpr,
+    LS: gl.constexpr,
+):
     """Base-2 logits ``(T, BH)`` of ``T`` full-precision key rows at ``k_ptr + rows * D`` (``-inf`` where not
     ``ok``)."""
     LK: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
@@ -119,8 +176,24 @@ def _fp_scores(k_ptr, rows, ok, q_nat, qk_scale, T: gl.constexpr, D: gl.constexp
 
 
 @gluon.jit
-def _fp_values(v_ptr, rows, ok, v2_ptr, rows2, ok2, p, acc_n, alpha_v, T: gl.constexpr, D: gl.constexpr,
-               PV: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr):
+def _fp_values(
+    v_ptr,
+    rows,
+    ok,
+    v2_ptr,
+    rows2,
+    ok2,
+    p,
+    acc_n,
+    alpha_v,
+    T: gl.constexpr,
+    D: gl.constexpr,
+    PV: gl.constexpr,
+    DOT: gl.constexpr,
+    MMA: gl.constexpr,
+    DA: gl.constexpr,
+    DB: gl.constexpr,
+):
     """``acc_n * alpha_v + V^T p`` ``(D, NV)`` over ``T`` full-precision value rows: row ``rows`` of ``v_ptr`` where
     ``ok``, else row ``rows2`` of ``v2_ptr`` where ``ok2``."""
     LV: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 1], [0, 1])
@@ -140,14 +213,62 @@ def _fp_values(v_ptr, rows, ok, v2_ptr, rows2, ok2, p, acc_n, alpha_v, T: gl.con
 
 @gluon.jit
 def _decode_gluon_kernel(
-    q_ptr, out_ptr, ws_m_ptr, ws_l_ptr, ws_z_ptr, ws_acc_ptr, ticket_ptr,
-    len_ptr, sink_k_ptr, sink_v_ptr, k_qbuf_ptr, v_qbuf_ptr, v_local_ptr, k_pt_ptr, v_pt_ptr,
-    k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_scale_ptr, v_zero_ptr,
-    Hkv, QH, NUM_SPLITS, qk_scale,
-    sq_b, sq_h, so_b, so_h, ssk_b, ssk_h, ssv_b, ssv_h, skq_b, skq_h, svq_b, svq_h, svl_b, svl_h, spk_b, spv_b,
-    S: gl.constexpr, G: gl.constexpr, R: gl.constexpr, D: gl.constexpr, NB: gl.constexpr, NB4: gl.constexpr,
-    NWH: gl.constexpr, RW: gl.constexpr, BH: gl.constexpr, BLOCK_S: gl.constexpr, TWO: gl.constexpr,
-    IS_BF16: gl.constexpr, FULL_QBUF: gl.constexpr,
+    q_ptr,
+    out_ptr,
+    ws_m_ptr,
+    ws_l_ptr,
+    ws_z_ptr,
+    ws_acc_ptr,
+    ticket_ptr,
+    len_ptr,
+    sink_k_ptr,
+    sink_v_ptr,
+    k_qbuf_ptr,
+    v_qbuf_ptr,
+    v_local_ptr,
+    k_pt_ptr,
+    v_pt_ptr,
+    k_low_ptr,
+    k_high_ptr,
+    k_idx_ptr,
+    k_scale_ptr,
+    k_zero_ptr,
+    v_codes_ptr,
+    v_scale_ptr,
+    v_zero_ptr,
+    Hkv,
+    QH,
+    NUM_SPLITS,
+    qk_scale,
+    sq_b,
+    sq_h,
+    so_b,
+    so_h,
+    ssk_b,
+    ssk_h,
+    ssv_b,
+    ssv_h,
+    skq_b,
+    skq_h,
+    svq_b,
+    svq_h,
+    svl_b,
+    svl_h,
+    spk_b,
+    spv_b,
+    S: gl.constexpr,
+    G: gl.constexpr,
+    R: gl.constexpr,
+    D: gl.constexpr,
+    NB: gl.constexpr,
+    NB4: gl.constexpr,
+    NWH: gl.constexpr,
+    RW: gl.constexpr,
+    BH: gl.constexpr,
+    BLOCK_S: gl.constexpr,
+    TWO: gl.constexpr,
+    IS_BF16: gl.constexpr,
+    FULL_QBUF: gl.constexpr,
 ):
     gl.static_assert(G == 128, "pages of 128 tokens: four chunks of 32")
     D4: gl.constexpr = D // 4
@@ -192,8 +313,9 @@ def _decode_gluon_kernel(
     part = nn % PK
     head = nn // PK
     q_off = b64 * sq_b + h * QH * sq_h
-    q_perm = gl.load(q_ptr + q_off + head[None, :] * sq_h + low_channel(kk, D4)[:, None],
-                     mask=(head < QH)[None, :], other=0.0).to(gl.float32)
+    q_perm = gl.load(
+        q_ptr + q_off + head[None, :] * sq_h + low_channel(kk, D4)[:, None], mask=(head < QH)[None, :], other=0.0
+    ).to(gl.float32)
     if NB > 0:
         # column r of the high operand: slot byte + field * NB4 (gluon_launch.high_plane_order), -1 past the plane
         r = gl.arange(0, KH, gl.SliceLayout(1, DA))
@@ -220,14 +342,30 @@ def _decode_gluon_kernel(
             bh, ch = _high_operand(bop, k_idx_ptr, kpage * D, kk, slot, D4, KH, NK, IS_BF16, DOT, MMA, DA, DB)
             corr = corr + ch
         corr_m = gl.convert_layout(corr, gl.SliceLayout(0, MMA))
-        s0 = gl.convert_layout(_quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 0, G, D4, NB,
-                                             NWH, RW, NK, PK, IS_BF16, MMA, DA), LS)
-        s1 = gl.convert_layout(_quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 1, G, D4, NB,
-                                             NWH, RW, NK, PK, IS_BF16, MMA, DA), LS)
-        s2 = gl.convert_layout(_quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 2, G, D4, NB,
-                                             NWH, RW, NK, PK, IS_BF16, MMA, DA), LS)
-        s3 = gl.convert_layout(_quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 3, G, D4, NB,
-                                             NWH, RW, NK, PK, IS_BF16, MMA, DA), LS)
+        s0 = gl.convert_layout(
+            _quant_scores(
+                k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 0, G, D4, NB, NWH, RW, NK, PK, IS_BF16, MMA, DA
+            ),
+            LS,
+        )
+        s1 = gl.convert_layout(
+            _quant_scores(
+                k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 1, G, D4, NB, NWH, RW, NK, PK, IS_BF16, MMA, DA
+            ),
+            LS,
+        )
+        s2 = gl.convert_layout(
+            _quant_scores(
+                k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 2, G, D4, NB, NWH, RW, NK, PK, IS_BF16, MMA, DA
+            ),
+            LS,
+        )
+        s3 = gl.convert_layout(
+            _quant_scores(
+                k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 3, G, D4, NB, NWH, RW, NK, PK, IS_BF16, MMA, DA
+            ),
+            LS,
+        )
         m_new = gl.maximum(m_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), 0))
         alpha = gl.exp2(m_i - m_new)
         p0 = gl.exp2(s0 - m_new[None, :])
@@ -260,8 +398,9 @@ def _decode_gluon_kernel(
             w3 = (p3 * (vs3 * 0.015625)[:, None]).to(DOT)
             zt = (p0 * vz0[:, None] + p1 * vz1[:, None]) + (p2 * vz2[:, None] + p3 * vz3[:, None])
         az = az * alpha + gl.sum(zt, 0)
-        pb = gl.convert_layout(cat4(token_order(w0, PV), token_order(w1, PV), token_order(w2, PV),
-                                    token_order(w3, PV)), DB)
+        pb = gl.convert_layout(
+            cat4(token_order(w0, PV), token_order(w1, PV), token_order(w2, PV), token_order(w3, PV)), DB
+        )
         av = gl.convert_layout(widen(alpha, PV), gl.SliceLayout(0, MMA))
         vrow = vpage * (D * 32)
         acc0 = mma_v2(unpack_low(v_codes_ptr, vrow, 32, 32, IS_BF16, DA), pb, acc0 * av[None, :])
@@ -279,8 +418,9 @@ def _decode_gluon_kernel(
     LO: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, 1], [0, 1])
     acc_q = gl.convert_layout(acc_q, LO)
     # ---- full-precision tail: pages whose values are in the qbuffer / local window, the key qbuffer page, the sink
-    q_nat = gl.load(q_ptr + q_off + head[None, :] * sq_h + kk[:, None], mask=((head < QH) & (part == 0))[None, :],
-                    other=0.0).to(DOT)
+    q_nat = gl.load(
+        q_ptr + q_off + head[None, :] * sq_h + kk[:, None], mask=((head < QH) & (part == 0))[None, :], other=0.0
+    ).to(DOT)
     acc_n = gl.zeros([D, NV], gl.float32, MMA)
     kq_ptr = k_qbuf_ptr + b64 * skq_b + h * skq_h
     vq_ptr = v_qbuf_ptr + b64 * svq_b + h * svq_h
@@ -289,21 +429,104 @@ def _decode_gluon_kernel(
         rel0 = j * G
         if j < kp:
             kpage = gl.load(k_pt_ptr + b64 * spk_b + j).to(gl.int64) * Hkv + h
-            bop, corr = _key_operand(q_perm, k_scale_ptr, k_zero_ptr, kpage * D, kk, part, D, D4, TWO, IS_BF16,
-                                     DOT)
+            bop, corr = _key_operand(q_perm, k_scale_ptr, k_zero_ptr, kpage * D, kk, part, D, D4, TWO, IS_BF16, DOT)
             bh = bop
             if NB > 0:
                 bh, ch = _high_operand(bop, k_idx_ptr, kpage * D, kk, slot, D4, KH, NK, IS_BF16, DOT, MMA, DA, DB)
                 corr = corr + ch
             corr_m = gl.convert_layout(corr, gl.SliceLayout(0, MMA))
-            s0 = gl.convert_layout(_quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 0, G, D4,
-                                                 NB, NWH, RW, NK, PK, IS_BF16, MMA, DA), LS)
-            s1 = gl.convert_layout(_quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 1, G, D4,
-                                                 NB, NWH, RW, NK, PK, IS_BF16, MMA, DA), LS)
-            s2 = gl.convert_layout(_quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 2, G, D4,
-                                                 NB, NWH, RW, NK, PK, IS_BF16, MMA, DA), LS)
-            s3 = gl.convert_layout(_quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 3, G, D4,
-                                                 NB, NWH, RW, NK, PK, IS_BF16, MMA, DA), LS)
+            s0 = gl.convert_layout(
+                _quant_scores(
+                    k_low_ptr,
+                    k_high_ptr,
+                    kpage,
+                    bop,
+                    bh,
+                    corr_m,
+                    qk_scale,
+                    0,
+                    G,
+                    D4,
+                    NB,
+                    NWH,
+                    RW,
+                    NK,
+                    PK,
+                    IS_BF16,
+                    MMA,
+                    DA,
+                ),
+                LS,
+            )
+            s1 = gl.convert_layout(
+                _quant_scores(
+                    k_low_ptr,
+                    k_high_ptr,
+                    kpage,
+                    bop,
+                    bh,
+                    corr_m,
+                    qk_scale,
+                    1,
+                    G,
+                    D4,
+                    NB,
+                    NWH,
+                    RW,
+                    NK,
+                    PK,
+                    IS_BF16,
+                    MMA,
+                    DA,
+                ),
+                LS,
+            )
+            s2 = gl.convert_layout(
+                _quant_scores(
+                    k_low_ptr,
+                    k_high_ptr,
+                    kpage,
+                    bop,
+                    bh,
+                    corr_m,
+                    qk_scale,
+                    2,
+                    G,
+                    D4,
+                    NB,
+                    NWH,
+                    RW,
+                    NK,
+                    PK,
+                    IS_BF16,
+                    MMA,
+                    DA,
+                ),
+                LS,
+            )
+            s3 = gl.convert_layout(
+                _quant_scores(
+                    k_low_ptr,
+                    k_high_ptr,
+                    kpage,
+                    bop,
+                    bh,
+                    corr_m,
+                    qk_scale,
+                    3,
+                    G,
+                    D4,
+                    NB,
+                    NWH,
+                    RW,
+                    NK,
+                    PK,
+                    IS_BF16,
+                    MMA,
+                    DA,
+                ),
+                LS,
+            )
         else:
             s0 = _fp_scores(kq_ptr, tt, rel0 + tt < m, q_nat, qk_scale, 32, D, NK, PK, DOT, MMA, DA, LS)
             s1 = _fp_scores(kq_ptr, 32 + tt, rel0 + 32 + tt < m, q_nat, qk_scale, 32, D, NK, PK, DOT, MMA, DA, LS)
@@ -325,23 +548,28 @@ def _decode_gluon_kernel(
         one = gl.full([NV], 1.0, gl.float32, gl.SliceLayout(0, MMA))
         Rm = gl.maximum(R, 1)
         r0 = rel0 + tt
-        acc_n = _fp_values(vq_ptr, r0 % G, r0 < mv, vl_ptr, r0 % Rm, (r0 >= mv) & (r0 < m), p0, acc_n, avm, 32, D,
-                           PV, DOT, MMA, DA, DB)
+        acc_n = _fp_values(
+            vq_ptr, r0 % G, r0 < mv, vl_ptr, r0 % Rm, (r0 >= mv) & (r0 < m), p0, acc_n, avm, 32, D, PV, DOT, MMA, DA, DB
+        )
         r0 = rel0 + 32 + tt
-        acc_n = _fp_values(vq_ptr, r0 % G, r0 < mv, vl_ptr, r0 % Rm, (r0 >= mv) & (r0 < m), p1, acc_n, one, 32, D,
-                           PV, DOT, MMA, DA, DB)
+        acc_n = _fp_values(
+            vq_ptr, r0 % G, r0 < mv, vl_ptr, r0 % Rm, (r0 >= mv) & (r0 < m), p1, acc_n, one, 32, D, PV, DOT, MMA, DA, DB
+        )
         r0 = rel0 + 64 + tt
-        acc_n = _fp_values(vq_ptr, r0 % G, r0 < mv, vl_ptr, r0 % Rm, (r0 >= mv) & (r0 < m), p2, acc_n, one, 32, D,
-                           PV, DOT, MMA, DA, DB)
+        acc_n = _fp_values(
+            vq_ptr, r0 % G, r0 < mv, vl_ptr, r0 % Rm, (r0 >= mv) & (r0 < m), p2, acc_n, one, 32, D, PV, DOT, MMA, DA, DB
+        )
         r0 = rel0 + 96 + tt
-        acc_n = _fp_values(vq_ptr, r0 % G, r0 < mv, vl_ptr, r0 % Rm, (r0 >= mv) & (r0 < m), p3, acc_n, one, 32, D,
-                           PV, DOT, MMA, DA, DB)
+        acc_n = _fp_values(
+            vq_ptr, r0 % G, r0 < mv, vl_ptr, r0 % Rm, (r0 >= mv) & (r0 < m), p3, acc_n, one, 32, D, PV, DOT, MMA, DA, DB
+        )
     if S > 0:
         if (split == 0) & (n > 0):
             ps = gl.arange(0, BLOCK_S, gl.SliceLayout(1, LS))
             okp = (ps < S) & (ps < n)
-            s = _fp_scores(sink_k_ptr + b64 * ssk_b + h * ssk_h, ps, okp, q_nat, qk_scale, BLOCK_S, D, NK, PK, DOT,
-                           MMA, DA, LS)
+            s = _fp_scores(
+                sink_k_ptr + b64 * ssk_b + h * ssk_h, ps, okp, q_nat, qk_scale, BLOCK_S, D, NK, PK, DOT, MMA, DA, LS
+            )
             m_new = gl.maximum(m_i, gl.max(s, 0))
             alpha = gl.exp2(m_i - m_new)
             p = gl.exp2(s - m_new[None, :])
@@ -351,8 +579,24 @@ def _decode_gluon_kernel(
             av = widen(alpha, PV)
             acc_q = acc_q * gl.convert_layout(av, gl.SliceLayout(0, LO))[None, :]
             sv = sink_v_ptr + b64 * ssv_b + h * ssv_h
-            acc_n = _fp_values(sv, ps, okp, sv, ps, okp & False, p, acc_n,
-                               gl.convert_layout(av, gl.SliceLayout(0, MMA)), BLOCK_S, D, PV, DOT, MMA, DA, DB)
+            acc_n = _fp_values(
+                sv,
+                ps,
+                okp,
+                sv,
+                ps,
+                okp & False,
+                p,
+                acc_n,
+                gl.convert_layout(av, gl.SliceLayout(0, MMA)),
+                BLOCK_S,
+                D,
+                PV,
+                DOT,
+                MMA,
+                DA,
+                DB,
+            )
     # ---- the split's partial: (m, l, zero term) per head, (D, NV) product; the last program merges
     res = acc_q + gl.convert_layout(acc_n, LO)
     hv = gl.arange(0, BH, LH)
@@ -377,8 +621,10 @@ def _decode_gluon_kernel(
             ms = gl.load(ws_m_ptr + base + hr, cache_modifier=".cg")
             ls = gl.load(ws_l_ptr + base + hr, cache_modifier=".cg")
             zs = gl.load(ws_z_ptr + base + hr, cache_modifier=".cg")
-            os_ = gl.load(ws_acc_ptr + (pid_bh * NUM_SPLITS + sp) * (D * NV) + dm[None, :] * NV + hr[:, None] * PV,
-                          cache_modifier=".cg")
+            os_ = gl.load(
+                ws_acc_ptr + (pid_bh * NUM_SPLITS + sp) * (D * NV) + dm[None, :] * NV + hr[:, None] * PV,
+                cache_modifier=".cg",
+            )
             Mn = gl.maximum(M, ms)
             Ms = gl.where(Mn > float("-inf"), Mn, 0.0)
             a = gl.exp2(M - Ms)
@@ -387,22 +633,35 @@ def _decode_gluon_kernel(
             O = O * a[:, None] + (os_ + zs[:, None]) * w[:, None]
             M = Mn
         o = O / gl.where(L > 0, L, 1.0)[:, None]
-        gl.store(out_ptr + b64 * so_b + (h * QH + hr[:, None]) * so_h + dm[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=(hr < QH)[:, None])
+        gl.store(
+            out_ptr + b64 * so_b + (h * QH + hr[:, None]) * so_h + dm[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=(hr < QH)[:, None],
+        )
         gl.store(ticket_ptr + pid_bh, 0)
 
 
-def gluon_constants(cfg: KVQuantConfig, head_dim: int, group: int, dtype: torch.dtype, launch: GluonLaunch,
-                    full_qbuffer: bool) -> dict:
+def gluon_constants(
+    cfg: KVQuantConfig, head_dim: int, group: int, dtype: torch.dtype, launch: GluonLaunch, full_qbuffer: bool
+) -> dict:
     """The compile-time constants of ``_decode_gluon_kernel`` (what the wrapper launches and the compile gates
     compile)."""
     nb = cfg.num_boosted(head_dim)
     nb4 = high_plane_bytes(nb)
     return dict(
-        S=cfg.sink_tokens, G=cfg.group_size, R=cfg.local_window, D=head_dim, NB=nb, NB4=nb4,
-        NWH=max(1, nb4 // 4), RW=nb4 // 4 if nb4 % 4 == 0 else 1,
-        BH=max(4, triton.next_power_of_2(group)), BLOCK_S=max(16, triton.next_power_of_2(max(cfg.sink_tokens, 1))),
-        TWO=bool(launch.key_two_part), IS_BF16=dtype == torch.bfloat16, FULL_QBUF=bool(full_qbuffer),
+        S=cfg.sink_tokens,
+        G=cfg.group_size,
+        R=cfg.local_window,
+        D=head_dim,
+        NB=nb,
+        NB4=nb4,
+        NWH=max(1, nb4 // 4),
+        RW=nb4 // 4 if nb4 % 4 == 0 else 1,
+        BH=max(4, triton.next_power_of_2(group)),
+        BLOCK_S=max(16, triton.next_power_of_2(max(cfg.sink_tokens, 1))),
+        TWO=bool(launch.key_two_part),
+        IS_BF16=dtype == torch.bfloat16,
+        FULL_QBUF=bool(full_qbuffer),
     )
 
 
@@ -416,17 +675,26 @@ def high_plane_view(k_high: torch.Tensor, nb4: int) -> torch.Tensor:
     return k_high
 
 
-def decode_attention_gluon(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig, scaling: float | None = None,
-                           *, full_qbuffer: bool = False, workspace: dict[str, torch.Tensor] | None = None,
-                           launch: GluonLaunch | None = None) -> torch.Tensor:
+def decode_attention_gluon(
+    q: torch.Tensor,
+    state: KittyLayerState,
+    cfg: KVQuantConfig,
+    scaling: float | None = None,
+    *,
+    full_qbuffer: bool = False,
+    workspace: dict[str, torch.Tensor] | None = None,
+    launch: GluonLaunch | None = None,
+) -> torch.Tensor:
     """The Gluon kernel (module docstring): the ``decode_attention_triton`` contract. ``ValueError`` for pages it
     was not written for (``gluon_launch.pages_supported``)."""
     z = check_state(q, state, cfg)
     B, Hq, Hkv, D = (z[k] for k in ("B", "Hq", "Hkv", "D"))
     QH = Hq // Hkv
     if not pages_supported(cfg, D, q.dtype, QH):
-        raise ValueError(f"the Gluon kernel does not handle these pages (key_bits={cfg.key_bits}, value_bits="
-                         f"{cfg.value_bits}, group_size={cfg.group_size}, head_dim={D}, dtype={q.dtype}, GQA {QH})")
+        raise ValueError(
+            f"the Gluon kernel does not handle these pages (key_bits={cfg.key_bits}, value_bits="
+            f"{cfg.value_bits}, group_size={cfg.group_size}, head_dim={D}, dtype={q.dtype}, GQA {QH})"
+        )
     scaling = 1.0 / math.sqrt(D) if scaling is None else float(scaling)
     max_pages = state.k_page_table.shape[1] + 1
     launch = launch or default_gluon_launch(B, Hkv, max_pages, q.device)
@@ -450,14 +718,51 @@ def decode_attention_gluon(q: torch.Tensor, state: KittyLayerState, cfg: KVQuant
     st = state
     high = high_plane_view(st.k_high, consts["NB4"]) if consts["NB"] else st.k_low
     _decode_gluon_kernel[(B * Hkv, splits)](
-        q, out, ws_m, ws_l, ws_z, ws_acc, tickets,
-        st.lengths, st.sink_k, st.sink_v, st.k_qbuf, st.v_qbuf, st.v_local, st.k_page_table, st.v_page_table,
-        st.k_low, high, st.k_boost_idx, st.k_scale, st.k_zero, st.v_codes, st.v_scale, st.v_zero,
-        Hkv, QH, splits, scaling * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), st.sink_k.stride(0), st.sink_k.stride(1),
-        st.sink_v.stride(0), st.sink_v.stride(1), st.k_qbuf.stride(0), st.k_qbuf.stride(1), st.v_qbuf.stride(0),
-        st.v_qbuf.stride(1), st.v_local.stride(0), st.v_local.stride(1), st.k_page_table.stride(0),
+        q,
+        out,
+        ws_m,
+        ws_l,
+        ws_z,
+        ws_acc,
+        tickets,
+        st.lengths,
+        st.sink_k,
+        st.sink_v,
+        st.k_qbuf,
+        st.v_qbuf,
+        st.v_local,
+        st.k_page_table,
+        st.v_page_table,
+        st.k_low,
+        high,
+        st.k_boost_idx,
+        st.k_scale,
+        st.k_zero,
+        st.v_codes,
+        st.v_scale,
+        st.v_zero,
+        Hkv,
+        QH,
+        splits,
+        scaling * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        st.sink_k.stride(0),
+        st.sink_k.stride(1),
+        st.sink_v.stride(0),
+        st.sink_v.stride(1),
+        st.k_qbuf.stride(0),
+        st.k_qbuf.stride(1),
+        st.v_qbuf.stride(0),
+        st.v_qbuf.stride(1),
+        st.v_local.stride(0),
+        st.v_local.stride(1),
+        st.k_page_table.stride(0),
         st.v_page_table.stride(0),
-        **consts, num_warps=1, maxnreg=255,
+        **consts,
+        num_warps=1,
+        maxnreg=255,
     )
     return out

@@ -31,7 +31,9 @@ class GluonLaunch:
     key_two_part: bool = True
 
 
-def default_gluon_launch(B: int, Hkv: int, max_blocks: int, device: torch.device | int, ctas_per_sm: int = 8) -> GluonLaunch:
+def default_gluon_launch(
+    B: int, Hkv: int, max_blocks: int, device: torch.device | int, ctas_per_sm: int = 8
+) -> GluonLaunch:
     """Splits so that ``B * Hkv * splits`` one-warp programs give ~``ctas_per_sm`` per SM, each with >= 2 pages."""
     pairs, sms = max(B * Hkv, 1), num_sms(device)
     want = -(-ctas_per_sm * sms // pairs)
@@ -49,7 +51,9 @@ def gluon_available() -> bool:
     return importlib.util.find_spec("triton.experimental.gluon") is not None
 
 
-def gluon_supports(cfg: KVQuantConfig, head_dim: int, dtype: torch.dtype, device: torch.device | None, gqa: int) -> bool:
+def gluon_supports(
+    cfg: KVQuantConfig, head_dim: int, dtype: torch.dtype, device: torch.device | None, gqa: int
+) -> bool:
     """Whether the Gluon kernel was written and tested for these pages on ``device``: a Hopper GPU (sm_90) with
     triton 3.6's Gluon, 2-bit keys and values of group size 128, head_dim 64 or 128, fp16/bf16, at most 8 query
     heads per KV head, and a high plane of 1, 2 or a multiple of 4 bytes per token. Anything else runs the ``tl``
