@@ -92,7 +92,16 @@ def resolve_backend(
         return "torch"
     if cfg is not None and not kernels.triton_supports(cfg, head_dim):
         return "torch"
+    if AUTO_GLUON and cfg is not None and _gluon_pages(cfg, head_dim, device):
+        return "gluon"
     return "triton"
+
+
+def _gluon_pages(cfg: KVQuantConfig, head_dim: int | None, device: torch.device) -> bool:
+    """Whether the Gluon kernel applies to ``cfg`` on ``device`` for some dtype and GQA (per call it re-checks)."""
+    from .kernels.gluon_launch import gluon_supports
+
+    return head_dim is not None and gluon_supports(cfg, head_dim, torch.float16, device, 4)
 
 
 class TorchOps:
@@ -216,10 +225,34 @@ class TritonOps(TorchOps):
         )
 
 
+# Whether backend="auto" may pick the Gluon kernel where kernels/gluon_launch.py's gluon_supports holds. Off: on the
+# H200 it was correct on every bf16 case but its fp16 high-plane fix is not yet re-measured, and it is slower than
+# the tl kernel for kitty-pro and at batch 1 (benchmarks/results/*/gluon_check.json).
+AUTO_GLUON = False
+
+
+class GluonOps(TritonOps):
+    """The Triton backend with decode attention by the Gluon kernel (``kernels/decode_gluon.py``) wherever
+    ``gluon_supports`` holds for the call's dtype and GQA ratio, else by the ``tl`` kernel."""
+
+    def attend(self, q, state, scaling, full_qbuffer=False, workspace=None) -> torch.Tensor:
+        from .kernels.gluon_launch import gluon_supports
+
+        D, gqa = q.shape[-1], q.shape[1] // state.k_qbuf.shape[1]
+        if gluon_supports(self.cfg, D, q.dtype, q.device, gqa):
+            from .kernels.decode_gluon import decode_attention_gluon
+
+            return decode_attention_gluon(q, state, self.cfg, scaling, full_qbuffer=full_qbuffer, workspace=workspace)
+        return super().attend(q, state, scaling, full_qbuffer, workspace)
+
+
 def backend_ops(requested: str | None, device: torch.device, cfg: KVQuantConfig, head_dim: int) -> TorchOps | TritonOps:
-    """The ops object of a layer whose tensors live on ``device`` (``"triton"``: refused by :func:`check_triton`
-    where it cannot run)."""
+    """The ops object of a layer whose tensors live on ``device`` (``"triton"`` / ``"gluon"``: refused by
+    :func:`check_triton` where it cannot run; ``"gluon"`` runs the ``tl`` kernel where the Gluon one does not apply)."""
     choice = resolve_backend(requested, device, cfg, head_dim)
+    if choice == "gluon":
+        check_triton(cfg, head_dim, device)
+        return GluonOps(cfg, device)
     if choice == "triton":
         check_triton(cfg, head_dim, device)
         return TritonOps(cfg, device)

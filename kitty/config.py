@@ -11,7 +11,7 @@ from pathlib import Path
 VALID_BITS = (2, 4, 16)  # 16 = kept in full precision (no quantization)
 CHANNEL_SELECTIONS = ("magnitude", "random", "range", "query", "oracle")
 QUERY_SELECTIONS = ("query", "oracle")  # channel selections that rank channels with running query statistics
-BACKENDS = ("auto", "torch", "triton")  # KittyCache(backend=): kitty/backend.py resolves it once per layer
+BACKENDS = ("auto", "torch", "triton", "gluon")  # KittyCache(backend=): kitty/backend.py resolves it once per layer
 RANGE_FITS = ("minmax", "fit", "fit-peak")  # a group's [lo, hi]: min-max, a clipping search, or one sparing the peak
 MAX_HEAD_DIM = 256  # boost_idx is uint8: one slot per channel
 # sink, qbuffers and local window are allocated per row and layer up front: sizes beyond this are typing mistakes

@@ -1,0 +1,176 @@
+"""The Gluon decode kernel on one GPU: correctness on every check case, then timing against SDPA and the tl kernel.
+
+    python benchmarks/gluon_check.py [--out DIR] [--shapes 8x32768,...] [--budget-s 400]
+
+1. Correctness (``layout_sweep.py``'s cases and tolerance rule, both ``full_qbuffer`` layouts, one- and two-part key
+   operands): ``max|out - ref| <= 2 max|pt - ref| + floor``.
+2. Timing (CUDA-graph replays over rotating inputs larger than L2, ``benchmarks/kernels.py``): every SDPA backend for
+   FP16 (the fastest is the baseline), the tl kernel's default launch, the Gluon kernel over programs per SM and the
+   operand choice, for kitty and kitty-pro, fp16 and bf16.
+
+Writes ``gluon_check.json`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from benchmarks import kernels as kb  # noqa: E402
+from benchmarks.layout_sweep import CHECK_CASES  # noqa: E402
+from benchmarks.results_dir import default_out, unused_path  # noqa: E402
+from kitty.config import PRESETS  # noqa: E402
+from kitty.kernels import decode_attention_ref, decode_attention_triton  # noqa: E402
+from kitty.kernels.decode_gluon import decode_attention_gluon  # noqa: E402
+from kitty.kernels.gluon_launch import GluonLaunch, default_gluon_launch, gluon_supports  # noqa: E402
+from kitty.kernels.testing import attention_tolerance, make_state, planted_kv  # noqa: E402
+
+EXTRA_CASES = [("kitty-pro", 8, 64, {}), ("kitty", 1, 128, {}), ("kitty-pro", 3, 128, {}), ("kitty", 2, 64, {})]
+
+
+def check(results: dict) -> bool:
+    ok_all = True
+    for (preset, gqa, D, kw), dtype, fq in itertools.product(
+        CHECK_CASES + EXTRA_CASES, (torch.float16, torch.bfloat16), (True, False)
+    ):
+        cfg = PRESETS[preset].with_(**kw)
+        key = f"{preset}{kw or ''} gqa{gqa} D{D} {str(dtype)[6:]} fq={int(fq)}"
+        if not gluon_supports(cfg, D, dtype, torch.device("cuda"), gqa):
+            results["check"][key] = {"supported": False}
+            continue
+        S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
+        lengths = [S + 9 * G + 5, S + R + 2 * G, 1, S + G, S + 2 * G + R - 1, max(S, 1), S + R + G + 1, S + 5 * G]
+        B, Hkv = len(lengths), 2
+        k, v = planted_kv(B, Hkv, max(lengths), D, dtype, kb.DEV, seed=gqa * D)
+        state = make_state(cfg, k, v, lengths, seed=1, full_qbuffer=fq)
+        q = torch.randn(B, Hkv * gqa, D, generator=torch.Generator().manual_seed(2)).to(dtype).to(kb.DEV)
+        ref = decode_attention_ref(q, state, cfg, upcast=True, full_qbuffer=fq).float()
+        pt = decode_attention_ref(q, state, cfg, upcast=False, full_qbuffer=fq).float()
+        tol = attention_tolerance(ref, pt, dtype)
+        for two, splits in ((True, 3), (False, 3), (True, 1), (True, 7)):
+            name = f"two={int(two)} splits={splits}"
+            try:
+                ws = {}
+                out = decode_attention_gluon(
+                    q, state, cfg, full_qbuffer=fq, workspace=ws, launch=GluonLaunch(splits, two)
+                ).float()
+                out2 = decode_attention_gluon(
+                    q, state, cfg, full_qbuffer=fq, workspace=ws, launch=GluonLaunch(splits, two)
+                ).float()  # tickets were reset
+                err = (out - ref).abs().max().item() if torch.isfinite(out).all() else float("inf")
+                err = max(err, (out2 - ref).abs().max().item() if torch.isfinite(out2).all() else float("inf"))
+            except Exception as e:  # noqa: BLE001
+                kb.log(f"  ERROR {key} {name}: {type(e).__name__}: {str(e)[:300]}")
+                err = float("inf")
+            ok = err <= tol
+            ok_all &= ok
+            results["check"][f"{key} {name}"] = {"err": err, "tol": tol, "ok": ok}
+            kb.log(f"  {'PASS' if ok else 'FAIL'} {key} {name}: err {err:.3g} tol {tol:.3g}")
+        kb.write(results)
+    return ok_all
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--shapes", default="8x32768,64x8192,16x8192,1x32768,1x4096")
+    ap.add_argument("--budget-s", type=float, default=400)
+    ap.add_argument("--no-check", action="store_true")
+    args = ap.parse_args()
+    t0 = time.time()
+    props = torch.cuda.get_device_properties(0)
+    out = args.out or default_out(props.name)
+    os.makedirs(out, exist_ok=True)
+    kb.RESULT_PATH = str(unused_path(out, "gluon_check.json"))
+    env = {
+        "gpu": props.name,
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    results = {"env": env, "check": {}, "timing": [], "fastest_fp16": {}}
+    kb.log("env", json.dumps(env))
+    if not args.no_check:
+        results["correct"] = check(results)
+        kb.log(f"correctness: {'PASS' if results['correct'] else 'FAIL'} ({time.time() - t0:.0f} s)")
+        kb.write(results)
+    copy_bw, _ = kb.copy_bandwidth()
+    results["copy_bw"] = copy_bw
+    HQ, HKV, D = kb.HQ, kb.HKV, kb.D
+    for B, L in [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]:
+        kb.log(f"== B={B} L={L}")
+        kv_bytes = 2 * B * HKV * L * D * 2
+        nrot = kb.n_rotations(kv_bytes)
+        qs = [torch.randn(B, HQ, 1, D, device=kb.DEV, dtype=torch.float16) for _ in range(nrot)]
+        kvs = [kb.gpu_kv(B, L, seed=i) for i in range(nrot)]
+        best = None
+        for name, t, _ in kb.sdpa_timings(qs, kvs, B):
+            results["timing"].append(dict(B=B, L=L, method=name, us=t * 1e6, bytes=kv_bytes))
+            if best is None or t < best[0]:
+                best = (t, name)
+        kb.log(f"  fastest FP16: {best[1]} {best[0] * 1e6:.1f} us")
+        results["fastest_fp16"][f"{B},{L}"] = {"name": best[1], "us": best[0] * 1e6}
+        k_full, v_full = kvs[0]
+        qs = kvs = None
+        torch.cuda.empty_cache()
+        for preset, dtype in itertools.product(("kitty", "kitty-pro"), (torch.float16, torch.bfloat16)):
+            cfg = PRESETS[preset]
+            states, qs, cache_b = kb.rotating_kitty(cfg, k_full, v_full, B, L, dtype)
+            nrot = len(states)
+            tag = f"{preset} {str(dtype)[6:]}"
+            units = states[0].k_page_table.shape[1] + 1
+
+            def row(method, t, **extra):
+                r = dict(
+                    B=B,
+                    L=L,
+                    method=f"{tag} {method}",
+                    us=t * 1e6,
+                    bytes=cache_b,
+                    vs_fp16=best[0] / t,
+                    pct_copy=100 * cache_b / t / copy_bw,
+                    **extra,
+                )
+                results["timing"].append(r)
+                kb.log(f"  {tag} {method} {extra}: {t * 1e6:.1f} us, {best[0] / t:.2f}x, {r['pct_copy']:.0f}% copy")
+
+            t = kb.bench([lambda i=i: decode_attention_triton(qs[i], states[i], cfg) for i in range(nrot)])
+            row("tl default", t)
+            ws = [{} for _ in range(nrot)]
+            for cps, two in itertools.product((2, 4, 8, 16), (True, False)):
+                if time.time() - t0 > args.budget_s and cps != 8:
+                    continue
+                gl_launch = dataclasses.replace(
+                    default_gluon_launch(B, HKV, units, torch.device("cuda"), cps), key_two_part=two
+                )
+                ws = [{} for _ in range(nrot)]
+                try:
+                    t = kb.bench(
+                        [
+                            lambda i=i: decode_attention_gluon(qs[i], states[i], cfg, workspace=ws[i], launch=gl_launch)
+                            for i in range(nrot)
+                        ]
+                    )
+                except Exception as e:  # noqa: BLE001
+                    kb.log(f"  {tag} gluon cps={cps} two={two}: failed {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                row("gluon", t, ctas_per_sm=cps, two_part=two, splits=gl_launch.num_splits)
+            states = qs = None
+            torch.cuda.empty_cache()
+        kb.write(results)
+    kb.write(results)
+    print("wrote", kb.RESULT_PATH)
+
+
+if __name__ == "__main__":
+    main()

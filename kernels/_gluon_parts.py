@@ -1,0 +1,149 @@
+"""Device functions of the Gluon decode kernel (``kernels/decode_gluon.py``): page bytes to ``mma_v2`` operands in
+registers, one warp.
+
+The unpack is one ``shr`` and eight ``and``/``lop3`` per 32-bit word of 16 codes. fp16: ``w & (0x00030003 << 2s)``
+read as two fp16 lanes is the subnormal ``4^s code 2^-24`` of bytes 0 and 2 of ``w`` (field ``s``), exact with no
+offset (the ``4^s`` is folded into the small operand, the ``2^-24`` undone on the fp32 product); the same on
+``w >> 8`` gives bytes 1 and 3. bf16 (whose subnormal products underflow): ``lop3(w, mask_s, MAGIC_s)`` with
+``0x4300, 0x4200, 0x4100`` gives ``128, 32, 8 + code`` for fields 0-2, and field 3 is field 0 of ``w >> 6``; the
+offsets fold into a per-page term of the small operand. The bytes a lane loads and the register order of the
+unpacked halves are chosen so that a reshape and a permute make the codes the ``DotOperandLayout(0, mma, 2)``
+fragment: ``convert_layout(..., assert_trivial=True)`` proves no data moves (``kernels/gluon_launch.py`` says which
+byte feeds which column; ``tests/test_gluon.py`` checks it on the layouts' bases).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+# per output register: fields 0..3 of bytes (0, 2) of w, then of bytes (1, 3) (w >> 8)
+LOW_ASM_F16 = gl.constexpr(
+    "{ .reg .b32 h; shr.b32 h, $8, 8; "
+    "and.b32 $0, $8, 0x00030003; and.b32 $1, h, 0x00030003; "
+    "and.b32 $2, $8, 0x000C000C; and.b32 $3, h, 0x000C000C; "
+    "and.b32 $4, $8, 0x00300030; and.b32 $5, h, 0x00300030; "
+    "and.b32 $6, $8, 0x00C000C0; and.b32 $7, h, 0x00C000C0; }"
+)
+LOW_ASM_BF16 = gl.constexpr(
+    "{ .reg .b32 h, a, b; shr.b32 h, $8, 8; shr.b32 a, $8, 6; shr.b32 b, $8, 14; "
+    "lop3.b32 $0, $8, 0x00030003, 0x43004300, 0xEA; lop3.b32 $1, h, 0x00030003, 0x43004300, 0xEA; "
+    "lop3.b32 $2, $8, 0x000C000C, 0x42004200, 0xEA; lop3.b32 $3, h, 0x000C000C, 0x42004200, 0xEA; "
+    "lop3.b32 $4, $8, 0x00300030, 0x41004100, 0xEA; lop3.b32 $5, h, 0x00300030, 0x41004100, 0xEA; "
+    "lop3.b32 $6, a, 0x00030003, 0x43004300, 0xEA; lop3.b32 $7, b, 0x00030003, 0x43004300, 0xEA; }"
+)
+# the high plane: field 0 of a word the lane has already shifted to its field
+HIGH_ASM_F16 = gl.constexpr("{ .reg .b32 h; shr.b32 h, $2, 8; and.b32 $0, $2, 0x00030003; and.b32 $1, h, 0x00030003; }")
+HIGH_ASM_BF16 = gl.constexpr(
+    "{ .reg .b32 h; shr.b32 h, $2, 8; lop3.b32 $0, $2, 0x00030003, 0x43004300, 0xEA; "
+    "lop3.b32 $1, h, 0x00030003, 0x43004300, 0xEA; }"
+)
+LOW_OFF_BF16 = (128.0, 32.0, 8.0, 128.0)  # bf16 offset of field s
+F16_UNIT = 2.0**-24  # fp16: a code c of field s reads as 4^s c 2^-24
+
+
+@gluon.jit
+def unpack_low(ptr, row0, M: gl.constexpr, BPR: gl.constexpr, IS_BF16: gl.constexpr, DA: gl.constexpr):
+    """Codes of ``M`` rows of ``BPR`` bytes at ``ptr + row0`` as the ``(M, 4 BPR)`` A fragment ``DA`` (column
+    ``k``: ``gluon_launch.low_plane_order``), fp16 ``4^s code 2^-24`` or bf16 ``OFF_s + code``."""
+    W: gl.constexpr = BPR // 16  # 32-bit words a lane loads per row
+    LP: gl.constexpr = gl.BlockedLayout([1, 1, W, 4], [8, 4, 1, 1], [1, 1, 1, 1], [3, 2, 1, 0])
+    t = gl.arange(0, M, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LP))))
+    q = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LP))))
+    w = gl.arange(0, W, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, LP))))
+    b = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LP))))
+    off = (
+        t[:, None, None, None] * BPR
+        + q[None, :, None, None] * (4 * W)
+        + w[None, None, :, None] * 4
+        + b[None, None, None, :]
+    )
+    x = gl.load(ptr + row0 + off)
+    if IS_BF16:
+        a0, a1, a2, a3 = gl.inline_asm_elementwise(
+            LOW_ASM_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r", [x], dtype=(gl.bfloat16,) * 4, is_pure=True, pack=4
+        )
+    else:
+        a0, a1, a2, a3 = gl.inline_asm_elementwise(
+            LOW_ASM_F16, "=r,=r,=r,=r,=r,=r,=r,=r,r", [x], dtype=(gl.float16,) * 4, is_pure=True, pack=4
+        )
+    a = gl.join(gl.join(a0, a1), gl.join(a2, a3))  # (M, q, kt, b, s0, s1)
+    a = gl.reshape(a, [M, 4, W, 2, 2, 2, 2])  # b = 2 h + e
+    a = gl.permute(a, [0, 6, 5, 2, 3, 1, 4])  # (M, s1, s0, kt, h, q, e)
+    a = gl.reshape(a, [M, 4 * BPR])
+    return gl.convert_layout(a, DA, assert_trivial=True)
+
+
+@gluon.jit
+def unpack_high(
+    ptr, row0, M: gl.constexpr, NWH: gl.constexpr, RW: gl.constexpr, IS_BF16: gl.constexpr, DA: gl.constexpr
+):
+    """High-plane codes of ``M`` token rows as the ``(M, 16 NWH)`` A fragment ``DA`` (``gluon_launch.
+    high_plane_order``): ``ptr`` reads a row as ``RW`` elements of 8, 16 or 32 bits (``NWH`` words, zero-extended),
+    lane ``q`` unpacks field ``q``."""
+    LH: gl.constexpr = gl.BlockedLayout([1, 1, NWH, 4], [8, 4, 1, 1], [1, 1, 1, 1], [3, 2, 1, 0])
+    L3: gl.constexpr = gl.SliceLayout(3, LH)
+    t = gl.arange(0, M, gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+    q = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+    w = gl.arange(0, NWH, gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    off = t[:, None, None] * RW + w[None, None, :] + q[None, :, None] * 0
+    word = gl.load(ptr + row0 + off).to(gl.int32)
+    word = word >> (2 * q)[None, :, None]  # lane q's field to bits 0-1 of each byte
+    b = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LH))))
+    x = word[:, :, :, None] + (b * 0)[None, None, None, :]
+    if IS_BF16:
+        a = gl.inline_asm_elementwise(HIGH_ASM_BF16, "=r,=r,r,r,r,r", [x], dtype=gl.bfloat16, is_pure=True, pack=4)
+    else:
+        a = gl.inline_asm_elementwise(HIGH_ASM_F16, "=r,=r,r,r,r,r", [x], dtype=gl.float16, is_pure=True, pack=4)
+    a = gl.reshape(a, [M, 4, NWH, 2, 2])
+    a = gl.permute(a, [0, 2, 3, 1, 4])  # (M, kt, h, q, e)
+    a = gl.reshape(a, [M, 16 * NWH])
+    return gl.convert_layout(a, DA, assert_trivial=True)
+
+
+@gluon.jit
+def low_channel(k, D4: gl.constexpr):
+    """Row element (channel of a key row, token of a value row) of logical column ``k`` (``low_plane_order``)."""
+    W: gl.constexpr = D4 // 16
+    s = k // D4
+    r = k % D4
+    return 4 * W * ((r // 2) % 4) + 4 * (r // 16) + 2 * (r % 2) + (r // 8) % 2 + s * D4
+
+
+@gluon.jit
+def token_order(p, PV: gl.constexpr):
+    """``p`` ``(32, BH)`` of a token quarter (rows in token order) as the value product's ``(32, BH PV)`` K rows
+    in ``low_plane_order`` (BPR 32), head ``r`` in column ``r PV`` (zeros beside it when ``PV`` is 2)."""
+    if PV == 2:
+        p = gl.reshape(gl.join(p, gl.zeros_like(p)), [p.shape[0], 2 * p.shape[1]])
+    N: gl.constexpr = p.shape[1]
+    p = gl.reshape(p, [4, 2, 2, 2, N])  # token 8 q + 4 kt + 2 e + h
+    p = gl.permute(p, [1, 3, 0, 2, 4])  # (kt, h, q, e)
+    return gl.reshape(p, [32, N])
+
+
+@gluon.jit
+def cat4(a0, a1, a2, a3):
+    """Four ``(T, N)`` tensors stacked along rows: ``(4 T, N)``."""
+    T: gl.constexpr = a0.shape[0]
+    N: gl.constexpr = a0.shape[1]
+    a = gl.join(gl.join(a0, a1), gl.join(a2, a3))  # (T, N, u0, u1)
+    a = gl.permute(a, [3, 2, 0, 1])
+    return gl.reshape(a, [4 * T, N])
+
+
+@gluon.jit
+def widen(x, PV: gl.constexpr):
+    """A per-head vector ``(BH,)`` as ``(BH PV,)``: entry ``r`` at ``r PV`` and beside it."""
+    if PV == 2:
+        x = gl.reshape(gl.join(x, x), [2 * x.shape[0]])
+    return x
+
+
+@gluon.jit
+def merge_parts(s, PK: gl.constexpr):
+    """``(T, BH PK) -> (T, BH)``: the two columns of a head added (two-part operand, or its zero pad)."""
+    if PK == 2:
+        a, b = gl.split(gl.reshape(s, [s.shape[0], s.shape[1] // 2, 2]))
+        s = a + b
+    return s

@@ -1,0 +1,768 @@
+"""Decode attention over a Kitty cache in Gluon: 2-bit codes become ``mma_v2`` operands in registers, one warp per
+program.
+
+The same contract as the ``tl`` kernel (``kernels/decode_attention.py``, the reference and fallback): sink | key
+and value pages | qbuffers | local window, ``full_qbuffer`` mid-step, split-K partials merged inside the launch by
+the last program of each (row, KV head) (an int32 ticket that program resets, so a replayed graph starts clean).
+
+Program = (row, KV head, split), one warp streaming a contiguous run of pages with its own online softmax. Per page
+(128 tokens), swap-AB as the ``tl`` kernel: scores ``(32 tokens, N) = codes (32, D) @ (q * scale)^T (D, N)`` for four
+token chunks (key low plane, then the boosted channels' high plane, ``kernels/_gluon_parts.py`` ``unpack_low`` /
+``unpack_high``: the unpacked codes land in the A fragment with ``assert_trivial``), one softmax step, then
+``(32 channels, N) += value codes (32, 128) @ (p * scale) (128, N)`` per channel chunk. ``N`` is the small side:
+the query heads of the KV head, padded to 4 or 8, twice with the two-part key operand. The permutation the unpack
+gives the reduction axis (``kernels/gluon_launch.py``) is applied to the small operands: key scales, zeros and
+boost slots are read at the permuted channels, ``p`` is permuted across lanes (a register shuffle, not codes).
+Zero points, bf16 offsets and the fp16 unit fold into per-page terms added to the fp32 products.
+
+Which kernel runs is decided in ``kitty/backend.py`` by ``gluon_launch.gluon_supports``; this file is imported only
+where triton 3.6's Gluon is available.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from kitty.config import KVQuantConfig
+from kitty.quant import high_plane_bytes
+from kitty.storage import KittyLayerState, check_state
+
+from ._gluon_parts import cat4, low_channel, merge_parts, token_order, unpack_high, unpack_low, widen
+from .gluon_launch import GluonLaunch, default_gluon_launch, pages_supported
+
+__all__ = ["decode_attention_gluon", "gluon_constants"]
+
+LOG2E = 1.4426950408889634
+
+
+@gluon.jit
+def _key_operand(
+    q_perm,
+    scale_ptr,
+    zero_ptr,
+    meta,
+    kk,
+    part,
+    D: gl.constexpr,
+    D4: gl.constexpr,
+    TWO: gl.constexpr,
+    IS_BF16: gl.constexpr,
+    DOT: gl.constexpr,
+):
+    """Per key page: ``B`` ``(D, N)`` (``q * scale`` at the permuted channels, two parts or hi and a zero column)
+    and its per-column term ``corr`` ``(N,)``: ``sum q zero`` (part 0), minus the bf16 offsets' share."""
+    ch = low_channel(kk, D4)
+    sc = gl.load(scale_ptr + meta + ch).to(gl.float32)
+    z = gl.load(zero_ptr + meta + ch).to(gl.float32)
+    s = kk // D4
+    if IS_BF16:
+        off = gl.where(s == 1, 32.0, gl.where(s == 2, 8.0, 128.0))
+    else:
+        sc = sc * gl.exp2(-2.0 * s.to(gl.float32))  # the unit 4^s of field s
+    x = q_perm * sc[:, None]
+    hi = x.to(DOT)
+    if TWO:
+        lo = (x - hi.to(gl.float32)).to(DOT)
+        bop = gl.where(part[None, :] == 0, hi, lo)
+    else:
+        bop = gl.where(part[None, :] == 0, hi, gl.zeros_like(hi))
+    corr = gl.sum(gl.where(part[None, :] == 0, q_perm, 0.0) * z[:, None], 0)
+    if IS_BF16:
+        corr = corr - gl.sum(bop.to(gl.float32) * off[:, None], 0)
+    return bop, corr
+
+
+@gluon.jit
+def _high_operand(
+    bop,
+    idx_ptr,
+    meta,
+    kk,
+    slot,
+    D4: gl.constexpr,
+    KH: gl.constexpr,
+    NK: gl.constexpr,
+    IS_BF16: gl.constexpr,
+    DOT: gl.constexpr,
+    MMA: gl.constexpr,
+    DA: gl.constexpr,
+    DB: gl.constexpr,
+):
+    """The high plane's small operand ``4 B[channel of slot]`` ``(KH, N)``, gathered by a one-hot product (exact),
+    and its bf16 offset term."""
+    ch = low_channel(kk, D4)
+    idx = gl.load(idx_ptr + meta + ch).to(gl.int32)
+    idx = gl.convert_layout(idx, gl.SliceLayout(0, DA))
+    if IS_BF16:
+        unit = gl.full([D4 * 4], 1.0, gl.float32, gl.SliceLayout(0, DA))
+    else:  # the fp16 low operand carries 4^-s of the channel's field; high codes have unit 1
+        unit = gl.convert_layout(gl.exp2(2.0 * (kk // D4).to(gl.float32)), gl.SliceLayout(0, DA))
+    oh = gl.where(idx[None, :] == slot[:, None], unit[None, :], 0.0).to(DOT)
+    g = mma_v2(oh, bop, gl.zeros([KH, NK], gl.float32, MMA))
+    bh = gl.convert_layout((g * 4.0).to(DOT), DB)
+    if IS_BF16:
+        corr = -128.0 * gl.sum(bh.to(gl.float32), 0)
+    else:
+        corr = gl.sum(bh.to(gl.float32), 0) * 0.0
+    return bh, corr
+
+
+@gluon.jit
+def _quant_scores(
+    low_ptr,
+    high_ptr,
+    kpage,
+    bop,
+    bh,
+    corr_m,
+    qk_scale,
+    c: gl.constexpr,
+    G: gl.constexpr,
+    D4: gl.constexpr,
+    NB: gl.constexpr,
+    NWH: gl.constexpr,
+    RW: gl.constexpr,
+    NK: gl.constexpr,
+    PK: gl.constexpr,
+    IS_BF16: gl.constexpr,
+    MMA: gl.constexpr,
+    DA: gl.constexpr,
+):
+    """Base-2 logits ``(32, BH)`` of tokens ``32 c ..`` of a quantized key page."""
+    a = unpack_low(low_ptr, (kpage * G + 32 * c) * D4, 32, D4, IS_BF16, DA)
+    acc = mma_v2(a, bop, gl.zeros([32, NK], gl.float32, MMA))
+    if NB > 0:
+        ah = unpack_high(high_ptr, (kpage * G + 32 * c) * RW, 32, NWH, RW, IS_BF16, DA)
+        acc = mma_v2(ah, bh, acc)
+    if IS_BF16:
+        s = acc + corr_m[None, :]
+    else:
+        s = acc * 16777216.0 + corr_m[None, :]
+    return merge_parts(s, PK) * qk_scale
+
+
+@gluon.jit
+def _fp_scores(
+    k_ptr,
+    rows,
+    ok,
+    q_nat,
+    qk_scale,
+    T: gl.constexpr,
+    D: gl.constexpr,
+    NK: gl.constexpr,
+    PK: gl.constexpr,
+    DOT: gl.constexpr,
+    MMA: gl.constexpr,
+    DA: gl.constexpr,
+    LS: gl.constexpr,
+):
+    """Base-2 logits ``(T, BH)`` of ``T`` full-precision key rows at ``k_ptr + rows * D`` (``-inf`` where not
+    ``ok``)."""
+    LK: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
+    rk = gl.convert_layout(rows, gl.SliceLayout(1, LK))
+    okk = gl.convert_layout(ok, gl.SliceLayout(1, LK))
+    d = gl.arange(0, D, gl.SliceLayout(0, LK))
+    k = gl.load(k_ptr + rk[:, None] * D + d[None, :], mask=okk[:, None], other=0.0)
+    acc = mma_v2(gl.convert_layout(k.to(DOT), DA), q_nat, gl.zeros([T, NK], gl.float32, MMA))
+    s = gl.convert_layout(merge_parts(acc, PK) * qk_scale, LS)
+    return gl.where(ok[:, None], s, float("-inf"))
+
+
+@gluon.jit
+def _fp_values(
+    v_ptr,
+    rows,
+    ok,
+    v2_ptr,
+    rows2,
+    ok2,
+    p,
+    acc_n,
+    alpha_v,
+    T: gl.constexpr,
+    D: gl.constexpr,
+    PV: gl.constexpr,
+    DOT: gl.constexpr,
+    MMA: gl.constexpr,
+    DA: gl.constexpr,
+    DB: gl.constexpr,
+):
+    """``acc_n * alpha_v + V^T p`` ``(D, NV)`` over ``T`` full-precision value rows: row ``rows`` of ``v_ptr`` where
+    ``ok``, else row ``rows2`` of ``v2_ptr`` where ``ok2``."""
+    LV: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 1], [0, 1])
+    r1 = gl.convert_layout(rows, gl.SliceLayout(0, LV))
+    o1 = gl.convert_layout(ok, gl.SliceLayout(0, LV))
+    r2 = gl.convert_layout(rows2, gl.SliceLayout(0, LV))
+    o2 = gl.convert_layout(ok2, gl.SliceLayout(0, LV))
+    d = gl.arange(0, D, gl.SliceLayout(1, LV))
+    vT = gl.load(v_ptr + r1[None, :] * D + d[:, None], mask=o1[None, :], other=0.0)
+    vT2 = gl.load(v2_ptr + r2[None, :] * D + d[:, None], mask=o2[None, :] & ~o1[None, :], other=0.0)
+    vT = gl.where(o1[None, :], vT, vT2)
+    pp = p.to(DOT)
+    if PV == 2:
+        pp = gl.reshape(gl.join(pp, gl.zeros_like(pp)), [T, 2 * p.shape[1]])
+    return mma_v2(gl.convert_layout(vT.to(DOT), DA), gl.convert_layout(pp, DB), acc_n * alpha_v[None, :])
+
+
+@gluon.jit
+def _decode_gluon_kernel(
+    q_ptr,
+    out_ptr,
+    ws_m_ptr,
+    ws_l_ptr,
+    ws_z_ptr,
+    ws_acc_ptr,
+    ticket_ptr,
+    len_ptr,
+    sink_k_ptr,
+    sink_v_ptr,
+    k_qbuf_ptr,
+    v_qbuf_ptr,
+    v_local_ptr,
+    k_pt_ptr,
+    v_pt_ptr,
+    k_low_ptr,
+    k_high_ptr,
+    k_idx_ptr,
+    k_scale_ptr,
+    k_zero_ptr,
+    v_codes_ptr,
+    v_scale_ptr,
+    v_zero_ptr,
+    Hkv,
+    QH,
+    NUM_SPLITS,
+    qk_scale,
+    sq_b,
+    sq_h,
+    so_b,
+    so_h,
+    ssk_b,
+    ssk_h,
+    ssv_b,
+    ssv_h,
+    skq_b,
+    skq_h,
+    svq_b,
+    svq_h,
+    svl_b,
+    svl_h,
+    spk_b,
+    spv_b,
+    S: gl.constexpr,
+    G: gl.constexpr,
+    R: gl.constexpr,
+    D: gl.constexpr,
+    NB: gl.constexpr,
+    NB4: gl.constexpr,
+    NWH: gl.constexpr,
+    RW: gl.constexpr,
+    BH: gl.constexpr,
+    BLOCK_S: gl.constexpr,
+    TWO: gl.constexpr,
+    IS_BF16: gl.constexpr,
+    FULL_QBUF: gl.constexpr,
+):
+    gl.static_assert(G == 128, "pages of 128 tokens: four chunks of 32")
+    D4: gl.constexpr = D // 4
+    NCH: gl.constexpr = D // 32  # value channel chunks
+    KH: gl.constexpr = 16 * NWH
+    PK: gl.constexpr = 2 if (TWO or BH == 4) else 1
+    NK: gl.constexpr = BH * PK
+    PV: gl.constexpr = 2 if BH == 4 else 1
+    NV: gl.constexpr = BH * PV
+    if IS_BF16:
+        DOT: gl.constexpr = gl.bfloat16
+    else:
+        DOT: gl.constexpr = gl.float16
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    DA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
+    DB: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
+    LS: gl.constexpr = gl.SliceLayout(2, gl.BlockedLayout([1, 1, 2], [8, 4, 1], [1, 1, 1], [2, 1, 0]))
+    LH: gl.constexpr = gl.SliceLayout(0, LS)  # per-head vectors
+
+    pid_bh = gl.program_id(0)
+    split = gl.program_id(1)
+    b = pid_bh // Hkv
+    h = pid_bh % Hkv
+    b64 = b.to(gl.int64)
+    n = gl.load(len_ptr + b)
+    m = gl.maximum(n - S, 0)
+    mv = gl.maximum(m - R, 0)
+    if FULL_QBUF:
+        kp = gl.maximum(gl.cdiv(m, G) - 1, 0)
+        vp = gl.maximum(gl.cdiv(mv, G) - 1, 0)
+    else:
+        kp = m // G
+        vp = mv // G
+    slots = gl.cdiv(m, G)
+    per = gl.cdiv(slots, NUM_SPLITS)
+    start = split * per
+    end = gl.minimum(start + per, slots)
+
+    # ---- the small key operand's loop-invariant part: q at the permuted channels, column r * PK + part
+    kk = gl.arange(0, D, gl.SliceLayout(1, DB))
+    nn = gl.arange(0, NK, gl.SliceLayout(0, DB))
+    part = nn % PK
+    head = nn // PK
+    q_off = b64 * sq_b + h * QH * sq_h
+    q_perm = gl.load(
+        q_ptr + q_off + head[None, :] * sq_h + low_channel(kk, D4)[:, None], mask=(head < QH)[None, :], other=0.0
+    ).to(gl.float32)
+    if NB > 0:
+        # column r of the high operand: slot byte + field * NB4 (gluon_launch.high_plane_order), -1 past the plane
+        r = gl.arange(0, KH, gl.SliceLayout(1, DA))
+        byte = 4 * (r // 16) + 2 * (r % 2) + (r // 8) % 2
+        sl = byte + ((r // 2) % 4) * NB4
+        slot = gl.where((byte < NB4) & (sl < NB), sl, -1)
+    else:
+        slot = gl.arange(0, 16, gl.SliceLayout(1, DA))
+    tt = gl.arange(0, 32, gl.SliceLayout(1, LS))
+    m_i = gl.full([BH], float("-inf"), gl.float32, LH)
+    l_i = gl.zeros([BH], gl.float32, LH)
+    az = gl.zeros([BH], gl.float32, LH)
+    acc0 = gl.zeros([32, NV], gl.float32, MMA)
+    acc1 = gl.zeros([32, NV], gl.float32, MMA)
+    acc2 = gl.zeros([32, NV], gl.float32, MMA)
+    acc3 = gl.zeros([32, NV], gl.float32, MMA)
+    # ---- pages with quantized keys and values
+    for j in range(start, gl.minimum(end, vp)):
+        kpage = gl.load(k_pt_ptr + b64 * spk_b + j).to(gl.int64) * Hkv + h
+        vpage = gl.load(v_pt_ptr + b64 * spv_b + j).to(gl.int64) * Hkv + h
+        bop, corr = _key_operand(q_perm, k_scale_ptr, k_zero_ptr, kpage * D, kk, part, D, D4, TWO, IS_BF16, DOT)
+        bh = bop
+        if NB > 0:
+            bh, ch = _high_operand(bop, k_idx_ptr, kpage * D, kk, slot, D4, KH, NK, IS_BF16, DOT, MMA, DA, DB)
+            corr = corr + ch
+        corr_m = gl.convert_layout(corr, gl.SliceLayout(0, MMA))
+        s0 = gl.convert_layout(
+            _quant_scores(
+                k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 0, G, D4, NB, NWH, RW, NK, PK, IS_BF16, MMA, DA
+            ),
+            LS,
+        )
+        s1 = gl.convert_layout(
+            _quant_scores(
+                k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 1, G, D4, NB, NWH, RW, NK, PK, IS_BF16, MMA, DA
+            ),
+            LS,
+        )
+        s2 = gl.convert_layout(
+            _quant_scores(
+                k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 2, G, D4, NB, NWH, RW, NK, PK, IS_BF16, MMA, DA
+            ),
+            LS,
+        )
+        s3 = gl.convert_layout(
+            _quant_scores(
+                k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 3, G, D4, NB, NWH, RW, NK, PK, IS_BF16, MMA, DA
+            ),
+            LS,
+        )
+        m_new = gl.maximum(m_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), 0))
+        alpha = gl.exp2(m_i - m_new)
+        p0 = gl.exp2(s0 - m_new[None, :])
+        p1 = gl.exp2(s1 - m_new[None, :])
+        p2 = gl.exp2(s2 - m_new[None, :])
+        p3 = gl.exp2(s3 - m_new[None, :])
+        m_i = m_new
+        l_i = l_i * alpha + gl.sum((p0 + p1) + (p2 + p3), 0)
+        # value operand: p * scale per token (fp16: times 4^-u, the unit of token quarter u)
+        vb = vpage * G
+        vs0 = gl.load(v_scale_ptr + vb + tt).to(gl.float32)
+        vs1 = gl.load(v_scale_ptr + vb + 32 + tt).to(gl.float32)
+        vs2 = gl.load(v_scale_ptr + vb + 64 + tt).to(gl.float32)
+        vs3 = gl.load(v_scale_ptr + vb + 96 + tt).to(gl.float32)
+        vz0 = gl.load(v_zero_ptr + vb + tt).to(gl.float32)
+        vz1 = gl.load(v_zero_ptr + vb + 32 + tt).to(gl.float32)
+        vz2 = gl.load(v_zero_ptr + vb + 64 + tt).to(gl.float32)
+        vz3 = gl.load(v_zero_ptr + vb + 96 + tt).to(gl.float32)
+        if IS_BF16:
+            w0 = (p0 * vs0[:, None]).to(DOT)
+            w1 = (p1 * vs1[:, None]).to(DOT)
+            w2 = (p2 * vs2[:, None]).to(DOT)
+            w3 = (p3 * vs3[:, None]).to(DOT)
+            zt = (p0 * vz0[:, None] - w0.to(gl.float32) * 128.0) + (p1 * vz1[:, None] - w1.to(gl.float32) * 32.0)
+            zt += (p2 * vz2[:, None] - w2.to(gl.float32) * 8.0) + (p3 * vz3[:, None] - w3.to(gl.float32) * 128.0)
+        else:
+            w0 = (p0 * vs0[:, None]).to(DOT)
+            w1 = (p1 * (vs1 * 0.25)[:, None]).to(DOT)
+            w2 = (p2 * (vs2 * 0.0625)[:, None]).to(DOT)
+            w3 = (p3 * (vs3 * 0.015625)[:, None]).to(DOT)
+            zt = (p0 * vz0[:, None] + p1 * vz1[:, None]) + (p2 * vz2[:, None] + p3 * vz3[:, None])
+        az = az * alpha + gl.sum(zt, 0)
+        pb = gl.convert_layout(
+            cat4(token_order(w0, PV), token_order(w1, PV), token_order(w2, PV), token_order(w3, PV)), DB
+        )
+        av = gl.convert_layout(widen(alpha, PV), gl.SliceLayout(0, MMA))
+        vrow = vpage * (D * 32)
+        acc0 = mma_v2(unpack_low(v_codes_ptr, vrow, 32, 32, IS_BF16, DA), pb, acc0 * av[None, :])
+        acc1 = mma_v2(unpack_low(v_codes_ptr, vrow + 32 * 32, 32, 32, IS_BF16, DA), pb, acc1 * av[None, :])
+        if NCH > 2:
+            acc2 = mma_v2(unpack_low(v_codes_ptr, vrow + 64 * 32, 32, 32, IS_BF16, DA), pb, acc2 * av[None, :])
+            acc3 = mma_v2(unpack_low(v_codes_ptr, vrow + 96 * 32, 32, 32, IS_BF16, DA), pb, acc3 * av[None, :])
+    # ---- the quantized values' product as one (D, NV) tile in output units
+    if NCH > 2:
+        acc_q = cat4(acc0, acc1, acc2, acc3)
+    else:
+        acc_q = gl.reshape(gl.permute(gl.join(acc0, acc1), [2, 0, 1]), [D, NV])
+    if not IS_BF16:
+        acc_q = acc_q * 16777216.0
+    LO: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, 1], [0, 1])
+    acc_q = gl.convert_layout(acc_q, LO)
+    # ---- full-precision tail: pages whose values are in the qbuffer / local window, the key qbuffer page, the sink
+    q_nat = gl.load(
+        q_ptr + q_off + head[None, :] * sq_h + kk[:, None], mask=((head < QH) & (part == 0))[None, :], other=0.0
+    ).to(DOT)
+    acc_n = gl.zeros([D, NV], gl.float32, MMA)
+    kq_ptr = k_qbuf_ptr + b64 * skq_b + h * skq_h
+    vq_ptr = v_qbuf_ptr + b64 * svq_b + h * svq_h
+    vl_ptr = v_local_ptr + b64 * svl_b + h * svl_h
+    for j in range(gl.maximum(start, vp), end):
+        rel0 = j * G
+        if j < kp:
+            kpage = gl.load(k_pt_ptr + b64 * spk_b + j).to(gl.int64) * Hkv + h
+            bop, corr = _key_operand(q_perm, k_scale_ptr, k_zero_ptr, kpage * D, kk, part, D, D4, TWO, IS_BF16, DOT)
+            bh = bop
+            if NB > 0:
+                bh, ch = _high_operand(bop, k_idx_ptr, kpage * D, kk, slot, D4, KH, NK, IS_BF16, DOT, MMA, DA, DB)
+                corr = corr + ch
+            corr_m = gl.convert_layout(corr, gl.SliceLayout(0, MMA))
+            s0 = gl.convert_layout(
+                _quant_scores(
+                    k_low_ptr,
+                    k_high_ptr,
+                    kpage,
+                    bop,
+                    bh,
+                    corr_m,
+                    qk_scale,
+                    0,
+                    G,
+                    D4,
+                    NB,
+                    NWH,
+                    RW,
+                    NK,
+                    PK,
+                    IS_BF16,
+                    MMA,
+                    DA,
+                ),
+                LS,
+            )
+            s1 = gl.convert_layout(
+                _quant_scores(
+                    k_low_ptr,
+                    k_high_ptr,
+                    kpage,
+                    bop,
+                    bh,
+                    corr_m,
+                    qk_scale,
+                    1,
+                    G,
+                    D4,
+                    NB,
+                    NWH,
+                    RW,
+                    NK,
+                    PK,
+                    IS_BF16,
+                    MMA,
+                    DA,
+                ),
+                LS,
+            )
+            s2 = gl.convert_layout(
+                _quant_scores(
+                    k_low_ptr,
+                    k_high_ptr,
+                    kpage,
+                    bop,
+                    bh,
+                    corr_m,
+                    qk_scale,
+                    2,
+                    G,
+                    D4,
+                    NB,
+                    NWH,
+                    RW,
+                    NK,
+                    PK,
+                    IS_BF16,
+                    MMA,
+                    DA,
+                ),
+                LS,
+            )
+            s3 = gl.convert_layout(
+                _quant_scores(
+                    k_low_ptr,
+                    k_high_ptr,
+                    kpage,
+                    bop,
+                    bh,
+                    corr_m,
+                    qk_scale,
+                    3,
+                    G,
+                    D4,
+                    NB,
+                    NWH,
+                    RW,
+                    NK,
+                    PK,
+                    IS_BF16,
+                    MMA,
+                    DA,
+                ),
+                LS,
+            )
+        else:
+            s0 = _fp_scores(kq_ptr, tt, rel0 + tt < m, q_nat, qk_scale, 32, D, NK, PK, DOT, MMA, DA, LS)
+            s1 = _fp_scores(kq_ptr, 32 + tt, rel0 + 32 + tt < m, q_nat, qk_scale, 32, D, NK, PK, DOT, MMA, DA, LS)
+            s2 = _fp_scores(kq_ptr, 64 + tt, rel0 + 64 + tt < m, q_nat, qk_scale, 32, D, NK, PK, DOT, MMA, DA, LS)
+            s3 = _fp_scores(kq_ptr, 96 + tt, rel0 + 96 + tt < m, q_nat, qk_scale, 32, D, NK, PK, DOT, MMA, DA, LS)
+        m_new = gl.maximum(m_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), 0))
+        m_safe = gl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = gl.exp2(m_i - m_safe)
+        p0 = gl.exp2(s0 - m_safe[None, :])
+        p1 = gl.exp2(s1 - m_safe[None, :])
+        p2 = gl.exp2(s2 - m_safe[None, :])
+        p3 = gl.exp2(s3 - m_safe[None, :])
+        m_i = m_new
+        l_i = l_i * alpha + gl.sum((p0 + p1) + (p2 + p3), 0)
+        az = az * alpha
+        av = widen(alpha, PV)
+        acc_q = acc_q * gl.convert_layout(av, gl.SliceLayout(0, LO))[None, :]
+        avm = gl.convert_layout(av, gl.SliceLayout(0, MMA))
+        one = gl.full([NV], 1.0, gl.float32, gl.SliceLayout(0, MMA))
+        Rm = gl.maximum(R, 1)
+        r0 = rel0 + tt
+        acc_n = _fp_values(
+            vq_ptr, r0 % G, r0 < mv, vl_ptr, r0 % Rm, (r0 >= mv) & (r0 < m), p0, acc_n, avm, 32, D, PV, DOT, MMA, DA, DB
+        )
+        r0 = rel0 + 32 + tt
+        acc_n = _fp_values(
+            vq_ptr, r0 % G, r0 < mv, vl_ptr, r0 % Rm, (r0 >= mv) & (r0 < m), p1, acc_n, one, 32, D, PV, DOT, MMA, DA, DB
+        )
+        r0 = rel0 + 64 + tt
+        acc_n = _fp_values(
+            vq_ptr, r0 % G, r0 < mv, vl_ptr, r0 % Rm, (r0 >= mv) & (r0 < m), p2, acc_n, one, 32, D, PV, DOT, MMA, DA, DB
+        )
+        r0 = rel0 + 96 + tt
+        acc_n = _fp_values(
+            vq_ptr, r0 % G, r0 < mv, vl_ptr, r0 % Rm, (r0 >= mv) & (r0 < m), p3, acc_n, one, 32, D, PV, DOT, MMA, DA, DB
+        )
+    if S > 0:
+        if (split == 0) & (n > 0):
+            ps = gl.arange(0, BLOCK_S, gl.SliceLayout(1, LS))
+            okp = (ps < S) & (ps < n)
+            s = _fp_scores(
+                sink_k_ptr + b64 * ssk_b + h * ssk_h, ps, okp, q_nat, qk_scale, BLOCK_S, D, NK, PK, DOT, MMA, DA, LS
+            )
+            m_new = gl.maximum(m_i, gl.max(s, 0))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s - m_new[None, :])
+            m_i = m_new
+            l_i = l_i * alpha + gl.sum(p, 0)
+            az = az * alpha
+            av = widen(alpha, PV)
+            acc_q = acc_q * gl.convert_layout(av, gl.SliceLayout(0, LO))[None, :]
+            sv = sink_v_ptr + b64 * ssv_b + h * ssv_h
+            acc_n = _fp_values(
+                sv,
+                ps,
+                okp,
+                sv,
+                ps,
+                okp & False,
+                p,
+                acc_n,
+                gl.convert_layout(av, gl.SliceLayout(0, MMA)),
+                BLOCK_S,
+                D,
+                PV,
+                DOT,
+                MMA,
+                DA,
+                DB,
+            )
+    # ---- the split's partial: (m, l, zero term) per head, (D, NV) product; the last program merges
+    res = acc_q + gl.convert_layout(acc_n, LO)
+    hv = gl.arange(0, BH, LH)
+    wsr = (pid_bh * NUM_SPLITS + split) * BH
+    gl.store(ws_m_ptr + wsr + hv, m_i)
+    gl.store(ws_l_ptr + wsr + hv, l_i)
+    gl.store(ws_z_ptr + wsr + hv, az)
+    dd = gl.arange(0, D, gl.SliceLayout(1, LO))
+    nv = gl.arange(0, NV, gl.SliceLayout(0, LO))
+    gl.store(ws_acc_ptr + (pid_bh * NUM_SPLITS + split) * (D * NV) + dd[:, None] * NV + nv[None, :], res)
+    gl.thread_barrier()
+    ticket = gl.atomic_add(ticket_ptr + pid_bh, 1, sem="acq_rel", scope="gpu")
+    if ticket == NUM_SPLITS - 1:
+        LM: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0])
+        hr = gl.arange(0, BH, gl.SliceLayout(1, LM))
+        dm = gl.arange(0, D, gl.SliceLayout(0, LM))
+        M = gl.full([BH], float("-inf"), gl.float32, gl.SliceLayout(1, LM))
+        L = gl.zeros([BH], gl.float32, gl.SliceLayout(1, LM))
+        O = gl.zeros([BH, D], gl.float32, LM)
+        for sp in range(0, NUM_SPLITS):
+            base = (pid_bh * NUM_SPLITS + sp) * BH
+            ms = gl.load(ws_m_ptr + base + hr, cache_modifier=".cg")
+            ls = gl.load(ws_l_ptr + base + hr, cache_modifier=".cg")
+            zs = gl.load(ws_z_ptr + base + hr, cache_modifier=".cg")
+            os_ = gl.load(
+                ws_acc_ptr + (pid_bh * NUM_SPLITS + sp) * (D * NV) + dm[None, :] * NV + hr[:, None] * PV,
+                cache_modifier=".cg",
+            )
+            Mn = gl.maximum(M, ms)
+            Ms = gl.where(Mn > float("-inf"), Mn, 0.0)
+            a = gl.exp2(M - Ms)
+            w = gl.exp2(ms - Ms)
+            L = L * a + ls * w
+            O = O * a[:, None] + (os_ + zs[:, None]) * w[:, None]
+            M = Mn
+        o = O / gl.where(L > 0, L, 1.0)[:, None]
+        gl.store(
+            out_ptr + b64 * so_b + (h * QH + hr[:, None]) * so_h + dm[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=(hr < QH)[:, None],
+        )
+        gl.store(ticket_ptr + pid_bh, 0)
+
+
+def gluon_constants(
+    cfg: KVQuantConfig, head_dim: int, group: int, dtype: torch.dtype, launch: GluonLaunch, full_qbuffer: bool
+) -> dict:
+    """The compile-time constants of ``_decode_gluon_kernel`` (what the wrapper launches and the compile gates
+    compile)."""
+    nb = cfg.num_boosted(head_dim)
+    nb4 = high_plane_bytes(nb)
+    return dict(
+        S=cfg.sink_tokens,
+        G=cfg.group_size,
+        R=cfg.local_window,
+        D=head_dim,
+        NB=nb,
+        NB4=nb4,
+        NWH=max(1, nb4 // 4),
+        RW=nb4 // 4 if nb4 % 4 == 0 else 1,
+        BH=max(4, triton.next_power_of_2(group)),
+        BLOCK_S=max(16, triton.next_power_of_2(max(cfg.sink_tokens, 1))),
+        TWO=bool(launch.key_two_part),
+        IS_BF16=dtype == torch.bfloat16,
+        FULL_QBUF=bool(full_qbuffer),
+    )
+
+
+def high_plane_view(k_high: torch.Tensor, nb4: int) -> torch.Tensor:
+    """``k_high`` ``[P, Hkv, G, nb4]`` as rows of 32-bit words (``nb4 % 4 == 0``), 16-bit (2) or 8-bit (1)
+    elements, the unit the kernel loads."""
+    if nb4 % 4 == 0:
+        return k_high.view(torch.int32)
+    if nb4 == 2:
+        return k_high.view(torch.int16)
+    return k_high
+
+
+def decode_attention_gluon(
+    q: torch.Tensor,
+    state: KittyLayerState,
+    cfg: KVQuantConfig,
+    scaling: float | None = None,
+    *,
+    full_qbuffer: bool = False,
+    workspace: dict[str, torch.Tensor] | None = None,
+    launch: GluonLaunch | None = None,
+) -> torch.Tensor:
+    """The Gluon kernel (module docstring): the ``decode_attention_triton`` contract. ``ValueError`` for pages it
+    was not written for (``gluon_launch.pages_supported``)."""
+    z = check_state(q, state, cfg)
+    B, Hq, Hkv, D = (z[k] for k in ("B", "Hq", "Hkv", "D"))
+    QH = Hq // Hkv
+    if not pages_supported(cfg, D, q.dtype, QH):
+        raise ValueError(
+            f"the Gluon kernel does not handle these pages (key_bits={cfg.key_bits}, value_bits="
+            f"{cfg.value_bits}, group_size={cfg.group_size}, head_dim={D}, dtype={q.dtype}, GQA {QH})"
+        )
+    scaling = 1.0 / math.sqrt(D) if scaling is None else float(scaling)
+    max_pages = state.k_page_table.shape[1] + 1
+    launch = launch or default_gluon_launch(B, Hkv, max_pages, q.device)
+    consts = gluon_constants(cfg, D, QH, q.dtype, launch, full_qbuffer)
+    BH, splits = consts["BH"], launch.num_splits
+    NV = BH * (2 if BH == 4 else 1)
+    dev, f32 = q.device, torch.float32
+    rows = B * Hkv * splits * BH
+    if workspace is not None and workspace.get("g_out") is not None and workspace["g_m"].shape[0] == rows:
+        ws_m, ws_l, ws_z, ws_acc, tickets, out = (workspace[k] for k in ("g_m", "g_l", "g_z", "g_acc", "g_t", "g_out"))
+    else:
+        ws_m = torch.empty(rows, dtype=f32, device=dev)
+        ws_l, ws_z = torch.empty_like(ws_m), torch.empty_like(ws_m)
+        ws_acc = torch.empty(B * Hkv * splits, D * NV, dtype=f32, device=dev)
+        tickets = torch.zeros(B * Hkv, dtype=torch.int32, device=dev)
+        out = torch.empty(B, Hq, D, dtype=q.dtype, device=dev)
+        if workspace is not None:
+            workspace.update(g_m=ws_m, g_l=ws_l, g_z=ws_z, g_acc=ws_acc, g_t=tickets, g_out=out)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    st = state
+    high = high_plane_view(st.k_high, consts["NB4"]) if consts["NB"] else st.k_low
+    _decode_gluon_kernel[(B * Hkv, splits)](
+        q,
+        out,
+        ws_m,
+        ws_l,
+        ws_z,
+        ws_acc,
+        tickets,
+        st.lengths,
+        st.sink_k,
+        st.sink_v,
+        st.k_qbuf,
+        st.v_qbuf,
+        st.v_local,
+        st.k_page_table,
+        st.v_page_table,
+        st.k_low,
+        high,
+        st.k_boost_idx,
+        st.k_scale,
+        st.k_zero,
+        st.v_codes,
+        st.v_scale,
+        st.v_zero,
+        Hkv,
+        QH,
+        splits,
+        scaling * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        st.sink_k.stride(0),
+        st.sink_k.stride(1),
+        st.sink_v.stride(0),
+        st.sink_v.stride(1),
+        st.k_qbuf.stride(0),
+        st.k_qbuf.stride(1),
+        st.v_qbuf.stride(0),
+        st.v_qbuf.stride(1),
+        st.v_local.stride(0),
+        st.v_local.stride(1),
+        st.k_page_table.stride(0),
+        st.v_page_table.stride(0),
+        **consts,
+        num_warps=1,
+        maxnreg=255,
+    )
+    return out

@@ -1,0 +1,109 @@
+"""The Gluon decode kernel's launch and capability check (``kernels/decode_gluon.py``), importable without Gluon.
+
+Also the register-layout contract between the page bytes and the kernel's tensor-core fragments, in plain Python:
+:func:`low_plane_order` / :func:`high_plane_order` say which byte (and bit field) of a page row feeds logical column
+``k`` of the ``mma_v2`` operand the kernel builds, which ``tests/test_gluon.py`` checks against a NumPy model of
+the fragment registers (from ``gl.to_linear_layout`` bases) and the unpack.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+from kitty.config import KVQuantConfig
+from kitty.quant import high_plane_bytes
+
+from .launch import num_sms
+
+GLUON_TRITON = "3.6"  # the triton release the Gluon kernel was written and compile-tested for (the H200's)
+
+
+@dataclass(frozen=True)
+class GluonLaunch:
+    """How the Gluon kernel is launched: ``num_splits`` one-warp programs per (row, KV head), each streaming a
+    contiguous run of pages with its own softmax state; ``key_two_part``: ``q * scale`` carried as its fp16/bf16
+    rounding and remainder (twice the key product's columns, as accurate as dequantizing first)."""
+
+    num_splits: int
+    key_two_part: bool = True
+
+
+def default_gluon_launch(
+    B: int, Hkv: int, max_blocks: int, device: torch.device | int, ctas_per_sm: int = 8
+) -> GluonLaunch:
+    """Splits so that ``B * Hkv * splits`` one-warp programs give ~``ctas_per_sm`` per SM, each with >= 2 pages."""
+    pairs, sms = max(B * Hkv, 1), num_sms(device)
+    want = -(-ctas_per_sm * sms // pairs)
+    return GluonLaunch(num_splits=max(1, min(want, max(max_blocks // 2, 1), 512)))
+
+
+def gluon_available() -> bool:
+    """Whether this triton is the release the Gluon kernel was written for and ships ``triton.experimental.gluon``."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    import triton
+
+    if not triton.__version__.startswith(GLUON_TRITON):
+        return False
+    return importlib.util.find_spec("triton.experimental.gluon") is not None
+
+
+def gluon_supports(
+    cfg: KVQuantConfig, head_dim: int, dtype: torch.dtype, device: torch.device | None, gqa: int
+) -> bool:
+    """Whether the Gluon kernel was written and tested for these pages on ``device``: a Hopper GPU (sm_90) with
+    triton 3.6's Gluon, 2-bit keys and values of group size 128, head_dim 64 or 128, fp16/bf16, at most 8 query
+    heads per KV head, and a high plane of 1, 2 or a multiple of 4 bytes per token. Anything else runs the ``tl``
+    kernel."""
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    if torch.cuda.get_device_capability(device) != (9, 0) or not gluon_available():
+        return False
+    return pages_supported(cfg, head_dim, dtype, gqa)
+
+
+def pages_supported(cfg: KVQuantConfig, head_dim: int, dtype: torch.dtype, gqa: int) -> bool:
+    """The config half of :func:`gluon_supports` (no device or triton check)."""
+    nb4 = high_plane_bytes(cfg.num_boosted(head_dim))
+    return (
+        cfg.key_bits == 2
+        and cfg.value_bits == 2
+        and cfg.group_size == 128
+        and head_dim in (64, 128)
+        and dtype in (torch.float16, torch.bfloat16)
+        and 1 <= gqa <= 8
+        and (nb4 in (0, 1, 2) or nb4 % 4 == 0)
+        and cfg.sink_tokens <= 128
+    )
+
+
+# ------------------------------------------------------------------ the fragment contract (pure Python)
+
+
+def low_plane_order(bytes_per_row: int) -> list[tuple[int, int]]:
+    """``(byte, field)`` of a plane row (``bytes_per_row`` bytes, 4 quarter-strided 2-bit fields each) feeding
+    logical column ``k`` of the kernel's operand, ``k = n/4 * s + 16 kt + 8 h + 2 q + e`` (``n = 4 bytes_per_row``):
+    lane ``q = k/2 % 4`` loads bytes ``4 W q ..`` (``W`` = words per lane), its unpack puts bytes ``0, 2`` of a word
+    in one register and ``1, 3`` in the next, so column ``k`` holds byte ``4 W q + 4 kt + 2 e + h``, field ``s``.
+    The code is then row element ``byte + s * bytes_per_row`` (``docs/LAYOUT.md``)."""
+    W = bytes_per_row // 16
+    out = []
+    for k in range(4 * bytes_per_row):
+        s, r = divmod(k, bytes_per_row)
+        kt, h, q, e = r // 16, (r // 8) % 2, (r // 2) % 4, r % 2
+        out.append((4 * W * q + 4 * kt + 2 * e + h, s))
+    return out
+
+
+def high_plane_order(nb4: int) -> list[tuple[int, int]]:
+    """``(byte, field)`` of a high-plane row (``nb4`` bytes) feeding logical column ``k`` of the high operand
+    (``16 * ceil(nb4 / 4)`` columns): lane ``q`` takes field ``q`` of word ``kt``, bytes ordered as in
+    :func:`low_plane_order`. Its slot is ``byte + field * nb4``; columns whose byte is past ``nb4`` hold 0."""
+    out = []
+    for k in range(16 * max(1, -(-nb4 // 4))):
+        kt, h, q, e = k // 16, (k // 8) % 2, (k // 2) % 4, k % 2
+        out.append((4 * kt + 2 * e + h, q))
+    return out
