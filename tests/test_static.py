@@ -24,7 +24,8 @@ from transformers import (
 
 from kitty import PRESETS, KittyCache
 from kitty.generate import Sampling, generate_static
-from kitty.static import StaticKittyLayer, pack_completed_torch
+from kitty.kernels.reference import pack_completed_ref
+from kitty.static import StaticKittyLayer
 
 S, G, R = 4, 8, 8
 SMALL = {
@@ -118,7 +119,7 @@ def test_static_storage_is_preallocated_and_matches_the_growing_layer():
     assert {name: t.data_ptr() for name, t in layer.storage().items()} == ptrs
     for i in range(2):
         a, b = static.layers[i], dynamic.layers[i]
-        assert torch.equal(a.lengths, b.lengths) and a._n == b._n
+        assert torch.equal(a.lengths, b.lengths) and a.host_lengths == b.host_lengths
         for name in ("sink_k", "sink_v", "k_qbuf", "v_qbuf", "v_local"):
             assert torch.equal(getattr(a, name), getattr(b, name)), name
         for row in range(B):
@@ -217,7 +218,7 @@ def test_pack_completed_kernel_matches_reference(preset):
     kr, vr, (rk, rv) = _random_pools(kf, vf, Bq, Wk, Wv, device, low=0)
     before = {n: t.clone() for n, t in kk.items()}
     pack_completed(cfg, lengths, k_qbuf, v_qbuf, kk, vk, tk, tv, salt=3)
-    pack_completed_torch(cfg, lengths, k_qbuf, v_qbuf, kr, vr, rk, rv, salt=3)
+    pack_completed_ref(cfg, lengths, k_qbuf, v_qbuf, kr, vr, rk, rv, salt=3)
     for name in kk:
         assert torch.equal(kk[name], kr[name]), name
     for name in vk:
@@ -234,7 +235,7 @@ def test_pack_completed_kernel_matches_reference(preset):
 def test_triton_ops_pack_completed_side_by_side(preset):
     """The Triton backend's stage 3 packs each side the kernel packs bit-identically (query-aware selections with the
     rows' query_scale; 4-bit keys or values) and leaves a fitted key side to the torch reference: the pools and
-    tables equal pack_completed_torch's."""
+    tables equal pack_completed_ref's."""
     from kitty.backend import TritonOps
     from kitty.storage import pool_fields
 
@@ -253,7 +254,7 @@ def test_triton_ops_pack_completed_side_by_side(preset):
     kk, vk, (tk, tv) = _random_pools(kf, vf, Bq, Wk, Wv, device, low=1)
     kr, vr, (rk, rv) = _random_pools(kf, vf, Bq, Wk, Wv, device, low=1)
     ops.pack_completed(lengths, k_qbuf, v_qbuf, kk, vk, tk, tv, 3, qs)
-    pack_completed_torch(cfg, lengths, k_qbuf, v_qbuf, kr, vr, rk, rv, salt=3, query_scale=qs)
+    pack_completed_ref(cfg, lengths, k_qbuf, v_qbuf, kr, vr, rk, rv, salt=3, query_scale=qs)
     for name in kk:
         assert torch.equal(kk[name], kr[name]), name
     for name in vk:
