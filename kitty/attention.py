@@ -126,6 +126,11 @@ class KittyMask:
         (it reads ``ndim`` first) and :func:`kitty_mask` returns it unchanged."""
         return 4
 
+    def contiguous(self) -> "KittyMask":
+        """Itself: transformers 5.18-5.23 call ``.contiguous()`` on the mask ``generate`` prepares for a static cache
+        (``kitty.compat`` lists the difference)."""
+        return self
+
     def new_token_mask(self, batch_size: int, q_length: int, device: torch.device | str) -> torch.Tensor:
         """bool ``[B, T]``: which of the ``T`` new columns are real tokens.
 

@@ -23,6 +23,7 @@ from transformers import (
 )
 
 from kitty import PRESETS, KittyCache
+from kitty.compat import cache_kwargs
 from kitty.generate import Sampling, generate_static
 from kitty.kernels.reference import pack_completed_ref
 from kitty.static import StaticKittyLayer
@@ -68,7 +69,7 @@ def ragged_batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def hf_greedy(model, ids, mask, cache, new: int = NEW) -> torch.Tensor:
     out = model.generate(
-        ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False
+        ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=new, min_new_tokens=new, do_sample=False
     )
     return out[:, ids.shape[1] :]
 
@@ -102,7 +103,7 @@ def test_static_storage_is_preallocated_and_matches_the_growing_layer():
     dynamic = KittyCache(model.config, cfg, backend="torch")
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     for cache in (static, dynamic):  # the prompt
-        model(ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        model(ids, attention_mask=mask, position_ids=positions, **cache_kwargs(cache), use_cache=True)
     layer = static.layers[0]
     assert isinstance(layer, StaticKittyLayer)
     Wk, Wv = (T + 20 - S) // G, (T + 20 - S - R) // G
@@ -115,7 +116,7 @@ def test_static_storage_is_preallocated_and_matches_the_growing_layer():
         for cache in (static, dynamic):
             full = torch.ones(B, T + t + 1, dtype=torch.long)
             full[:, :T] = mask
-            model(tok + t, attention_mask=full, position_ids=pos, past_key_values=cache, use_cache=True)
+            model(tok + t, attention_mask=full, position_ids=pos, **cache_kwargs(cache), use_cache=True)
     assert {name: t.data_ptr() for name, t in layer.storage().items()} == ptrs
     for i in range(2):
         a, b = static.layers[i], dynamic.layers[i]
@@ -142,12 +143,12 @@ def test_static_bounds_raise_before_anything_changes():
     generate_static(model, ids, mask, cache, 3)  # fills the cache exactly: T + 2 columns
     before = (cache.lengths, cache.layers[0].lengths.clone(), cache.get_seq_length())
     with pytest.raises(ValueError, match="max_cache_len"):
-        model(ids[:, :1], past_key_values=cache, use_cache=True)
+        model(ids[:, :1], **cache_kwargs(cache), use_cache=True)
     assert cache.lengths == before[0] and cache.get_seq_length() == before[2]
     assert torch.equal(cache.layers[0].lengths, before[1])
     cache.reset()
     with pytest.raises(ValueError, match="max_batch_size"):
-        model(torch.zeros(B + 1, 2, dtype=torch.long), past_key_values=cache, use_cache=True)
+        model(torch.zeros(B + 1, 2, dtype=torch.long), **cache_kwargs(cache), use_cache=True)
     for bad in (dict(max_cache_len=0), dict(max_batch_size=2), dict(max_cache_len=8, max_batch_size=0)):
         with pytest.raises(ValueError, match="max_cache_len|max_batch_size"):
             KittyCache(model.config, "kitty", **bad)
