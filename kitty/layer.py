@@ -373,8 +373,8 @@ class PagedLayer(LayerSteps, CacheLayerMixin):
             page = quantize_value_page(torch.cat(value_groups), cfg)
             self._store(self.value_pool, self.v_page_table, value_dest, page_fields(page))
         self._n0, self._steps = n1, 0
-        saved = self.lengths.clone()
-        self.on_undo(lambda: self.lengths.copy_(saved))
+        old_lengths = self.lengths.clone()
+        self.on_undo(lambda: self.lengths.copy_(old_lengths))
         self.lengths.copy_(torch.tensor(n1, dtype=torch.int32))  # in place: a static layer's tensors never move
         self.seen_tokens += T
 
