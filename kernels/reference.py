@@ -18,6 +18,7 @@ import torch
 
 from kitty.config import KVQuantConfig
 from kitty.memory import token_layout
+from kitty.pages import filled_pages
 from kitty.quant import (
     KeyPage,
     ValuePage,
@@ -182,9 +183,7 @@ def pack_completed_ref(
         width = table.shape[1]
         if width == 0:  # max_cache_len leaves no room for a page on this side
             continue
-        # the rule of kitty.pages.filled_page: did row b's qbuffer just fill (done), and which page j it becomes
-        m = n - start
-        done, j = (m > 0) & (m % G == 0), (m // G - 1).clamp(0, max(width - 1, 0))  # (B,), (B,)
+        done, j = filled_pages(n, start, G, width)  # (B,), (B,): did row b's qbuffer just fill, into page j
         if skip_idle and not bool(done.any()):
             continue
         ids = rows * width + j  # (B,) the fixed pool id of that page

@@ -13,7 +13,15 @@ import torch
 from kitty.config import KVQuantConfig
 from kitty.memory import token_layout
 from kitty.quant import quantize_key_page, quantize_value_page
-from kitty.storage import KittyLayerState, allocate_pool, page_fields, pool_fields
+from kitty.storage import (
+    BUFFER_FIELDS,
+    KittyLayerState,
+    allocate_pool,
+    allocate_rows,
+    page_fields,
+    pool_fields,
+    row_fields,
+)
 
 # flash-attention's rule: a kernel passes when max|out - ref| <= 2 max|pt - ref| + floor, where ref is the fp32 torch
 # reference and pt the same reference in the kernel's dtype, both on the same 2-bit codes; the floor is ~1/10 of an
@@ -71,10 +79,8 @@ def make_state(
     g = torch.Generator().manual_seed(seed)
     kperm, vperm = torch.randperm(P, generator=g).tolist(), torch.randperm(P, generator=g).tolist()
 
-    def buf(T):
-        return torch.full((B, Hkv, T, D), fill, dtype=dt, device=dev)
-
-    sink_k, sink_v, k_qbuf, v_qbuf, v_local = buf(S), buf(S), buf(G), buf(G), buf(R)
+    rows = allocate_rows(row_fields(cfg, Hkv, D, dt), B, dev, fill=fill)
+    sink_k, sink_v, k_qbuf, v_qbuf, v_local = (rows[name] for name in BUFFER_FIELDS)
     k_pt = torch.full((B, max_pages), -1, dtype=torch.int32, device=dev)
     v_pt = torch.full((B, max_pages), -1, dtype=torch.int32, device=dev)
     k_pages, v_pages, k_ids, v_ids = [], [], [], []

@@ -4,9 +4,10 @@ Registered at import with ``transformers.AttentionInterface`` and ``AttentionMas
 
 - the mask function does not build a 4-D mask; it returns a :class:`KittyMask` carrying the 2-D padding mask
   (``[B, past + T]``, True = real token), which transformers hands to every layer's attention call;
-- the attention function receives the :class:`kitty.cache.PendingKV` handle that ``KittyLayer.update`` returned
-  instead of key/value tensors, attends, then inserts the valid new tokens into the layer (paper §4.3 order:
-  insert, attend with the qbuffer in full precision, quantize a full qbuffer afterwards).
+- the attention function receives the :class:`kitty.storage.PendingKV` handle that the layer's ``update``
+  returned instead of key/value tensors, and runs the layer's own step, ``attend_and_append`` (``kitty.layer``,
+  ``kitty.static``): attend, then insert the valid new tokens (paper §4.3 order: insert, attend with the qbuffer
+  in full precision, quantize a full qbuffer afterwards).
 
 ``KittyCache`` does not change the user's attention implementation: the model's config reads ``"kitty"`` only on a
 thread that is running a forward pass with a KittyCache (:func:`use_kitty_attention`). With ordinary tensors (any
@@ -124,6 +125,11 @@ class KittyMask:
         when the model then calls the mask function with this object, transformers passes it through as it is
         (it reads ``ndim`` first) and :func:`kitty_mask` returns it unchanged."""
         return 4
+
+    def contiguous(self) -> "KittyMask":
+        """Itself: transformers 5.18-5.23 call ``.contiguous()`` on the mask ``generate`` prepares for a static cache
+        (``kitty.compat`` lists the difference)."""
+        return self
 
     def new_token_mask(self, batch_size: int, q_length: int, device: torch.device | str) -> torch.Tensor:
         """bool ``[B, T]``: which of the ``T`` new columns are real tokens.
@@ -244,53 +250,13 @@ def kitty_attention_forward(
             f"KittyCache needs the 2-D padding mask (the 'kitty' mask function); got a {type(attention_mask).__name__} of shape {tuple(getattr(attention_mask, 'shape', ()))}"
         )
     layer = key.layer
-    cache = layer._owner()
     B, Hq, T, D = query.shape
     scale = D**-0.5 if scaling is None else scaling
-    static = getattr(layer, "is_compileable", False)  # a static layer reads no mask on the host in decode steps
-    if static:
-        valid = layer.new_tokens(attention_mask, B, T)  # None in a decode step, else (B, T) on the CPU
-    else:
-        valid = (attention_mask or KittyMask(None)).new_token_mask(B, T, "cpu")  # (B, T) on the CPU: bookkeeping only
-    if cache is None:
-        layer.begin_step()
-    else:
-        cache.begin_step(layer)
-    try:
-        if static:
-            out = layer.attend_and_insert(query, key, valid, scale)
-        else:
-            out = _attend_and_insert(layer, query, key, valid, scale)
-    except BaseException:  # every layer this forward pass changed goes back as it was
-        if cache is None:
-            layer.rollback_step()
-        else:
-            cache.rollback_forward()
-        raise
-    if cache is None:
-        layer.end_step()
-    else:
-        cache.end_step(layer)
+    valid = layer.new_tokens(attention_mask, B, T)  # (B, T) on the CPU (bookkeeping only), or None: a decode step
+    cache = layer.cache
+    with cache.layer_step(layer) if cache is not None else layer.atomic():  # a failure undoes the forward pass
+        out = layer.attend_and_append(query, key.key_states, key.value_states, valid, scale)
     return out.transpose(1, 2).contiguous(), None  # (B, T, Hq, D)
-
-
-def _attend_and_insert(layer, query: torch.Tensor, key: PendingKV, valid: torch.Tensor, scale: float) -> torch.Tensor:
-    """One layer's step: check, observe the queries, attend and insert the new tokens; ``[B, Hq, T, D]``."""
-    B, Hq, T, D = query.shape
-    layer.check_append(valid)  # errors before anything changes
-    layer.observe_queries(query, valid)  # channel_selection="query" ranks the channels of pages packed below
-    if layer.ops.fused_decode and T == 1 and bool(valid.all()):
-        # a decode step, every row at once: insert, attend over the qbuffers in full precision (a qbuffer this
-        # token filled included), then pack what filled -- the paper's order, with no torch path for the batch
-        filled = layer.insert_decode(key.key_states, key.value_states)
-        out = layer.ops.attend(query[:, :, 0], layer.storage(), scale, full_qbuffer=True)[:, :, None]  # (B, Hq, 1, D)
-        layer.pack_filled(filled)
-    else:
-        out = attend_torch(
-            query, key.key_states, key.value_states, valid.to(query.device), layer.storage(), layer.cfg, scale
-        )
-        layer.append(key.key_states, key.value_states, valid)
-    return out
 
 
 def _user_attention(module: torch.nn.Module | None):

@@ -30,7 +30,6 @@ from .quant import quantize_key_page, quantize_value_page
 from .storage import KittyLayerState, page_fields
 
 BACKEND_ENV = "KITTY_BACKEND"
-pack_completed_torch = pack_completed_ref  # the name kitty.static and tests/test_static.py import
 
 
 def interpreting() -> bool:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-import weakref
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -39,16 +39,57 @@ from transformers.cache_utils import Cache
 
 from . import attention as kattention
 from .backend import check_triton, requested_backend
-from .compat import get_kv_heads_per_rank, layer_types_and_kwargs
+from .compat import StaticCacheSizes, get_kv_heads_per_rank, layer_types_and_kwargs
 from .config import KVQuantConfig, get_preset, is_int, kv_dims
-from .layer import _BEAM_MESSAGE, KittyLayer, SlidingWindowLayer
+from .layer import KittyLayer, PagedLayer
 from .memory import MemoryReport, token_layout
+from .static import StaticKittyLayer, check_static_args
+from .step import BEAM_MESSAGE
 from .storage import FLOAT_DTYPES
+from .window import SlidingWindowLayer, StaticSlidingLayer
+
+__all__ = ["KittyCache", "KittyLayer", "SlidingWindowLayer", "build_layers"]
 
 LAYER_TYPES = ("full_attention", "sliding_attention")  # Kitty pages, or a bounded full-precision window
 
 
-class KittyCache(Cache):
+def build_layers(
+    cfg: KVQuantConfig,
+    layer_types: list[str],
+    layer_kwargs: list[dict],
+    num_kv_heads: int,
+    model_kv_heads: int,
+    head_dim: int,
+    backend: str,
+    tp_size: int,
+    max_pages: int | None = None,
+    max_cache_len: int | None = None,
+    max_batch_size: int | None = None,
+) -> list:
+    """The layers of a ``KittyCache``, one per entry of ``layer_types``: Kitty pages for full attention, a
+    full-precision window for sliding attention; growing layers (:class:`KittyLayer`, :class:`SlidingWindowLayer`),
+    or static ones when ``max_cache_len`` is given (:class:`kitty.static.StaticKittyLayer`,
+    :class:`kitty.window.StaticSlidingLayer`). ``num_kv_heads``: this rank's KV heads, ``model_kv_heads`` the
+    model's."""
+    n = len(layer_types)
+    static = max_cache_len is not None
+
+    def build(i: int, kind: str, kw: dict):
+        layer_cfg = cfg.for_layer(i, n)
+        if kind == "full_attention" and static:
+            return StaticKittyLayer(
+                layer_cfg, num_kv_heads, head_dim, i, backend, model_kv_heads, max_cache_len, max_batch_size
+            )
+        if kind == "full_attention":
+            return KittyLayer(layer_cfg, num_kv_heads, head_dim, i, backend, max_pages, model_kv_heads)
+        if static:
+            return StaticSlidingLayer(max_cache_len, kw["sliding_window"], model_kv_heads, tp_size)
+        return SlidingWindowLayer(kw["sliding_window"], model_kv_heads, tp_size)
+
+    return [build(i, kind, kw) for i, (kind, kw) in enumerate(zip(layer_types, layer_kwargs))]
+
+
+class KittyCache(StaticCacheSizes, Cache):
     """A transformers ``Cache`` holding every layer's keys and values in Kitty's paged 2-bit format.
 
     Args:
@@ -91,9 +132,7 @@ class KittyCache(Cache):
         if not isinstance(cfg, KVQuantConfig):
             raise ValueError(f"cfg must be a KVQuantConfig or a preset name, got {type(cfg).__name__}")
         backend = requested_backend(backend)
-        from .static import check_static_args, static_layers
-
-        static = check_static_args(max_batch_size, max_cache_len, max_pages)
+        check_static_args(max_batch_size, max_cache_len, max_pages)
         if max_pages is not None and (not is_int(max_pages) or max_pages < 1):
             raise ValueError(f"max_pages must be a positive integer or None, got {max_pages!r}")
         text = config.get_text_config(decoder=True)
@@ -115,27 +154,20 @@ class KittyCache(Cache):
         self.head_dim, self.num_layers, self.tp_size = head_dim, num_layers, tp_size
         self.num_kv_heads = num_kv_heads // tp_size  # this rank's KV heads (each layer re-sizes from its tensors)
         self.layer_types = list(layer_types)
-        layers = [
-            KittyLayer(cfg.for_layer(i, num_layers), self.num_kv_heads, head_dim, i, backend, max_pages, num_kv_heads)
-            if kind == "full_attention"
-            else SlidingWindowLayer(kw["sliding_window"], num_kv_heads, tp_size)
-            for i, (kind, kw) in enumerate(zip(layer_types, layer_kwargs))
-        ]
-        if static:  # every tensor preallocated, decode steps capturable (kitty.static)
-            layers = static_layers(
-                cfg,
-                layer_types,
-                layer_kwargs,
-                self.num_kv_heads,
-                num_kv_heads,
-                head_dim,
-                backend,
-                tp_size,
-                max_cache_len,
-                max_batch_size,
-            )
-        # held privately: older transformers releases (5.17) define read-only Cache.max_batch_size/max_cache_len
-        self._max_batch_size, self._max_cache_len = max_batch_size, max_cache_len
+        layers = build_layers(
+            cfg,
+            layer_types,
+            layer_kwargs,
+            self.num_kv_heads,
+            num_kv_heads,
+            head_dim,
+            backend,
+            tp_size,
+            max_pages,
+            max_cache_len,
+            max_batch_size,
+        )
+        self.hold_static_sizes(max_batch_size, max_cache_len)
         if not any(kind == "full_attention" for kind in layer_types):
             warnings.warn(
                 "every layer of this model is a sliding-window layer: KittyCache quantizes nothing here "
@@ -143,9 +175,8 @@ class KittyCache(Cache):
                 stacklevel=2,
             )
         super().__init__(layers=layers)
-        owner = weakref.ref(self)
         for layer in layers:
-            layer._owner = owner
+            layer.attach(self)
         self._forward, self._last_layer = 0, num_layers  # forward passes seen, and the last layer updated
         self._pass_thread: int | None = None  # the thread whose forward pass is open (None between passes)
         self._pass_lock = threading.Lock()
@@ -178,7 +209,7 @@ class KittyCache(Cache):
             self.rollback_forward()
             raise
         finally:  # a last sliding layer's window is handed over here (a Kitty layer closes in end_step)
-            if layer_idx == self.num_layers - 1 and not isinstance(self.layers[layer_idx], KittyLayer):
+            if layer_idx == self.num_layers - 1 and not isinstance(self.layers[layer_idx], PagedLayer):
                 self._pass_thread = None
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
@@ -186,11 +217,24 @@ class KittyCache(Cache):
         kattention.kitty_forward(True)  # transformers picks the mask function right after: the "kitty" one
         return sizes
 
-    def begin_step(self, layer: KittyLayer) -> None:
-        """Open ``layer``'s step within the current forward pass (called by the attention function)."""
+    def begin_step(self, layer) -> None:
+        """Open ``layer``'s step within the current forward pass."""
         layer.begin_step(self._forward)
 
-    def end_step(self, layer: KittyLayer) -> None:
+    @contextmanager
+    def layer_step(self, layer: PagedLayer):
+        """``layer``'s step within the current forward pass (the attention function's body): opened before
+        anything changes, kept on success (:meth:`end_step`), and on any exception every layer this pass changed
+        rolls back (:meth:`rollback_forward`)."""
+        self.begin_step(layer)
+        try:
+            yield
+        except BaseException:
+            self.rollback_forward()
+            raise
+        self.end_step(layer)
+
+    def end_step(self, layer: PagedLayer) -> None:
         """``layer``'s step succeeded: Kitty attention is switched off until the next layer's :meth:`update`, and
         after the last layer the whole pass is kept (the undo records of every layer are dropped)."""
         kattention.kitty_forward(False)
@@ -202,7 +246,7 @@ class KittyCache(Cache):
     def rollback_forward(self) -> None:
         """Put every layer the current forward pass changed back as it was before the pass."""
         for layer in self.layers:
-            if layer._undo is not None and layer._undo.forward == self._forward:
+            if layer.step_forward == self._forward:
                 layer.rollback_step()
         kattention.kitty_forward(False)
         self._pass_thread = None
@@ -232,17 +276,7 @@ class KittyCache(Cache):
         kattention.kitty_forward(False)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError(_BEAM_MESSAGE)
-
-    @property
-    def max_batch_size(self) -> int | None:
-        """Most rows a static cache takes (``None``: a growing cache)."""
-        return self._max_batch_size
-
-    @property
-    def max_cache_len(self) -> int | None:
-        """Columns (padding included) a static cache holds per row (``None``: a growing cache)."""
-        return self._max_cache_len
+        raise NotImplementedError(BEAM_MESSAGE)
 
     @property
     def lengths(self) -> list[int]:
@@ -250,13 +284,13 @@ class KittyCache(Cache):
         included, since transformers' window keeps padding columns)."""
         layer = self._paged_layer()
         if layer is not None:
-            return list(layer._n)
+            return layer.host_lengths
         first = self.layers[0]
         return [first.cumulative_length] * (first.keys.shape[0] if first.is_initialized else 0)
 
-    def _paged_layer(self) -> KittyLayer | None:
+    def _paged_layer(self) -> PagedLayer | None:
         """The first full-attention (Kitty) layer; every such layer holds the same tokens."""
-        return next((layer for layer in self.layers if isinstance(layer, KittyLayer)), None)
+        return next((layer for layer in self.layers if isinstance(layer, PagedLayer)), None)
 
     def token_counts(self, per_row: bool = False) -> dict[str, int] | list[dict[str, int]]:
         """Tokens per place (first layer; all layers hold the same): sink, key_pages, key_qbuffer, value_pages,
@@ -267,7 +301,7 @@ class KittyCache(Cache):
         layer = self._paged_layer()
         G = self.cfg.group_size
         rows = []
-        for b, n in enumerate(layer._n if layer is not None else []):
+        for b, n in enumerate(layer.host_lengths if layer is not None else []):
             lay = token_layout(self.cfg, n)
             pk = int((layer.k_page_table[b] >= 0).sum()) if layer.is_initialized else 0
             pv = int((layer.v_page_table[b] >= 0).sum()) if layer.is_initialized else 0

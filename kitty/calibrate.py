@@ -40,6 +40,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import cliargs
+from .compat import attention_implementation
 from .config import PROFILES_DIR, QUERY_SELECTIONS, KVQuantConfig, get_preset
 from .prompts import shipped_text
 from .quant import dequantize_key_page, quantize_key_page, query_scale_from, query_statistic
@@ -117,9 +118,7 @@ def layer_sensitivity(
     first = cfg.sink_tokens + cfg.group_size  # tokens before this never read a quantized key
     if ids.numel() <= first:
         raise ValueError(f"ids must hold more than sink_tokens + group_size = {first} tokens, got {ids.numel()}")
-    previous = model.config._attn_implementation
-    model.config._attn_implementation = CALIB_ATTN
-    try:
+    with attention_implementation(model.config, CALIB_ATTN):
         x = ids[None].to(model.device)
         ref = F.log_softmax(model(x).logits[0, first:].float(), -1)
         kl = torch.zeros(num_layers, len(counts))
@@ -128,8 +127,6 @@ def layer_sensitivity(
             target = CalibrationTarget(l, cfg.with_(boost_fraction=counts[j] / head_dim, boost_profile=None), context)
             logp = F.log_softmax(model(x, kitty_calibration=target).logits[0, first:].float(), -1)
             kl[l, j] = F.kl_div(logp, ref, log_target=True, reduction="batchmean").item()
-    finally:
-        model.config._attn_implementation = previous
     return kl
 
 

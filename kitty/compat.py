@@ -12,6 +12,14 @@ GPU image's release), on 5.23 (the last release without ``cache=``) and on the n
   :func:`layer_types_and_kwargs` always returns one dict per layer.
 - ``distributed.tensor_parallel.get_kv_heads_per_rank`` (KV heads per tensor-parallel rank) exists from 5.20:
   :func:`get_kv_heads_per_rank` is transformers' own where it exists, else :func:`kv_heads_per_rank` (the same rule).
+- ``Cache.max_batch_size`` / ``Cache.max_cache_len``: 5.17 defines both as read-only (deprecated) properties of
+  every cache, so a subclass cannot assign them; 5.23 and later have neither. :class:`StaticCacheSizes` gives a
+  cache its own read-only properties over the values it was built with, on every release.
+- A static cache's mask in ``generate``: 5.18-5.23 prepare a static (compileable) cache's mask ahead of the forward
+  and, given the ``"kitty"`` mask function's object (``kitty.attention.KittyMask``), call tensor methods on it
+  (``.contiguous()``); 5.17 and 5.24 pass it through. ``KittyMask`` answers those methods with itself.
+- The attention implementation of a config: :func:`attention_implementation` sets it for a block and puts the
+  user's back (``config._attn_implementation``, which every admitted release reads at each forward).
 
 Everything else Kitty uses (``AttentionInterface``, ``AttentionMaskInterface``, ``sdpa_mask``,
 ``sdpa_attention_forward``, ``Cache``/``CacheLayerMixin``/``DynamicSlidingWindowLayer``, ``DistributedConfig``)
@@ -22,7 +30,8 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 from .config import kv_dims
 
@@ -114,3 +123,37 @@ def get_kv_heads_per_rank(tp_plan: dict[str, str], num_heads: int, tp_size: int)
     except ImportError:  # transformers 5.17-5.19
         own = kv_heads_per_rank
     return own(tp_plan, num_heads, tp_size)
+
+
+class StaticCacheSizes:
+    """``max_batch_size`` / ``max_cache_len`` of a cache as read-only properties over the values given to
+    :meth:`hold_static_sizes` (``None``: a growing cache). Listed before ``Cache`` among a cache's bases, so that on
+    5.17, whose ``Cache`` defines both as read-only deprecated properties (which warn and read the layers), these
+    win; later releases have neither."""
+
+    _static_sizes: tuple[int | None, int | None] = (None, None)
+
+    def hold_static_sizes(self, max_batch_size: int | None, max_cache_len: int | None) -> None:
+        self._static_sizes = (max_batch_size, max_cache_len)
+
+    @property
+    def max_batch_size(self) -> int | None:
+        """Most rows a static cache takes (``None``: a growing cache, or no bound given)."""
+        return self._static_sizes[0]
+
+    @property
+    def max_cache_len(self) -> int | None:
+        """Columns (padding included) a static cache holds per row (``None``: a growing cache)."""
+        return self._static_sizes[1]
+
+
+@contextmanager
+def attention_implementation(config, name: str) -> Iterator[None]:
+    """Inside the block, ``config._attn_implementation`` is ``name`` (an implementation registered with
+    ``transformers.AttentionInterface``); the previous one is put back however the block ends."""
+    previous = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous

@@ -296,7 +296,7 @@ def generate_static(
     # ---- prompt: eager, positions as generate gives them (left padding skipped)
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
     logits = model(
-        ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1
+        ids, attention_mask=mask, position_ids=positions, **cache_kwargs(cache), use_cache=True, logits_to_keep=1
     ).logits[:, -1]
     first = sample_tokens_no_sync(logits, sampling, generator)
 
@@ -316,7 +316,7 @@ def generate_static(
             input_buf,
             attention_mask=mask_buf,
             position_ids=position_buf,
-            past_key_values=cache,
+            **cache_kwargs(cache),
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]

@@ -1,41 +1,44 @@
-"""One decoder layer of a :class:`kitty.KittyCache`: :class:`KittyLayer` (sink, qbuffers, local window, page pools
-and page tables: ``docs/LAYOUT.md``) and :class:`SlidingWindowLayer` (a hybrid model's full-precision window)."""
+"""One decoder layer of a :class:`kitty.KittyCache` in Kitty's paged format (sink, qbuffers, local window, page
+pools and page tables: ``docs/LAYOUT.md``): :class:`PagedLayer`, the parts every paged layer shares, and
+:class:`KittyLayer`, the growing layer. The static layer (``kitty.static``) is its sibling over the same parts, as
+transformers' ``DynamicLayer`` and ``StaticLayer`` are; the window layers of hybrid models live in ``kitty.window``.
+
+The two siblings differ in their page-id policy (``kitty.pages``: a bump allocator, or fixed ids ``b * W + j``,
+chosen when the layer is built), in how a decode step keeps its bookkeeping (host lists and new tensors, or device
+writes in place with no host read) and in their bounds; everything else (buffers, prompt insertion, the token
+slots, query statistics, reading, the memory report, the step record) is written once, here.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import contextmanager
-from types import SimpleNamespace
-
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
+from transformers.cache_utils import CacheLayerMixin
 
+from .attention import KittyMask, attend_torch
 from .backend import backend_ops
 from .config import QUERY_SELECTIONS, KVQuantConfig
 from .memory import MemoryReport, token_layout
-from .pages import PagePool, grow_page_table, pages_completed, point
+from .pages import FixedPages, GrowingPages, PagePool, filled_page, pages_completed, point
 from .quant import KeyPage, ValuePage, quantize_key_page, quantize_value_page, query_scale_from, query_statistic
-from .step import StepRecord
+from .step import LayerSteps
 from .storage import (
     ROW_FIELDS,
     KittyLayerState,
     PendingKV,
+    allocate_rows,
     key_page_from_storage,
     page_fields,
     pool_fields,
+    row_fields,
     value_page_from_storage,
 )
 
-_BEAM_MESSAGE = (
-    "KittyCache does not support beam search or other cache reordering (num_beams > 1, contrastive search, "
-    "assisted decoding): pages are shared storage indexed per row. Use greedy decoding or sampling (num_beams=1)."
-)
 
-
-class KittyLayer(CacheLayerMixin):
+class PagedLayer(LayerSteps, CacheLayerMixin):
     """Kitty cache of one decoder layer: sink, qbuffers, local window, page pools and page tables.
 
-    Storage (``B`` rows, ``H`` KV heads, ``D`` head_dim; exactly ``docs/LAYOUT.md``):
+    Storage (``B`` rows, ``H`` KV heads, ``D`` head_dim; exactly ``docs/LAYOUT.md``; per-row buffers from
+    ``kitty.storage.row_fields``, pools from ``pool_fields``):
 
         lengths                 int32 [B]             valid tokens cached per row (padding never counted)
         sink_k, sink_v          [B, H, S, D]          positions [0, S), slot p
@@ -47,6 +50,10 @@ class KittyLayer(CacheLayerMixin):
         k_page_table, v_page_table   int32 [B, W]     pool id of the row's j-th page, -1 unused
 
     Key page ids index the key pool and value page ids the value pool (two independent pools per layer).
+
+    A sibling supplies its step (:meth:`attend_and_append`, from the shared :meth:`_attend_tokens` and
+    :meth:`_attend_decode`), the two stages of a decode step (:meth:`insert_decode`, :meth:`pack_filled`) and
+    :meth:`new_tokens`; ``page_ids`` is its page-id policy.
     """
 
     is_compileable = False
@@ -58,25 +65,32 @@ class KittyLayer(CacheLayerMixin):
         cfg: KVQuantConfig,
         num_kv_heads: int,
         head_dim: int,
-        layer_idx: int = 0,
-        backend: str = "auto",
-        max_pages: int | None = None,
-        model_kv_heads: int | None = None,
+        layer_idx: int,
+        backend: str,
+        model_kv_heads: int | None,
+        page_ids: GrowingPages | FixedPages,
     ):
         super().__init__()
         self.cfg, self.num_kv_heads, self.head_dim = cfg, num_kv_heads, head_dim
         # the model's KV heads; a tensor-parallel rank holds ``num_kv_heads`` of them (resized from the first tensors)
         self.model_kv_heads = num_kv_heads if model_kv_heads is None else model_kv_heads
-        self.layer_idx, self.backend, self.max_pages = layer_idx, backend, max_pages
+        self.layer_idx, self.backend, self.page_ids = layer_idx, backend, page_ids
         self.seen_tokens = 0  # columns fed so far, padding included: what transformers calls the sequence length
-        self._n: list[int] = []  # CPU mirror of ``lengths``
-        self._undo: StepRecord | None = None  # the open step, if any (see begin_step)
-        self._owner: Callable[[], "Cache | None"] = lambda: None  # the KittyCache this layer belongs to (weak)
+        # host copy of ``lengths``: the lengths after the last insertion of several tokens, plus one per decode step
+        # since (a replayed CUDA graph counts its steps with ``advance``), so a decode step reads nothing back
+        self._n0: list[int] = []
+        self._steps = 0
+        self.workspace: dict[str, torch.Tensor] | None = None  # the fused kernel's buffers, where a sibling keeps them
+
+    @property
+    def host_lengths(self) -> list[int]:
+        """Valid tokens cached per row, on the host (no device read)."""
+        return [n + self._steps for n in self._n0]
 
     # ------------------------------------------------------------------------------------------------ setup
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Allocate the per-row buffers for ``B = key_states.shape[0]`` rows; page pools start empty."""
+        """Allocate the per-row buffers for ``B = key_states.shape[0]`` rows, and the pools of the page-id policy."""
         B, H, _, D = key_states.shape
         # sized from the tensors: under tensor parallelism each rank receives its shard of the model's KV heads
         if D != self.head_dim or H < 1 or self.model_kv_heads % H:
@@ -87,45 +101,46 @@ class KittyLayer(CacheLayerMixin):
         self.num_kv_heads = H
         cfg, dtype, device = self.cfg, key_states.dtype, key_states.device
         self.ops = backend_ops(self.backend, device, cfg, D)  # torch or Triton, resolved once for these tensors
-        S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
         self.dtype, self.device = dtype, device
         self.lengths = torch.zeros(B, dtype=torch.int32, device=device)
-        self._n = [0] * B
-        self.sink_k = torch.zeros(B, H, S, D, dtype=dtype, device=device)
-        self.sink_v = torch.zeros(B, H, S, D, dtype=dtype, device=device)
-        self.k_qbuf = torch.zeros(B, H, G, D, dtype=dtype, device=device)
-        self.v_qbuf = torch.zeros(B, H, G, D, dtype=dtype, device=device)
-        self.v_local = torch.zeros(B, H, R, D, dtype=dtype, device=device)
-        key_fields, value_fields = pool_fields(cfg, H, D, dtype)
-        # Fresh pools here (the layer is empty); reset() keeps their storage for the next prompt of the same batch.
-        self.key_pool = PagePool(key_fields, device, self.max_pages, "key")
-        self.value_pool = PagePool(value_fields, device, self.max_pages, "value")
-        self.k_page_table = torch.full((B, 0), -1, dtype=torch.int32, device=device)
-        self.v_page_table = torch.full((B, 0), -1, dtype=torch.int32, device=device)
+        self._n0, self._steps = [0] * B, 0
+        for name, t in allocate_rows(row_fields(cfg, H, D, dtype), B, device).items():
+            setattr(self, name, t)
+        # fresh pools here (the layer is empty); reset() keeps their storage for the next prompt of the same batch
+        self.key_pool, self.value_pool = self.page_ids.pools(*pool_fields(cfg, H, D, dtype), B, device)
+        self.k_page_table = self.key_pool.new_table(B)
+        self.v_page_table = self.value_pool.new_table(B)
         # channel_selection="query"/"oracle": running sum of |q| ("query") or q^2 ("oracle") per (row, KV head,
         # channel) over the GQA group, and its count
         self.q_stat_sum = torch.zeros(B, H, D, dtype=torch.float32, device=device)
         self.q_count = torch.zeros(B, 1, 1, dtype=torch.float32, device=device)
+        self._rows = torch.arange(B, device=device)
+        self._all_valid = torch.ones(B, 1, dtype=torch.bool, device=device)  # a decode step's new tokens
         self.seen_tokens = 0
         self.is_initialized = True
 
-    def _prepare(self, key_states: torch.Tensor) -> None:
+    def check_capacity(self, batch_size: int, new_columns: int) -> None:
+        """``ValueError`` if the layer's fixed bounds cannot take these tokens (none here: pools check pages)."""
+
+    def prepare(self, key_states: torch.Tensor) -> None:
         """Lazy init; re-init while empty if the batch size changed; refuse a new batch size once tokens are cached."""
         if key_states.dim() != 4:
             raise ValueError(f"key_states must be [B, H, T, D], got shape {tuple(key_states.shape)}")
         B = key_states.shape[0]
+        self.check_capacity(B, key_states.shape[2])
         if (key_states.shape[1], key_states.shape[3]) != (self.num_kv_heads, self.head_dim):
             raise ValueError(
-                f"key_states must have {self.num_kv_heads} KV heads of head_dim {self.head_dim}, got shape {tuple(key_states.shape)}"
+                f"key_states must have {self.num_kv_heads} KV heads of head_dim {self.head_dim}, "
+                f"got shape {tuple(key_states.shape)}"
             )
+        rows = len(self._n0)
         if not self.is_initialized or (
-            self.seen_tokens == 0
-            and (B != len(self._n) or key_states.dtype != self.dtype or key_states.device != self.device)
+            self.seen_tokens == 0 and (B != rows or key_states.dtype != self.dtype or key_states.device != self.device)
         ):
             self.lazy_initialization(key_states, key_states)
-        elif B != len(self._n):
+        elif B != rows:
             raise ValueError(
-                f"the cache holds {len(self._n)} rows but got a batch of {B}; call cache.reset() before a new batch"
+                f"the cache holds {rows} rows but got a batch of {B}; call cache.reset() before a new batch"
             )
         elif key_states.dtype != self.dtype:
             raise ValueError(
@@ -139,9 +154,9 @@ class KittyLayer(CacheLayerMixin):
     ) -> tuple[PendingKV, PendingKV]:
         """Hand the new keys/values ``[B, H, T, D]`` to the ``"kitty"`` attention function (nothing stored yet).
 
-        The attention function knows the padding of the new tokens; it attends and then calls :meth:`append`.
+        The attention function knows the padding of the new tokens; it calls :meth:`attend_and_append`.
         """
-        self._prepare(key_states)
+        self.prepare(key_states)
         pending = PendingKV(self, key_states, value_states)
         return pending, pending
 
@@ -156,24 +171,20 @@ class KittyLayer(CacheLayerMixin):
         return self.seen_tokens + query_length, 0
 
     def get_max_length(self) -> int:
+        """``-1``: no maximum (transformers' ``Cache.get_max_length`` asks every layer)."""
         return -1
 
     def reset(self) -> None:
         """Drop every cached token; the page pools keep their storage for reuse."""
         if self.is_initialized:
             self.lengths.zero_()
-            self._n = [0] * len(self._n)
-            self.k_page_table = self.k_page_table[:, :0]
-            self.v_page_table = self.v_page_table[:, :0]
-            self.key_pool.reset()
-            self.value_pool.reset()
+            self._n0, self._steps = [0] * len(self._n0), 0
+            self.k_page_table = self.key_pool.clear(self.k_page_table)
+            self.v_page_table = self.value_pool.clear(self.v_page_table)
             self.q_stat_sum.zero_()
             self.q_count.zero_()
         self.seen_tokens = 0
-        self._undo = None
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError(_BEAM_MESSAGE)
+        self._record = None
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove != 0:
@@ -181,65 +192,83 @@ class KittyLayer(CacheLayerMixin):
                 "KittyCache cannot crop: quantized pages cannot give tokens back (assisted decoding is unsupported)"
             )
 
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError(_BEAM_MESSAGE)
+    # ------------------------------------------------------------------------------------ the step record
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError(_BEAM_MESSAGE)
-
-    # ------------------------------------------------------------------------------------ all-or-nothing steps
-
-    def begin_step(self, forward: int = 0) -> None:
-        """Record this layer's state, so that :meth:`rollback_step` can restore it if the step fails.
-
-        The attention function opens a step before it changes anything; the record is dropped by :meth:`end_step`
-        or replaced by the next step. ``forward`` names the cache's forward pass, so that a failure in a later
-        layer rolls back the layers this pass already changed (:meth:`KittyCache.rollback_forward`).
-        """
-        self._undo = StepRecord(
-            forward,
-            list(self._n),
+    def _save(self) -> tuple:
+        """The bookkeeping a rollback restores; in-place writes register their own undo actions."""
+        return (
+            self._n0,
+            self._steps,
             self.lengths,
             self.seen_tokens,
-            self.key_pool.used,
-            self.value_pool.used,
+            self.key_pool.mark(),
+            self.value_pool.mark(),
             self.k_page_table,
             self.v_page_table,
         )
 
-    def end_step(self) -> None:
-        """Keep what the open step did (frees its record)."""
-        self._undo = None
+    def _restore(self, state: tuple) -> None:
+        self._n0, self._steps, self.lengths, self.seen_tokens, key_mark, value_mark, *tables = state
+        self.key_pool.rewind(key_mark)
+        self.value_pool.rewind(value_mark)
+        self.k_page_table, self.v_page_table = tables
 
-    def rollback_step(self) -> None:
-        """Put the layer back as it was at :meth:`begin_step` (nothing happens if no step is open)."""
-        u, self._undo = self._undo, None
-        if u is None:
-            return
-        for undo in reversed(u.actions):
-            undo()
-        self._n, self.lengths, self.seen_tokens = u.n, u.lengths, u.seen_tokens
-        self.key_pool.used, self.value_pool.used = u.key_used, u.value_used
-        self.k_page_table, self.v_page_table = u.k_page_table, u.v_page_table
+    # -------------------------------------------------------------------------------------------- the step
 
-    def _on_undo(self, action: Callable[[], None]) -> None:
-        if self._undo is not None:
-            self._undo.actions.append(action)
+    def new_tokens(self, mask: KittyMask | None, batch_size: int, q_length: int) -> torch.Tensor | None:
+        """Which new columns are real tokens: bool ``[B, T]`` on the CPU (``None``: a decode step whose tokens are
+        all real, told without reading the mask)."""
+        raise NotImplementedError
 
-    @contextmanager
-    def _atomic(self):
-        """The body changes the layer completely or not at all: inside an open step the step's owner rolls back,
-        otherwise this opens a step of its own and rolls it back on any exception."""
-        if self._undo is not None:
-            yield
-            return
-        self.begin_step()
-        try:
-            yield
-        except BaseException:
-            self.rollback_step()
-            raise
-        self.end_step()
+    def attend_and_append(
+        self,
+        query: torch.Tensor,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        valid: torch.Tensor | None,
+        scale: float,
+    ) -> torch.Tensor:
+        """One layer's step: attend the new queries ``[B, Hq, T, D]`` over the cache and the new tokens, then store
+        the new tokens (``valid`` from :meth:`new_tokens`); returns ``[B, Hq, T, D]``."""
+        raise NotImplementedError
+
+    def _attend_tokens(self, query, key_states, value_states, valid: torch.Tensor, scale: float) -> torch.Tensor:
+        """A step of several tokens per row (or padding): observe the queries, attend with the torch path, then
+        :meth:`append` the valid tokens (``valid`` checked by :meth:`check_append` already)."""
+        self.observe_queries(query, valid)  # channel_selection="query" ranks the channels of pages packed below
+        out = self._read_back(query, key_states, value_states, valid, scale)
+        self.append(key_states, value_states, valid)
+        return out
+
+    def _attend_decode(self, query, key_states, value_states, scale: float) -> torch.Tensor:
+        """A decode step, every row at once: with the fused kernel, insert, attend over the qbuffers in full
+        precision (a qbuffer this token filled included), then pack what filled (the paper's order); with the
+        torch path, attend, insert, pack."""
+        self.observe_queries(query, self._all_valid)
+        if self.ops.fused_decode:
+            filled = self.insert_decode(key_states, value_states)
+            state = self.storage()
+            out = self.ops.attend(query[:, :, 0], state, scale, full_qbuffer=True, workspace=self.workspace)
+            out = out[:, :, None]  # (B, Hq, 1, D)
+        else:
+            out = self._read_back(query, key_states, value_states, self._all_valid, scale)
+            filled = self.insert_decode(key_states, value_states)
+        self.pack_filled(filled)
+        return out
+
+    def _read_back(self, query, key_states, value_states, valid: torch.Tensor, scale: float) -> torch.Tensor:
+        """The torch path (``kitty.attention.attend_torch``) over this layer's storage and the new tokens."""
+        valid = valid.to(query.device)
+        return attend_torch(query, key_states, value_states, valid, self.storage(), self.cfg, scale)
+
+    def insert_decode(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Stage 1 of a decode step (one token ``[B, H, 1, D]`` in every row); returns what :meth:`pack_filled`
+        needs."""
+        raise NotImplementedError
+
+    def pack_filled(self, filled) -> None:
+        """Stage 3 of a decode step: pack the qbuffers :meth:`insert_decode` filled into their pages."""
+        raise NotImplementedError
 
     # ---------------------------------------------------------------------------------- insertion (stages 1, 3)
 
@@ -250,31 +279,22 @@ class KittyLayer(CacheLayerMixin):
         pool cannot take the pages these tokens fill. Nothing is changed either way.
         """
         B, T = valid.shape
+        n0 = self.host_lengths
         if T == 0:
             raise ValueError("got 0 new tokens: a prompt needs at least one token")
-        if B != len(self._n):
-            raise ValueError(f"valid must have {len(self._n)} rows, got {B}")
-        n0, n1, new_key_pages, new_value_pages = self._growth(valid)
+        if B != len(n0):
+            raise ValueError(f"valid must have {len(n0)} rows, got {B}")
+        n1 = [a + c for a, c in zip(n0, valid.sum(1).tolist())]
+        new_key_pages, new_value_pages = pages_completed(self.cfg, n0, n1)
         empty = [b for b, n in enumerate(n1) if n == 0]
         if empty:
             raise ValueError(
-                f"row(s) {empty} of the batch hold no tokens (attention_mask is all zeros): every prompt needs at least one token"
+                f"row(s) {empty} of the batch hold no tokens (attention_mask is all zeros): every prompt needs at "
+                "least one token"
             )
         self.key_pool.check(sum(new_key_pages))
         self.value_pool.check(sum(new_value_pages))
         return n0, n1
-
-    def _growth(self, valid: torch.Tensor) -> tuple[list[int], list[int], list[int], list[int]]:
-        """Old and new lengths per row, and the key/value pages each row completes, for inserting ``valid``."""
-        counts = valid.sum(1).tolist()
-        n0 = list(self._n)
-        n1 = [a + c for a, c in zip(n0, counts)]
-        return n0, n1, *pages_completed(self.cfg, n0, n1)
-
-    def append_fills_page(self, valid: torch.Tensor) -> bool:
-        """Whether inserting these tokens completes a key or value page in some row (stage 3 would run)."""
-        _, _, new_key_pages, new_value_pages = self._growth(valid)
-        return any(new_key_pages) or any(new_value_pages)
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Insert the valid new tokens of every row (stage 1) and quantize every qbuffer that fills (stage 3).
@@ -283,18 +303,18 @@ class KittyLayer(CacheLayerMixin):
         real tokens. Row b's valid tokens, in column order, take positions ``lengths[b], lengths[b] + 1, ...``.
         Any exception leaves the layer as it was.
         """
-        self._prepare(key_states)
-        with self._atomic():
-            self._append(key_states, value_states, valid)
-
-    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor, valid: torch.Tensor | None) -> None:
+        self.prepare(key_states)
         B, H, T, D = key_states.shape
-        if valid is None:
-            valid = torch.ones(B, T, dtype=torch.bool)
-        valid = valid.to(dtype=torch.bool)
-        if T == 1 and B == len(self._n) and bool(valid.all()):  # a decode step: one token per row, vectorized
-            self._append_one(key_states, value_states)
-            return
+        valid = torch.ones(B, T, dtype=torch.bool) if valid is None else valid.to(dtype=torch.bool)
+        with self.atomic():
+            if T == 1 and B == len(self._n0) and bool(valid.all()):  # a decode step: one token per row, vectorized
+                self.pack_filled(self.insert_decode(key_states, value_states))
+            else:
+                self._append_tokens(key_states, value_states, valid)
+
+    def _append_tokens(self, key_states: torch.Tensor, value_states: torch.Tensor, valid: torch.Tensor) -> None:
+        """Several tokens per row (or padding): host bookkeeping per row, pages placed by the page-id policy."""
+        B, H, T, D = key_states.shape
         valid = valid.to(device=key_states.device)
         n0, n1 = self.check_append(valid)
         cfg = self.cfg
@@ -302,9 +322,9 @@ class KittyLayer(CacheLayerMixin):
         lay0 = [token_layout(cfg, n) for n in n0]
         lay1 = [token_layout(cfg, n) for n in n1]
         self._grow_page_tables(max(l.key_pages for l in lay1), max(l.value_pages for l in lay1))
-        if self._undo is not None and max(n1) > S:  # the qbuffers and the local window are rewritten below
+        if self._record is not None and max(n1) > S:  # the qbuffers and the local window are rewritten below
             saved = {name: getattr(self, name).clone() for name in ("k_qbuf", "v_qbuf", "v_local")}
-            self._on_undo(lambda: [getattr(self, name).copy_(t) for name, t in saved.items()])
+            self.on_undo(lambda: [getattr(self, name).copy_(t) for name, t in saved.items()])
 
         key_groups, value_groups = [], []  # full qbuffers to quantize, each (pages, H, G, D)
         key_rows = []  # the row of every key page, in order
@@ -352,50 +372,18 @@ class KittyLayer(CacheLayerMixin):
         if value_groups:
             page = quantize_value_page(torch.cat(value_groups), cfg)
             self._store(self.value_pool, self.v_page_table, value_dest, page_fields(page))
-        self._n = n1
-        self.lengths = torch.tensor(n1, dtype=torch.int32, device=self.device)
+        self._n0, self._steps = n1, 0
+        old_lengths = self.lengths.clone()
+        self.on_undo(lambda: self.lengths.copy_(old_lengths))
+        self.lengths.copy_(torch.tensor(n1, dtype=torch.int32))  # in place: a static layer's tensors never move
         self.seen_tokens += T
-
-    def _append_one(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Decode step: insert one new token ``[B, H, 1, D]`` in every row (stage 1), then pack the qbuffers it
-        filled (stage 3)."""
-        self.pack_filled(self.insert_decode(key_states, value_states))
-
-    def insert_decode(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[list[int], list[int]]:
-        """Stage 1 of a decode step: insert one new token ``[B, H, 1, D]`` in every row with batched writes (no
-        per-row loop), leaving any qbuffer it fills unpacked; returns the rows whose key / value qbuffer is now
-        full, for :meth:`pack_filled` after attention (the paper's order: attend with the full qbuffer in full
-        precision, then quantize it). Between the two calls the layer is mid-step: ``lengths`` count the new token
-        and qbuffers hold 1..G tokens (``kitty.memory.token_layout(..., full_qbuffer=True)``).
-
-        Slots follow ``docs/LAYOUT.md``: sink slot ``p``; key qbuffer slot ``(p - S) % G``; local ring slot
-        ``(p - S) % R``, whose previous value (position ``p - R``) first moves to value qbuffer slot ``(p - R - S) % G``.
-        Raises ``RuntimeError`` (nothing changed) when the page pools cannot take the pages this step fills.
-        """
-        self._prepare(key_states)
-        cfg, dev = self.cfg, self.device
-        n0 = self._n
-        n1 = [n + 1 for n in n0]
-        k, v = key_states[:, :, 0], value_states[:, :, 0]  # (B, H, D)
-        new_key_pages, new_value_pages = pages_completed(cfg, n0, n1)
-        key_rows = [b for b, c in enumerate(new_key_pages) if c]  # rows whose key qbuffer completes a page
-        value_rows = [b for b, c in enumerate(new_value_pages) if c]  # rows whose value qbuffer does
-        self.key_pool.check(len(key_rows))
-        self.value_pool.check(len(value_rows))
-
-        self.write_token_slots(k, v, torch.arange(len(n0), device=dev))
-        widest = token_layout(cfg, max(n1))
-        self._grow_page_tables(widest.key_pages, widest.value_pages)
-        self._n = n1
-        self.lengths = self.lengths + 1  # a new tensor: storage() snapshots taken earlier stay as they were
-        self.seen_tokens += 1
-        return key_rows, value_rows
 
     def write_token_slots(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
         """Write one new token per row (``k``, ``v``: ``[B, H, D]``) at the device-side slots of ``lengths``:
         sink slot ``p``, key qbuffer slot ``(p - S) % G``, local ring slot ``(p - S) % R`` whose previous value
-        first moves to the value qbuffer; ``lengths`` is not changed. Every row is written at once (no host index
-        lists, no copies to the device): a row whose token goes elsewhere rewrites the slot's old content."""
+        (position ``p - R``) first moves to value qbuffer slot ``(p - R - S) % G``; ``lengths`` is not changed.
+        Every row is written at once (no host index lists, no copies to the device): a row whose token goes
+        elsewhere rewrites the slot's old content."""
         S, G, R = self.cfg.sink_tokens, self.cfg.group_size, self.cfg.local_window
         p = self.lengths.long()  # (B,) position of the new token
         if S:
@@ -422,33 +410,9 @@ class KittyLayer(CacheLayerMixin):
                     leaving, self.v_qbuf[rows, :, qslot], self.v_local[rows, :, local]
                 )
 
-            self._on_undo(undo_local)
+            self.on_undo(undo_local)
         else:
             self.v_qbuf[rows, :, slot] = torch.where(past, v, self.v_qbuf[rows, :, slot])
-
-    def pack_filled(self, filled: tuple[list[int], list[int]]) -> None:
-        """Stage 3 of a decode step: pack the qbuffers :meth:`insert_decode` reported full into new pages."""
-        key_rows, value_rows = filled
-        cfg, n1 = self.cfg, self._n
-        if key_rows:
-            dest = [(b, token_layout(cfg, n1[b]).key_pages - 1, 1) for b in key_rows]
-            self._pack(self.key_pool, self.k_page_table, dest, key_rows, keys=True)
-        if value_rows:
-            dest = [(b, token_layout(cfg, n1[b]).value_pages - 1, 1) for b in value_rows]
-            self._pack(self.value_pool, self.v_page_table, dest, value_rows, keys=False)
-
-    def _pack(
-        self, pool: PagePool, table: torch.Tensor, dest: list[tuple[int, int, int]], rows: list[int], keys: bool
-    ) -> None:
-        """Quantize the full qbuffers of ``rows`` into fresh pages of ``pool`` (the layer's backend ops) and point
-        ``table`` at them."""
-        idx = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
-        ids = pool.allocate(len(rows))
-        if keys:
-            self.ops.pack_keys(self.k_qbuf, idx, pool, ids, self.layer_idx, self.query_scale(idx))
-        else:
-            self.ops.pack_values(self.v_qbuf, idx, pool, ids, self.layer_idx)
-        self._point(table, dest, ids)
 
     def observe_queries(self, query: torch.Tensor, valid: torch.Tensor) -> None:
         """Add the new queries ``[B, Hq, T, D]`` (real tokens per ``valid`` ``[B, T]``) to the running statistics of
@@ -459,9 +423,9 @@ class KittyLayer(CacheLayerMixin):
         H = self.num_kv_heads
         w = valid.to(device=query.device, dtype=torch.float32)[:, None, None, :, None]  # (B, 1, 1, T, 1)
         stat = query_statistic(query.reshape(B, H, Hq // H, T, D), self.cfg.channel_selection)  # (B, Hkv, group, T, D)
-        if self._undo is not None:
+        if self._record is not None:
             old_sum, old_count = self.q_stat_sum.clone(), self.q_count.clone()
-            self._on_undo(lambda: (self.q_stat_sum.copy_(old_sum), self.q_count.copy_(old_count)))
+            self.on_undo(lambda: (self.q_stat_sum.copy_(old_sum), self.q_count.copy_(old_count)))
         self.q_stat_sum += (stat * w).sum((2, 3))
         self.q_count += (w.sum((1, 2, 3, 4)) * (Hq // H))[:, None, None]
 
@@ -474,35 +438,36 @@ class KittyLayer(CacheLayerMixin):
         scale = query_scale_from(self.q_stat_sum / self.q_count.clamp_min(1), sel)
         return scale if rows is None else scale[rows]
 
-    def _store(
-        self, pool: PagePool, table: torch.Tensor, dest: list[tuple[int, int, int]], fields: dict[str, torch.Tensor]
-    ) -> None:
-        ids = pool.allocate(sum(n for *_, n in dest))
+    def _store(self, pool, table: torch.Tensor, dest: list[tuple[int, int, int]], fields: dict) -> None:
+        """Write pages ``dest`` = ``[(row, first page, count)]`` at the ids the page-id policy gives them."""
+        ids = pool.place(dest)
         pool.write(ids, fields)
         self._point(table, dest, ids)
 
     def _point(self, table: torch.Tensor, dest: list[tuple[int, int, int]], ids: torch.Tensor) -> None:
         """Point ``table`` at ``ids`` (:func:`kitty.pages.point`), undoable within the open step."""
-        self._on_undo(lambda: [table[b, first : first + n].fill_(-1) for b, first, n in dest])
+        self.on_undo(lambda: [table[b, first : first + n].fill_(-1) for b, first, n in dest])
         point(table, dest, ids)
 
     def _grow_page_tables(self, key_pages: int, value_pages: int) -> None:
-        self.k_page_table = grow_page_table(self.k_page_table, key_pages)
-        self.v_page_table = grow_page_table(self.v_page_table, value_pages)
+        self.k_page_table = self.key_pool.widen(self.k_page_table, key_pages)
+        self.v_page_table = self.value_pool.widen(self.v_page_table, value_pages)
 
     # ------------------------------------------------------------------------------------------------ reading
 
     def storage(self) -> KittyLayerState:
         """Every tensor of this layer as a :class:`kitty.storage.KittyLayerState` (views, no copies; named as in
-        ``docs/LAYOUT.md``, plus ``lengths``): pool tensors cut to the pages in use, page tables to the widest row."""
-        widest = token_layout(self.cfg, max(self._n, default=0))  # page counts grow with length
-        pk, pv = widest.key_pages, widest.value_pages
+        ``docs/LAYOUT.md``, plus ``lengths``): what the page-id policy shows (a growing layer's pools cut to the
+        pages in use and tables to the widest row; a static layer's whole, fixed shapes)."""
+        widest = token_layout(self.cfg, max(self.host_lengths, default=0))  # page counts grow with length
+        k_table, key_pool = self.key_pool.view(self.k_page_table, widest.key_pages)
+        v_table, value_pool = self.value_pool.view(self.v_page_table, widest.value_pages)
         return KittyLayerState(
             **{name: getattr(self, name) for name in ROW_FIELDS},
-            k_page_table=self.k_page_table[:, :pk],
-            v_page_table=self.v_page_table[:, :pv],
-            **self.key_pool.in_use(),
-            **self.value_pool.in_use(),
+            k_page_table=k_table,
+            v_page_table=v_table,
+            **key_pool,
+            **value_pool,
         )
 
     def key_page(self, row: int, j: int) -> KeyPage:
@@ -514,93 +479,97 @@ class KittyLayer(CacheLayerMixin):
         return value_page_from_storage(self.storage(), self.v_page_table[row, j].long(), self.cfg, self.dtype)
 
     def memory_report(self) -> MemoryReport:
-        """Bytes of live data in this layer: pages in use, filled buffer slots (real ``nbytes``)."""
+        """Bytes of live data in this layer: the pages each row holds, filled buffer slots (real ``nbytes``)."""
         ranks = self.model_kv_heads // self.num_kv_heads
         if not self.is_initialized:
             return MemoryReport(0, 0, 0, 0, 0, ranks=ranks)
-        kp = key_page_from_storage(self.key_pool.in_use(), None, self.cfg, self.dtype)
-        vp = value_page_from_storage(self.value_pool.in_use(), None, self.cfg, self.dtype)
+        lays = [token_layout(self.cfg, n) for n in self.host_lengths]
+        keys = self.key_pool.live([lay.key_pages for lay in lays])
+        values = self.value_pool.live([lay.value_pages for lay in lays])
+        kp = key_page_from_storage(keys, None, self.cfg, self.dtype)
+        vp = value_page_from_storage(values, None, self.cfg, self.dtype)
         full = 0
-        for b, n in enumerate(self._n):
-            lay = token_layout(self.cfg, n)
+        for b, lay in enumerate(lays):
             full += self.sink_k[b, :, : lay.sink].nbytes + self.sink_v[b, :, : lay.sink].nbytes
             full += self.k_qbuf[b, :, : lay.key_qbuffer].nbytes + self.v_qbuf[b, :, : lay.value_qbuffer].nbytes
             full += self.v_local[b, :, : lay.local].nbytes
-        tokens = sum(self._n)
+        tokens = sum(lay.tokens for lay in lays)
         fp16_bytes = 2 * tokens * self.num_kv_heads * self.head_dim * 2  # keys and values at 2 bytes
-        return MemoryReport(
-            tokens,
-            fp16_bytes,
-            kp.payload_nbytes + vp.payload_nbytes,
-            kp.metadata_nbytes + vp.metadata_nbytes,
-            full,
-            ranks=ranks,
-        )
+        payload = kp.payload_nbytes + vp.payload_nbytes
+        return MemoryReport(tokens, fp16_bytes, payload, kp.metadata_nbytes + vp.metadata_nbytes, full, ranks=ranks)
 
 
-class WindowLayerMixin:
-    """What Kitty adds to transformers' full-precision sliding-window layers (growing and static): the memory
-    report and the refusal of cache reordering. The layer sets ``model_kv_heads`` and ``ranks``."""
+class KittyLayer(PagedLayer):
+    """The growing Kitty layer: pages from a bump allocator (at most ``max_pages`` per pool, ``None``: on demand),
+    page tables widening as rows grow, a decode step's bookkeeping on the host."""
 
-    def memory_report(self) -> MemoryReport:
-        """Bytes of the window's keys and values (padding columns included, as transformers holds them)."""
-        if not self.is_initialized:
-            return MemoryReport(0, 0, 0, 0, 0, ranks=self.ranks)
-        held = self.keys.nbytes + self.values.nbytes
-        fp16 = 2 * (self.keys.numel() + self.values.numel())
-        return MemoryReport(0, fp16, 0, 0, 0, window_bytes=held, ranks=self.model_kv_heads // self.keys.shape[1])
+    def __init__(
+        self,
+        cfg: KVQuantConfig,
+        num_kv_heads: int,
+        head_dim: int,
+        layer_idx: int = 0,
+        backend: str = "auto",
+        max_pages: int | None = None,
+        model_kv_heads: int | None = None,
+    ):
+        super().__init__(cfg, num_kv_heads, head_dim, layer_idx, backend, model_kv_heads, GrowingPages(max_pages))
+        self.max_pages = max_pages
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError(_BEAM_MESSAGE)
+    def new_tokens(self, mask: KittyMask | None, batch_size: int, q_length: int) -> torch.Tensor:
+        """bool ``[B, T]`` on the CPU (bookkeeping only): the new columns of the 2-D padding mask."""
+        return (mask or KittyMask(None)).new_token_mask(batch_size, q_length, "cpu")
 
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError(_BEAM_MESSAGE)
+    def attend_and_append(self, query, key_states, value_states, valid: torch.Tensor, scale: float) -> torch.Tensor:
+        self.check_append(valid)  # errors before anything changes
+        if query.shape[2] == 1 and bool(valid.all()):
+            return self._attend_decode(query, key_states, value_states, scale)
+        return self._attend_tokens(query, key_states, value_states, valid, scale)
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError(_BEAM_MESSAGE)
+    def insert_decode(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[list, list]:
+        """Stage 1 of a decode step: insert one new token ``[B, H, 1, D]`` in every row with batched writes (no
+        per-row loop), leaving any qbuffer it fills unpacked; returns the ``(row, page index)`` of every key / value
+        qbuffer now full (:func:`kitty.pages.filled_page`), for :meth:`pack_filled` after attention (the paper's
+        order: attend with the full qbuffer in full precision, then quantize it). Between the two calls the layer is
+        mid-step: ``lengths`` count the new token and qbuffers hold 1..G tokens
+        (``kitty.memory.token_layout(..., full_qbuffer=True)``). Slots: :meth:`write_token_slots`.
 
+        Raises ``RuntimeError`` (nothing changed) when the page pools cannot take the pages this step fills.
+        """
+        self.prepare(key_states)
+        cfg = self.cfg
+        S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
+        n1 = [n + 1 for n in self.host_lengths]
+        key_pages = [(b, j) for b, n in enumerate(n1) if (j := filled_page(n, S, G)) is not None]
+        value_pages = [(b, j) for b, n in enumerate(n1) if (j := filled_page(n, S + R, G)) is not None]
+        self.key_pool.check(len(key_pages))
+        self.value_pool.check(len(value_pages))
 
-class SlidingWindowLayer(WindowLayerMixin, DynamicSlidingWindowLayer):
-    """A sliding-window layer of a hybrid model: transformers' ``DynamicSlidingWindowLayer`` (the newest
-    ``sliding_window - 1`` columns of keys and values, ``[B, H, <= W - 1, D]``, in full precision), plus the memory
-    report and Kitty's refusal of cache reordering.
+        self.write_token_slots(key_states[:, :, 0], value_states[:, :, 0], self._rows)
+        widest = token_layout(cfg, max(n1))
+        self._grow_page_tables(widest.key_pages, widest.value_pages)
+        self._steps += 1
+        self.lengths = self.lengths + 1  # a new tensor: storage() snapshots taken earlier stay as they were
+        self.seen_tokens += 1
+        return key_pages, value_pages
 
-    Why full precision and not Kitty pages freed as the window passes (bytes from ``analytic_report``, which the
-    tests check against real ``nbytes``; Gemma-3-12B shape, 40 sliding + 8 full layers, 8 KV heads, D=256, W=1024,
-    bf16): a full-precision window costs 7.99 MiB per sliding layer and sequence, Kitty pages over the window would
-    cost 2.45-2.59 MiB, so the whole cache would hold 0.395 vs ~0.18 GiB at 8K tokens and 0.615 vs ~0.40 GiB at 32K.
-    Pages would win on bytes; they are not built yet because the window start falls inside a page (a per-token mask
-    inside pages that neither the torch reference nor the fused kernel has), pages would be freed one by one (the
-    pool is a bump allocator), and the sink does not apply to a window. Full precision is exact and is what
-    transformers' own sliding layer keeps (``docs/SERVING.md`` has the engine side).
-    """
+    def pack_filled(self, filled: tuple[list, list]) -> None:
+        """Stage 3 of a decode step: pack the qbuffers :meth:`insert_decode` reported full into fresh pages."""
+        key_pages, value_pages = filled
+        if key_pages:
+            self._pack(self.key_pool, self.k_page_table, key_pages, keys=True)
+        if value_pages:
+            self._pack(self.value_pool, self.v_page_table, value_pages, keys=False)
 
-    def __init__(self, sliding_window: int, model_kv_heads: int, ranks: int = 1, **kwargs):
-        super().__init__(sliding_window=sliding_window, **kwargs)
-        self.model_kv_heads, self.ranks = model_kv_heads, ranks  # ranks: expected until the first tensors arrive
-        self._undo: SimpleNamespace | None = None  # the open step, if any (see begin_step)
-        self._owner: Callable[[], "Cache | None"] = lambda: None  # the KittyCache this layer belongs to (weak)
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """transformers' window update, its step opened first: the attention over the window is the user's own
-        function, so the record is taken here rather than by Kitty's attention function."""
-        owner = self._owner()
-        self.begin_step(owner._forward if owner is not None else 0)
-        return super().update(key_states, value_states, *args, **kwargs)
-
-    def begin_step(self, forward: int = 0) -> None:
-        """Record the window before an update (``update`` replaces its tensors, never writes them in place), so
-        that a failure later in the same forward pass can put it back (:meth:`KittyCache.rollback_forward`)."""
-        self._undo = SimpleNamespace(
-            forward=forward, state=(self.is_initialized, self.keys, self.values, self.cumulative_length)
-        )
-
-    def end_step(self) -> None:
-        """Keep what the open step did (frees its record)."""
-        self._undo = None
-
-    def rollback_step(self) -> None:
-        """Put the window back as it was at :meth:`begin_step` (nothing happens if no step is open)."""
-        u, self._undo = self._undo, None
-        if u is not None:
-            self.is_initialized, self.keys, self.values, self.cumulative_length = u.state
+    def _pack(self, pool: PagePool, table: torch.Tensor, pages: list[tuple[int, int]], keys: bool) -> None:
+        """Quantize the full qbuffers of ``pages`` = ``[(row, page index)]`` into fresh pages of ``pool`` (the
+        layer's backend ops) and point ``table`` at them."""
+        rows = [b for b, _ in pages]
+        dest = [(b, j, 1) for b, j in pages]
+        idx = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        ids = pool.place(dest)
+        if keys:
+            self.ops.pack_keys(self.k_qbuf, idx, pool, ids, self.layer_idx, self.query_scale(idx))
+        else:
+            self.ops.pack_values(self.v_qbuf, idx, pool, ids, self.layer_idx)
+        self._point(table, dest, ids)

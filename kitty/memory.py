@@ -205,15 +205,3 @@ def asymptotic_bits(cfg: KVQuantConfig, head_dim: int, dtype_bytes: int = 2) -> 
     out["value_total"] = out["value_codes"] + out["value_scale_zero"]
     out["total"] = (out["key_total"] + out["value_total"]) / 2
     return out
-
-
-def measured_report(tokens: int, head_dim_elems_fp16: int, pages, buffers) -> MemoryReport:
-    """A report from real tensors: ``pages`` an iterable of KeyPage/ValuePage, ``buffers`` of filled tensors.
-
-    ``head_dim_elems_fp16``: key + value elements cached (``2 * tokens * D * heads * layers``), for the fp16 size.
-    """
-    pages = list(pages)
-    payload = sum(p.payload_nbytes for p in pages)
-    meta = sum(p.metadata_nbytes for p in pages)
-    full = sum(b.nbytes for b in buffers)
-    return MemoryReport(tokens, 2 * head_dim_elems_fp16, payload, meta, full)

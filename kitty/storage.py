@@ -5,6 +5,8 @@ One module that the cache (``kitty/cache.py``), the attention function (``kitty/
 
 - :func:`pool_fields`: the page-pool tensors of a layer (shape of one page, dtype), for keys and for values, and
   :func:`allocate_pool`, the only code that allocates them;
+- :func:`row_fields`: the per-row full-precision buffers (sink, qbuffers, local ring: shape of one row, dtype), and
+  :func:`allocate_rows`, the only code that allocates them (the layers, ``kernels/testing.py``);
 - :class:`KittyLayerState`: every tensor of one layer (``KittyLayer.storage()``, ``kernels/testing.py``), the one
   state type the cache, the torch reference and the kernels read (also a read-only mapping ``name -> tensor``);
   :func:`check_state` validates it against a config;
@@ -27,6 +29,7 @@ from .quant import KeyPage, ValuePage, high_plane_bytes
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FieldSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (shape of one page, dtype)
 ROW_FIELDS = ("lengths", "sink_k", "sink_v", "k_qbuf", "v_qbuf", "v_local")  # per-row tensors, [B, ...]
+BUFFER_FIELDS = ROW_FIELDS[1:]  # the full-precision per-row buffers of row_fields
 PAYLOAD_FIELDS = ("k_low", "k_high", "k_raw", "v_codes", "v_raw")  # codes (or raw pages); the rest is metadata
 
 
@@ -59,13 +62,32 @@ def pool_fields(
     return key, value
 
 
+def row_fields(cfg: KVQuantConfig, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> FieldSpec:
+    """The per-row full-precision buffers of one layer: ``name -> (shape of one row, dtype)`` (``docs/LAYOUT.md``):
+    ``sink_k`` / ``sink_v`` ``[H, S, D]`` (slot ``p``), ``k_qbuf`` / ``v_qbuf`` ``[H, G, D]`` (slot ``(p - S) % G``),
+    ``v_local`` ``[H, R, D]`` (ring, slot ``(p - S) % R``)."""
+    H, D, S, G, R = num_kv_heads, head_dim, cfg.sink_tokens, cfg.group_size, cfg.local_window
+    shapes = {"sink_k": S, "sink_v": S, "k_qbuf": G, "v_qbuf": G, "v_local": R}
+    return {name: ((H, slots, D), dtype) for name, slots in shapes.items()}
+
+
+def _allocate(spec: FieldSpec, n: int, device: torch.device | str, fill: float | None) -> dict[str, torch.Tensor]:
+    make = torch.empty if fill is None else lambda *shape, **kw: torch.full(shape, fill, **kw)
+    return {name: make(n, *shape, dtype=dt, device=device) for name, (shape, dt) in spec.items()}
+
+
 def allocate_pool(
     spec: FieldSpec, pages: int, device: torch.device | str, fill: float | None = None
 ) -> dict[str, torch.Tensor]:
     """Pool tensors ``name -> [pages, *shape]`` of ``spec`` (:func:`pool_fields`) on ``device``: uninitialized, or
     filled with ``fill``."""
-    make = torch.empty if fill is None else lambda *shape, **kw: torch.full(shape, fill, **kw)
-    return {name: make(pages, *shape, dtype=dt, device=device) for name, (shape, dt) in spec.items()}
+    return _allocate(spec, pages, device, fill)
+
+
+def allocate_rows(spec: FieldSpec, rows: int, device: torch.device | str, fill: float = 0.0) -> dict[str, torch.Tensor]:
+    """Per-row buffers ``name -> [rows, *shape]`` of ``spec`` (:func:`row_fields`) on ``device``, filled with ``fill``
+    (zeros: a layer's unused slots; ``kernels/testing.py`` fills NaN)."""
+    return _allocate(spec, rows, device, fill)
 
 
 # ------------------------------------------------------------------------------------------------- the state
@@ -134,12 +156,11 @@ def check_state(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig) -> 
     Hkv = kq.shape[1]
     if Hq % Hkv:
         raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
-    expect = {"sink_k": (B, Hkv, S, D), "sink_v": (B, Hkv, S, D), "v_qbuf": (B, Hkv, G, D), "v_local": (B, Hkv, R, D)}
-    for name, shape in expect.items():
+    for name, (shape, _) in row_fields(cfg, Hkv, D, q.dtype).items():
         x = getattr(state, name)
-        if tuple(x.shape) != shape:
-            raise ValueError(f"{name} must be {shape} per docs/LAYOUT.md, got {tuple(x.shape)}")
-    for name in ("sink_k", "sink_v", "k_qbuf", "v_qbuf", "v_local"):
+        if tuple(x.shape) != (B, *shape):
+            raise ValueError(f"{name} must be {(B, *shape)} per docs/LAYOUT.md, got {tuple(x.shape)}")
+    for name in BUFFER_FIELDS:
         x = getattr(state, name)
         if x.dtype != q.dtype or (x.numel() and x.stride(-1) != 1) or (x.shape[2] > 1 and x.stride(2) != D):
             raise ValueError(

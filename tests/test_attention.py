@@ -25,6 +25,7 @@ from kitty.attention import (
 )
 from kitty.compat import cache_kwargs
 from kitty.kernels import decode_attention_ref, dequantize_cache
+from kitty.pages import filled_page
 
 S, G, R = 4, 8, 8
 HKV, HQ, D = 2, 6, 16  # GQA ratio 3
@@ -140,7 +141,9 @@ def test_decode_steps_match_kernels_reference(name):
     checked = {"after": 0, "fills": 0}
     for _ in range(G + 2):
         k, v, q = torch.randn(3, HKV, 1, D), torch.randn(3, HKV, 1, D), torch.randn(3, HQ, 1, D)
-        fills = layer.append_fills_page(torch.ones(3, 1, dtype=torch.bool))
+        fills = any(
+            filled_page(n + 1, S, G) is not None or filled_page(n + 1, S + R, G) is not None for n in cache.lengths
+        )
         out = feed(cache, k, v, torch.ones(3, 1, dtype=torch.bool), q)[:, 0]  # (B, Hq, D)
         state = layer.storage()
         ref = decode_attention_ref(q[:, :, 0], state, cfg, D**-0.5)

@@ -64,7 +64,14 @@ def snapshot(cache: KittyCache) -> list[dict]:
         keys, values, valid = dequantize_cache(storage, layer.cfg)
         state = {k: v.clone() for k, v in storage.items() if k not in BUFFERS}
         out.append(
-            {**state, "keys": keys, "values": values, "valid": valid, "n": list(layer._n), "seen": layer.seen_tokens}
+            {
+                **state,
+                "keys": keys,
+                "values": values,
+                "valid": valid,
+                "n": layer.host_lengths,
+                "seen": layer.seen_tokens,
+            }
         )
     return out
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kitty import PRESETS, analytic_report, token_layout
-from kitty.memory import asymptotic_bits, measured_report
+from kitty.memory import MemoryReport, asymptotic_bits
 from kitty.quant import quantize_key_page, quantize_value_page
 
 
@@ -38,8 +38,9 @@ def test_measured_bytes_equal_analytic(preset, n):
     pages = [quantize_key_page(x, cfg) for _ in range(lay.key_pages)]
     pages += [quantize_value_page(x, cfg) for _ in range(lay.value_pages)]
     full_tokens = 2 * lay.sink + lay.key_qbuffer + lay.value_qbuffer + lay.local
-    buffers = [torch.empty(H, full_tokens, D, dtype=torch.bfloat16)]
-    measured = measured_report(n, 2 * n * H * D, pages, buffers)
+    full = torch.empty(H, full_tokens, D, dtype=torch.bfloat16).nbytes
+    payload, meta = sum(p.payload_nbytes for p in pages), sum(p.metadata_nbytes for p in pages)
+    measured = MemoryReport(n, 2 * 2 * n * H * D, payload, meta, full)
     assert measured == analytic_report(cfg, n, D, num_kv_heads=H)
 
 

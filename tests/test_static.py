@@ -16,8 +16,10 @@ from fixtures import tiny_model
 from transformers import StaticCache
 
 from kitty import PRESETS, KittyCache
+from kitty.compat import cache_kwargs
 from kitty.generate import Sampling, generate_static
-from kitty.static import StaticKittyLayer, pack_completed_torch
+from kitty.kernels.reference import pack_completed_ref
+from kitty.static import StaticKittyLayer
 
 S, G, R = 4, 8, 8
 SMALL = {
@@ -44,7 +46,7 @@ def ragged_batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def hf_greedy(model, ids, mask, cache, new: int = NEW) -> torch.Tensor:
     out = model.generate(
-        ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False
+        ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=new, min_new_tokens=new, do_sample=False
     )
     return out[:, ids.shape[1] :]
 
@@ -78,7 +80,7 @@ def test_static_storage_is_preallocated_and_matches_the_growing_layer():
     dynamic = KittyCache(model.config, cfg, backend="torch")
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     for cache in (static, dynamic):  # the prompt
-        model(ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        model(ids, attention_mask=mask, position_ids=positions, **cache_kwargs(cache), use_cache=True)
     layer = static.layers[0]
     assert isinstance(layer, StaticKittyLayer)
     Wk, Wv = (T + 20 - S) // G, (T + 20 - S - R) // G
@@ -91,11 +93,11 @@ def test_static_storage_is_preallocated_and_matches_the_growing_layer():
         for cache in (static, dynamic):
             full = torch.ones(B, T + t + 1, dtype=torch.long)
             full[:, :T] = mask
-            model(tok + t, attention_mask=full, position_ids=pos, past_key_values=cache, use_cache=True)
+            model(tok + t, attention_mask=full, position_ids=pos, **cache_kwargs(cache), use_cache=True)
     assert {name: t.data_ptr() for name, t in layer.storage().items()} == ptrs
     for i in range(2):
         a, b = static.layers[i], dynamic.layers[i]
-        assert torch.equal(a.lengths, b.lengths) and a._n == b._n
+        assert torch.equal(a.lengths, b.lengths) and a.host_lengths == b.host_lengths
         for name in ("sink_k", "sink_v", "k_qbuf", "v_qbuf", "v_local"):
             assert torch.equal(getattr(a, name), getattr(b, name)), name
         for row in range(B):
@@ -118,12 +120,12 @@ def test_static_bounds_raise_before_anything_changes():
     generate_static(model, ids, mask, cache, 3)  # fills the cache exactly: T + 2 columns
     before = (cache.lengths, cache.layers[0].lengths.clone(), cache.get_seq_length())
     with pytest.raises(ValueError, match="max_cache_len"):
-        model(ids[:, :1], past_key_values=cache, use_cache=True)
+        model(ids[:, :1], **cache_kwargs(cache), use_cache=True)
     assert cache.lengths == before[0] and cache.get_seq_length() == before[2]
     assert torch.equal(cache.layers[0].lengths, before[1])
     cache.reset()
     with pytest.raises(ValueError, match="max_batch_size"):
-        model(torch.zeros(B + 1, 2, dtype=torch.long), past_key_values=cache, use_cache=True)
+        model(torch.zeros(B + 1, 2, dtype=torch.long), **cache_kwargs(cache), use_cache=True)
     for bad in (dict(max_cache_len=0), dict(max_batch_size=2), dict(max_cache_len=8, max_batch_size=0)):
         with pytest.raises(ValueError, match="max_cache_len|max_batch_size"):
             KittyCache(model.config, "kitty", **bad)
@@ -194,7 +196,7 @@ def test_pack_completed_kernel_matches_reference(preset):
     kr, vr, (rk, rv) = _random_pools(kf, vf, Bq, Wk, Wv, device, low=0)
     before = {n: t.clone() for n, t in kk.items()}
     pack_completed(cfg, lengths, k_qbuf, v_qbuf, kk, vk, tk, tv, salt=3)
-    pack_completed_torch(cfg, lengths, k_qbuf, v_qbuf, kr, vr, rk, rv, salt=3)
+    pack_completed_ref(cfg, lengths, k_qbuf, v_qbuf, kr, vr, rk, rv, salt=3)
     for name in kk:
         assert torch.equal(kk[name], kr[name]), name
     for name in vk:
@@ -211,7 +213,7 @@ def test_pack_completed_kernel_matches_reference(preset):
 def test_triton_ops_pack_completed_side_by_side(preset):
     """The Triton backend's stage 3 packs each side the kernel packs bit-identically (query-aware selections with the
     rows' query_scale; 4-bit keys or values) and leaves a fitted key side to the torch reference: the pools and
-    tables equal pack_completed_torch's."""
+    tables equal pack_completed_ref's."""
     from kitty.backend import TritonOps
     from kitty.storage import pool_fields
 
@@ -230,7 +232,7 @@ def test_triton_ops_pack_completed_side_by_side(preset):
     kk, vk, (tk, tv) = _random_pools(kf, vf, Bq, Wk, Wv, device, low=1)
     kr, vr, (rk, rv) = _random_pools(kf, vf, Bq, Wk, Wv, device, low=1)
     ops.pack_completed(lengths, k_qbuf, v_qbuf, kk, vk, tk, tv, 3, qs)
-    pack_completed_torch(cfg, lengths, k_qbuf, v_qbuf, kr, vr, rk, rv, salt=3, query_scale=qs)
+    pack_completed_ref(cfg, lengths, k_qbuf, v_qbuf, kr, vr, rk, rv, salt=3, query_scale=qs)
     for name in kk:
         assert torch.equal(kk[name], kr[name]), name
     for name in vk:
