@@ -143,7 +143,7 @@ def fp16_step(B, Hkv, QH, D, L, prompt, dtype, device, masked: bool):
 
 
 def kitty_step(B, Hkv, QH, D, L, prompt, dtype, device, preset: str, ops: bool):
-    """One static Kitty layer's decode step: today's ``StaticKittyLayer.attend_and_insert`` (``ops=False``), or
+    """One static Kitty layer's decode step: today's ``StaticKittyLayer.attend_and_append`` (``ops=False``), or
     the three custom ops (insert, attention with the merge inside, predicated pack) on the same layer."""
     from kitty import custom_ops
     from kitty.static import StaticKittyLayer
@@ -158,7 +158,7 @@ def kitty_step(B, Hkv, QH, D, L, prompt, dtype, device, preset: str, ops: bool):
 
         def step():
             pending, _ = layer.update(k, v)
-            return layer.attend_and_insert(q, pending, None, D**-0.5)
+            return layer.attend_and_append(q, pending.key_states, pending.value_states, None, D**-0.5)
 
         return step
     state = layer.storage()

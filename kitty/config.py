@@ -31,17 +31,23 @@ def kv_dims(config) -> tuple[int, int, int]:
     neither has one key/value head per query head (multi-head attention). Raises ``ValueError`` naming the field
     when a count is not a positive integer or does not divide the query heads."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    for name in ("num_hidden_layers", "num_attention_heads"):
-        if not is_int(getattr(text, name, None)) or getattr(text, name) <= 0:
-            raise ValueError(f"config.{name} must be a positive integer, got {getattr(text, name, None)!r}")
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+
+    def positive(name: str, value: object, rule: str = "a positive integer") -> None:
+        if not is_int(value) or value <= 0:
+            raise ValueError(f"config.{name} must be {rule}, got {value!r}")
+
+    positive("num_hidden_layers", getattr(text, "num_hidden_layers", None))
+    heads = getattr(text, "num_attention_heads", None)
+    head_dim = getattr(text, "head_dim", None)
     field = next((f for f in ("num_key_value_heads", "num_kv_heads") if getattr(text, f, None) is not None), None)
+    if head_dim is None or field is None:  # read from the query heads
+        positive("num_attention_heads", heads)
+    head_dim = head_dim or text.hidden_size // heads
     num_kv_heads = getattr(text, field) if field else heads
-    if field and (not is_int(num_kv_heads) or num_kv_heads <= 0 or heads % num_kv_heads):
-        raise ValueError(
-            f"config.{field} must be a positive integer dividing num_attention_heads={heads}, got {num_kv_heads!r}"
-        )
+    if field:
+        positive(field, num_kv_heads)
+    if field and is_int(heads) and heads % num_kv_heads:
+        raise ValueError(f"config.{field} must divide num_attention_heads={heads}, got {num_kv_heads}")
     return text.num_hidden_layers, num_kv_heads, head_dim
 
 
