@@ -43,7 +43,7 @@ test-fast:
 # Older transformers releases the requirements admit (the main run tests the newest), each in an ignored folder
 # holding only transformers and the hub client it accepts (pip --no-deps --target; everything else comes from the
 # main environment), put first on PYTHONPATH. 5.17: the lower bound, the GPU image's release; 5.23: the last release
-# before `cache=` (kitty/compat.py lists the differences). A lean selection: the compat, cache, static, generate, hybrid
+# before `cache=` (kitty/hf/compat.py lists the differences). A lean selection: the compat, cache, static, generate, hybrid
 # and CLI tests on the lower bound (test_cuda.py too: it must collect there, and runs where a GPU is), fewer on 5.23.
 COMPAT_ENVS := .ci/envs
 # 5.17 needs huggingface_hub<2; 5.23 accepts this one as well

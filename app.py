@@ -5,7 +5,7 @@
 The model loads once, when this module is imported (the default embedded SmolLM2-135M-Instruct, or ``--model`` /
 ``$KITTY_MODEL``). Every request builds its own caches and frees them when it ends or is stopped. This file only
 lays out widgets and formats results (readouts, the summary table, byte sizes); the streaming of several caches
-lives in :mod:`kitty.demo`, prompts in :mod:`kitty.prompts`, the key inspector in :func:`kitty.quant.inspect_keys`.
+lives in :mod:`kitty.tools.demo`, prompts in :mod:`kitty.tools.prompts`, the key inspector in :func:`kitty.core.quant.inspect_keys`.
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ from matplotlib.patches import Rectangle  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from kitty import PRESETS, get_preset  # noqa: E402
-from kitty import demo as kd  # noqa: E402
-from kitty import prompts as kp  # noqa: E402
-from kitty.generate import Sampling, prompt_keys, prompt_query_scale  # noqa: E402
-from kitty.memory import analytic_report, asymptotic_bits  # noqa: E402
-from kitty.quant import KeyInspection, inspect_keys  # noqa: E402
+from kitty.core.memory import analytic_report, asymptotic_bits  # noqa: E402
+from kitty.core.quant import KeyInspection, inspect_keys  # noqa: E402
+from kitty.hf.generate import Sampling, prompt_keys, prompt_query_scale  # noqa: E402
+from kitty.tools import demo as kd  # noqa: E402
+from kitty.tools import prompts as kp  # noqa: E402
 
 # A Hugging Face Space sets these two (0.0.0.0, 7860); an explicit server_name would override Gradio's own reading
 DEFAULT_HOST = os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1")
@@ -88,7 +88,7 @@ class Engine:
 
     @property
     def head_dim(self) -> int:
-        from kitty.models import kv_dims
+        from kitty.hf.models import kv_dims
 
         return kv_dims(self.model.config)[2]
 
@@ -96,7 +96,7 @@ class Engine:
 @functools.lru_cache(maxsize=None)
 def get_engine(name: str | None = None) -> Engine:
     """Load ``(model, tokenizer)`` for ``name`` (``None``: the default model) the first time; reuse it after."""
-    from kitty.models import DEFAULT_MODEL_NAME, load_model
+    from kitty.hf.models import DEFAULT_MODEL_NAME, load_model
 
     model, tokenizer = load_model(name)  # bf16, never trust_remote_code
     return Engine(name or DEFAULT_MODEL_NAME, model, tokenizer)
@@ -189,7 +189,7 @@ def format_readout(
     col: kd.Column, head_dim: int | None = None, ref: kd.Column | None = None, tokenizer=None, color: str = "#888"
 ) -> str:
     """HTML readout under one column: one headline (bits/element now), then compression and bytes, the
-    long-context figure (pages alone, :func:`kitty.memory.asymptotic_bits`), what is still full precision and
+    long-context figure (pages alone, :func:`kitty.core.memory.asymptotic_bits`), what is still full precision and
     why, where tokens live (counted in tokens; pages also counted as pages), the text's first divergence, speed."""
     r = col.readout
     style = f"style='border-top: 4px solid {color}'"

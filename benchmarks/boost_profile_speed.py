@@ -27,7 +27,7 @@ import torch
 
 import benchmarks.kernels as bk  # noqa: E402  (bench: median of CUDA-graph replays over rotating inputs)
 from benchmarks.results_dir import default_out, unused_path
-from kitty.config import DEFAULT_PROFILE, PRESETS, load_boost_profile
+from kitty.core.config import DEFAULT_PROFILE, PRESETS, load_boost_profile
 from kitty.kernels import decode_attention_ref, decode_attention_triton
 from kitty.kernels.testing import make_state
 

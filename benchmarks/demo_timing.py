@@ -2,7 +2,7 @@
 
     python -m benchmarks.demo_timing [--model NAME] [--new-tokens 32] [--repeats 3] [--prompt TEXT]
 
-Runs :func:`kitty.demo.stream_side_by_side` as the app does (three columns, greedy) and prints a markdown table of
+Runs :func:`kitty.tools.demo.stream_side_by_side` as the app does (three columns, greedy) and prints a markdown table of
 the median slowest-column and mean-column tokens/s and the prefill seconds (numbers quoted in the README's demo
 section). Repeats are interleaved across settings because the load of a shared machine drifts.
 """
@@ -17,9 +17,9 @@ from collections.abc import Sequence
 
 import torch
 
-from kitty.demo import DEFAULT_METHODS, SCHEDULES, stream_side_by_side
-from kitty.generate import Sampling
-from kitty.prompts import example_prompts, prepare_prompt
+from kitty.hf.generate import Sampling
+from kitty.tools.demo import DEFAULT_METHODS, SCHEDULES, stream_side_by_side
+from kitty.tools.prompts import example_prompts, prepare_prompt
 
 
 def benchmark(
@@ -67,7 +67,7 @@ def benchmark(
 
 
 def main(argv: list[str] | None = None) -> None:
-    from kitty.models import load_model
+    from kitty.hf.models import load_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=os.environ.get("KITTY_MODEL") or None)

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from benchmarks import kernels as kb  # noqa: E402
 from benchmarks.layout_sweep import CHECK_CASES  # noqa: E402
 from benchmarks.results_dir import default_out, unused_path  # noqa: E402
-from kitty.config import PRESETS  # noqa: E402
+from kitty.core.config import PRESETS  # noqa: E402
 from kitty.kernels import decode_attention_ref, decode_attention_triton  # noqa: E402
 from kitty.kernels.decode_gluon import decode_attention_gluon  # noqa: E402
 from kitty.kernels.gluon_launch import GluonLaunch, default_gluon_launch, gluon_supports  # noqa: E402

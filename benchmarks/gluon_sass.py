@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from benchmarks.sass import hot_loop, sass_text  # noqa: E402
-from kitty.config import PRESETS  # noqa: E402
+from kitty.core.config import PRESETS  # noqa: E402
 from kitty.kernels import decode_gluon as dg  # noqa: E402
 from kitty.kernels.gluon_launch import GluonLaunch  # noqa: E402
 

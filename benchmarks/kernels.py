@@ -6,7 +6,8 @@ Writes ``kernels_results.json`` (``kernels_timing.json`` with ``--timing-only``,
 ``--check-only``) and its log to ``--out`` (default ``benchmarks/results/<gpu>-<date>/``, see
 ``benchmarks/results_dir.py``); ``python benchmarks/summarize.py`` then regenerates ``benchmarks/RESULTS.md``.
 
-1. Correctness on the GPU: pack bit-identical to kitty.quant; Algorithm 1 dequantization vs kitty.quant (counts
+1. Correctness on the GPU: pack bit-identical to kitty.core.quant; Algorithm 1 dequantization vs kitty.core.quant
+(counts
    elements that differ, and by how many ulps: compiled code may fuse ``code*scale+zero`` into one FMA); fused and
    unfused attention vs the fp32 torch reference with flash-attention's tolerance rule (see tests/test_kernels.py).
 2. Timing: every time is the median over 30 replays of a CUDA graph holding many calls, each call on the next of a
@@ -40,7 +41,10 @@ from tqdm.auto import tqdm
 
 from benchmarks import summarize
 from benchmarks.results_dir import default_out, unused_path
-from kitty.config import PRESETS
+from kitty.core.config import PRESETS
+from kitty.core.memory import page_bytes, token_layout
+from kitty.core.quant import dequantize_key_page, dequantize_value_page, quantize_key_page, quantize_value_page
+from kitty.core.storage import pool_fields
 from kitty.kernels import (
     KittyLayerState,
     decode_attention_ref,
@@ -52,9 +56,6 @@ from kitty.kernels import (
 )
 from kitty.kernels.launch import Launch, default_launch, default_num_splits
 from kitty.kernels.testing import attention_tolerance, make_state, planted_kv
-from kitty.memory import page_bytes, token_layout
-from kitty.quant import dequantize_key_page, dequantize_value_page, quantize_key_page, quantize_value_page
-from kitty.storage import pool_fields
 
 HQ, HKV, D = 32, 8, 128
 SHAPES = [(8, 32768), (64, 8192), (1, 4096), (1, 32768), (16, 8192), (256, 8192)]  # target shapes first

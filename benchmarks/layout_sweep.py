@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from benchmarks import kernels as kb
 from benchmarks.results_dir import default_out, unused_path
-from kitty.config import PRESETS
+from kitty.core.config import PRESETS
 from kitty.kernels import decode_attention_ref, decode_attention_triton
 from kitty.kernels.launch import Launch
 from kitty.kernels.testing import attention_tolerance, make_state, planted_kv

@@ -1,4 +1,4 @@
-"""Pack-time cost per page of every key-selection and range strategy on one GPU (``kitty.eval.pack_cost_table``).
+"""Pack-time cost per page of every key-selection and range strategy on one GPU (``kitty.tools.eval.pack_cost_table``).
 
     python -m benchmarks.pack_cost [--out DIR] [--repeats 7]
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.results_dir import default_out, unused_path
-from kitty.eval_metrics import pack_cost_table
-from kitty.eval_report import write_csv
+from kitty.tools.eval_metrics import pack_cost_table
+from kitty.tools.eval_report import write_csv
 
 # The strategies of README's pack-cost table: paper rule, the selection rules, fitted key / value ranges.
 METHODS = [

@@ -3,8 +3,8 @@
 Each variant changes one thing of the base preset (``kitty`` unless ``--base``): keys only quantized (values 16-bit),
 values only quantized (keys 16-bit), the key low plane only (``boost_fraction=0``: plain 2-bit keys, i.e. without
 what the boost adds), and other local-window and sink sizes. Prompts, keys and answers are exactly those of
-``kitty.eval.passkey_table`` (``kitty.prompts.passkey_prompt``, ``kitty.eval.passkey_answer``, seed 0). The base
-runs first on every prompt; ``--cases failed`` then runs the variants only on the prompts the base fails,
+``kitty.tools.eval.passkey_table`` (``kitty.tools.prompts.passkey_prompt``, ``kitty.tools.eval.passkey_answer``, seed
+0). The base runs first on every prompt; ``--cases failed`` then runs the variants only on the prompts the base fails,
 ``--cases all`` on all of them; fp16 runs on every prompt some variant fails (a prompt counts as lost only if fp16
 solves it). Answers accumulate in ``--out/answers.json`` (a (variant, prompt) pair already
 measured is not run again), and ``--out/attribution.csv`` holds one row per (variant, prompt).
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from kitty.config import get_preset
-from kitty.eval import DEPTHS, passkey_answer
-from kitty.prompts import passkey_prompt
+from kitty.core.config import get_preset
+from kitty.tools.eval import DEPTHS, passkey_answer
+from kitty.tools.prompts import passkey_prompt
 
 # label -> the change to the base preset (get_preset's "+field=value" overrides); "" is the base itself
 VARIANTS = {
@@ -43,7 +43,7 @@ REFERENCE = "fp16"  # a prompt counts as lost only if fp16 solves it
 
 
 def passkey_cases(lengths=(1024, 2048, 4096), depths=DEPTHS, trials: int = 2, seed: int = 0) -> list[tuple]:
-    """The (length, depth, key) prompts of ``kitty.eval.passkey_table`` with the same arguments."""
+    """The (length, depth, key) prompts of ``kitty.tools.eval.passkey_table`` with the same arguments."""
     rng = random.Random(seed)
     return [(n, d, rng.randint(10000, 99999)) for n in lengths for d in depths for _ in range(trials)]
 
@@ -53,7 +53,7 @@ def case_id(c: tuple) -> str:
 
 
 def run(a, store: dict, path: Path) -> None:
-    from kitty.models import load_model
+    from kitty.hf.models import load_model
 
     torch.set_num_threads(1)
     model, tokenizer = load_model()

@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from kitty import generate as gen
-from kitty.config import get_preset
-from kitty.eval import TEXTS, decode_nll, passkey_answer, text_windows
-from kitty.models import load_model
-from kitty.prompts import passkey_prompt
+from kitty.core.config import get_preset
+from kitty.hf import generate as gen
+from kitty.hf.models import load_model
+from kitty.tools.eval import TEXTS, decode_nll, passkey_answer, text_windows
+from kitty.tools.prompts import passkey_prompt
 
 BLOCK = 32  # tokens per bootstrap block: neighbouring tokens' NLLs are correlated, blocks are resampled whole
 RESAMPLES = 2000
@@ -69,7 +69,7 @@ def run_ppl(a, model, tokenizer, out: Path) -> None:
 def run_passkey(a, model, tokenizer, out: Path) -> None:
     path = out / "passkey.json"
     store = json.loads(path.read_text()) if path.exists() else {}
-    rng = random.Random(0)  # the cases of kitty.eval.passkey_table(seed=0)
+    rng = random.Random(0)  # the cases of kitty.tools.eval.passkey_table(seed=0)
     cases = [(n, d, rng.randint(10000, 99999)) for n in a.lengths for d in a.depths for _ in range(a.trials)]
     store["_cases"] = cases
     order = a.order if "fp16" in a.order else a.order + ["fp16"]  # fp16 defines which prompts count, run it anywhere

@@ -27,7 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import kitty.kernels.decode_attention as da
-from kitty.config import PRESETS
+from kitty.core.config import PRESETS
 from kitty.kernels.launch import H200_SMS, Launch, default_launch
 
 

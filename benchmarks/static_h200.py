@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from kitty import KittyCache
-from kitty.generate import generate_static
+from kitty.hf.generate import generate_static
 
 
 def tiny_llama():
@@ -111,7 +111,7 @@ def correctness(out: Path) -> dict:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             step()
-        from kitty.generate import _advance
+        from kitty.hf.generate import _advance
 
         _advance(cache, -1)
         torch.cuda.synchronize()

@@ -1,5 +1,5 @@
 """Operations and kernel launches per layer of one static decode step: FP16 ``StaticCache`` (masked and unmasked
-SDPA) against Kitty's static layer, today's path and the three custom ops of ``kitty/custom_ops.py``.
+SDPA) against Kitty's static layer, today's path and the three custom ops of ``kitty/cache/custom_ops.py``.
 
     TRITON_INTERPRET=1 python benchmarks/step_launches.py [--out DIR]     # CPU: counts, no timing
     python benchmarks/step_launches.py --out DIR                          # CUDA: also kernels of a captured step
@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-from kitty.config import PRESETS  # noqa: E402
+from kitty.core.config import PRESETS  # noqa: E402
 
 NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "detach"}
 KERNEL_MODULES = ("insert", "decode_attention", "pack")
@@ -46,7 +46,7 @@ class OpCounter(TorchDispatchMode):
         self.paused = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "kitty":  # a custom op (kitty/custom_ops.py): count what runs inside it
+        if func.namespace == "kitty":  # a custom op (kitty/cache/custom_ops.py): count what runs inside it
             from torch._library.custom_ops import _maybe_get_opdef
 
             with self:  # the op's Python body, under this mode again
@@ -145,8 +145,8 @@ def fp16_step(B, Hkv, QH, D, L, prompt, dtype, device, masked: bool):
 def kitty_step(B, Hkv, QH, D, L, prompt, dtype, device, preset: str, ops: bool):
     """One static Kitty layer's decode step: today's ``StaticKittyLayer.attend_and_append`` (``ops=False``), or
     the three custom ops (insert, attention with the merge inside, predicated pack) on the same layer."""
-    from kitty import custom_ops
-    from kitty.static import StaticKittyLayer
+    from kitty.cache.kitty_cache import custom_ops
+    from kitty.cache.static import StaticKittyLayer
 
     cfg = PRESETS[preset]
     layer = StaticKittyLayer(cfg, Hkv, D, 0, "triton", Hkv, max_cache_len=L, max_batch_size=B)

@@ -70,9 +70,9 @@ def render_kernels(res: dict, name: str, correctness_file: str | None) -> list[s
         ]
     else:
         out += [
-            f"- pack bit-identical to kitty.quant: {'yes' if res['correct']['pack_dequant'] else 'NO'} "
+            f"- pack bit-identical to kitty.core.quant: {'yes' if res['correct']['pack_dequant'] else 'NO'} "
             + "; ".join(f"{k}: {'ok' if not any(v.values()) else v}" for k, v in res["pack"].items()),
-            "- dequantization vs kitty.quant (differing elements / total / max ulp): "
+            "- dequantization vs kitty.core.quant (differing elements / total / max ulp): "
             + "; ".join(f"{k}: key {v['key']}, value {v['value']}" for k, v in res["dequant"].items()),
             "- attention (max|out-ref| <= 2 max|pt-ref| + floor): "
             + ("all pass" if res["correct"]["attention"] else "FAILURES"),

@@ -29,8 +29,8 @@ from tqdm.auto import tqdm
 
 from benchmarks.results_dir import default_out
 from kitty import PRESETS, KittyCache
-from kitty.compat import cache_kwargs
-from kitty.memory import analytic_report, token_layout
+from kitty.core.memory import analytic_report, token_layout
+from kitty.hf.compat import cache_kwargs
 
 DEVICE = "cuda"
 
@@ -387,7 +387,7 @@ def static_decode(
 ):
     """Time ``steps`` single-token decode steps of every row with static input buffers (eager, or one step
     captured in a CUDA graph and replayed). Returns per-step seconds and (when profiled) GPU busy."""
-    from kitty.generate import _advance
+    from kitty.hf.generate import _advance
 
     B = len(lengths)
     ids = torch.randint(0, model.config.vocab_size, (B, 1), device=DEVICE)

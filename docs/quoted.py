@@ -27,8 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kitty.config import PRESETS, get_preset  # noqa: E402
-from kitty.memory import asymptotic_bits  # noqa: E402
+from kitty.core.config import PRESETS, get_preset  # noqa: E402
+from kitty.core.memory import asymptotic_bits  # noqa: E402
 
 # Where each results file lives, relative to the repository root.
 RESULTS = {
@@ -102,7 +102,7 @@ def table(header: list[str], body: list[list], align: str = "") -> str:
 
 
 def page_bits(method: str, head_dim: int) -> float:
-    """Bits per element of pages alone (the long-context limit), from kitty.memory."""
+    """Bits per element of pages alone (the long-context limit), from kitty.core.memory."""
     return asymptotic_bits(get_preset(method), head_dim)["total"]
 
 
@@ -117,7 +117,7 @@ def passkeys(key: str) -> dict[str, dict]:
 
 
 def eval_tokens() -> int:
-    """Tokens in the cache at the end of a perplexity window: kitty.eval's --prefill + --scored defaults."""
+    """Tokens in the cache at the end of a perplexity window: kitty.tools.eval's --prefill + --scored defaults."""
     src = (ROOT / "kitty" / "eval.py").read_text()
     get = lambda flag: int(re.search(rf'"--{flag}", type=int, default=(\d+)', src).group(1))  # noqa: E731
     return get("prefill") + get("scored")

@@ -49,10 +49,10 @@ pages; split ``s`` owns a contiguous run of the ``cdiv(m, G)`` page slots)::
 Mid-step (``full_qbuffer=True``, how the cache calls it during a decode step): a qbuffer the new token filled is not
 packed yet, so ``pk = max(cdiv(m, G) - 1, 0)`` (and likewise ``pv``) and that qbuffer is attended in full precision.
 
-The torch reference ``decode_attention_ref`` (``kernels/reference.py``) dequantizes with ``kitty.quant``,
+The torch reference ``decode_attention_ref`` (``kernels/reference.py``) dequantizes with ``kitty.core.quant``,
 assembles position-ordered K/V per row and runs softmax attention in fp32. The launch (splits, warps, stages,
 register cap, two-part operands) is a ``kernels/launch.py`` ``Launch``; which kernel a layer runs is decided by its
-ops object in ``kitty/backend.py``, never here.
+ops object in ``kitty/cache/backend.py``, never here.
 """
 
 from __future__ import annotations
@@ -63,9 +63,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kitty.config import KVQuantConfig
-from kitty.quant import high_plane_bytes
-from kitty.storage import KittyLayerState, check_state
+from kitty.core.config import KVQuantConfig
+from kitty.core.quant import high_plane_bytes
+from kitty.core.storage import KittyLayerState, check_state
 
 from ._tiles import INTERPRETING, TLTYPE, cast_to, check_power_of_two, is_power_of_two, program_row
 from .launch import Launch, default_launch, dot_dtype
@@ -520,7 +520,7 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
     (:func:`triton_supports`).
 
     ``full_qbuffer``: the state is mid-step, after the new token was inserted and before a qbuffer it filled is
-    packed (qbuffers hold 1..G tokens, ``kitty.memory.token_layout``): the filled qbuffer is attended in full precision.
+    packed (qbuffers hold 1..G tokens, ``kitty.core.memory.token_layout``): the filled qbuffer is attended in full precision.
 
     ``workspace``: a dict that the first call fills with the split buffers and the output and later calls reuse
     (a static cache passes one per layer, so that a captured step allocates nothing); the result is then a view of

@@ -15,8 +15,8 @@ gives the reduction axis (``kernels/gluon_launch.py``) is applied to the small o
 boost slots are read at the permuted channels, ``p`` is permuted across lanes (a register shuffle, not codes).
 Zero points, bf16 offsets and the fp16 unit fold into per-page terms added to the fp32 products.
 
-Which kernel runs is decided in ``kitty/backend.py`` by ``gluon_launch.gluon_supports``; this file is imported only
-where triton 3.6's Gluon is available.
+Which kernel runs is decided in ``kitty/cache/backend.py`` by ``gluon_launch.gluon_supports``; this file is imported
+only where triton 3.6's Gluon is available.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from kitty.config import KVQuantConfig
-from kitty.quant import high_plane_bytes
-from kitty.storage import KittyLayerState, check_state
+from kitty.core.config import KVQuantConfig
+from kitty.core.quant import high_plane_bytes
+from kitty.core.storage import KittyLayerState, check_state
 
 from ._gluon_parts import cat4, low_channel, merge_parts, token_order, unpack_high, unpack_low, widen
 from .gluon_launch import GluonLaunch, default_gluon_launch, pages_supported

@@ -1,6 +1,6 @@
 """Page dequantization in Triton: Algorithm 1 of the paper (Dequantize KeyCache Page), and its value-page twin.
 
-Torch references: ``kitty.quant.dequantize_key_page`` / ``dequantize_value_page`` (re-exported here as ``*_ref``).
+Torch references: ``kitty.core.quant.dequantize_key_page`` / ``dequantize_value_page`` (re-exported here as ``*_ref``).
 
 Algorithm 1, one program per (page, KV head) (see ``kernels/_tiles.py::_key_page_T`` for the line mapping):
 
@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kitty.quant import KeyPage, ValuePage, high_plane_bytes
-from kitty.quant import dequantize_key_page as dequantize_key_page_ref
-from kitty.quant import dequantize_value_page as dequantize_value_page_ref
+from kitty.core.quant import KeyPage, ValuePage, high_plane_bytes
+from kitty.core.quant import dequantize_key_page as dequantize_key_page_ref
+from kitty.core.quant import dequantize_value_page as dequantize_value_page_ref
 
 from ._tiles import TLTYPE, _key_page_T, _value_page, check_power_of_two
 
@@ -73,7 +73,7 @@ def _checked_output(page: KeyPage | ValuePage, lead: list[int], per: int, G: int
 
 
 def dequantize_key_page_triton(page: KeyPage, unpack_reshape: bool = True) -> torch.Tensor:
-    """Reconstruct keys ``[..., G, D]`` in ``page.dtype`` from a :class:`kitty.quant.KeyPage` (Algorithm 1).
+    """Reconstruct keys ``[..., G, D]`` in ``page.dtype`` from a :class:`kitty.core.quant.KeyPage` (Algorithm 1).
 
     ``unpack_reshape``: read each packed byte once and reshape its quarters (``kernels/_tiles.py``), or once per
     code it holds."""
@@ -104,7 +104,7 @@ def dequantize_key_page_triton(page: KeyPage, unpack_reshape: bool = True) -> to
 
 
 def dequantize_value_page_triton(page: ValuePage, unpack_reshape: bool = True) -> torch.Tensor:
-    """Reconstruct values ``[..., G, D]`` in ``page.dtype`` from a :class:`kitty.quant.ValuePage`
+    """Reconstruct values ``[..., G, D]`` in ``page.dtype`` from a :class:`kitty.core.quant.ValuePage`
     (``unpack_reshape`` as in :func:`dequantize_key_page_triton`)."""
     if page.raw.numel():
         return page.raw

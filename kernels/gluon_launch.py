@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kitty.config import KVQuantConfig
-from kitty.quant import high_plane_bytes
+from kitty.core.config import KVQuantConfig
+from kitty.core.quant import high_plane_bytes
 
 from .launch import num_sms
 

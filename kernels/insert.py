@@ -16,7 +16,7 @@ program per row that handles every KV head (``docs/ARCHITECTURE.md``, "The decod
 ``S``, ``G`` and ``R`` are the buffers' slot counts, so the kernel needs no config. Nothing is read on the host and
 the grid is ``(B,)`` at every step, so the launch can be captured in a CUDA graph. The program reads ``lengths[b]``,
 and only that program writes it, after a barrier (every thread has read it by then). Torch reference:
-``kernels/reference.py`` ``insert_token_ref`` (the slots of ``kitty.layer.KittyLayer.write_token_slots``).
+``kernels/reference.py`` ``insert_token_ref`` (the slots of ``kitty.cache.layer.KittyLayer.write_token_slots``).
 """
 
 from __future__ import annotations

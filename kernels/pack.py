@@ -2,7 +2,7 @@
 
 When a row's key (or value) qbuffer holds ``G`` tokens, the paper quantizes it with a Triton kernel and packs it into
 one page (Fig. 3). This kernel does that for every full qbuffer of a layer at once: all listed batch rows and all
-KV heads, keys and values, in a single launch. It is bit-identical to the torch reference in ``kitty.quant``:
+KV heads, keys and values, in a single launch. It is bit-identical to the torch reference in ``kitty.core.quant``:
 
     key page   (per channel, §3.2–3.3):  ``quantize_key_page``    -> low / high / boost_idx / scale / zero
     value page (per token, KIVI-style):  ``quantize_value_page``  -> codes / scale / zero
@@ -17,7 +17,7 @@ branching). Every plane packs along the axis attention reduces over (``docs/LAYO
     rank[c]= #{c' : s[c'] > s[c]} + #{c' < c : s[c'] == s[c]}   # ties -> lower channel index first
     boost  = rank < nb ;  slot[c] = #{c' < c : boost[c']}  # compact high-plane slot, ascending channel index
     levels = boost ? 15 : 3
-    # min-max over tokens, scale rounded UP to the next 16-bit value (kitty.quant.minmax_params)
+    # min-max over tokens, scale rounded UP to the next 16-bit value (kitty.core.quant.minmax_params)
     zero   = min_t x ;  scale = roundup16((max_t x - zero) / levels)   (a range past fp32: max/levels - zero/levels)
     code   = clamp(floor((x - zero) / scale + 1/2), 0, levels)          # (G, D)
     low[t, j]       = OR_s (code[t, s*D/4 + j] & 3) << 2s              # (G, D/4), token-major
@@ -46,8 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kitty.config import KVQuantConfig
-from kitty.quant import (
+from kitty.core.config import KVQuantConfig
+from kitty.core.quant import (
     BOOST_SENTINEL,
     KeyPage,
     ValuePage,
@@ -55,7 +55,7 @@ from kitty.quant import (
     high_plane_bytes,
     select_boosted,
 )
-from kitty.storage import allocate_pool, pool_fields
+from kitty.core.storage import allocate_pool, pool_fields
 
 from ._tiles import TLTYPE, check_power_of_two
 
@@ -73,7 +73,7 @@ def _roundup_to(scale, DTYPE: tl.constexpr, ITYPE: tl.constexpr):
 @triton.jit
 def _range_scale(mx, mn, levels):
     """``(mx - mn) / levels`` in fp32; where the range overflows fp32 (finite inputs near the fp32/bf16 limits),
-    ``mx / levels - mn / levels`` bumped up two ulps instead, as ``kitty.quant.minmax_params`` does."""
+    ``mx / levels - mn / levels`` bumped up two ulps instead, as ``kitty.core.quant.minmax_params`` does."""
     scale = tl.div_rn(mx - mn, levels)
     split = tl.div_rn(mx, levels) - tl.div_rn(mn, levels)  # > 0 wherever the range overflowed
     split_up = (split.to(tl.int32, bitcast=True) + 2).to(tl.float32, bitcast=True)  # nextafter twice, towards +inf
@@ -92,7 +92,7 @@ def _quantize(x, zero, scale, levels):
 
 @triton.jit
 def _filled_page(len_ptr, i, start, G: tl.constexpr):
-    """The rule of ``kitty.pages.filled_page`` for row ``i`` after one new token (``lengths[i]`` counts it): did its
+    """The rule of ``kitty.core.pages.filled_page`` for row ``i`` after one new token (``lengths[i]`` counts it): did its
     qbuffer, whose first token is at position ``start`` (``S`` keys, ``S + R`` values), just fill, and which page
     ``j`` of the row it becomes (``m = lengths[i] - start``: ``m > 0``, ``m % G == 0``, ``j = m // G - 1``)."""
     m = tl.load(len_ptr + i) - start
@@ -234,7 +234,7 @@ _ITYPE = {torch.float16: tl.int16, torch.bfloat16: tl.int16, torch.float32: tl.i
 
 def _boost_mask(cfg: KVQuantConfig, k: torch.Tensor | None, nb: int, salt: int, query_scale: torch.Tensor | None,
                 u8: dict) -> torch.Tensor:
-    """The boost mask uint8 ``[N, Hkv, D]`` that ``kitty.quant.quantize_key_page`` picks for keys ``k``, for the
+    """The boost mask uint8 ``[N, Hkv, D]`` that ``kitty.core.quant.quantize_key_page`` picks for keys ``k``, for the
     selections the kernel does not rank itself (all but ``"magnitude"``: ``"random"``, ``"range"``, ``"query"``,
     ``"oracle"``), computed by the same torch function; empty where the kernel ranks (or nothing is to choose)."""
     if k is None or cfg.channel_selection == "magnitude" or not 0 < nb < k.shape[-1]:
@@ -282,11 +282,11 @@ def pack_pages(
             ``k_pages`` / ``v_pages`` (int ``[N]`` pool indices) and ``None`` is returned.
         salt: passed to ``channel_importance`` for ``channel_selection="random"``.
         query_scale: ``[N, Hkv, D]`` per-channel query magnitude of the packed key rows, for
-            ``channel_selection="query"`` / ``"oracle"`` (as ``kitty.quant.quantize_key_page`` takes it).
+            ``channel_selection="query"`` / ``"oracle"`` (as ``kitty.core.quant.quantize_key_page`` takes it).
 
     Returns:
         without ``pool``: ``(KeyPage | None, ValuePage | None)`` with leading dims ``[N, Hkv]``, equal bit for bit to
-        ``kitty.quant.quantize_key_page`` / ``quantize_value_page`` of ``qbuf[rows]``.
+        ``kitty.core.quant.quantize_key_page`` / ``quantize_value_page`` of ``qbuf[rows]``.
     """
     # ---- checks
     if k_qbuf is None and v_qbuf is None:
@@ -311,7 +311,7 @@ def pack_pages(
     check_power_of_two({"group_size": G, "head_dim": D}, 4, "Triton pack kernel")
     for side, x, method in (("key", k_qbuf, cfg.key_range), ("value", v_qbuf, cfg.value_range)):
         if x is not None and method != "minmax":
-            raise ValueError(f"pack_pages implements min-max ranges; fitted {side} ranges ({side}_range={method!r}) pack with kitty.quant")
+            raise ValueError(f"pack_pages implements min-max ranges; fitted {side} ranges ({side}_range={method!r}) pack with kitty.core.quant")
     if cfg.boost_profile is not None:
         raise ValueError("cfg has a per-layer boost_profile: pass the layer's config, cfg.for_layer(layer_idx)")
     if k_qbuf is not None and cfg.key_bits not in (2, 4):
@@ -388,7 +388,7 @@ def pack_completed(
     stage 3: no host synchronization, the same grid at every step).
 
     ``query_scale`` ``[B, Hkv, D]``: for ``channel_selection="query"`` / ``"oracle"``. ``keys`` / ``values``: which
-    sides this launch packs (a side that ``kitty.quant`` must pack, e.g. fitted key ranges, is left to the caller;
+    sides this launch packs (a side that ``kitty.core.quant`` must pack, e.g. fitted key ranges, is left to the caller;
     its pool and page table are not touched).
 
     ``lengths`` int32 ``[B]`` (counting that token); ``k_qbuf``/``v_qbuf`` ``[B, Hkv, G, D]``; pools as in
@@ -396,7 +396,7 @@ def pack_completed(
     page tables ``[B, Wk]``/``[B, Wv]``. Program (row b, head h) of the key side reads ``lengths[b]`` and returns
     unless ``m = lengths[b] - S > 0`` and ``m % G == 0``; then it packs key page ``j = m // G - 1`` at pool id
     ``b * Wk + j``. The value side likewise with ``m - R``. Completed rows get ``table[b, j] = id``.
-    The completion test is the rule of ``kitty.pages.filled_page``, kept inline once (``_filled_page``).
+    The completion test is the rule of ``kitty.core.pages.filled_page``, kept inline once (``_filled_page``).
     Torch reference: ``kernels/reference.py`` ``pack_completed_ref``.
     """
     B, Hkv, G, D = k_qbuf.shape

@@ -3,11 +3,11 @@
 The kernels' torch references live here: :func:`decode_attention_ref` (the fused and unfused attention kernels),
 :func:`pack_pages_ref` and :func:`pack_completed_ref` (``kernels/pack.py``).
 
-One layer's storage (``docs/LAYOUT.md``; the contract is ``kitty/storage.py``) is read back in position order by
-:func:`dequantize_cache` -- sink | dequantized pages (``kitty.quant``) | qbuffers | local ring, all rows at once --
+One layer's storage (``docs/LAYOUT.md``; the contract is ``kitty/core/storage.py``) is read back in position order by
+:func:`dequantize_cache` -- sink | dequantized pages (``kitty.core.quant``) | qbuffers | local ring, all rows at once --
 and :func:`decode_attention_ref` runs softmax attention of one query token per row over it. The generation path's
-torch backend (``kitty.attention``) attends over the same :func:`dequantize_cache` output with SDPA, so generation,
-the kernel tests and the benchmarks share one reading of the storage.
+torch backend (``kitty.cache.attention``) attends over the same :func:`dequantize_cache` output with SDPA, so
+generation, the kernel tests and the benchmarks share one reading of the storage.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import math
 
 import torch
 
-from kitty.config import KVQuantConfig
-from kitty.memory import token_layout
-from kitty.pages import filled_pages
-from kitty.quant import (
+from kitty.core.config import KVQuantConfig
+from kitty.core.memory import token_layout
+from kitty.core.pages import filled_pages
+from kitty.core.quant import (
     KeyPage,
     ValuePage,
     dequantize_key_page,
@@ -27,7 +27,7 @@ from kitty.quant import (
     quantize_key_page,
     quantize_value_page,
 )
-from kitty.storage import (  # noqa: F401 (the contract, re-exported)
+from kitty.core.storage import (  # noqa: F401 (the contract, re-exported)
     FLOAT_DTYPES,
     KittyLayerState,
     check_state,
@@ -50,8 +50,8 @@ def dequantize_cache(
     ``lengths`` (``KittyLayer.storage()``); ``L = max(lengths)``; column ``p`` of row ``b`` holds position ``p``
     for ``p < lengths[b]`` (zeros beyond). ``new_keys``/``new_values`` ``[B, H, T, D]``, if given, fill columns
     ``L .. L+T-1`` (saves a concatenation). ``full_qbuffer``: the storage is mid-step, qbuffers hold 1..G tokens
-    (``kitty.memory.token_layout``). Pages are dequantized with ``kitty.quant`` for all rows at once; the result is
-    transient.
+    (``kitty.core.memory.token_layout``). Pages are dequantized with ``kitty.core.quant`` for all rows at once; the
+    result is transient.
     """
     n = storage["lengths"].tolist()
     sink_k, sink_v = storage["sink_k"], storage["sink_v"]
@@ -137,7 +137,7 @@ def pack_pages_ref(
     salt: int = 0,
     query_scale: torch.Tensor | None = None,
 ) -> tuple[KeyPage | None, ValuePage | None]:
-    """Torch reference of ``kitty.kernels.pack_pages`` (without ``pool``): ``kitty.quant`` on the selected rows
+    """Torch reference of ``kitty.kernels.pack_pages`` (without ``pool``): ``kitty.core.quant`` on the selected rows
     (``query_scale`` ``[N, Hkv, D]`` of those rows)."""
     kp = vp = None
     if k_qbuf is not None:

@@ -1,19 +1,19 @@
 """Build a :class:`KittyLayerState` from full-precision sequences, exactly as docs/LAYOUT.md stores them.
 
 Used by the kernel tests and benchmarks (no cache object needed): each row's ``n`` tokens are split by
-``kitty.memory.token_layout`` into sink, pages (quantized with ``kitty.quant`` or the Triton pack kernel, placed
-at shuffled pool indices so the page tables matter), key/value qbuffers and the value local ring. Unused slots are
-filled with ``fill`` (NaN by default) so that a kernel reading a slot it should not read produces NaN.
+``kitty.core.memory.token_layout`` into sink, pages (quantized with ``kitty.core.quant`` or the Triton pack kernel,
+placed at shuffled pool indices so the page tables matter), key/value qbuffers and the value local ring. Unused slots
+are filled with ``fill`` (NaN by default) so that a kernel reading a slot it should not read produces NaN.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kitty.config import KVQuantConfig
-from kitty.memory import token_layout
-from kitty.quant import quantize_key_page, quantize_value_page
-from kitty.storage import (
+from kitty.core.config import KVQuantConfig
+from kitty.core.memory import token_layout
+from kitty.core.quant import quantize_key_page, quantize_value_page
+from kitty.core.storage import (
     BUFFER_FIELDS,
     KittyLayerState,
     allocate_pool,
@@ -63,8 +63,8 @@ def make_state(
 ) -> KittyLayerState:
     """Lay out ``k``/``v`` ``[B, Hkv, L, D]`` (row ``b`` holds ``lengths[b]`` valid tokens) as a Kitty layer.
 
-    ``pack``: ``None`` quantizes pages with ``kitty.quant``; ``"triton"`` with :func:`kernels.pack.pack_pages`.
-    ``full_qbuffer``: lay rows out mid-step (qbuffers hold 1..G tokens, ``kitty.memory.token_layout``).
+    ``pack``: ``None`` quantizes pages with ``kitty.core.quant``; ``"triton"`` with :func:`kernels.pack.pack_pages`.
+    ``full_qbuffer``: lay rows out mid-step (qbuffers hold 1..G tokens, ``kitty.core.memory.token_layout``).
     """
     B, Hkv, L, D = k.shape
     dev, dt = k.device, k.dtype

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kitty.config import KVQuantConfig
+from kitty.core.config import KVQuantConfig
 
 from ._tiles import TLTYPE, _key_page_T, _value_page, check_power_of_two, fp_values, program_row
 from .launch import default_num_splits, dot_dtype, register_cap

@@ -15,9 +15,9 @@
                                 KittyLayerState = the tensors of docs/LAYOUT.md
     launch.Launch               the fused kernel's launch and its heuristic, default_launch (kernels/launch.py)
 
-Which kernel a layer runs is decided once, in ``kitty/backend.py`` (the ops objects); this package holds no
-dispatcher. ``kernels/`` imports only the data contract of ``kitty``: ``kitty.config``, ``kitty.quant``,
-``kitty.storage``, ``kitty.memory``, ``kitty.pages`` (``tests/test_package.py`` checks it).
+Which kernel a layer runs is decided once, in ``kitty/cache/backend.py`` (the ops objects); this package holds no
+dispatcher. ``kernels/`` imports only the data contract of ``kitty``: ``kitty.core.config``, ``kitty.core.quant``,
+``kitty.core.storage``, ``kitty.core.memory``, ``kitty.core.pages`` (``tests/test_package.py`` checks it).
 
 The code lives in the repository's top-level ``kernels/`` folder; this module makes that folder the package
 ``kitty.kernels`` (its ``__path__``), so that the name ``kernels`` stays free for Hugging Face's hub package,
@@ -28,7 +28,7 @@ it is then only a namespace directory, and an installed ``kernels`` hub package 
 
 Importing this module imports neither Triton nor any kernel: names load on first use. Kernels run on CUDA
 tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` is set before Triton is first imported. Without Triton
-installed only the torch references are available (``kitty/backend.py`` then runs the torch backend).
+installed only the torch references are available (``kitty/cache/backend.py`` then runs the torch backend).
 """
 
 from __future__ import annotations

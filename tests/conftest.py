@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 @pytest.fixture(scope="session")
 def default_model():
     """``(model, tokenizer)`` of the default embedded SmolLM2-135M-Instruct (bf16, offline)."""
-    from kitty.models import load_model
+    from kitty.hf.models import load_model
 
     return load_model()
 

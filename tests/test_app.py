@@ -19,11 +19,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kitty import PRESETS, get_preset  # noqa: E402
-from kitty import demo as kd  # noqa: E402
-from kitty import prompts as kp  # noqa: E402
-from kitty.compat import cache_kwargs  # noqa: E402
-from kitty.generate import Sampling, make_cache, prompt_keys, prompt_query_scale  # noqa: E402
-from kitty.quant import inspect_keys  # noqa: E402
+from kitty.core.quant import inspect_keys  # noqa: E402
+from kitty.hf.compat import cache_kwargs  # noqa: E402
+from kitty.hf.generate import Sampling, make_cache, prompt_keys, prompt_query_scale  # noqa: E402
+from kitty.tools import demo as kd  # noqa: E402
+from kitty.tools import prompts as kp  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -55,7 +55,7 @@ def args(prompt: str, new: int = NEW, chat: bool = True, methods=METHODS) -> tup
 
 def library_run(engine, prompt: str, method: str, new: int):
     """The same preset run through the library: ``model.generate`` with a fresh KittyCache, greedy."""
-    from kitty.cache import KittyCache
+    from kitty.cache.kitty_cache import KittyCache
 
     tok, model = engine.tokenizer, engine.model
     ids = tok.apply_chat_template(

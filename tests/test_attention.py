@@ -16,16 +16,16 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kitty import PRESETS, KittyCache
-from kitty.attention import (
+from kitty.cache.attention import (
     ATTN_NAME,
     KittyMask,
     attend_torch,
     kitty_attention_forward,
     resolve_backend,
 )
-from kitty.compat import cache_kwargs
+from kitty.core.pages import filled_page
+from kitty.hf.compat import cache_kwargs
 from kitty.kernels import decode_attention_ref, dequantize_cache
-from kitty.pages import filled_page
 
 S, G, R = 4, 8, 8
 HKV, HQ, D = 2, 6, 16  # GQA ratio 3
@@ -221,7 +221,7 @@ TRITON_SCRIPT = textwrap.dedent(
     import kitty.kernels as kernels
     from transformers import LlamaConfig, LlamaForCausalLM
     from kitty import KittyCache, PRESETS
-    from kitty.compat import cache_kwargs
+    from kitty.hf.compat import cache_kwargs
     calls = [0]
     fused = kernels.decode_attention_triton
     def counting(*a, **k):

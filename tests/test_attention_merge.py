@@ -9,7 +9,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / kernels are im
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kitty.config import PRESETS  # noqa: E402
+from kitty.core.config import PRESETS  # noqa: E402
 from kitty.kernels import decode_attention_ref, decode_attention_triton, merge_splits_ref  # noqa: E402
 from kitty.kernels.launch import default_launch  # noqa: E402
 from kitty.kernels.testing import attention_tolerance, make_state, planted_kv  # noqa: E402

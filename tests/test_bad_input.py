@@ -12,15 +12,15 @@ from fixtures import tiny_config
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kitty import PRESETS, KittyCache, KVQuantConfig
-from kitty.attention import KittyMask, dequantize_cache, kitty_attention_forward
-from kitty.compat import cache_kwargs
-from kitty.quant import (
+from kitty.cache.attention import KittyMask, dequantize_cache, kitty_attention_forward
+from kitty.core.quant import (
     dequantize_key_page,
     dequantize_value_page,
     minmax_params,
     quantize_key_page,
     quantize_value_page,
 )
+from kitty.hf.compat import cache_kwargs
 
 HKV, HQ, D = 2, 4, 16
 SMALL = PRESETS["kitty"].with_(sink_tokens=4, group_size=8, local_window=8)
@@ -89,7 +89,7 @@ def assert_same(before: list[dict], after: list[dict]) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
 def test_triton_backend_refused_before_anything_changes(monkeypatch):
-    import kitty.backend as kcache
+    import kitty.cache.backend as kcache
 
     monkeypatch.delenv("KITTY_BACKEND", raising=False)
     # the kernels read TRITON_INTERPRET once, at import (tests/conftest.py sets it): simulate its absence
@@ -117,7 +117,7 @@ def test_explicit_backend_wins_over_environment(monkeypatch):
 def test_failure_in_a_late_layer_leaves_every_layer_as_it_was(monkeypatch, phase):
     """A failure injected in the last layer, after the earlier layers (and the last one's insertion) ran: every
     layer holds what it held before, and the same step then gives the state of a cache that never failed."""
-    import kitty.layer as kcache
+    import kitty.cache.layer as kcache
 
     model = tiny_model(4)
     ids = torch.randint(3, 128, (2, 13), generator=torch.Generator().manual_seed(1))
@@ -199,11 +199,11 @@ def test_kitty_cache_keeps_the_users_attention_implementation(attn):
 @pytest.fixture
 def cli_model(default_model, monkeypatch):
     """``python -m kitty``'s main() with the session's model instead of a fresh load."""
-    import kitty.models
+    import kitty.hf.models
 
-    monkeypatch.setattr(kitty.models, "load_model", lambda name=None, *a, **kw: default_model)
+    monkeypatch.setattr(kitty.hf.models, "load_model", lambda name=None, *a, **kw: default_model)
     monkeypatch.delenv("KITTY_BACKEND", raising=False)
-    from kitty.__main__ import main
+    from kitty.tools.cli import main
 
     return main
 
@@ -247,10 +247,10 @@ def test_cli_accepts_field_overrides(cli_model, capsys):
     ],
 )
 def test_cli_refuses_before_loading_the_model(argv, message, capsys, monkeypatch):
-    import kitty.models
+    import kitty.hf.models
 
-    monkeypatch.setattr(kitty.models, "load_model", lambda name=None, *a, **kw: pytest.fail("the model was loaded"))
-    from kitty.__main__ import main
+    monkeypatch.setattr(kitty.hf.models, "load_model", lambda name=None, *a, **kw: pytest.fail("the model was loaded"))
+    from kitty.tools.cli import main
 
     assert main(argv) == 2
     assert message in capsys.readouterr().err
@@ -266,7 +266,7 @@ def test_cli_without_a_prompt_says_how_to_give_one(capsys, monkeypatch):
             return True
 
     monkeypatch.setattr(sys, "stdin", Terminal())
-    from kitty.__main__ import main
+    from kitty.tools.cli import main
 
     assert main([]) == 2
     assert "no prompt: give it as text, as --prompt-file PATH, or on stdin" in capsys.readouterr().err
@@ -274,26 +274,26 @@ def test_cli_without_a_prompt_says_how_to_give_one(capsys, monkeypatch):
 
 def test_cli_json_check_leaves_no_file_behind(cli_model, tmp_path, monkeypatch):
     """The --json path is probed before generating; the probe's file never stays behind if the run then fails."""
-    import kitty.__main__
+    import kitty.tools.cli
 
     def failing_generate(*args, **kwargs):
         assert not path.exists()  # probed and removed before any generation
         raise RuntimeError("injected failure")
 
     path = tmp_path / "out.json"
-    monkeypatch.setattr(kitty.__main__, "generate", failing_generate)
+    monkeypatch.setattr(kitty.tools.cli, "generate", failing_generate)
     with pytest.raises(RuntimeError, match="injected"):
         cli_model(["hi", "--json", str(path)])
     assert not path.exists()
 
 
 def test_eval_writes_to_a_working_folder_by_default(default_model, monkeypatch, tmp_path, capsys):
-    import kitty.eval
-    import kitty.models
+    import kitty.hf.models
+    import kitty.tools.eval
 
-    monkeypatch.setattr(kitty.models, "load_model", lambda name=None, *a, **kw: default_model)
+    monkeypatch.setattr(kitty.hf.models, "load_model", lambda name=None, *a, **kw: default_model)
     monkeypatch.chdir(tmp_path)
-    kitty.eval.main(["--methods", "kivi-k2v2", "--skip", "ppl,agreement,passkey", "--quick"])  # pack only: quick
+    kitty.tools.eval.main(["--methods", "kivi-k2v2", "--skip", "ppl,agreement,passkey", "--quick"])  # pack only: quick
     assert (tmp_path / "kitty-eval" / "eval_quick.md").exists()
     out = capsys.readouterr().out
     assert "wrote kitty-eval/eval_pack_quick.csv" in out and "wrote kitty-eval/eval_quick.md" in out
@@ -359,7 +359,7 @@ def test_overflow_safe_step_is_bit_identical_for_normal_input():
         if dtype == torch.float32:
             assert torch.equal(scale, plain)
         page = quantize_value_page(x, PRESETS["kitty"])
-        from kitty.quant import unpack_bits
+        from kitty.core.quant import unpack_bits
 
         codes = unpack_bits(page.codes, 2).transpose(-1, -2).float()  # codes [D, G/4] -> [G, D]
         expect = (codes * page.scale.float()[..., None] + page.zero.float()[..., None]).to(dtype)
@@ -443,7 +443,7 @@ def test_app_stop_after_a_finished_run_says_nothing_runs(app_module):
 def test_float64_model_is_refused_at_the_first_forward_pass(preset):
     """float64 is stored by no preset (pages, kernels and the fp16 preset's raw pages hold 16/32-bit floats):
     refused before the first token, not when the first page quantizes."""
-    from kitty.generate import stream_tokens
+    from kitty.hf.generate import stream_tokens
 
     model = tiny_model(2).double()
     cache = KittyCache(model.config, PRESETS[preset].with_(sink_tokens=4, group_size=8, local_window=8))
@@ -476,7 +476,7 @@ def test_head_dim_above_256_runs_with_full_precision_keys():
 
 
 def test_generate_tokens_names_ids_and_the_cache_it_cannot_take():
-    from kitty.generate import generate_tokens
+    from kitty.hf.generate import generate_tokens
 
     model = tiny_model(2)
     ids = torch.randint(3, 128, (1, 6))

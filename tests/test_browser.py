@@ -74,8 +74,8 @@ def test_generate_in_browser(demo_url, tmp_path):
 
     import app
     from kitty import PRESETS
-    from kitty import demo as kd
-    from kitty.memory import analytic_report, asymptotic_bits, token_layout
+    from kitty.core.memory import analytic_report, asymptotic_bits, token_layout
+    from kitty.tools import demo as kd
 
     engine = app.get_engine(app.ARGS.model)
     update = os.environ.get("KITTY_UPDATE_SCREENSHOT") == "1"  # rewritten on request only: `make test` stays clean

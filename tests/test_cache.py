@@ -13,11 +13,11 @@ from fixtures import tiny_config
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3ForCausalLM
 
 from kitty import PRESETS, KittyCache, analytic_report, token_layout
-from kitty.attention import KittyMask, kitty_attention_forward
-from kitty.compat import cache_kwargs
+from kitty.cache.attention import KittyMask, kitty_attention_forward
+from kitty.core.quant import dequantize_key_page, dequantize_value_page, quantize_key_page, quantize_value_page
+from kitty.hf.compat import cache_kwargs
 from kitty.kernels import dequantize_cache
-from kitty.prompts import shipped_text
-from kitty.quant import dequantize_key_page, dequantize_value_page, quantize_key_page, quantize_value_page
+from kitty.tools.prompts import shipped_text
 
 S, G, R = 4, 8, 8  # tiny sink / page / local window: boundaries at 4, 12, 20
 SMALL = {
@@ -325,7 +325,7 @@ def test_fp16_matches_dynamic_cache_tiny_random_models(arch):
 
 @pytest.fixture(scope="module")
 def default_model_fp32():
-    from kitty.models import load_model
+    from kitty.hf.models import load_model
 
     return load_model(dtype=torch.float32)
 
@@ -496,7 +496,7 @@ def test_layer_adaptive_profile_moves_boost_between_layers_at_equal_bits():
 @pytest.mark.parametrize("S, G, R", [(4, 8, 16), (0, 16, 0), (3, 8, 5)])
 def test_pages_completed_agrees_with_token_layout(S, G, R):
     """The one "does this growth complete a page?" rule equals the difference of token_layout's page counts."""
-    from kitty.pages import pages_completed
+    from kitty.core.pages import pages_completed
 
     cfg = PRESETS["kitty"].with_(sink_tokens=S, group_size=G, local_window=R)
     n0 = [n for n in range(0, 70) for _ in range(3)]

@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kitty import PRESETS, analytic_report
-from kitty.calibrate import allocate, fake_quantize_keys, layer_sensitivity
-from kitty.compat import cache_kwargs
-from kitty.config import load_boost_profile
-from kitty.quant import dequantize_key_page, quantize_key_page
+from kitty.core.config import load_boost_profile
+from kitty.core.quant import dequantize_key_page, quantize_key_page
+from kitty.hf.compat import cache_kwargs
+from kitty.tools.calibrate import allocate, fake_quantize_keys, layer_sensitivity
 
 settings.register_profile("ci", deadline=None, derandomize=True, max_examples=40)
 settings.load_profile("ci")

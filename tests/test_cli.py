@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from kitty import PRESETS
-from kitty.__main__ import DEFAULT_COMPARE, Result, build_parser, main, sampling_of, table
-from kitty.generate import Sampling
-from kitty.memory import MemoryReport
+from kitty.core.memory import MemoryReport
+from kitty.hf.generate import Sampling
+from kitty.tools.cli import DEFAULT_COMPARE, Result, build_parser, main, sampling_of, table
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -62,7 +62,7 @@ def test_cli_help_lists_presets_and_defaults(capsys):
 
 
 def test_cli_sampling_defaults_are_the_apps():
-    """One set of defaults, ``kitty.generate.Sampling``'s, which the demo app's sliders also start from."""
+    """One set of defaults, ``kitty.hf.generate.Sampling``'s, which the demo app's sliders also start from."""
     assert Sampling() == Sampling(temperature=0.0, top_p=0.95, seed=0)
     args = build_parser().parse_args(["hi"])
     assert sampling_of(args) == Sampling() and sampling_of(args).greedy
@@ -92,9 +92,9 @@ def test_compare_table_shows_divergence_and_whole_texts():
 @pytest.fixture
 def cli(default_model, monkeypatch, tmp_path):
     """main() with the session's model, returning the new tokens of each run (read from --json)."""
-    import kitty.models
+    import kitty.hf.models
 
-    monkeypatch.setattr(kitty.models, "load_model", lambda name=None, *a, **kw: default_model)
+    monkeypatch.setattr(kitty.hf.models, "load_model", lambda name=None, *a, **kw: default_model)
     monkeypatch.delenv("KITTY_BACKEND", raising=False)
 
     def run_tokens(*argv: str, stdin: str | None = None) -> list[list[int]]:

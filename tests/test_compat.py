@@ -1,4 +1,4 @@
-"""``kitty.compat`` on the transformers release that is installed, checked against transformers itself.
+"""``kitty.hf.compat`` on the transformers release that is installed, checked against transformers itself.
 
 CI runs this file on the newest release (the main run) and on the lower bound and 5.23 (``make test-compat``,
 environments built with ``pip install --no-deps --target``), so each release's real functions and forwards are
@@ -28,8 +28,9 @@ from transformers import (
 )
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
-from kitty import PRESETS, KittyCache, compat
-from kitty.generate import generate_tokens
+from kitty import PRESETS, KittyCache
+from kitty.hf import compat
+from kitty.hf.generate import generate_tokens
 
 FAMILIES = ("llama", "qwen3", "gemma3", "mistral", "qwen2")
 MODEL_CLASSES = (LlamaForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)
@@ -99,7 +100,7 @@ def test_layer_types_match_transformers(family):
 
 
 def test_layer_types_rule_for_a_config_transformers_cannot_read():
-    """A config lacking fields transformers' function reads gets the same rule from ``kitty.compat``."""
+    """A config lacking fields transformers' function reads gets the same rule from ``kitty.hf.compat``."""
     from types import SimpleNamespace
 
     text = SimpleNamespace(num_hidden_layers=3, num_key_value_heads=2, head_dim=16, sliding_window=8)
@@ -188,7 +189,7 @@ def test_cli_run_fills_the_cache(tmp_path):
     generated tokens (a forward ignoring the cache keyword would leave them at 0)."""
     from transformers import AutoTokenizer
 
-    from kitty.models import resolve_default_model
+    from kitty.hf.models import resolve_default_model
 
     tok = AutoTokenizer.from_pretrained(resolve_default_model())
     folder = tmp_path / "llama"

@@ -1,4 +1,4 @@
-"""How a transformers config's shape is read (``kitty.config.kv_dims``): every head-count spelling, bad counts
+"""How a transformers config's shape is read (``kitty.core.config.kv_dims``): every head-count spelling, bad counts
 refused at cache construction with the field named, never at the first forward."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from transformers import PretrainedConfig
 
 from kitty import PRESETS, KittyCache
-from kitty.config import kv_dims
+from kitty.core.config import kv_dims
 
 
 def config(**fields) -> PretrainedConfig:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kitty import KittyCache
-from kitty.compat import cache_kwargs
+from kitty.hf.compat import cache_kwargs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -132,7 +132,7 @@ def test_ragged_batch_decode_never_takes_the_torch_path(monkeypatch):
     """Rows of different lengths fill their qbuffers at different steps: every decode step still runs the fused
     kernel for the whole batch (pages packed after attention; counted: the torch path runs for the prompt only),
     and its logits follow the torch path's on the same ragged batch (teacher-forced)."""
-    import kitty.attention as katt
+    import kitty.cache.attention as katt
 
     model = tiny_model("llama")
     L = model.config.num_hidden_layers
@@ -178,7 +178,7 @@ def ragged_prompts(B: int = 3, T: int = 150):
 def test_captured_decode_matches_eager(preset):
     """generate_static: the decode step captured in a CUDA graph and replayed gives the eager step's tokens, on a
     ragged left-padded batch whose rows fill pages (G=128) at different steps."""
-    from kitty.generate import generate_static
+    from kitty.hf.generate import generate_static
 
     model = tiny_model("llama")
     ids, mask = ragged_prompts()
@@ -193,7 +193,7 @@ def test_captured_decode_matches_eager(preset):
 
 def test_static_decode_step_never_synchronizes():
     """An eager static decode step and a replayed captured one run with torch's sync debug mode set to "error"."""
-    from kitty.generate import _advance, generate_static
+    from kitty.hf.generate import _advance, generate_static
 
     model = tiny_model("llama")
     ids, mask = ragged_prompts()

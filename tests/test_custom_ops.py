@@ -1,4 +1,4 @@
-"""The decode step's ``torch.library`` custom ops (``kitty/custom_ops.py``): the same results as direct kernel calls,
+"""The decode step's ``torch.library`` custom ops (``kitty/cache/custom_ops.py``): the same results as direct kernel calls,
 ``torch.library.opcheck``, and a compiled static step (no graph break) equal to the eager one, on random data under
 the interpreter."""
 
@@ -9,12 +9,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / kernels are im
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kitty import custom_ops  # noqa: E402
-from kitty.backend import TritonOps  # noqa: E402
-from kitty.config import PRESETS  # noqa: E402
+from kitty.cache.backend import TritonOps  # noqa: E402
+from kitty.cache.kitty_cache import custom_ops  # noqa: E402
+from kitty.core.config import PRESETS  # noqa: E402
+from kitty.core.storage import KittyLayerState, pool_fields  # noqa: E402
 from kitty.kernels import decode_attention_triton, insert_token  # noqa: E402
 from kitty.kernels.launch import default_launch  # noqa: E402
-from kitty.storage import KittyLayerState, pool_fields  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),

@@ -22,7 +22,7 @@ spec.loader.exec_module(quoted)
 
 PAGES = [p for p in quoted.PAGES if (ROOT / p).is_file()]
 # Pages whose every measured figure must sit in a quoted block (docs/SERVING.md and docs/LAYOUT.md derive their
-# numbers from kitty.memory in the text; notebooks/README.md quotes notebook outputs).
+# numbers from kitty.core.memory in the text; notebooks/README.md quotes notebook outputs).
 STRICT = ["README.md", "docs/RESEARCH.md", "docs/GPU.md", "docs/TENSOR_PARALLEL.md", "docs/SPACE.md", "docs/DEMO.md"]
 # What a measured figure looks like: a signed change, a ratio, bits, a speed, a time, a size, a score out of n.
 FIGURE = re.compile(

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from kitty import eval as keval
+from kitty.tools import eval as keval
 
 
 def test_eval_quick_writes_tables_and_plots(tmp_path, capsys):
@@ -43,7 +43,7 @@ def test_eval_quick_writes_tables_and_plots(tmp_path, capsys):
 
 def test_perplexity_in_worker_processes_equals_in_process():
     """``jobs=2`` runs methods in spawned workers that load the model themselves: the same numbers."""
-    from kitty.models import load_model
+    from kitty.hf.models import load_model
 
     model, tok = load_model()
     cfgs = ["kitty+key_range=fit+value_range=fit"]
@@ -88,9 +88,9 @@ def test_pack_cost_covers_every_strategy():
     ],
 )
 def test_eval_refuses_bad_flags_before_loading_the_model(argv, message, tmp_path, monkeypatch, capsys):
-    import kitty.models
+    import kitty.hf.models
 
-    monkeypatch.setattr(kitty.models, "load_model", lambda *a, **kw: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(kitty.hf.models, "load_model", lambda *a, **kw: pytest.fail("the model was loaded"))
     file = tmp_path / "a-file"
     file.write_text("")
     argv = [a.replace("{file}", str(file)) for a in argv]
@@ -103,9 +103,9 @@ def test_eval_refuses_bad_flags_before_loading_the_model(argv, message, tmp_path
 
 
 def test_eval_refuses_windows_the_texts_cannot_hold_before_any_part_runs(default_model, monkeypatch, tmp_path, capsys):
-    import kitty.models
+    import kitty.hf.models
 
-    monkeypatch.setattr(kitty.models, "load_model", lambda *a, **kw: default_model)
+    monkeypatch.setattr(kitty.hf.models, "load_model", lambda *a, **kw: default_model)
     monkeypatch.setattr(keval, "measure_step", lambda *a, **kw: pytest.fail("work started"))
     with pytest.raises(SystemExit):
         keval.main(["--prefill", "100000", "--methods", "kitty", "--out", str(tmp_path)])

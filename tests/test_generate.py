@@ -1,4 +1,4 @@
-"""The generation loop (``kitty.generate``) and prompt preparation (``kitty.prompts``) on the default model.
+"""The generation loop (``kitty.hf.generate``) and prompt preparation (``kitty.tools.prompts``) on the default model.
 
 Expected tokens come from transformers itself: ``model.generate`` with a fresh cache of the same config, greedy.
 """
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kitty import PRESETS
-from kitty import prompts as kp
-from kitty.compat import cache_kwargs
-from kitty.generate import Sampling, eos_ids, generate_tokens, make_cache, sample_next, stream_tokens
+from kitty.hf.compat import cache_kwargs
+from kitty.hf.generate import Sampling, eos_ids, generate_tokens, make_cache, sample_next, stream_tokens
+from kitty.tools import prompts as kp
 
 SHORT = "What is the capital of France?"
 # small pages so that a short run quantizes: sink 4, pages of 16 tokens, 8 local values

@@ -2,7 +2,7 @@
 
 - A NumPy model of the unpack (``kernels/_gluon_parts.py``: a lane's word, bytes ``0, 2`` and ``1, 3`` of it per
   register, field ``s`` per output) and of the fragment order (``kernels/gluon_launch.py``): every logical column of
-  the A operand holds the code ``kitty.quant.pack_bits`` stored for the channel (or token) the small operand is read
+  the A operand holds the code ``kitty.core.quant.pack_bits`` stored for the channel (or token) the small operand is read
   at. Runs in plain CPU CI.
 - Compile gates in the side environment with the device's triton (``make test-gluon`` installs it): the kernel
   compiles for sm_90 (so every ``assert_trivial`` conversion holds), the page loop has no STS/LDS of codes, and the
@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 import torch
 
-from kitty.config import PRESETS
+from kitty.core.config import PRESETS
+from kitty.core.quant import pack_bits
 from kitty.kernels.gluon_launch import gluon_supports, high_plane_order, low_plane_order, pages_supported
-from kitty.quant import pack_bits
 
 ROOT = Path(__file__).resolve().parents[1]
 SIDE_ENV = ROOT / ".ci" / "envs" / "triton-3.6"
@@ -78,7 +78,7 @@ def test_pages_supported_and_cpu_never():
 
 
 def test_auto_never_picks_gluon_on_cpu():
-    from kitty.backend import resolve_backend
+    from kitty.cache.backend import resolve_backend
 
     assert resolve_backend("auto", torch.device("cpu"), PRESETS["kitty"], 128) == "torch"
     assert resolve_backend("gluon", torch.device("cpu"), PRESETS["kitty"], 128) == "gluon"

@@ -75,8 +75,8 @@ def test_insert_matches_reference_over_steps(S, G, R, dtype):
 
 def test_reference_matches_the_layer_slots():
     """The reference writes the slots the layer's own torch insertion writes (``KittyLayer.write_token_slots``)."""
-    from kitty.config import PRESETS
-    from kitty.layer import KittyLayer
+    from kitty.cache.layer import KittyLayer
+    from kitty.core.config import PRESETS
 
     if not hasattr(KittyLayer, "write_token_slots"):
         pytest.skip("the layer's torch insertion moved")

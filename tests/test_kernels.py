@@ -4,7 +4,7 @@ Tolerances (flash-attention's rule, ``tests/test_flash_attn.py``): ``ref`` = tor
 reference computed in the kernel dtype, both on the *same* 2-bit codes; a kernel passes when
 ``max|out - ref| <= 2 * max|pt - ref| + floor`` (``kitty.kernels.testing.attention_tolerance``: floor fp16 1e-4,
 bf16 1e-3, ~1/10 of an output ulp at |out| ~ 1; under the interpreter bf16 products run in fp32). Pack and
-dequantization are exact: bit-identical to ``kitty.quant``.
+dequantization are exact: bit-identical to ``kitty.core.quant``.
 Sizes are small (G=16, a few pages) to keep the interpreter under CI's time budget.
 """
 
@@ -17,8 +17,17 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import kitty.kernels as kernels  # noqa: E402
-from kitty.backend import backend_ops  # noqa: E402
-from kitty.config import PRESETS  # noqa: E402
+from kitty.cache.backend import backend_ops  # noqa: E402
+from kitty.core.config import PRESETS  # noqa: E402
+from kitty.core.memory import token_layout  # noqa: E402
+from kitty.core.quant import (  # noqa: E402
+    dequantize_key_page,
+    dequantize_value_page,
+    quantize_key_page,
+    quantize_value_page,
+    unpack_2bit,
+)
+from kitty.core.storage import pool_fields  # noqa: E402
 from kitty.kernels import (  # noqa: E402
     KittyLayerState,
     decode_attention_ref,
@@ -31,15 +40,6 @@ from kitty.kernels import (  # noqa: E402
 )
 from kitty.kernels.launch import Launch, default_launch  # noqa: E402
 from kitty.kernels.testing import attention_tolerance, make_state, planted_kv  # noqa: E402
-from kitty.memory import token_layout  # noqa: E402
-from kitty.quant import (  # noqa: E402
-    dequantize_key_page,
-    dequantize_value_page,
-    quantize_key_page,
-    quantize_value_page,
-    unpack_2bit,
-)
-from kitty.storage import pool_fields  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -111,7 +111,7 @@ def test_pack_bit_identical(preset, D, dtype, kw):
 )
 def test_pack_query_aware_selection_bit_identical(preset, D, dtype, kw):
     """Query-aware selections ("query", "oracle") pack in the kernel with the rows' query_scale: the boost mask is
-    kitty.quant's own choice, the bytes are kitty.quant's."""
+    kitty.core.quant's own choice, the bytes are kitty.core.quant's."""
     cfg = small(preset, group_size=32, **kw)
     k, _ = planted_kv(4, 2, 32, D, dtype, DEVICE, seed=D + 1)
     rows = [2, 0, 3]
@@ -127,7 +127,7 @@ def test_pack_query_aware_selection_bit_identical(preset, D, dtype, kw):
 
 
 def test_pack_fitted_ranges_pack_the_min_max_side_only():
-    """kitty-fit fits key ranges (kitty.quant packs its keys) but its values are min-max: the kernel packs them."""
+    """kitty-fit fits key ranges (kitty.core.quant packs its keys) but its values are min-max: the kernel packs them."""
     cfg = small("kitty-fit", group_size=32)
     k, v = planted_kv(2, 2, 32, 64, torch.float16, DEVICE, seed=4)
     _, vp = pack_pages(cfg, None, v)
@@ -140,7 +140,7 @@ def test_pack_fitted_ranges_pack_the_min_max_side_only():
 
 def test_pack_range_past_fp32_stays_finite_and_bit_identical():
     """A key channel and a value token spanning more than fp32 can hold (finite bf16 near its limits) pack to finite
-    scales, exactly as kitty.quant does (its overflow-safe range), never to inf/NaN."""
+    scales, exactly as kitty.core.quant does (its overflow-safe range), never to inf/NaN."""
     cfg = small("kitty", group_size=32)
     k, v = planted_kv(1, 2, 32, 64, torch.bfloat16, DEVICE, seed=9)
     k[0, 0, ::2, 5], k[0, 0, 1::2, 5] = 3.0e38, -3.0e38  # one channel's range: 6e38 > fp32 max
@@ -400,7 +400,7 @@ def test_reference_matches_plain_attention_on_unquantized_cache():
 
 
 def test_checks_and_the_one_dispatcher():
-    """The kernel checks its inputs; which kernel runs is the ops object's (kitty.backend), never the kernel's."""
+    """The kernel checks its inputs; which kernel runs is the ops object's (kitty.cache.backend), never the kernel's."""
     cfg = small("kitty")
     k, v = planted_kv(2, 2, 40, 64, torch.float16, DEVICE)
     state = make_state(cfg, k, v, [40, 17])

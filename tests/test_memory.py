@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from kitty import PRESETS, analytic_report, token_layout
-from kitty.memory import MemoryReport, asymptotic_bits
-from kitty.quant import quantize_key_page, quantize_value_page
+from kitty.core.memory import MemoryReport, asymptotic_bits
+from kitty.core.quant import quantize_key_page, quantize_value_page
 
 
 @pytest.mark.parametrize("n", [0, 1, 31, 32, 33, 159, 160, 161, 288, 289, 1000, 4096])

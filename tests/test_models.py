@@ -12,7 +12,7 @@ import torch
 from fixtures import tiny_model
 from transformers import AutoTokenizer
 
-from kitty import models
+from kitty.hf import models
 
 
 @pytest.fixture(scope="module")

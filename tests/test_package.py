@@ -73,7 +73,7 @@ USE_BOTH = """
     from transformers.utils.import_utils import is_kernels_available
     import kitty.kernels
     from kitty import KittyCache
-    from kitty.compat import cache_kwargs
+    from kitty.hf.compat import cache_kwargs
 
     assert kernels.HUB and is_kernels_available(), kernels  # the hub package, as transformers sees it
     assert kitty.kernels.__path__ == [{kernels_dir!r}], kitty.kernels.__path__
@@ -154,7 +154,7 @@ def test_import_kitty_reads_no_profile_and_loads_no_model_code():
         builtins.open = lambda f, *a, **k: reads.append(str(f)) or open_(f, *a, **k)
         import kitty
         assert not [r for r in reads if r.endswith(".json")], reads
-        assert "transformers" not in sys.modules and "kitty.cache" not in sys.modules
+        assert "transformers" not in sys.modules and "kitty.cache.kitty_cache" not in sys.modules
         names = list(kitty.PRESETS)
         assert "kitty-fit-adaptive" in names and not [r for r in reads if r.endswith(".json")]
         assert len(kitty.PRESETS["kitty-fit-adaptive"].boost_profile) == 30
@@ -168,7 +168,13 @@ def test_import_kitty_reads_no_profile_and_loads_no_model_code():
 
 # What kernels/ may import of kitty: the data contract (a kernel reads and writes storage, it never decides which
 # backend runs or how a cache behaves).
-KERNELS_CONTRACT = {"kitty.config", "kitty.quant", "kitty.storage", "kitty.memory", "kitty.pages"}
+KERNELS_CONTRACT = {
+    "kitty.core.config",
+    "kitty.core.quant",
+    "kitty.core.storage",
+    "kitty.core.memory",
+    "kitty.core.pages",
+}
 
 
 def import_graph() -> dict[str, set[str]]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kitty.config import get_preset
+from kitty.core.config import get_preset
 
 ROOT = Path(__file__).resolve().parent.parent
 CSV = ROOT / "assets" / "eval_passkey_attribution.csv"

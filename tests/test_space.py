@@ -79,7 +79,7 @@ def _free_port() -> int:
 def test_fresh_venv_from_requirements_starts_the_app_and_answers(tmp_path):
     from gradio_client import Client
 
-    from kitty.models import default_model_path
+    from kitty.hf.models import default_model_path
 
     t0 = time.time()
     venv = tmp_path / "venv"

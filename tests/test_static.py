@@ -1,4 +1,4 @@
-"""Static KittyCache (``kitty.static``) and the captured decode loop (``kitty.generate.generate_static``) on the CPU.
+"""Static KittyCache (``kitty.cache.static``) and the captured decode loop (``kitty.hf.generate.generate_static``) on the CPU.
 
 Tiny random models from configs, tiny Kitty sizes (S=4, G=8, R=8) so that a few dozen tokens fill pages; batches
 left-padded and ragged, so that rows complete pages at different steps. The static cache runs the same math as the
@@ -16,10 +16,10 @@ from fixtures import tiny_model
 from transformers import StaticCache
 
 from kitty import PRESETS, KittyCache
-from kitty.compat import cache_kwargs
-from kitty.generate import Sampling, generate_static
+from kitty.cache.static import StaticKittyLayer
+from kitty.hf.compat import cache_kwargs
+from kitty.hf.generate import Sampling, generate_static
 from kitty.kernels.reference import pack_completed_ref
-from kitty.static import StaticKittyLayer
 
 S, G, R = 4, 8, 8
 SMALL = {
@@ -188,7 +188,7 @@ def test_pack_completed_kernel_matches_reference(preset):
     # per row (m = n - S, mv = m - R): key page 1 + value page 0 (m=32, mv=16); key page 0 only (m=16);
     # nothing (m=5); key page 2 + value page 1 (m=48, mv=32); nothing, still in the sink (n=3)
     lengths = torch.tensor([36, 20, 9, 52, 3], dtype=torch.int32, device=device)
-    from kitty.storage import pool_fields
+    from kitty.core.storage import pool_fields
 
     kf, vf = pool_fields(cfg, H, D, torch.float16)
 
@@ -214,8 +214,8 @@ def test_triton_ops_pack_completed_side_by_side(preset):
     """The Triton backend's stage 3 packs each side the kernel packs bit-identically (query-aware selections with the
     rows' query_scale; 4-bit keys or values) and leaves a fitted key side to the torch reference: the pools and
     tables equal pack_completed_ref's."""
-    from kitty.backend import TritonOps
-    from kitty.storage import pool_fields
+    from kitty.cache.backend import TritonOps
+    from kitty.core.storage import pool_fields
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = PRESETS[preset].with_(sink_tokens=4, group_size=16, local_window=16)
@@ -243,8 +243,8 @@ def test_triton_ops_pack_completed_side_by_side(preset):
 
 def test_triton_backend_packs_every_min_max_side():
     """Which presets the Triton backend packs with the kernel on a GPU: every quantized side with a min-max range
-    (any channel selection, the layer's own nb under a boost profile); fitted key ranges stay on kitty.quant."""
-    from kitty.backend import TritonOps
+    (any channel selection, the layer's own nb under a boost profile); fitted key ranges stay on kitty.core.quant."""
+    from kitty.cache.backend import TritonOps
 
     cuda = torch.device("cuda")  # only read for its type: nothing is allocated
     on_torch = {}

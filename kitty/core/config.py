@@ -11,7 +11,12 @@ from pathlib import Path
 VALID_BITS = (2, 4, 16)  # 16 = kept in full precision (no quantization)
 CHANNEL_SELECTIONS = ("magnitude", "random", "range", "query", "oracle")
 QUERY_SELECTIONS = ("query", "oracle")  # channel selections that rank channels with running query statistics
-BACKENDS = ("auto", "torch", "triton", "gluon")  # KittyCache(backend=): kitty/backend.py resolves it once per layer
+BACKENDS = (
+    "auto",
+    "torch",
+    "triton",
+    "gluon",
+)  # KittyCache(backend=): kitty/cache/backend.py resolves it once per layer
 RANGE_FITS = ("minmax", "fit", "fit-peak")  # a group's [lo, hi]: min-max, a clipping search, or one sparing the peak
 MAX_HEAD_DIM = 256  # boost_idx is uint8: one slot per channel
 # sink, qbuffers and local window are allocated per row and layer up front: sizes beyond this are typing mistakes
@@ -168,7 +173,7 @@ class KVQuantConfig:
         if num_layers is not None and num_layers != n:
             raise ValueError(
                 f"boost_profile has {n} layers but the model has {num_layers}; calibrate a profile for this model "
-                "with `python -m kitty.calibrate --model ...` (kitty.calibrate.calibrate_profile)"
+                "with `python -m kitty.calibrate --model ...` (kitty.tools.calibrate.calibrate_profile)"
             )
         if not 0 <= layer_idx < n:
             raise ValueError(f"layer_idx must be in [0, {n}), got {layer_idx}")
@@ -179,12 +184,14 @@ class KVQuantConfig:
         return replace(self, **changes)
 
 
-PROFILES_DIR = Path(__file__).resolve().parent / "profiles"  # layer-adaptive boost profiles (kitty.calibrate)
+PROFILES_DIR = (
+    Path(__file__).resolve().parent.parent / "profiles"
+)  # layer-adaptive boost profiles (kitty.tools.calibrate)
 DEFAULT_PROFILE = "SmolLM2-135M-Instruct"
 
 
 def load_boost_profile(name: str, fraction: float) -> tuple[float, ...]:
-    """Per-layer boost fractions averaging ``fraction`` from ``kitty/profiles/<name>.json`` (``kitty.calibrate``)."""
+    """Per-layer boost fractions averaging ``fraction`` from ``kitty/profiles/<name>.json`` (``kitty.tools.calibrate``)."""
     path = PROFILES_DIR / f"{name}.json"
     if not path.exists():
         raise ValueError(f"no boost profile {name!r}: {path} is missing (make one with python -m kitty.calibrate)")

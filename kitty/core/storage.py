@@ -1,7 +1,7 @@
 """The storage contract of one Kitty layer: names, shapes and page <-> storage conversion (``docs/LAYOUT.md``).
 
-One module that the cache (``kitty/cache.py``), the attention function (``kitty/attention.py``) and the kernels
-(``kernels/``) all import, so that a field is named, shaped and checked in one place:
+One module that the cache (``kitty/cache/kitty_cache.py``), the attention function (``kitty/cache/attention.py``) and
+the kernels (``kernels/``) all import, so that a field is named, shaped and checked in one place:
 
 - :func:`pool_fields`: the page-pool tensors of a layer (shape of one page, dtype), for keys and for values, and
   :func:`allocate_pool`, the only code that allocates them;
@@ -10,7 +10,7 @@ One module that the cache (``kitty/cache.py``), the attention function (``kitty/
 - :class:`KittyLayerState`: every tensor of one layer (``KittyLayer.storage()``, ``kernels/testing.py``), the one
   state type the cache, the torch reference and the kernels read (also a read-only mapping ``name -> tensor``);
   :func:`check_state` validates it against a config;
-- :func:`key_page_from_storage` / :func:`value_page_from_storage`: pool pages as ``kitty.quant`` pages, and
+- :func:`key_page_from_storage` / :func:`value_page_from_storage`: pool pages as ``kitty.core.quant`` pages, and
   :func:`page_fields`, the other way;
 - :class:`PendingKV`: the handle ``KittyLayer.update`` gives the attention function instead of tensors.
 """
@@ -242,7 +242,7 @@ def value_page_from_storage(
 
 
 def page_fields(page: KeyPage | ValuePage) -> dict[str, torch.Tensor]:
-    """The pool tensors (LAYOUT names) of quantized pages, e.g. from ``kitty.quant.quantize_key_page``."""
+    """The pool tensors (LAYOUT names) of quantized pages, e.g. from ``kitty.core.quant.quantize_key_page``."""
     return _key_fields(page) if isinstance(page, KeyPage) else _value_fields(page)
 
 
@@ -257,7 +257,7 @@ class PendingKV:
     function knows which columns are padding and inserts only the valid ones).
     """
 
-    layer: Any  # the kitty.cache.KittyLayer the tokens belong to
+    layer: Any  # the kitty.cache.kitty_cache.KittyLayer the tokens belong to
     key_states: torch.Tensor
     value_states: torch.Tensor
 

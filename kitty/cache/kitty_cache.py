@@ -1,29 +1,29 @@
 """KittyCache: a paged 2-bit KV cache for Hugging Face ``generate`` (paper: arXiv 2511.18643, §4.2–4.3).
 
 Per decoder layer, per batch row, tokens live in the places of the paper's runtime pipeline
-(storage names and shapes: ``docs/LAYOUT.md``; counts: :func:`kitty.memory.token_layout`)::
+(storage names and shapes: ``docs/LAYOUT.md``; counts: :func:`kitty.core.memory.token_layout`)::
 
     keys:   sink [0, S) | key pages (G tokens each, 2-bit + boosted channels) | key qbuffer (< G, full precision)
     values: sink [0, S) | value pages (G tokens each, 2-bit per token)      | value qbuffer | local (newest R)
 
 1. insert: new tokens enter the sink, the key qbuffer and the value local window in full precision; the oldest
    local value moves to the value qbuffer;
-2. attend: ``kitty.attention`` reads sink | pages | qbuffer (| local) and the new tokens;
-3. quantize: a qbuffer that holds G tokens becomes one page from the layer's page pool (``kitty.quant``); its
+2. attend: ``kitty.cache.attention`` reads sink | pages | qbuffer (| local) and the new tokens;
+3. quantize: a qbuffer that holds G tokens becomes one page from the layer's page pool (``kitty.core.quant``); its
    pool id is appended to the row's page table and the qbuffer is cleared.
 
 The only per-row state is ``lengths[b]``: valid tokens cached in row b. Padding is never stored, so it never enters
 a page's statistics. Quantized tokens exist only as pages: no full-precision copy is kept.
 
 How it plugs into transformers 5.x: ``KittyLayer.update`` does not store anything; it returns a :class:`PendingKV`
-handle (for both keys and values) that the attention function registered as ``"kitty"`` (``kitty.attention``)
+handle (for both keys and values) that the attention function registered as ``"kitty"`` (``kitty.cache.attention``)
 receives instead of tensors. That function knows the padding of the new tokens (from the ``"kitty"`` mask
 function), attends, then calls :meth:`KittyLayer.append`. ``KittyCache`` makes ``config._attn_implementation`` read
 ``"kitty"`` during its own forward passes only; other caches keep the user's attention implementation.
 
     model, tok = kitty.load_model()
     cache = kitty.KittyCache(model.config, "kitty")
-    out = model.generate(**tok(["Hello"], return_tensors="pt"), **kitty.compat.cache_kwargs(cache), max_new_tokens=32)
+    out = model.generate(**tok(["Hello"], return_tensors="pt"), **kitty.hf.compat.cache_kwargs(cache), max_new_tokens=32)
     print(cache.token_counts(), cache.memory_report().summary())
 """
 
@@ -37,15 +37,15 @@ from dataclasses import replace
 import torch
 from transformers.cache_utils import Cache
 
+from ..core.config import KVQuantConfig, get_preset, is_int, kv_dims
+from ..core.memory import MemoryReport, token_layout
+from ..core.storage import FLOAT_DTYPES
+from ..hf.compat import StaticCacheSizes, get_kv_heads_per_rank, layer_types_and_kwargs
 from . import attention as kattention
 from .backend import check_triton, requested_backend
-from .compat import StaticCacheSizes, get_kv_heads_per_rank, layer_types_and_kwargs
-from .config import KVQuantConfig, get_preset, is_int, kv_dims
 from .layer import KittyLayer, PagedLayer
-from .memory import MemoryReport, token_layout
 from .static import StaticKittyLayer, check_static_args
 from .step import BEAM_MESSAGE
-from .storage import FLOAT_DTYPES
 from .window import SlidingWindowLayer, StaticSlidingLayer
 
 __all__ = ["KittyCache", "KittyLayer", "SlidingWindowLayer", "build_layers"]
@@ -68,8 +68,8 @@ def build_layers(
 ) -> list:
     """The layers of a ``KittyCache``, one per entry of ``layer_types``: Kitty pages for full attention, a
     full-precision window for sliding attention; growing layers (:class:`KittyLayer`, :class:`SlidingWindowLayer`),
-    or static ones when ``max_cache_len`` is given (:class:`kitty.static.StaticKittyLayer`,
-    :class:`kitty.window.StaticSlidingLayer`). ``num_kv_heads``: this rank's KV heads, ``model_kv_heads`` the
+    or static ones when ``max_cache_len`` is given (:class:`kitty.cache.static.StaticKittyLayer`,
+    :class:`kitty.cache.window.StaticSlidingLayer`). ``num_kv_heads``: this rank's KV heads, ``model_kv_heads`` the
     model's."""
     n = len(layer_types)
     static = max_cache_len is not None
@@ -95,7 +95,7 @@ class KittyCache(StaticCacheSizes, Cache):
     Args:
         config: the model's config (``model.config``). From this cache's ``update``/``get_mask_sizes`` until the
             layer's attention returns, the config's ``_attn_implementation`` reads ``"kitty"`` (on that thread), so
-            the model picks ``kitty.attention`` and its mask; at any other time it reads what the user set (eager,
+            the model picks ``kitty.cache.attention`` and its mask; at any other time it reads what the user set (eager,
             sdpa, ...), which other caches run.
         cfg: a :class:`KVQuantConfig` or a preset name from ``kitty.PRESETS`` (e.g. ``"kitty"``, ``"fp16"``).
         backend: ``"auto"`` (Triton on CUDA tensors, else torch), ``"torch"`` or ``"triton"``; ``None`` (default):
@@ -103,11 +103,11 @@ class KittyCache(StaticCacheSizes, Cache):
             message, where it cannot run (no kernels, no GPU, a config the kernel does not handle).
         max_pages: most pages each layer's key pool (and, separately, value pool) may hold, summed over rows;
             ``None`` grows on demand. Running out raises ``RuntimeError`` and leaves the cache unchanged.
-        max_cache_len, max_batch_size: build a static cache (``kitty.static``, transformers ``StaticCache``'s
+        max_cache_len, max_batch_size: build a static cache (``kitty.cache.static``, transformers ``StaticCache``'s
             names): every tensor preallocated for the first batch (at most ``max_batch_size`` rows) and
             ``max_cache_len`` columns, decode steps free of host synchronization (capturable in a CUDA graph).
 
-    Use as ``model.generate(**inputs, **kitty.compat.cache_kwargs(cache))`` (``cache=`` from transformers 5.24, ``past_key_values=`` before); call :meth:`reset` before
+    Use as ``model.generate(**inputs, **kitty.hf.compat.cache_kwargs(cache))`` (``cache=`` from transformers 5.24, ``past_key_values=`` before); call :meth:`reset` before
     reusing it for a new prompt. Batches may be left-padded: padding is never stored. Greedy decoding and sampling
     work; beam search raises ``NotImplementedError``. A step that raises inside the cache or its attention (bad
     input, a full pool, a failing kernel in any layer) leaves every layer as it was before that forward pass.
@@ -322,9 +322,9 @@ class KittyCache(StaticCacheSizes, Cache):
         return {k: sum(r[k] for r in rows) for k in keys}
 
     def memory_report(self) -> MemoryReport:
-        """A :class:`kitty.memory.MemoryReport` over all layers from the real ``nbytes`` of live data.
+        """A :class:`kitty.core.memory.MemoryReport` over all layers from the real ``nbytes`` of live data.
 
-        Equals ``kitty.memory.analytic_report(cfg, cache.lengths, head_dim, num_kv_heads, num_layers, dtype_bytes)``
+        Equals ``kitty.core.memory.analytic_report(cfg, cache.lengths, head_dim, num_kv_heads, num_layers, dtype_bytes)``
         for a model of full-attention layers; sliding-window layers add their keys and values as ``window_bytes``.
         Under tensor parallelism the bytes are this rank's and ``ranks``/``total_stored_bytes`` cover all ranks.
         """

@@ -1,9 +1,9 @@
 """One decoder layer of a :class:`kitty.KittyCache` in Kitty's paged format (sink, qbuffers, local window, page
 pools and page tables: ``docs/LAYOUT.md``): :class:`PagedLayer`, the parts every paged layer shares, and
-:class:`KittyLayer`, the growing layer. The static layer (``kitty.static``) is its sibling over the same parts, as
-transformers' ``DynamicLayer`` and ``StaticLayer`` are; the window layers of hybrid models live in ``kitty.window``.
+:class:`KittyLayer`, the growing layer. The static layer (``kitty.cache.static``) is its sibling over the same parts, as
+transformers' ``DynamicLayer`` and ``StaticLayer`` are; the window layers of hybrid models live in ``kitty.cache.window``.
 
-The two siblings differ in their page-id policy (``kitty.pages``: a bump allocator, or fixed ids ``b * W + j``,
+The two siblings differ in their page-id policy (``kitty.core.pages``: a bump allocator, or fixed ids ``b * W + j``,
 chosen when the layer is built), in how a decode step keeps its bookkeeping (host lists and new tensors, or device
 writes in place with no host read) and in their bounds; everything else (buffers, prompt insertion, the token
 slots, query statistics, reading, the memory report, the step record) is written once, here.
@@ -14,14 +14,11 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .attention import KittyMask, attend_torch
-from .backend import backend_ops
-from .config import QUERY_SELECTIONS, KVQuantConfig
-from .memory import MemoryReport, token_layout
-from .pages import FixedPages, GrowingPages, PagePool, filled_page, pages_completed, point
-from .quant import KeyPage, ValuePage, quantize_key_page, quantize_value_page, query_scale_from, query_statistic
-from .step import LayerSteps
-from .storage import (
+from ..core.config import QUERY_SELECTIONS, KVQuantConfig
+from ..core.memory import MemoryReport, token_layout
+from ..core.pages import FixedPages, GrowingPages, PagePool, filled_page, pages_completed, point
+from ..core.quant import KeyPage, ValuePage, quantize_key_page, quantize_value_page, query_scale_from, query_statistic
+from ..core.storage import (
     ROW_FIELDS,
     KittyLayerState,
     PendingKV,
@@ -32,13 +29,16 @@ from .storage import (
     row_fields,
     value_page_from_storage,
 )
+from .attention import KittyMask, attend_torch
+from .backend import backend_ops
+from .step import LayerSteps
 
 
 class PagedLayer(LayerSteps, CacheLayerMixin):
     """Kitty cache of one decoder layer: sink, qbuffers, local window, page pools and page tables.
 
     Storage (``B`` rows, ``H`` KV heads, ``D`` head_dim; exactly ``docs/LAYOUT.md``; per-row buffers from
-    ``kitty.storage.row_fields``, pools from ``pool_fields``):
+    ``kitty.core.storage.row_fields``, pools from ``pool_fields``):
 
         lengths                 int32 [B]             valid tokens cached per row (padding never counted)
         sink_k, sink_v          [B, H, S, D]          positions [0, S), slot p
@@ -257,7 +257,7 @@ class PagedLayer(LayerSteps, CacheLayerMixin):
         return out
 
     def _read_back(self, query, key_states, value_states, valid: torch.Tensor, scale: float) -> torch.Tensor:
-        """The torch path (``kitty.attention.attend_torch``) over this layer's storage and the new tokens."""
+        """The torch path (``kitty.cache.attention.attend_torch``) over this layer's storage and the new tokens."""
         valid = valid.to(query.device)
         return attend_torch(query, key_states, value_states, valid, self.storage(), self.cfg, scale)
 
@@ -445,7 +445,7 @@ class PagedLayer(LayerSteps, CacheLayerMixin):
         self._point(table, dest, ids)
 
     def _point(self, table: torch.Tensor, dest: list[tuple[int, int, int]], ids: torch.Tensor) -> None:
-        """Point ``table`` at ``ids`` (:func:`kitty.pages.point`), undoable within the open step."""
+        """Point ``table`` at ``ids`` (:func:`kitty.core.pages.point`), undoable within the open step."""
         self.on_undo(lambda: [table[b, first : first + n].fill_(-1) for b, first, n in dest])
         point(table, dest, ids)
 
@@ -456,7 +456,7 @@ class PagedLayer(LayerSteps, CacheLayerMixin):
     # ------------------------------------------------------------------------------------------------ reading
 
     def storage(self) -> KittyLayerState:
-        """Every tensor of this layer as a :class:`kitty.storage.KittyLayerState` (views, no copies; named as in
+        """Every tensor of this layer as a :class:`kitty.core.storage.KittyLayerState` (views, no copies; named as in
         ``docs/LAYOUT.md``, plus ``lengths``): what the page-id policy shows (a growing layer's pools cut to the
         pages in use and tables to the widest row; a static layer's whole, fixed shapes)."""
         widest = token_layout(self.cfg, max(self.host_lengths, default=0))  # page counts grow with length
@@ -471,11 +471,11 @@ class PagedLayer(LayerSteps, CacheLayerMixin):
         )
 
     def key_page(self, row: int, j: int) -> KeyPage:
-        """Key page ``j`` of ``row`` as a :class:`kitty.quant.KeyPage` over ``[H, ...]`` (views into the pool)."""
+        """Key page ``j`` of ``row`` as a :class:`kitty.core.quant.KeyPage` over ``[H, ...]`` (views into the pool)."""
         return key_page_from_storage(self.storage(), self.k_page_table[row, j].long(), self.cfg, self.dtype)
 
     def value_page(self, row: int, j: int) -> ValuePage:
-        """Value page ``j`` of ``row`` as a :class:`kitty.quant.ValuePage` over ``[H, ...]``."""
+        """Value page ``j`` of ``row`` as a :class:`kitty.core.quant.ValuePage` over ``[H, ...]``."""
         return value_page_from_storage(self.storage(), self.v_page_table[row, j].long(), self.cfg, self.dtype)
 
     def memory_report(self) -> MemoryReport:
@@ -529,10 +529,10 @@ class KittyLayer(PagedLayer):
     def insert_decode(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[list, list]:
         """Stage 1 of a decode step: insert one new token ``[B, H, 1, D]`` in every row with batched writes (no
         per-row loop), leaving any qbuffer it fills unpacked; returns the ``(row, page index)`` of every key / value
-        qbuffer now full (:func:`kitty.pages.filled_page`), for :meth:`pack_filled` after attention (the paper's
+        qbuffer now full (:func:`kitty.core.pages.filled_page`), for :meth:`pack_filled` after attention (the paper's
         order: attend with the full qbuffer in full precision, then quantize it). Between the two calls the layer is
         mid-step: ``lengths`` count the new token and qbuffers hold 1..G tokens
-        (``kitty.memory.token_layout(..., full_qbuffer=True)``). Slots: :meth:`write_token_slots`.
+        (``kitty.core.memory.token_layout(..., full_qbuffer=True)``). Slots: :meth:`write_token_slots`.
 
         Raises ``RuntimeError`` (nothing changed) when the page pools cannot take the pages this step fills.
         """

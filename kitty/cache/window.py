@@ -1,5 +1,5 @@
 """The sliding-window layers of a hybrid model's KittyCache: transformers' full-precision window layers (growing and
-static) with Kitty's step protocol (``kitty.step``), memory report and refusal of cache reordering.
+static) with Kitty's step protocol (``kitty.cache.step``), memory report and refusal of cache reordering.
 
 Why full precision and not Kitty pages freed as the window passes (bytes from ``analytic_report``, which the tests
 check against real ``nbytes``; Gemma-3-12B shape, 40 sliding + 8 full layers, 8 KV heads, D=256, W=1024, bf16): a
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer, StaticSlidingWindowLayer
 
-from .memory import MemoryReport
+from ..core.memory import MemoryReport
 from .step import LayerSteps
 
 

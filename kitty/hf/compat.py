@@ -16,7 +16,7 @@ GPU image's release), on 5.23 (the last release without ``cache=``) and on the n
   every cache, so a subclass cannot assign them; 5.23 and later have neither. :class:`StaticCacheSizes` gives a
   cache its own read-only properties over the values it was built with, on every release.
 - A static cache's mask in ``generate``: 5.18-5.23 prepare a static (compileable) cache's mask ahead of the forward
-  and, given the ``"kitty"`` mask function's object (``kitty.attention.KittyMask``), call tensor methods on it
+  and, given the ``"kitty"`` mask function's object (``kitty.cache.attention.KittyMask``), call tensor methods on it
   (``.contiguous()``); 5.17 and 5.24 pass it through. ``KittyMask`` answers those methods with itself.
 - The attention implementation of a config: :func:`attention_implementation` sets it for a block and puts the
   user's back (``config._attn_implementation``, which every admitted release reads at each forward).
@@ -33,11 +33,11 @@ import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
-from .config import kv_dims
+from ..core.config import kv_dims
 
 MIN_TRANSFORMERS = (5, 17)  # requirements.txt / pyproject.toml: transformers>=5.17,<6
 
-# transformers is imported on first use only: ``kitty.generate`` (and with it the CLI's argument checks) imports
+# transformers is imported on first use only: ``kitty.hf.generate`` (and with it the CLI's argument checks) imports
 # this module before any model is loaded.
 
 

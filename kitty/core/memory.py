@@ -113,12 +113,12 @@ class MemoryReport:
 
 
 def field_bytes(cfg: KVQuantConfig, head_dim: int, dtype_bytes: int = 2) -> dict[str, int]:
-    """Bytes of each pool tensor (``docs/LAYOUT.md`` names) in one page of one KV head, from ``kitty.storage``'s
+    """Bytes of each pool tensor (``docs/LAYOUT.md`` names) in one page of one KV head, from ``kitty.core.storage``'s
     shapes: e.g. the compact high plane ``k_high`` holds ``G * ceil(nb / 4)`` bytes.
 
     ``dtype_bytes`` is the element size of the model dtype, which scale/zero and raw pages use.
     """
-    import torch  # the page tensors' own shapes (kitty.storage); imported here: `import kitty` stays light
+    import torch  # the page tensors' own shapes (kitty.core.storage); imported here: `import kitty` stays light
 
     from .storage import pool_fields
 

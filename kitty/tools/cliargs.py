@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from .config import PRESETS, get_preset
-from .generate import MAX_SEED, Sampling
-from .models import tp_rank_and_size
+from ..core.config import PRESETS, get_preset
+from ..hf.generate import MAX_SEED, Sampling
+from ..hf.models import tp_rank_and_size
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 SAMPLING = Sampling()  # the defaults the demo app uses too: greedy, top-p 0.95 once a temperature is set, seed 0

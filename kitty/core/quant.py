@@ -537,7 +537,7 @@ def inspect_keys(
 
     Follows the cache layout: the first ``sink_tokens`` stay full precision, then pages of ``group_size`` tokens;
     the trailing partial group (the qbuffer) is shown with the channels it would boost if quantized now.
-    ``query_scale`` ``[D]``: for query-aware selections (``kitty.generate.prompt_query_scale``). A
+    ``query_scale`` ``[D]``: for query-aware selections (``kitty.hf.generate.prompt_query_scale``). A
     ``boost_profile`` is applied for ``layer``.
     """
     if cfg.key_bits != 2:

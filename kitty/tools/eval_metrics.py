@@ -2,7 +2,8 @@
 perplexity (the prompt attended in full precision, every later token scored by a decode step that reads the quantized
 cache), greedy agreement with fp16, passkey retrieval, and the pack-time cost of a page.
 
-The tables and plots are :mod:`kitty.eval_report`; the command line, ``python -m kitty.eval``, is :mod:`kitty.eval`.
+The tables and plots are :mod:`kitty.tools.eval_report`; the command line, ``python -m kitty.eval``, is
+:mod:`kitty.tools.eval`.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm as _tqdm
 
-from . import generate as gen
-from .config import PRESETS, KVQuantConfig, get_preset
-from .generate import eos_ids, generate_tokens, make_cache
-from .models import tp_rank_and_size
+from ..core.config import PRESETS, KVQuantConfig, get_preset
+from ..hf import generate as gen
+from ..hf.generate import eos_ids, generate_tokens, make_cache
+from ..hf.models import tp_rank_and_size
 from .prompts import TEXTS, encode_prompt, passkey_prompt, shipped_text
 
 
@@ -87,7 +88,7 @@ _WORKER: dict = {}
 
 def _worker_init(model_name: str | None) -> None:
     torch.set_num_threads(1)
-    from .models import load_model
+    from ..hf.models import load_model
 
     _WORKER["model"] = load_model(model_name)[0]
 
@@ -179,7 +180,7 @@ def pack_cost_table(
     Decode attention never sees the difference (it reads the same page layout); this is the one-off cost of
     choosing channels and ranges when a qbuffer fills, once per ``G`` tokens.
     """
-    from .quant import quantize_key_page, quantize_value_page
+    from ..core.quant import quantize_key_page, quantize_value_page
 
     g = torch.Generator().manual_seed(0)
     cfgs = [get_preset(m) if isinstance(m, str) else m for m in methods]
@@ -215,8 +216,8 @@ def pack_cost_table(
 
 
 def _bits_after(model, cfg, n_tokens: int) -> float:
-    from .memory import analytic_report
-    from .models import kv_dims
+    from ..core.memory import analytic_report
+    from ..hf.models import kv_dims
 
     num_layers, num_kv_heads, head_dim = kv_dims(model.config)
     rep = analytic_report(cfg, n_tokens, head_dim, num_kv_heads, num_layers, model.dtype.itemsize)
@@ -285,7 +286,7 @@ def agreement_table(model, tokenizer, methods, prompts: list[str], max_new_token
 
 def passkey_answer(model, tokenizer, prompt: str, cfg: KVQuantConfig, max_new_tokens: int = 8) -> str:
     """Greedy answer (up to ``max_new_tokens``, ending at end-of-sequence) to a plain ``prompt`` through a Kitty
-    cache under ``cfg`` (prompts: :func:`kitty.prompts.passkey_prompt`)."""
+    cache under ``cfg`` (prompts: :func:`kitty.tools.prompts.passkey_prompt`)."""
     ids = encode_prompt(tokenizer, prompt)
     new = generate_tokens(model, ids, make_cache(model, cfg), max_new_tokens, eos=eos_ids(model, tokenizer))
     return tokenizer.decode(new, skip_special_tokens=True)

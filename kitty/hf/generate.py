@@ -12,7 +12,7 @@ The cache is any transformers cache, usually a :class:`kitty.KittyCache` (:func:
 gives the tokens of ``model.generate(..., **compat.cache_kwargs(cache), do_sample=False)``.
 
 :func:`prompt_keys` and :func:`prompt_query_scale` run a prefill to show what a cache would receive (the demo's
-"Inside the cache" tab, with :func:`kitty.quant.inspect_keys`).
+"Inside the cache" tab, with :func:`kitty.core.quant.inspect_keys`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.config import KVQuantConfig
 from .compat import cache_kwargs
-from .config import KVQuantConfig
 
 MAX_SEED = 2**63  # seeds in [0, 2**63) are what torch.Generator.manual_seed takes on every device
 
@@ -70,7 +70,7 @@ def sample_next(logits: torch.Tensor, sampling: Sampling, generator: torch.Gener
 
 def make_cache(model, cfg: KVQuantConfig | str, backend: str = "auto"):
     """A fresh :class:`kitty.KittyCache` for ``model`` (one per generation, never shared)."""
-    from .cache import KittyCache
+    from ..cache.kitty_cache import KittyCache
 
     return KittyCache(model.config, cfg, backend=backend)
 
@@ -119,7 +119,7 @@ def check_prompt_ids(ids: torch.Tensor, cache) -> None:
     if rows is not None and len(rows) > 1 and cache.get_seq_length() > 0:
         raise ValueError(
             f"cache holds {len(rows)} rows of an earlier batch, and ids is one prompt: pass a fresh cache "
-            "(kitty.generate.make_cache) for each generation, or call cache.reset() first"
+            "(kitty.hf.generate.make_cache) for each generation, or call cache.reset() first"
         )
 
 
@@ -187,7 +187,7 @@ def prompt_keys(model, ids: torch.Tensor) -> list[torch.Tensor]:
 def prompt_query_scale(model, ids: torch.Tensor, cfg: KVQuantConfig, layer: int, head: int) -> torch.Tensor | None:
     """The per-channel query magnitude ``[D]`` a ``KittyCache`` under ``cfg`` ranks channels of ``layer``/``head`` by
     after the prompt ``ids`` ``[1, T]`` (``None`` unless ``channel_selection`` is ``"query"`` or ``"oracle"``)."""
-    from .config import QUERY_SELECTIONS
+    from ..core.config import QUERY_SELECTIONS
 
     if cfg.channel_selection not in QUERY_SELECTIONS:
         return None

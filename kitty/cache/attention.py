@@ -4,9 +4,9 @@ Registered at import with ``transformers.AttentionInterface`` and ``AttentionMas
 
 - the mask function does not build a 4-D mask; it returns a :class:`KittyMask` carrying the 2-D padding mask
   (``[B, past + T]``, True = real token), which transformers hands to every layer's attention call;
-- the attention function receives the :class:`kitty.storage.PendingKV` handle that the layer's ``update``
-  returned instead of key/value tensors, and runs the layer's own step, ``attend_and_append`` (``kitty.layer``,
-  ``kitty.static``): attend, then insert the valid new tokens (paper §4.3 order: insert, attend with the qbuffer
+- the attention function receives the :class:`kitty.core.storage.PendingKV` handle that the layer's ``update``
+  returned instead of key/value tensors, and runs the layer's own step, ``attend_and_append`` (``kitty.cache.layer``,
+  ``kitty.cache.static``): attend, then insert the valid new tokens (paper §4.3 order: insert, attend with the qbuffer
   in full precision, quantize a full qbuffer afterwards).
 
 ``KittyCache`` does not change the user's attention implementation: the model's config reads ``"kitty"`` only on a
@@ -14,7 +14,7 @@ thread that is running a forward pass with a KittyCache (:func:`use_kitty_attent
 other cache, or none) both functions run the implementation the user chose (eager, sdpa, ...), so a model whose
 config says ``"kitty"`` keeps working without a KittyCache.
 
-Backends (``KittyCache(..., backend=)``, resolved once per layer into its ops object: ``kitty/backend.py``):
+Backends (``KittyCache(..., backend=)``, resolved once per layer into its ops object: ``kitty/cache/backend.py``):
 
 - every step with more than one new token per row (a prompt, a chunk, padding), on either backend: read the layer
   back in position order with the kernels' torch reference (:func:`kitty.kernels.reference.dequantize_cache`, pages
@@ -39,10 +39,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ..core.config import KVQuantConfig
+from ..core.storage import PendingKV
+from ..kernels.reference import dequantize_cache
 from .backend import BACKEND_ENV, requested_backend, resolve_backend  # noqa: F401 (public here too)
-from .config import KVQuantConfig
-from .kernels.reference import dequantize_cache
-from .storage import PendingKV
 
 ATTN_NAME = "kitty"
 
@@ -128,7 +128,7 @@ class KittyMask:
 
     def contiguous(self) -> "KittyMask":
         """Itself: transformers 5.18-5.23 call ``.contiguous()`` on the mask ``generate`` prepares for a static cache
-        (``kitty.compat`` lists the difference)."""
+        (``kitty.hf.compat`` lists the difference)."""
         return self
 
     def new_token_mask(self, batch_size: int, q_length: int, device: torch.device | str) -> torch.Tensor:
@@ -237,7 +237,7 @@ def kitty_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """Attention registered as ``"kitty"``; returns ``([B, T, Hq, D], None)`` like transformers' functions.
 
-    ``key``/``value``: the :class:`kitty.cache.PendingKV` of a KittyCache layer (or plain tensors: SDPA fallback).
+    ``key``/``value``: the :class:`kitty.cache.kitty_cache.PendingKV` of a KittyCache layer (or plain tensors: SDPA fallback).
     ``attention_mask``: the :class:`KittyMask` of :func:`kitty_mask` (or ``None``: no padding).
     """
     if not isinstance(key, PendingKV):

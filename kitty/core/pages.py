@@ -45,7 +45,7 @@ def pages_completed(cfg: KVQuantConfig, n0: list[int], n1: list[int]) -> tuple[l
     """Key and value pages each row completes when it grows from ``n0[b]`` to ``n1[b]`` tokens.
 
     A row of ``n`` tokens holds ``max(n - S, 0) // G`` key pages and ``max(n - S - R, 0) // G`` value pages (the
-    page counts of :func:`kitty.memory.token_layout`); the difference is what stage 3 packs.
+    page counts of :func:`kitty.core.memory.token_layout`); the difference is what stage 3 packs.
     """
     S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
     key = [max(b - S, 0) // G - max(a - S, 0) // G for a, b in zip(n0, n1)]

@@ -1,5 +1,5 @@
 """The evaluation's results as files: markdown tables, CSV and plots (matplotlib, imported only when a plot is
-drawn); the rows are the dataclasses of :mod:`kitty.eval_metrics`."""
+drawn); the rows are the dataclasses of :mod:`kitty.tools.eval_metrics`."""
 
 from __future__ import annotations
 

@@ -3,12 +3,12 @@
 As transformers' quantized cache backends override only their quantize/dequantize methods, the two backends differ
 only in what their ops object does; the cache and the attention function call the ops and never ask which one runs:
 
-- :class:`TorchOps`: full qbuffers become pages with ``kitty.quant``; decode attention is the torch reference
-  (``kernels/reference.py``, also what the torch path of ``kitty.attention`` reads);
+- :class:`TorchOps`: full qbuffers become pages with ``kitty.core.quant``; decode attention is the torch reference
+  (``kernels/reference.py``, also what the torch path of ``kitty.cache.attention`` reads);
 - :class:`TritonOps`: decode steps attend with the fused kernel (``kitty.kernels.decode_attention_triton``); full
   qbuffers of CUDA layers are packed by ``kitty.kernels.pack_pages`` where it packs bit-identically to
-  ``kitty.quant`` (2/4 bits and a min-max range on that side, any channel selection), else as :class:`TorchOps`
-  packs them; a static layer's completed qbuffers (``kitty.static``) by ``kitty.kernels.pack_completed`` under the
+  ``kitty.core.quant`` (2/4 bits and a min-max range on that side, any channel selection), else as :class:`TorchOps`
+  packs them; a static layer's completed qbuffers (``kitty.cache.static``) by ``kitty.kernels.pack_completed`` under the
   same conditions, side by side.
 
 ``backend="auto"`` is Triton for CUDA tensors when Triton is installed and the fused kernel handles the config
@@ -22,12 +22,12 @@ import warnings
 
 import torch
 
-from . import kernels
-from .config import BACKENDS, KVQuantConfig
-from .kernels.reference import decode_attention_ref, pack_completed_ref
-from .pages import PagePool
-from .quant import quantize_key_page, quantize_value_page
-from .storage import KittyLayerState, page_fields
+from .. import kernels
+from ..core.config import BACKENDS, KVQuantConfig
+from ..core.pages import PagePool
+from ..core.quant import quantize_key_page, quantize_value_page
+from ..core.storage import KittyLayerState, page_fields
+from ..kernels.reference import decode_attention_ref, pack_completed_ref
 
 BACKEND_ENV = "KITTY_BACKEND"
 
@@ -98,13 +98,13 @@ def resolve_backend(
 
 def _gluon_pages(cfg: KVQuantConfig, head_dim: int | None, device: torch.device) -> bool:
     """Whether the Gluon kernel applies to ``cfg`` on ``device`` for some dtype and GQA (per call it re-checks)."""
-    from .kernels.gluon_launch import gluon_supports
+    from ..kernels.gluon_launch import gluon_supports
 
     return head_dim is not None and gluon_supports(cfg, head_dim, torch.float16, device, 4)
 
 
 class TorchOps:
-    """The torch backend of one layer: pages by ``kitty.quant``, decode attention by the torch reference.
+    """The torch backend of one layer: pages by ``kitty.core.quant``, decode attention by the torch reference.
 
     Capabilities, read where they matter (nothing downstream asks for a backend's name): ``fused_decode``, whether a
     decode step (one new token in every row) inserts the token and attends with :meth:`attend` over the storage,
@@ -144,9 +144,9 @@ class TorchOps:
         salt: int,
         query_scale: torch.Tensor | None,
     ) -> None:
-        """A static layer's stage 3 (``kitty.static``): pack every row whose qbuffer the last token filled into its
-        fixed page, predicated on the device (``kernels/reference.py`` ``pack_completed_ref``; no host read except on
-        the CPU)."""
+        """A static layer's stage 3 (``kitty.cache.static``): pack every row whose qbuffer the last token filled into
+        its fixed page, predicated on the device (``kernels/reference.py`` ``pack_completed_ref``; no host read except
+        on the CPU)."""
         tensors = (lengths, k_qbuf, v_qbuf, key_pool, value_pool, k_page_table, v_page_table)
         self._pack_completed_torch(*tensors, salt=salt, query_scale=query_scale)
 
@@ -178,15 +178,16 @@ class TorchOps:
 
 
 class TritonOps(TorchOps):
-    """The Triton backend of one layer: the fused decode kernel; the pack kernel where it gives kitty.quant's bytes."""
+    """The Triton backend of one layer: the fused decode kernel; the pack kernel where it gives kitty.core.quant's
+    bytes."""
 
     fused_decode = True
 
     def __init__(self, cfg: KVQuantConfig, device: torch.device):
         super().__init__(cfg, device)
-        # the kernel gives kitty.quant's bytes for a quantized side with min-max ranges (any channel selection: the
-        # non-magnitude ones pass it torch's boost mask); fitted ranges stay on kitty.quant. A layer's cfg is already
-        # its own (KVQuantConfig.for_layer), so a boost profile's per-layer nb needs nothing here.
+        # the kernel gives kitty.core.quant's bytes for a quantized side with min-max ranges (any channel selection: the
+        # non-magnitude ones pass it torch's boost mask); fitted ranges stay on kitty.core.quant. A layer's cfg is
+        # already its own (KVQuantConfig.for_layer), so a boost profile's per-layer nb needs nothing here.
         kernel_keys = cfg.quantizes_keys and cfg.key_range == "minmax" and cfg.boost_profile is None
         kernel_values = cfg.quantizes_values and cfg.value_range == "minmax"
         self.packs_keys = device.type == "cuda" and kernel_keys
@@ -235,11 +236,11 @@ class GluonOps(TritonOps):
     ``gluon_supports`` holds for the call's dtype and GQA ratio, else by the ``tl`` kernel."""
 
     def attend(self, q, state, scaling, full_qbuffer=False, workspace=None) -> torch.Tensor:
-        from .kernels.gluon_launch import gluon_supports
+        from ..kernels.gluon_launch import gluon_supports
 
         D, gqa = q.shape[-1], q.shape[1] // state.k_qbuf.shape[1]
         if gluon_supports(self.cfg, D, q.dtype, q.device, gqa):
-            from .kernels.decode_gluon import decode_attention_gluon
+            from ..kernels.decode_gluon import decode_attention_gluon
 
             return decode_attention_gluon(q, state, self.cfg, scaling, full_qbuffer=full_qbuffer, workspace=workspace)
         return super().attend(q, state, scaling, full_qbuffer, workspace)

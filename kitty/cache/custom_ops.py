@@ -21,7 +21,7 @@ a ``Launch``) and flatten them into what an op schema holds:
   which the op writes (declared mutated); its output is a fresh tensor (an op may not return an alias of an input).
 
 Each op runs the Triton kernel for CUDA tensors or under ``TRITON_INTERPRET=1``, else its torch reference
-(``kernels/reference.py``), as the layer's ops objects (``kitty/backend.py``) choose.
+(``kernels/reference.py``), as the layer's ops objects (``kitty/cache/backend.py``) choose.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from collections.abc import Sequence
 
 import torch
 
-from . import kernels
-from .config import KVQuantConfig
-from .kernels.launch import Launch, default_launch
-from .storage import KittyLayerState
+from .. import kernels
+from ..core.config import KVQuantConfig
+from ..core.storage import KittyLayerState
+from ..kernels.launch import Launch, default_launch
 
 __all__ = [
     "STATE_FIELDS",
@@ -65,7 +65,9 @@ def _config(key: str) -> KVQuantConfig:
     try:
         return _CONFIGS[key]
     except KeyError:
-        raise ValueError(f"cfg {key!r} was not registered in this process (call kitty.custom_ops.config_key)") from None
+        raise ValueError(
+            f"cfg {key!r} was not registered in this process (call kitty.cache.custom_ops.config_key)"
+        ) from None
 
 
 def _runs_kernels(t: torch.Tensor) -> bool:

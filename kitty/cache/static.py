@@ -1,13 +1,13 @@
 """Static Kitty layers: every tensor preallocated, a decode step that never waits on the host (capturable).
 
 ``KittyCache(config, preset, max_batch_size=..., max_cache_len=...)`` (transformers ``StaticCache``'s names) builds
-these layers instead of the growing ones of ``kitty.cache``. Per layer, with ``B`` rows (the first batch, at most
-``max_batch_size``), ``L = max_cache_len`` columns, sink ``S``, page size ``G``, local window ``R``::
+these layers instead of the growing ones of ``kitty.cache.kitty_cache``. Per layer, with ``B`` rows (the first batch, at
+most ``max_batch_size``), ``L = max_cache_len`` columns, sink ``S``, page size ``G``, local window ``R``::
 
     key pages per row     Wk = max(L - S, 0) // G          key pool   B * Wk pages: row b's page j is id b * Wk + j
     value pages per row   Wv = max(L - S - R, 0) // G      value pool B * Wv pages: id b * Wv + j
     page tables           int32 [B, Wk] / [B, Wv], -1 until the page is written (then its fixed id)
-    sink, qbuffers, local as in ``kitty.layer.PagedLayer``; lengths int32 [B], updated in place
+    sink, qbuffers, local as in ``kitty.cache.layer.PagedLayer``; lengths int32 [B], updated in place
     kernel workspace      the fused decode kernel's split buffers and output, allocated on the first decode step
 
 No allocator is needed (a page's id follows from its row and index), and the shapes never change, so the
@@ -18,18 +18,18 @@ A decode step (one new token in every row) runs only device operations in a fixe
 1. insert: the new token goes to its sink / key-qbuffer / local slot of every row (``torch.where`` on slots computed
    from ``lengths`` on the device), the oldest local value to the value qbuffer; ``lengths += 1`` in place;
 2. attend: the fused kernel over the storage (the qbuffer this token filled in full precision), or the torch path;
-3. pack: every row whose key (value) qbuffer just filled (``kitty.pages.filled_pages``) is packed into its page by
-   the layer's ops object (``kitty.backend``, ``pack_completed``): ``kitty.kernels.pack_completed`` (Triton backend,
-   configs it packs bit-identically) launches one program per (row, KV head) that reads ``lengths[b]`` and returns
-   unless its row completed a page, else ``kernels/reference.py``'s ``pack_completed_ref`` quantizes all rows and
-   keeps the completed ones with ``torch.where``.
+3. pack: every row whose key (value) qbuffer just filled (``kitty.core.pages.filled_pages``) is packed into its page by
+   the layer's ops object (``kitty.cache.backend``, ``pack_completed``): ``kitty.kernels.pack_completed`` (Triton
+   backend, configs it packs bit-identically) launches one program per (row, KV head) that reads ``lengths[b]`` and
+   returns unless its row completed a page, else ``kernels/reference.py``'s ``pack_completed_ref`` quantizes all rows
+   and keeps the completed ones with ``torch.where``.
 
 Host counters (columns fed, steps since the prompt) are plain Python integers, advanced by the step's Python code or,
 for a replayed CUDA graph (where no Python runs), by :meth:`StaticKittyLayer.advance`. Capacity is checked on them
 before anything changes: more than ``max_cache_len`` columns or ``max_batch_size`` rows raise ``ValueError``.
 
 A decode step stores the new token of every row without reading the attention mask (reading it would synchronize):
-``generate`` and :func:`kitty.generate.generate_static` always feed real tokens after the prompt. Prompts (several
+``generate`` and :func:`kitty.hf.generate.generate_static` always feed real tokens after the prompt. Prompts (several
 tokens per row, left padding) run the same code as the growing cache, with the host work it needs.
 """
 
@@ -37,11 +37,11 @@ from __future__ import annotations
 
 import torch
 
+from ..core.config import KVQuantConfig, is_int
+from ..core.memory import token_layout
+from ..core.pages import FixedPages, filled_pages
 from .backend import check_triton
-from .config import KVQuantConfig, is_int
 from .layer import PagedLayer
-from .memory import token_layout
-from .pages import FixedPages, filled_pages
 
 __all__ = ["StaticKittyLayer", "check_static_args", "page_widths"]
 
@@ -68,8 +68,8 @@ def page_widths(cfg: KVQuantConfig, max_cache_len: int) -> tuple[int, int]:
 
 
 class StaticKittyLayer(PagedLayer):
-    """The static Kitty layer, sibling of the growing :class:`kitty.layer.KittyLayer` over the shared parts of
-    :class:`kitty.layer.PagedLayer`: fixed storage and page ids (module docstring); ``is_compileable``."""
+    """The static Kitty layer, sibling of the growing :class:`kitty.cache.layer.KittyLayer` over the shared parts of
+    :class:`kitty.cache.layer.PagedLayer`: fixed storage and page ids (module docstring); ``is_compileable``."""
 
     is_compileable = True
 
