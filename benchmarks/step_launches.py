@@ -145,7 +145,7 @@ def fp16_step(B, Hkv, QH, D, L, prompt, dtype, device, masked: bool):
 def kitty_step(B, Hkv, QH, D, L, prompt, dtype, device, preset: str, ops: bool):
     """One static Kitty layer's decode step: today's ``StaticKittyLayer.attend_and_append`` (``ops=False``), or
     the three custom ops (insert, attention with the merge inside, predicated pack) on the same layer."""
-    from kitty.cache.kitty_cache import custom_ops
+    from kitty.cache import custom_ops
     from kitty.cache.static import StaticKittyLayer
 
     cfg = PRESETS[preset]

@@ -15,7 +15,8 @@ from fixtures import W, tiny_config, tiny_model
 from transformers import DynamicCache
 
 from kitty import PRESETS, KittyCache, analytic_report
-from kitty.cache.kitty_cache import KittyLayer, SlidingWindowLayer
+from kitty.cache.layer import KittyLayer
+from kitty.cache.window import SlidingWindowLayer
 from kitty.hf.compat import cache_kwargs
 
 SMALL = {name: PRESETS[name].with_(sink_tokens=4, group_size=8, local_window=8) for name in ("fp16", "kitty")}

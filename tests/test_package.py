@@ -154,7 +154,7 @@ def test_import_kitty_reads_no_profile_and_loads_no_model_code():
         builtins.open = lambda f, *a, **k: reads.append(str(f)) or open_(f, *a, **k)
         import kitty
         assert not [r for r in reads if r.endswith(".json")], reads
-        assert "transformers" not in sys.modules and "kitty.cache.kitty_cache" not in sys.modules
+        assert "transformers" not in sys.modules and "kitty.cache" not in sys.modules
         names = list(kitty.PRESETS)
         assert "kitty-fit-adaptive" in names and not [r for r in reads if r.endswith(".json")]
         assert len(kitty.PRESETS["kitty-fit-adaptive"].boost_profile) == 30

@@ -237,7 +237,7 @@ def kitty_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """Attention registered as ``"kitty"``; returns ``([B, T, Hq, D], None)`` like transformers' functions.
 
-    ``key``/``value``: the :class:`kitty.cache.kitty_cache.PendingKV` of a KittyCache layer (or plain tensors: SDPA fallback).
+    ``key``/``value``: the :class:`kitty.core.storage.PendingKV` of a KittyCache layer (or plain tensors: SDPA fallback).
     ``attention_mask``: the :class:`KittyMask` of :func:`kitty_mask` (or ``None``: no padding).
     """
     if not isinstance(key, PendingKV):

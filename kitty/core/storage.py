@@ -257,7 +257,7 @@ class PendingKV:
     function knows which columns are padding and inserts only the valid ones).
     """
 
-    layer: Any  # the kitty.cache.kitty_cache.KittyLayer the tokens belong to
+    layer: Any  # the kitty.cache.layer.PagedLayer the tokens belong to
     key_states: torch.Tensor
     value_states: torch.Tensor
 
