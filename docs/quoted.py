@@ -118,7 +118,7 @@ def passkeys(key: str) -> dict[str, dict]:
 
 def eval_tokens() -> int:
     """Tokens in the cache at the end of a perplexity window: kitty.tools.eval's --prefill + --scored defaults."""
-    src = (ROOT / "kitty" / "eval.py").read_text()
+    src = (ROOT / "kitty" / "tools" / "eval.py").read_text()
     get = lambda flag: int(re.search(rf'"--{flag}", type=int, default=(\d+)', src).group(1))  # noqa: E731
     return get("prefill") + get("scored")
 

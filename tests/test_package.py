@@ -185,23 +185,31 @@ def import_graph() -> dict[str, set[str]]:
 
     graph: dict[str, set[str]] = {}
     for folder, package in ((ROOT / "kitty", "kitty"), (ROOT / "kernels", "kitty.kernels")):
-        for path in folder.glob("*.py"):
-            name = "kitty" if path.stem == "__init__" else f"{package}.{path.stem}"
+        for path in folder.rglob("*.py"):
+            parts = [package, *path.relative_to(folder).with_suffix("").parts]
+            is_package = parts[-1] == "__init__"
+            name = ".".join(parts[:-1] if is_package else parts)
+            here = name if is_package else name.rsplit(".", 1)[0]  # the package relative imports start from
             deps = graph.setdefault(name, set())
             tree = ast.parse(path.read_text())
             for node in ast.walk(tree):
                 if isinstance(node, ast.ImportFrom) and node.level:
-                    base = package if node.level == 1 else "kitty"
-                    deps.update(f"{base}.{node.module}" if node.module else f"{base}.{a.name}" for a in node.names)
+                    base = ".".join(here.split(".")[: len(here.split(".")) - node.level + 1])
+                    if node.module:
+                        deps.add(f"{base}.{node.module}")
+                        deps.update(f"{base}.{node.module}.{a.name}" for a in node.names)  # submodules
+                    else:
+                        deps.update(f"{base}.{a.name}" for a in node.names)
                 elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kitty."):
                     deps.add(node.module)
+                    deps.update(f"{node.module}.{a.name}" for a in node.names)
                 elif isinstance(node, ast.Import):
                     deps.update(a.name for a in node.names if a.name.startswith("kitty."))
                 elif name == "kitty.kernels" and isinstance(node, ast.Assign):
                     if any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in node.targets):
                         deps.update(f"kitty.kernels.{m}" for m in ast.literal_eval(node.value).values())
     assert {"kitty.kernels.reference", "kitty.kernels.pack"} <= graph["kitty.kernels"], "_EXPORTS was not read"
-    return {n: {d.split(".__init__")[0] for d in deps if d in graph} for n, deps in graph.items()}
+    return {n: {d for d in deps if d in graph and d != n} for n, deps in graph.items()}
 
 
 def test_kitty_modules_import_each_other_without_a_cycle():
@@ -220,6 +228,31 @@ def test_kitty_modules_import_each_other_without_a_cycle():
 
     assert len(graph) > 20, sorted(graph)  # both folders were read
     assert [n for n in graph if n in reaches(n)] == []
+
+
+# What each layer of kitty/ may import of kitty (docs/ARCHITECTURE.md, "Module map"): a module of the package on the
+# left imports only modules under the prefixes on the right (its own package included).
+LAYERS = {
+    "kitty.core": ("kitty.core",),
+    "kitty.hf.compat": ("kitty.core.config",),
+    "kitty.cache": ("kitty.core", "kitty.kernels", "kitty.hf.compat", "kitty.cache"),
+    "kitty.hf": ("kitty.core", "kitty.kernels", "kitty.hf", "kitty.cache"),
+}
+
+
+def test_each_layer_imports_only_the_layers_below():
+    graph = import_graph()
+
+    def layer(name: str) -> str | None:
+        return max((p for p in LAYERS if name == p or name.startswith(p + ".")), key=len, default=None)
+
+    wrong = {
+        n: sorted(d for d in deps if not any(d == a or d.startswith(a + ".") for a in LAYERS[layer(n)]))
+        for n, deps in graph.items()
+        if layer(n)
+    }
+    assert {n: d for n, d in wrong.items() if d} == {}
+    assert {"kitty.core.quant", "kitty.cache.static", "kitty.hf.generate", "kitty.tools.cli"} <= set(graph)
 
 
 def test_kernels_import_only_the_data_contract():
