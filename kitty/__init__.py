@@ -2,6 +2,7 @@
 
 from .core.config import PRESETS, KVQuantConfig, get_preset
 from .core.memory import MemoryReport, analytic_report, token_layout
+from .lazy import lazy_exports
 
 __all__ = [
     "KVQuantConfig",
@@ -16,14 +17,5 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str):
-    # Imported on first use: KittyCache pulls in transformers, which `import kitty` alone should not pay for.
-    if name == "KittyCache":
-        from .cache.kitty_cache import KittyCache
-
-        return KittyCache
-    if name == "load_model":
-        from .hf.models import load_model
-
-        return load_model
-    raise AttributeError(f"module 'kitty' has no attribute {name!r}")
+# KittyCache pulls in transformers, which `import kitty` alone should not pay for: names load on first use
+__getattr__ = lazy_exports(__name__, {"KittyCache": "cache.kitty_cache", "load_model": "hf.models"})

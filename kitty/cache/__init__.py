@@ -2,14 +2,9 @@
 attention function transformers calls, the ops objects that pick a kernel (backend.py).
 """
 
+from ..lazy import lazy_exports
+
 __all__ = ["KittyCache"]
 _EXPORTS = {"KittyCache": "kitty_cache"}
 
-
-def __getattr__(name: str):
-    # names load on first use, so importing one module of the package does not import the others
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from importlib import import_module
-
-    return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -3,6 +3,8 @@ the memory model, page arithmetic. Imports torch only; ``kernels/`` may import t
 ``kitty``.
 """
 
+from ..lazy import lazy_exports
+
 __all__ = [
     "KVQuantConfig",
     "KittyLayerState",
@@ -24,11 +26,4 @@ _EXPORTS = {
     "KittyLayerState": "storage",
 }
 
-
-def __getattr__(name: str):
-    # names load on first use, so importing one module of the package does not import the others
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from importlib import import_module
-
-    return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
