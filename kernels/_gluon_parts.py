@@ -147,3 +147,25 @@ def merge_parts(s, PK: gl.constexpr):
         a, b = gl.split(gl.reshape(s, [s.shape[0], s.shape[1] // 2, 2]))
         s = a + b
     return s
+
+
+@gluon.jit
+def channel_vector(ptr, base, D4: gl.constexpr, OUT: gl.constexpr):
+    """``ptr[base + low_channel(k)]`` for ``k < 4 D4`` in the 1-D layout ``OUT`` (the K slice of an operand
+    fragment), loaded as contiguous runs: in ``low_plane_order`` lane ``q`` holds channels ``4 W q .. 4 W q + 4 W - 1``
+    of every field ``s``, so each (field, lane) is one vector load of ``4 W`` elements, broadcast over the lanes of
+    the other rows; a reshape and a permute then put them in the fragment's column order (register moves only)."""
+    W: gl.constexpr = D4 // 16
+    LV: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4 * W], [8, 1, 4, 1], [1, 1, 1, 1], [3, 2, 1, 0])
+    z = gl.arange(0, 1, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LV))))
+    s = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LV))))
+    q = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, LV))))
+    j = gl.arange(0, 4 * W, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LV))))
+    off = (
+        z[:, None, None, None] + s[None, :, None, None] * D4 + q[None, None, :, None] * (4 * W) + j[None, None, None, :]
+    )
+    x = gl.load(ptr + base + off)
+    x = gl.reshape(x, [4, 4, W, 2, 2])  # (s, q, kt, e, h): channel 4 W q + 4 kt + 2 e + h
+    x = gl.permute(x, [0, 2, 4, 1, 3])  # (s, kt, h, q, e): column s D4 + 16 kt + 8 h + 2 q + e
+    x = gl.reshape(x, [4 * D4])
+    return gl.convert_layout(x, OUT)

@@ -33,7 +33,7 @@ from kitty.config import KVQuantConfig
 from kitty.quant import high_plane_bytes
 from kitty.storage import KittyLayerState, check_state
 
-from ._gluon_parts import cat4, low_channel, merge_parts, token_order, unpack_high, unpack_low, widen
+from ._gluon_parts import cat4, channel_vector, low_channel, merge_parts, token_order, unpack_high, unpack_low, widen
 from .gluon_launch import GluonLaunch, default_gluon_launch, pages_supported
 
 __all__ = ["decode_attention_gluon", "gluon_constants"]
@@ -57,14 +57,15 @@ def _key_operand(
 ):
     """Per key page: ``B`` ``(D, N)`` (``q * scale`` at the permuted channels, two parts or hi and a zero column)
     and its per-column term ``corr`` ``(N,)``: ``sum q zero`` (part 0), minus the bf16 offsets' share."""
-    ch = low_channel(kk, D4)
-    sc = gl.load(scale_ptr + meta + ch).to(gl.float32)
-    z = gl.load(zero_ptr + meta + ch).to(gl.float32)
+    OUT: gl.constexpr = kk.type.layout
+    sc = channel_vector(scale_ptr, meta, D4, OUT).to(gl.float32)
+    z = channel_vector(zero_ptr, meta, D4, OUT).to(gl.float32)
     s = kk // D4
     if IS_BF16:
         off = gl.where(s == 1, 32.0, gl.where(s == 2, 8.0, 128.0))
     else:
         sc = sc * gl.exp2(-2.0 * s.to(gl.float32))  # the unit 4^s of field s
+    q_perm = q_perm.to(gl.float32)
     x = q_perm * sc[:, None]
     hi = x.to(DOT)
     if TWO:
@@ -96,9 +97,7 @@ def _high_operand(
 ):
     """The high plane's small operand ``4 B[channel of slot]`` ``(KH, N)``, gathered by a one-hot product (exact),
     and its bf16 offset term."""
-    ch = low_channel(kk, D4)
-    idx = gl.load(idx_ptr + meta + ch).to(gl.int32)
-    idx = gl.convert_layout(idx, gl.SliceLayout(0, DA))
+    idx = channel_vector(idx_ptr, meta, D4, gl.SliceLayout(0, DA)).to(gl.int32)
     if IS_BF16:
         unit = gl.full([D4 * 4], 1.0, gl.float32, gl.SliceLayout(0, DA))
     else:  # the fp16 low operand carries 4^-s of the channel's field; high codes have unit 1
@@ -315,7 +314,7 @@ def _decode_gluon_kernel(
     q_off = b64 * sq_b + h * QH * sq_h
     q_perm = gl.load(
         q_ptr + q_off + head[None, :] * sq_h + low_channel(kk, D4)[:, None], mask=(head < QH)[None, :], other=0.0
-    ).to(gl.float32)
+    )  # kept in q's own 16-bit dtype (exact): half the registers of the loop-invariant operand
     if NB > 0:
         # column r of the high operand: slot byte + field * NB4 (gluon_launch.high_plane_order), -1 past the plane
         r = gl.arange(0, KH, gl.SliceLayout(1, DA))
