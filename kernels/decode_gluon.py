@@ -33,7 +33,17 @@ from kitty.config import KVQuantConfig
 from kitty.quant import high_plane_bytes
 from kitty.storage import KittyLayerState, check_state
 
-from ._gluon_parts import cat4, channel_vector, low_channel, merge_parts, token_order, unpack_high, unpack_low, widen
+from ._gluon_parts import (
+    cat4,
+    channel_vector,
+    low_channel,
+    merge_parts,
+    one_hot,
+    token_order,
+    unpack_high,
+    unpack_low,
+    widen,
+)
 from .gluon_launch import GluonLaunch, default_gluon_launch, pages_supported
 
 __all__ = ["decode_attention_gluon", "gluon_constants"]
@@ -84,31 +94,26 @@ def _high_operand(
     bop,
     idx_ptr,
     meta,
-    kk,
-    slot,
     D4: gl.constexpr,
     KH: gl.constexpr,
     NK: gl.constexpr,
+    NB: gl.constexpr,
+    NB4: gl.constexpr,
     IS_BF16: gl.constexpr,
     DOT: gl.constexpr,
     MMA: gl.constexpr,
     DA: gl.constexpr,
     DB: gl.constexpr,
 ):
-    """The high plane's small operand ``4 B[channel of slot]`` ``(KH, N)``, gathered by a one-hot product (exact),
-    and its bf16 offset term."""
-    idx = channel_vector(idx_ptr, meta, D4, gl.SliceLayout(0, DA)).to(gl.int32)
-    if IS_BF16:
-        unit = gl.full([D4 * 4], 1.0, gl.float32, gl.SliceLayout(0, DA))
-    else:  # the fp16 low operand carries 4^-s of the channel's field; high codes have unit 1
-        unit = gl.convert_layout(gl.exp2(2.0 * (kk // D4).to(gl.float32)), gl.SliceLayout(0, DA))
-    oh = gl.where(idx[None, :] == slot[:, None], unit[None, :], 0.0).to(DOT)
+    """The high plane's small operand ``4 B[channel of slot]`` ``(KH, N)``, gathered by a one-hot product (exact:
+    one nonzero power-of-two term per entry), and its bf16 offset term."""
+    oh = one_hot(idx_ptr, meta, KH, D4, NB, NB4, not IS_BF16, DOT, DA)
     g = mma_v2(oh, bop, gl.zeros([KH, NK], gl.float32, MMA))
-    bh = gl.convert_layout((g * 4.0).to(DOT), DB)
+    bh = gl.convert_layout(g.to(DOT), DB)
     if IS_BF16:
         corr = -128.0 * gl.sum(bh.to(gl.float32), 0)
     else:
-        corr = gl.sum(bh.to(gl.float32), 0) * 0.0
+        corr = gl.zeros([NK], gl.float32, gl.SliceLayout(0, DB))
     return bh, corr
 
 
@@ -315,14 +320,6 @@ def _decode_gluon_kernel(
     q_perm = gl.load(
         q_ptr + q_off + head[None, :] * sq_h + low_channel(kk, D4)[:, None], mask=(head < QH)[None, :], other=0.0
     )  # kept in q's own 16-bit dtype (exact): half the registers of the loop-invariant operand
-    if NB > 0:
-        # column r of the high operand: slot byte + field * NB4 (gluon_launch.high_plane_order), -1 past the plane
-        r = gl.arange(0, KH, gl.SliceLayout(1, DA))
-        byte = 4 * (r // 16) + 2 * (r % 2) + (r // 8) % 2
-        sl = byte + ((r // 2) % 4) * NB4
-        slot = gl.where((byte < NB4) & (sl < NB), sl, -1)
-    else:
-        slot = gl.arange(0, 16, gl.SliceLayout(1, DA))
     tt = gl.arange(0, 32, gl.SliceLayout(1, LS))
     m_i = gl.full([BH], float("-inf"), gl.float32, LH)
     l_i = gl.zeros([BH], gl.float32, LH)
@@ -338,7 +335,7 @@ def _decode_gluon_kernel(
         bop, corr = _key_operand(q_perm, k_scale_ptr, k_zero_ptr, kpage * D, kk, part, D, D4, TWO, IS_BF16, DOT)
         bh = bop
         if NB > 0:
-            bh, ch = _high_operand(bop, k_idx_ptr, kpage * D, kk, slot, D4, KH, NK, IS_BF16, DOT, MMA, DA, DB)
+            bh, ch = _high_operand(bop, k_idx_ptr, kpage * D, D4, KH, NK, NB, NB4, IS_BF16, DOT, MMA, DA, DB)
             corr = corr + ch
         corr_m = gl.convert_layout(corr, gl.SliceLayout(0, MMA))
         s0 = gl.convert_layout(
@@ -431,7 +428,7 @@ def _decode_gluon_kernel(
             bop, corr = _key_operand(q_perm, k_scale_ptr, k_zero_ptr, kpage * D, kk, part, D, D4, TWO, IS_BF16, DOT)
             bh = bop
             if NB > 0:
-                bh, ch = _high_operand(bop, k_idx_ptr, kpage * D, kk, slot, D4, KH, NK, IS_BF16, DOT, MMA, DA, DB)
+                bh, ch = _high_operand(bop, k_idx_ptr, kpage * D, D4, KH, NK, NB, NB4, IS_BF16, DOT, MMA, DA, DB)
                 corr = corr + ch
             corr_m = gl.convert_layout(corr, gl.SliceLayout(0, MMA))
             s0 = gl.convert_layout(
