@@ -44,7 +44,7 @@ from ._gluon_parts import (
     unpack_low,
     widen,
 )
-from .gluon_launch import GluonLaunch, default_gluon_launch, pages_supported
+from .gluon_launch import GluonLaunch, default_gluon_launch, merge_group, pages_supported
 
 __all__ = ["decode_attention_gluon", "gluon_constants"]
 
@@ -216,6 +216,64 @@ def _fp_values(
 
 
 @gluon.jit
+def _merge_rows(ws_m_ptr, ws_l_ptr, ws_z_ptr, ws_acc_ptr, row0, stride, count, BH: gl.constexpr, D: gl.constexpr):
+    """Online-softmax merge of the partials in workspace rows ``row0 + i stride`` (``i < count``), read ``SPB``
+    rows per step so a step's loads are in flight together: ``(M, L, O)`` per head, zero terms folded into ``O``."""
+    SPB: gl.constexpr = 16 // BH if BH < 16 else 1
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, D // 32], [1, 1, 32], [1, 1, 1], [2, 1, 0])
+    L2: gl.constexpr = gl.SliceLayout(2, L3)
+    LO2: gl.constexpr = gl.SliceLayout(0, L3)
+    sp = gl.arange(0, SPB, gl.SliceLayout(1, L2))
+    hh = gl.arange(0, BH, gl.SliceLayout(0, L2))
+    d = gl.arange(0, D, gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    M = gl.full([BH], float("-inf"), gl.float32, gl.SliceLayout(0, L2))
+    L = gl.zeros([BH], gl.float32, gl.SliceLayout(0, L2))
+    O = gl.zeros([BH, D], gl.float32, LO2)
+    for t in range(0, count, SPB):
+        ok = (t + sp) < count
+        mh = ((row0 + (t + sp) * stride) * BH)[:, None] + hh[None, :]
+        ms = gl.load(ws_m_ptr + mh, mask=ok[:, None], other=float("-inf"), cache_modifier=".cg")
+        ls = gl.load(ws_l_ptr + mh, mask=ok[:, None], other=0.0, cache_modifier=".cg")
+        zs = gl.load(ws_z_ptr + mh, mask=ok[:, None], other=0.0, cache_modifier=".cg")
+        os_ = gl.load(
+            ws_acc_ptr + mh[:, :, None] * D + d[None, None, :], mask=ok[:, None, None], other=0.0, cache_modifier=".cg"
+        )
+        Mn = gl.maximum(M, gl.max(ms, 0))
+        Ms = gl.where(Mn > float("-inf"), Mn, 0.0)
+        a = gl.exp2(M - Ms)
+        w = gl.exp2(ms - Ms[None, :])
+        L = L * a + gl.sum(ls * w, 0)
+        O = O * gl.convert_layout(a, gl.SliceLayout(1, LO2))[:, None] + gl.sum(
+            (os_ + zs[:, :, None]) * w[:, :, None], 0
+        )
+        M = Mn
+    return M, L, O
+
+
+@gluon.jit
+def _store_row(ws_m_ptr, ws_l_ptr, ws_z_ptr, ws_acc_ptr, row, M, L, O, BH: gl.constexpr, D: gl.constexpr):
+    """A merged ``(M, L, O)`` written back as workspace row ``row`` (zero term 0: it is folded into ``O``)."""
+    hh = gl.arange(0, BH, M.type.layout)
+    gl.store(ws_m_ptr + row * BH + hh, M)
+    gl.store(ws_l_ptr + row * BH + hh, L)
+    gl.store(ws_z_ptr + row * BH + hh, gl.zeros_like(L))
+    hr = gl.arange(0, BH, gl.SliceLayout(1, O.type.layout))
+    d = gl.arange(0, D, gl.SliceLayout(0, O.type.layout))
+    gl.store(ws_acc_ptr + row * (BH * D) + hr[:, None] * D + d[None, :], O)
+
+
+@gluon.jit
+def _store_out(out_ptr, so_h, QH, M, L, O, BH: gl.constexpr, D: gl.constexpr):
+    """``O / L`` of the ``QH`` real heads into the output rows at ``out_ptr`` (head stride ``so_h``)."""
+    LO2: gl.constexpr = O.type.layout
+    hr = gl.arange(0, BH, gl.SliceLayout(1, LO2))
+    d = gl.arange(0, D, gl.SliceLayout(0, LO2))
+    Lr = gl.convert_layout(L, gl.SliceLayout(1, LO2))
+    o = O / gl.where(Lr > 0, Lr, 1.0)[:, None]
+    gl.store(out_ptr + hr[:, None] * so_h + d[None, :], o.to(out_ptr.dtype.element_ty), mask=(hr < QH)[:, None])
+
+
+@gluon.jit
 def _decode_gluon_kernel(
     q_ptr,
     out_ptr,
@@ -243,6 +301,7 @@ def _decode_gluon_kernel(
     Hkv,
     QH,
     NUM_SPLITS,
+    MERGE_GROUP,
     qk_scale,
     sq_b,
     sq_h,
@@ -593,48 +652,51 @@ def _decode_gluon_kernel(
                 DA,
                 DB,
             )
-    # ---- the split's partial: (m, l, zero term) per head, (D, NV) product; the last program merges
+    # ---- the split's partial: (m, l, zero term) per head, (BH, D) product; merged in two levels: the last program
+    # of each group of MERGE_GROUP splits merges the group into the group's first row, the last group merges the rows
     res = acc_q + gl.convert_layout(acc_n, LO)
+    if PV == 2:
+        res, _ = gl.split(gl.reshape(res, [D, BH, 2]))  # the zero columns beside each head dropped
+    res = gl.convert_layout(res, LO)
     hv = gl.arange(0, BH, LH)
-    wsr = (pid_bh * NUM_SPLITS + split) * BH
-    gl.store(ws_m_ptr + wsr + hv, m_i)
-    gl.store(ws_l_ptr + wsr + hv, l_i)
-    gl.store(ws_z_ptr + wsr + hv, az)
+    row = pid_bh * NUM_SPLITS + split
+    gl.store(ws_m_ptr + row * BH + hv, m_i)
+    gl.store(ws_l_ptr + row * BH + hv, l_i)
+    gl.store(ws_z_ptr + row * BH + hv, az)
     dd = gl.arange(0, D, gl.SliceLayout(1, LO))
-    nv = gl.arange(0, NV, gl.SliceLayout(0, LO))
-    gl.store(ws_acc_ptr + (pid_bh * NUM_SPLITS + split) * (D * NV) + dd[:, None] * NV + nv[None, :], res)
+    hd = gl.arange(0, BH, gl.SliceLayout(0, LO))
+    gl.store(ws_acc_ptr + row * (BH * D) + hd[None, :] * D + dd[:, None], res)
+    NG = gl.cdiv(NUM_SPLITS, MERGE_GROUP)
+    grp = split // MERGE_GROUP
+    first = grp * MERGE_GROUP
+    tickets = ticket_ptr + pid_bh * (NG + 1)
     gl.thread_barrier()
-    ticket = gl.atomic_add(ticket_ptr + pid_bh, 1, sem="acq_rel", scope="gpu")
-    if ticket == NUM_SPLITS - 1:
-        LM: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0])
-        hr = gl.arange(0, BH, gl.SliceLayout(1, LM))
-        dm = gl.arange(0, D, gl.SliceLayout(0, LM))
-        M = gl.full([BH], float("-inf"), gl.float32, gl.SliceLayout(1, LM))
-        L = gl.zeros([BH], gl.float32, gl.SliceLayout(1, LM))
-        O = gl.zeros([BH, D], gl.float32, LM)
-        for sp in range(0, NUM_SPLITS):
-            base = (pid_bh * NUM_SPLITS + sp) * BH
-            ms = gl.load(ws_m_ptr + base + hr, cache_modifier=".cg")
-            ls = gl.load(ws_l_ptr + base + hr, cache_modifier=".cg")
-            zs = gl.load(ws_z_ptr + base + hr, cache_modifier=".cg")
-            os_ = gl.load(
-                ws_acc_ptr + (pid_bh * NUM_SPLITS + sp) * (D * NV) + dm[None, :] * NV + hr[:, None] * PV,
-                cache_modifier=".cg",
-            )
-            Mn = gl.maximum(M, ms)
-            Ms = gl.where(Mn > float("-inf"), Mn, 0.0)
-            a = gl.exp2(M - Ms)
-            w = gl.exp2(ms - Ms)
-            L = L * a + ls * w
-            O = O * a[:, None] + (os_ + zs[:, None]) * w[:, None]
-            M = Mn
-        o = O / gl.where(L > 0, L, 1.0)[:, None]
-        gl.store(
-            out_ptr + b64 * so_b + (h * QH + hr[:, None]) * so_h + dm[None, :],
-            o.to(out_ptr.dtype.element_ty),
-            mask=(hr < QH)[:, None],
+    ticket = gl.atomic_add(tickets + grp, 1, sem="acq_rel", scope="gpu")
+    if ticket == gl.minimum(MERGE_GROUP, NUM_SPLITS - first) - 1:
+        M, L, O = _merge_rows(
+            ws_m_ptr,
+            ws_l_ptr,
+            ws_z_ptr,
+            ws_acc_ptr,
+            pid_bh * NUM_SPLITS + first,
+            1,
+            gl.minimum(MERGE_GROUP, NUM_SPLITS - first),
+            BH,
+            D,
         )
-        gl.store(ticket_ptr + pid_bh, 0)
+        gl.store(tickets + grp, 0)
+        if NG == 1:
+            _store_out(out_ptr + b64 * so_b + h * QH * so_h, so_h, QH, M, L, O, BH, D)
+        else:
+            _store_row(ws_m_ptr, ws_l_ptr, ws_z_ptr, ws_acc_ptr, pid_bh * NUM_SPLITS + first, M, L, O, BH, D)
+            gl.thread_barrier()
+            top = gl.atomic_add(tickets + NG, 1, sem="acq_rel", scope="gpu")
+            if top == NG - 1:
+                M, L, O = _merge_rows(
+                    ws_m_ptr, ws_l_ptr, ws_z_ptr, ws_acc_ptr, pid_bh * NUM_SPLITS, MERGE_GROUP, NG, BH, D
+                )
+                _store_out(out_ptr + b64 * so_b + h * QH * so_h, so_h, QH, M, L, O, BH, D)
+                gl.store(tickets + NG, 0)
 
 
 def gluon_constants(
@@ -696,16 +758,22 @@ def decode_attention_gluon(
     launch = launch or default_gluon_launch(B, Hkv, max_pages, q.device)
     consts = gluon_constants(cfg, D, QH, q.dtype, launch, full_qbuffer)
     BH, splits = consts["BH"], launch.num_splits
-    NV = BH * (2 if BH == 4 else 1)
     dev, f32 = q.device, torch.float32
     rows = B * Hkv * splits * BH
-    if workspace is not None and workspace.get("g_out") is not None and workspace["g_m"].shape[0] == rows:
+    group = merge_group(launch)
+    n_tickets = B * Hkv * (-(-splits // group) + 1)
+    if (
+        workspace is not None
+        and workspace.get("g_out") is not None
+        and workspace["g_m"].shape[0] == rows
+        and workspace["g_t"].shape[0] == n_tickets
+    ):
         ws_m, ws_l, ws_z, ws_acc, tickets, out = (workspace[k] for k in ("g_m", "g_l", "g_z", "g_acc", "g_t", "g_out"))
     else:
         ws_m = torch.empty(rows, dtype=f32, device=dev)
         ws_l, ws_z = torch.empty_like(ws_m), torch.empty_like(ws_m)
-        ws_acc = torch.empty(B * Hkv * splits, D * NV, dtype=f32, device=dev)
-        tickets = torch.zeros(B * Hkv, dtype=torch.int32, device=dev)
+        ws_acc = torch.empty(B * Hkv * splits, BH * D, dtype=f32, device=dev)
+        tickets = torch.zeros(n_tickets, dtype=torch.int32, device=dev)
         out = torch.empty(B, Hq, D, dtype=q.dtype, device=dev)
         if workspace is not None:
             workspace.update(g_m=ws_m, g_l=ws_l, g_z=ws_z, g_acc=ws_acc, g_t=tickets, g_out=out)
@@ -740,6 +808,7 @@ def decode_attention_gluon(
         Hkv,
         QH,
         splits,
+        group,
         scaling * LOG2E,
         q.stride(0),
         q.stride(1),
