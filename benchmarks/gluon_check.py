@@ -1,14 +1,15 @@
 """The Gluon decode kernel on one GPU: correctness on every check case, then timing against SDPA and the tl kernel.
 
-    python benchmarks/gluon_check.py [--out DIR] [--shapes 8x32768,...] [--budget-s 400]
+    python -m benchmarks.gluon_check [--out DIR] [--shapes 8x32768,...] [--check-budget-s 250] [--deadline-s 450]
 
+One GPU call of at most ~8 minutes (the deadlines cut what does not fit and say so in the output):
 1. Correctness (``layout_sweep.py``'s cases and tolerance rule, both ``full_qbuffer`` layouts, one- and two-part key
-   operands): ``max|out - ref| <= 2 max|pt - ref| + floor``.
+   operands, 1 to 40 splits): ``max|out - ref| <= 2 max|pt - ref| + floor``.
 2. Timing (CUDA-graph replays over rotating inputs larger than L2, ``benchmarks/kernels.py``): every SDPA backend for
    FP16 (the fastest is the baseline), the tl kernel's default launch, the Gluon kernel over programs per SM and the
    operand choice, for kitty and kitty-pro, fp16 and bf16.
 
-Writes ``gluon_check.json`` to ``--out``.
+Writes ``gluon_check.json`` and ``gluon_check.md`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -37,15 +38,27 @@ from kitty.kernels.testing import attention_tolerance, make_state, planted_kv  #
 EXTRA_CASES = [("kitty-pro", 8, 64, {}), ("kitty", 1, 128, {}), ("kitty-pro", 3, 128, {}), ("kitty", 2, 64, {})]
 
 
-def check(results: dict) -> bool:
+def check(results: dict, t0: float, budget_s: float) -> bool:
+    """Every case in three passes, the most telling first (each pass compiles one kernel per case): full_qbuffer
+    with the two-part operand over 1, 3, 7 and 40 splits (40: the two-level merge), then the other qbuffer layout,
+    then the one-part operand. Cases past ``budget_s`` are recorded as skipped."""
     ok_all = True
-    for (preset, gqa, D, kw), dtype, fq in itertools.product(
-        CHECK_CASES + EXTRA_CASES, (torch.float16, torch.bfloat16), (True, False)
+    passes = [
+        (True, ((True, 3), (True, 1), (True, 7), (True, 40))),
+        (False, ((True, 3), (True, 40))),
+        (True, ((False, 3),)),
+    ]
+    for (fq, launches), (preset, gqa, D, kw), dtype in itertools.product(
+        passes, CHECK_CASES + EXTRA_CASES, (torch.float16, torch.bfloat16)
     ):
         cfg = PRESETS[preset].with_(**kw)
         key = f"{preset}{kw or ''} gqa{gqa} D{D} {str(dtype)[6:]} fq={int(fq)}"
         if not gluon_supports(cfg, D, dtype, torch.device("cuda"), gqa):
             results["check"][key] = {"supported": False}
+            continue
+        if time.time() - t0 > budget_s:
+            results["check"][key] = {"skipped": "time"}
+            ok_all = False
             continue
         S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
         lengths = [S + 9 * G + 5, S + R + 2 * G, 1, S + G, S + 2 * G + R - 1, max(S, 1), S + R + G + 1, S + 5 * G]
@@ -56,7 +69,7 @@ def check(results: dict) -> bool:
         ref = decode_attention_ref(q, state, cfg, upcast=True, full_qbuffer=fq).float()
         pt = decode_attention_ref(q, state, cfg, upcast=False, full_qbuffer=fq).float()
         tol = attention_tolerance(ref, pt, dtype)
-        for two, splits in ((True, 3), (False, 3), (True, 1), (True, 7)):
+        for two, splits in launches:
             name = f"two={int(two)} splits={splits}"
             try:
                 ws = {}
@@ -83,7 +96,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--shapes", default="8x32768,64x8192,16x8192,1x32768,1x4096")
-    ap.add_argument("--budget-s", type=float, default=400)
+    ap.add_argument("--check-budget-s", type=float, default=250, help="correctness cases past this are skipped")
+    ap.add_argument("--budget-s", type=float, default=330, help="after this, only the default launch is timed")
+    ap.add_argument("--deadline-s", type=float, default=450, help="stop timing here (one <= 8 minute GPU call)")
     ap.add_argument("--no-check", action="store_true")
     args = ap.parse_args()
     t0 = time.time()
@@ -101,7 +116,7 @@ def main() -> None:
     results = {"env": env, "check": {}, "timing": [], "fastest_fp16": {}}
     kb.log("env", json.dumps(env))
     if not args.no_check:
-        results["correct"] = check(results)
+        results["correct"] = check(results, t0, args.check_budget_s)
         kb.log(f"correctness: {'PASS' if results['correct'] else 'FAIL'} ({time.time() - t0:.0f} s)")
         kb.write(results)
     copy_bw, _ = kb.copy_bandwidth()
@@ -147,8 +162,8 @@ def main() -> None:
             t = kb.bench([lambda i=i: decode_attention_triton(qs[i], states[i], cfg) for i in range(nrot)])
             row("tl default", t)
             ws = [{} for _ in range(nrot)]
-            for cps, two in itertools.product((2, 4, 8, 16), (True, False)):
-                if time.time() - t0 > args.budget_s and cps != 8:
+            for cps, two in ((8, True), (4, True), (16, True), (8, False)):
+                if time.time() - t0 > args.deadline_s or (time.time() - t0 > args.budget_s and (cps, two) != (8, True)):
                     continue
                 gl_launch = dataclasses.replace(
                     default_gluon_launch(B, HKV, units, torch.device("cuda"), cps), key_two_part=two
@@ -168,8 +183,31 @@ def main() -> None:
             states = qs = None
             torch.cuda.empty_cache()
         kb.write(results)
+        write_markdown(results, out)
     kb.write(results)
+    write_markdown(results, out)
     print("wrote", kb.RESULT_PATH)
+
+
+def write_markdown(results: dict, out: str) -> None:
+    """``gluon_check.md``: correctness counts and failures, then per shape the fastest FP16 SDPA and every kitty
+    method's time and speedup."""
+    chk = [(k, v) for k, v in results["check"].items() if "ok" in v]
+    lines = [f"# Gluon check ({results['env']['gpu']}, {results['env']['date']})", ""]
+    lines.append(f"Correctness: {sum(v['ok'] for _, v in chk)} / {len(chk)} pass.")
+    lines += [f"- FAIL {k}: err {v['err']:.3g} tol {v['tol']:.3g}" for k, v in chk if not v["ok"]]
+    lines += ["", "| (B, L) | fastest FP16 | method | us | vs FP16 | % copy |", "|---|---|---|---|---|---|"]
+    for r in results["timing"]:
+        if "vs_fp16" not in r:
+            continue
+        best = results["fastest_fp16"].get(f"{r['B']},{r['L']}", {})
+        extra = " ".join(f"{k}={r[k]}" for k in ("ctas_per_sm", "two_part", "splits") if k in r)
+        lines.append(
+            f"| ({r['B']}, {r['L']}) | {best.get('name')} {best.get('us', 0):.1f} | {r['method']} {extra} | "
+            f"{r['us']:.1f} | {r['vs_fp16']:.2f}x | {r['pct_copy']:.0f}% |"
+        )
+    with open(os.path.join(out, "gluon_check.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

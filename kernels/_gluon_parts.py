@@ -147,3 +147,99 @@ def merge_parts(s, PK: gl.constexpr):
         a, b = gl.split(gl.reshape(s, [s.shape[0], s.shape[1] // 2, 2]))
         s = a + b
     return s
+
+
+@gluon.jit
+def channel_vector(ptr, base, D4: gl.constexpr, OUT: gl.constexpr):
+    """``ptr[base + low_channel(k)]`` for ``k < 4 D4`` in the 1-D layout ``OUT`` (the K slice of an operand
+    fragment), loaded as contiguous runs: in ``low_plane_order`` lane ``q`` holds channels ``4 W q .. 4 W q + 4 W - 1``
+    of every field ``s``, so each (field, lane) is one vector load of ``4 W`` elements, broadcast over the lanes of
+    the other rows; a reshape and a permute then put them in the fragment's column order (register moves only)."""
+    W: gl.constexpr = D4 // 16
+    LV: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4 * W], [8, 1, 4, 1], [1, 1, 1, 1], [3, 2, 1, 0])
+    z = gl.arange(0, 1, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LV))))
+    s = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LV))))
+    q = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, LV))))
+    j = gl.arange(0, 4 * W, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LV))))
+    off = (
+        z[:, None, None, None] + s[None, :, None, None] * D4 + q[None, None, :, None] * (4 * W) + j[None, None, None, :]
+    )
+    x = gl.load(ptr + base + off)
+    x = gl.reshape(x, [4, 4, W, 2, 2])  # (s, q, kt, e, h): channel 4 W q + 4 kt + 2 e + h
+    x = gl.permute(x, [0, 2, 4, 1, 3])  # (s, kt, h, q, e): column s D4 + 16 kt + 8 h + 2 q + e
+    x = gl.reshape(x, [4 * D4])
+    return gl.convert_layout(x, OUT)
+
+
+# one-hot rows of the high-plane gather, two fp16/bf16 pairs per word of four boost_idx bytes: the byte pair
+# (0, 2) / (1, 3) xor the row's slot is zero exactly where the channel is the slot's; + 0x7FFF sets bit 15 of a
+# nonzero half, prmt replicates it over the half, and the unit survives where it is clear
+ONE_HOT_ASM = gl.constexpr(
+    "{ .reg .b32 p0, p1; shr.b32 p1, $2, 8; "
+    "lop3.b32 p0, $2, 0x00FF00FF, $3, 0x6A; lop3.b32 p1, p1, 0x00FF00FF, $3, 0x6A; "
+    "add.u32 p0, p0, 0x7FFF7FFF; add.u32 p1, p1, 0x7FFF7FFF; "
+    "prmt.b32 p0, p0, 0, 0xBB99; prmt.b32 p1, p1, 0, 0xBB99; "
+    "lop3.b32 $0, p0, $5, 0, 0x0C; lop3.b32 $1, p1, $5, 0, 0x0C; }"
+)
+
+
+@gluon.jit
+def high_slot(r, NB: gl.constexpr, NB4: gl.constexpr):
+    """Slot of row ``r`` of the high operand (``gluon_launch.high_plane_order``: byte + field * NB4), 256 past the
+    plane (never a ``boost_idx`` byte)."""
+    byte = 4 * (r // 16) + 2 * (r % 2) + (r // 8) % 2
+    sl = byte + ((r // 2) % 4) * NB4
+    return gl.where((byte < NB4) & (sl < NB), sl, 256)
+
+
+@gluon.jit
+def one_hot(
+    idx_ptr,
+    base,
+    KH: gl.constexpr,
+    D4: gl.constexpr,
+    NB: gl.constexpr,
+    NB4: gl.constexpr,
+    UNIT_F16: gl.constexpr,
+    DOT: gl.constexpr,
+    DA: gl.constexpr,
+):
+    """The ``(KH, 4 D4)`` A fragment ``DA`` of ``unit[k] * (boost_idx[low_channel(k)] == slot[r])``: row ``r`` picks
+    the channel of slot ``high_slot(r)`` out of a ``(4 D4, N)`` operand in ``low_plane_order``. ``unit`` is ``4^s``
+    for field ``s`` (``UNIT_F16``: the fp16 low operand carries ``4^-s``), else 1; times the high codes' weight 4.
+    Each lane loads its channels' bytes once (contiguous runs, as ``channel_vector``), 9 integer ops per 4 entries."""
+    W: gl.constexpr = D4 // 16
+    L5: gl.constexpr = gl.BlockedLayout([1, 1, 1, W, 4], [8, 1, 4, 1, 1], [1, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+    L4: gl.constexpr = gl.SliceLayout(0, L5)
+    s = gl.arange(0, 4, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
+    q = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
+    kt = gl.arange(0, W, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4))))
+    b = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
+    off = s[:, None, None, None] * D4 + q[None, :, None, None] * (4 * W) + kt[None, None, :, None] * 4
+    idx = gl.load(idx_ptr + base + off + b[None, None, None, :])  # (s, q, kt, byte): channel 4 W q + 4 kt + byte
+    L1: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, L5))))
+    r = gl.arange(0, KH, L1)
+    sl = high_slot(r, NB, NB4).to(gl.int16)
+    LS1: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, L5))))
+    su = gl.arange(0, 4, LS1)
+    if UNIT_F16:
+        unit = gl.exp2(2.0 * su.to(gl.float32) + 2.0).to(DOT)
+    else:
+        unit = gl.full([4], 4.0, DOT, LS1)
+    zero_i = gl.zeros([KH, 4, 4, W, 4], gl.int16, L5)
+    x = gl.expand_dims(idx, 0) + zero_i.to(gl.uint8)
+    slt = sl[:, None, None, None, None] + zero_i
+    un = unit[None, :, None, None, None] + zero_i.to(DOT)
+    # element b of a word: channel 4 kt + 2 (b % 2) + b // 2
+    if UNIT_F16:
+        oh = gl.inline_asm_elementwise(
+            ONE_HOT_ASM, "=r,=r,r,r,r,r,r", [x, slt, un], dtype=gl.float16, is_pure=True, pack=4
+        )
+    else:
+        oh = gl.inline_asm_elementwise(
+            ONE_HOT_ASM, "=r,=r,r,r,r,r,r", [x, slt, un], dtype=gl.bfloat16, is_pure=True, pack=4
+        )
+    oh = gl.reshape(oh, [KH, 4, 4, W, 2, 2])  # (r, s, q, kt, h, e)
+    oh = gl.permute(oh, [0, 1, 3, 4, 2, 5])  # (r, s, kt, h, q, e)
+    oh = gl.reshape(oh, [KH, 4 * D4])
+    return gl.convert_layout(oh, DA)

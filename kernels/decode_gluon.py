@@ -33,8 +33,18 @@ from kitty.core.config import KVQuantConfig
 from kitty.core.quant import high_plane_bytes
 from kitty.core.storage import KittyLayerState, check_state
 
-from ._gluon_parts import cat4, low_channel, merge_parts, token_order, unpack_high, unpack_low, widen
-from .gluon_launch import GluonLaunch, default_gluon_launch, pages_supported
+from ._gluon_parts import (
+    cat4,
+    channel_vector,
+    low_channel,
+    merge_parts,
+    one_hot,
+    token_order,
+    unpack_high,
+    unpack_low,
+    widen,
+)
+from .gluon_launch import GluonLaunch, default_gluon_launch, merge_group, pages_supported
 
 __all__ = ["decode_attention_gluon", "gluon_constants"]
 
@@ -57,14 +67,15 @@ def _key_operand(
 ):
     """Per key page: ``B`` ``(D, N)`` (``q * scale`` at the permuted channels, two parts or hi and a zero column)
     and its per-column term ``corr`` ``(N,)``: ``sum q zero`` (part 0), minus the bf16 offsets' share."""
-    ch = low_channel(kk, D4)
-    sc = gl.load(scale_ptr + meta + ch).to(gl.float32)
-    z = gl.load(zero_ptr + meta + ch).to(gl.float32)
+    OUT: gl.constexpr = kk.type.layout
+    sc = channel_vector(scale_ptr, meta, D4, OUT).to(gl.float32)
+    z = channel_vector(zero_ptr, meta, D4, OUT).to(gl.float32)
     s = kk // D4
     if IS_BF16:
         off = gl.where(s == 1, 32.0, gl.where(s == 2, 8.0, 128.0))
     else:
         sc = sc * gl.exp2(-2.0 * s.to(gl.float32))  # the unit 4^s of field s
+    q_perm = q_perm.to(gl.float32)
     x = q_perm * sc[:, None]
     hi = x.to(DOT)
     if TWO:
@@ -83,33 +94,26 @@ def _high_operand(
     bop,
     idx_ptr,
     meta,
-    kk,
-    slot,
     D4: gl.constexpr,
     KH: gl.constexpr,
     NK: gl.constexpr,
+    NB: gl.constexpr,
+    NB4: gl.constexpr,
     IS_BF16: gl.constexpr,
     DOT: gl.constexpr,
     MMA: gl.constexpr,
     DA: gl.constexpr,
     DB: gl.constexpr,
 ):
-    """The high plane's small operand ``4 B[channel of slot]`` ``(KH, N)``, gathered by a one-hot product (exact),
-    and its bf16 offset term."""
-    ch = low_channel(kk, D4)
-    idx = gl.load(idx_ptr + meta + ch).to(gl.int32)
-    idx = gl.convert_layout(idx, gl.SliceLayout(0, DA))
-    if IS_BF16:
-        unit = gl.full([D4 * 4], 1.0, gl.float32, gl.SliceLayout(0, DA))
-    else:  # the fp16 low operand carries 4^-s of the channel's field; high codes have unit 1
-        unit = gl.convert_layout(gl.exp2(2.0 * (kk // D4).to(gl.float32)), gl.SliceLayout(0, DA))
-    oh = gl.where(idx[None, :] == slot[:, None], unit[None, :], 0.0).to(DOT)
+    """The high plane's small operand ``4 B[channel of slot]`` ``(KH, N)``, gathered by a one-hot product (exact:
+    one nonzero power-of-two term per entry), and its bf16 offset term."""
+    oh = one_hot(idx_ptr, meta, KH, D4, NB, NB4, not IS_BF16, DOT, DA)
     g = mma_v2(oh, bop, gl.zeros([KH, NK], gl.float32, MMA))
-    bh = gl.convert_layout((g * 4.0).to(DOT), DB)
+    bh = gl.convert_layout(g.to(DOT), DB)
     if IS_BF16:
         corr = -128.0 * gl.sum(bh.to(gl.float32), 0)
     else:
-        corr = gl.sum(bh.to(gl.float32), 0) * 0.0
+        corr = gl.zeros([NK], gl.float32, gl.SliceLayout(0, DB))
     return bh, corr
 
 
@@ -212,6 +216,64 @@ def _fp_values(
 
 
 @gluon.jit
+def _merge_rows(ws_m_ptr, ws_l_ptr, ws_z_ptr, ws_acc_ptr, row0, stride, count, BH: gl.constexpr, D: gl.constexpr):
+    """Online-softmax merge of the partials in workspace rows ``row0 + i stride`` (``i < count``), read ``SPB``
+    rows per step so a step's loads are in flight together: ``(M, L, O)`` per head, zero terms folded into ``O``."""
+    SPB: gl.constexpr = 16 // BH if BH < 16 else 1
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, D // 32], [1, 1, 32], [1, 1, 1], [2, 1, 0])
+    L2: gl.constexpr = gl.SliceLayout(2, L3)
+    LO2: gl.constexpr = gl.SliceLayout(0, L3)
+    sp = gl.arange(0, SPB, gl.SliceLayout(1, L2))
+    hh = gl.arange(0, BH, gl.SliceLayout(0, L2))
+    d = gl.arange(0, D, gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    M = gl.full([BH], float("-inf"), gl.float32, gl.SliceLayout(0, L2))
+    L = gl.zeros([BH], gl.float32, gl.SliceLayout(0, L2))
+    O = gl.zeros([BH, D], gl.float32, LO2)
+    for t in range(0, count, SPB):
+        ok = (t + sp) < count
+        mh = ((row0 + (t + sp) * stride) * BH)[:, None] + hh[None, :]
+        ms = gl.load(ws_m_ptr + mh, mask=ok[:, None], other=float("-inf"), cache_modifier=".cg")
+        ls = gl.load(ws_l_ptr + mh, mask=ok[:, None], other=0.0, cache_modifier=".cg")
+        zs = gl.load(ws_z_ptr + mh, mask=ok[:, None], other=0.0, cache_modifier=".cg")
+        os_ = gl.load(
+            ws_acc_ptr + mh[:, :, None] * D + d[None, None, :], mask=ok[:, None, None], other=0.0, cache_modifier=".cg"
+        )
+        Mn = gl.maximum(M, gl.max(ms, 0))
+        Ms = gl.where(Mn > float("-inf"), Mn, 0.0)
+        a = gl.exp2(M - Ms)
+        w = gl.exp2(ms - Ms[None, :])
+        L = L * a + gl.sum(ls * w, 0)
+        O = O * gl.convert_layout(a, gl.SliceLayout(1, LO2))[:, None] + gl.sum(
+            (os_ + zs[:, :, None]) * w[:, :, None], 0
+        )
+        M = Mn
+    return M, L, O
+
+
+@gluon.jit
+def _store_row(ws_m_ptr, ws_l_ptr, ws_z_ptr, ws_acc_ptr, row, M, L, O, BH: gl.constexpr, D: gl.constexpr):
+    """A merged ``(M, L, O)`` written back as workspace row ``row`` (zero term 0: it is folded into ``O``)."""
+    hh = gl.arange(0, BH, M.type.layout)
+    gl.store(ws_m_ptr + row * BH + hh, M)
+    gl.store(ws_l_ptr + row * BH + hh, L)
+    gl.store(ws_z_ptr + row * BH + hh, gl.zeros_like(L))
+    hr = gl.arange(0, BH, gl.SliceLayout(1, O.type.layout))
+    d = gl.arange(0, D, gl.SliceLayout(0, O.type.layout))
+    gl.store(ws_acc_ptr + row * (BH * D) + hr[:, None] * D + d[None, :], O)
+
+
+@gluon.jit
+def _store_out(out_ptr, so_h, QH, M, L, O, BH: gl.constexpr, D: gl.constexpr):
+    """``O / L`` of the ``QH`` real heads into the output rows at ``out_ptr`` (head stride ``so_h``)."""
+    LO2: gl.constexpr = O.type.layout
+    hr = gl.arange(0, BH, gl.SliceLayout(1, LO2))
+    d = gl.arange(0, D, gl.SliceLayout(0, LO2))
+    Lr = gl.convert_layout(L, gl.SliceLayout(1, LO2))
+    o = O / gl.where(Lr > 0, Lr, 1.0)[:, None]
+    gl.store(out_ptr + hr[:, None] * so_h + d[None, :], o.to(out_ptr.dtype.element_ty), mask=(hr < QH)[:, None])
+
+
+@gluon.jit
 def _decode_gluon_kernel(
     q_ptr,
     out_ptr,
@@ -239,6 +301,7 @@ def _decode_gluon_kernel(
     Hkv,
     QH,
     NUM_SPLITS,
+    MERGE_GROUP,
     qk_scale,
     sq_b,
     sq_h,
@@ -315,15 +378,7 @@ def _decode_gluon_kernel(
     q_off = b64 * sq_b + h * QH * sq_h
     q_perm = gl.load(
         q_ptr + q_off + head[None, :] * sq_h + low_channel(kk, D4)[:, None], mask=(head < QH)[None, :], other=0.0
-    ).to(gl.float32)
-    if NB > 0:
-        # column r of the high operand: slot byte + field * NB4 (gluon_launch.high_plane_order), -1 past the plane
-        r = gl.arange(0, KH, gl.SliceLayout(1, DA))
-        byte = 4 * (r // 16) + 2 * (r % 2) + (r // 8) % 2
-        sl = byte + ((r // 2) % 4) * NB4
-        slot = gl.where((byte < NB4) & (sl < NB), sl, -1)
-    else:
-        slot = gl.arange(0, 16, gl.SliceLayout(1, DA))
+    )  # kept in q's own 16-bit dtype (exact): half the registers of the loop-invariant operand
     tt = gl.arange(0, 32, gl.SliceLayout(1, LS))
     m_i = gl.full([BH], float("-inf"), gl.float32, LH)
     l_i = gl.zeros([BH], gl.float32, LH)
@@ -339,7 +394,7 @@ def _decode_gluon_kernel(
         bop, corr = _key_operand(q_perm, k_scale_ptr, k_zero_ptr, kpage * D, kk, part, D, D4, TWO, IS_BF16, DOT)
         bh = bop
         if NB > 0:
-            bh, ch = _high_operand(bop, k_idx_ptr, kpage * D, kk, slot, D4, KH, NK, IS_BF16, DOT, MMA, DA, DB)
+            bh, ch = _high_operand(bop, k_idx_ptr, kpage * D, D4, KH, NK, NB, NB4, IS_BF16, DOT, MMA, DA, DB)
             corr = corr + ch
         corr_m = gl.convert_layout(corr, gl.SliceLayout(0, MMA))
         s0 = gl.convert_layout(
@@ -432,7 +487,7 @@ def _decode_gluon_kernel(
             bop, corr = _key_operand(q_perm, k_scale_ptr, k_zero_ptr, kpage * D, kk, part, D, D4, TWO, IS_BF16, DOT)
             bh = bop
             if NB > 0:
-                bh, ch = _high_operand(bop, k_idx_ptr, kpage * D, kk, slot, D4, KH, NK, IS_BF16, DOT, MMA, DA, DB)
+                bh, ch = _high_operand(bop, k_idx_ptr, kpage * D, D4, KH, NK, NB, NB4, IS_BF16, DOT, MMA, DA, DB)
                 corr = corr + ch
             corr_m = gl.convert_layout(corr, gl.SliceLayout(0, MMA))
             s0 = gl.convert_layout(
@@ -597,48 +652,51 @@ def _decode_gluon_kernel(
                 DA,
                 DB,
             )
-    # ---- the split's partial: (m, l, zero term) per head, (D, NV) product; the last program merges
+    # ---- the split's partial: (m, l, zero term) per head, (BH, D) product; merged in two levels: the last program
+    # of each group of MERGE_GROUP splits merges the group into the group's first row, the last group merges the rows
     res = acc_q + gl.convert_layout(acc_n, LO)
+    if PV == 2:
+        res, _ = gl.split(gl.reshape(res, [D, BH, 2]))  # the zero columns beside each head dropped
+    res = gl.convert_layout(res, LO)
     hv = gl.arange(0, BH, LH)
-    wsr = (pid_bh * NUM_SPLITS + split) * BH
-    gl.store(ws_m_ptr + wsr + hv, m_i)
-    gl.store(ws_l_ptr + wsr + hv, l_i)
-    gl.store(ws_z_ptr + wsr + hv, az)
+    row = pid_bh * NUM_SPLITS + split
+    gl.store(ws_m_ptr + row * BH + hv, m_i)
+    gl.store(ws_l_ptr + row * BH + hv, l_i)
+    gl.store(ws_z_ptr + row * BH + hv, az)
     dd = gl.arange(0, D, gl.SliceLayout(1, LO))
-    nv = gl.arange(0, NV, gl.SliceLayout(0, LO))
-    gl.store(ws_acc_ptr + (pid_bh * NUM_SPLITS + split) * (D * NV) + dd[:, None] * NV + nv[None, :], res)
+    hd = gl.arange(0, BH, gl.SliceLayout(0, LO))
+    gl.store(ws_acc_ptr + row * (BH * D) + hd[None, :] * D + dd[:, None], res)
+    NG = gl.cdiv(NUM_SPLITS, MERGE_GROUP)
+    grp = split // MERGE_GROUP
+    first = grp * MERGE_GROUP
+    tickets = ticket_ptr + pid_bh * (NG + 1)
     gl.thread_barrier()
-    ticket = gl.atomic_add(ticket_ptr + pid_bh, 1, sem="acq_rel", scope="gpu")
-    if ticket == NUM_SPLITS - 1:
-        LM: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0])
-        hr = gl.arange(0, BH, gl.SliceLayout(1, LM))
-        dm = gl.arange(0, D, gl.SliceLayout(0, LM))
-        M = gl.full([BH], float("-inf"), gl.float32, gl.SliceLayout(1, LM))
-        L = gl.zeros([BH], gl.float32, gl.SliceLayout(1, LM))
-        O = gl.zeros([BH, D], gl.float32, LM)
-        for sp in range(0, NUM_SPLITS):
-            base = (pid_bh * NUM_SPLITS + sp) * BH
-            ms = gl.load(ws_m_ptr + base + hr, cache_modifier=".cg")
-            ls = gl.load(ws_l_ptr + base + hr, cache_modifier=".cg")
-            zs = gl.load(ws_z_ptr + base + hr, cache_modifier=".cg")
-            os_ = gl.load(
-                ws_acc_ptr + (pid_bh * NUM_SPLITS + sp) * (D * NV) + dm[None, :] * NV + hr[:, None] * PV,
-                cache_modifier=".cg",
-            )
-            Mn = gl.maximum(M, ms)
-            Ms = gl.where(Mn > float("-inf"), Mn, 0.0)
-            a = gl.exp2(M - Ms)
-            w = gl.exp2(ms - Ms)
-            L = L * a + ls * w
-            O = O * a[:, None] + (os_ + zs[:, None]) * w[:, None]
-            M = Mn
-        o = O / gl.where(L > 0, L, 1.0)[:, None]
-        gl.store(
-            out_ptr + b64 * so_b + (h * QH + hr[:, None]) * so_h + dm[None, :],
-            o.to(out_ptr.dtype.element_ty),
-            mask=(hr < QH)[:, None],
+    ticket = gl.atomic_add(tickets + grp, 1, sem="acq_rel", scope="gpu")
+    if ticket == gl.minimum(MERGE_GROUP, NUM_SPLITS - first) - 1:
+        M, L, O = _merge_rows(
+            ws_m_ptr,
+            ws_l_ptr,
+            ws_z_ptr,
+            ws_acc_ptr,
+            pid_bh * NUM_SPLITS + first,
+            1,
+            gl.minimum(MERGE_GROUP, NUM_SPLITS - first),
+            BH,
+            D,
         )
-        gl.store(ticket_ptr + pid_bh, 0)
+        gl.store(tickets + grp, 0)
+        if NG == 1:
+            _store_out(out_ptr + b64 * so_b + h * QH * so_h, so_h, QH, M, L, O, BH, D)
+        else:
+            _store_row(ws_m_ptr, ws_l_ptr, ws_z_ptr, ws_acc_ptr, pid_bh * NUM_SPLITS + first, M, L, O, BH, D)
+            gl.thread_barrier()
+            top = gl.atomic_add(tickets + NG, 1, sem="acq_rel", scope="gpu")
+            if top == NG - 1:
+                M, L, O = _merge_rows(
+                    ws_m_ptr, ws_l_ptr, ws_z_ptr, ws_acc_ptr, pid_bh * NUM_SPLITS, MERGE_GROUP, NG, BH, D
+                )
+                _store_out(out_ptr + b64 * so_b + h * QH * so_h, so_h, QH, M, L, O, BH, D)
+                gl.store(tickets + NG, 0)
 
 
 def gluon_constants(
@@ -700,16 +758,22 @@ def decode_attention_gluon(
     launch = launch or default_gluon_launch(B, Hkv, max_pages, q.device)
     consts = gluon_constants(cfg, D, QH, q.dtype, launch, full_qbuffer)
     BH, splits = consts["BH"], launch.num_splits
-    NV = BH * (2 if BH == 4 else 1)
     dev, f32 = q.device, torch.float32
     rows = B * Hkv * splits * BH
-    if workspace is not None and workspace.get("g_out") is not None and workspace["g_m"].shape[0] == rows:
+    group = merge_group(launch)
+    n_tickets = B * Hkv * (-(-splits // group) + 1)
+    if (
+        workspace is not None
+        and workspace.get("g_out") is not None
+        and workspace["g_m"].shape[0] == rows
+        and workspace["g_t"].shape[0] == n_tickets
+    ):
         ws_m, ws_l, ws_z, ws_acc, tickets, out = (workspace[k] for k in ("g_m", "g_l", "g_z", "g_acc", "g_t", "g_out"))
     else:
         ws_m = torch.empty(rows, dtype=f32, device=dev)
         ws_l, ws_z = torch.empty_like(ws_m), torch.empty_like(ws_m)
-        ws_acc = torch.empty(B * Hkv * splits, D * NV, dtype=f32, device=dev)
-        tickets = torch.zeros(B * Hkv, dtype=torch.int32, device=dev)
+        ws_acc = torch.empty(B * Hkv * splits, BH * D, dtype=f32, device=dev)
+        tickets = torch.zeros(n_tickets, dtype=torch.int32, device=dev)
         out = torch.empty(B, Hq, D, dtype=q.dtype, device=dev)
         if workspace is not None:
             workspace.update(g_m=ws_m, g_l=ws_l, g_z=ws_z, g_acc=ws_acc, g_t=tickets, g_out=out)
@@ -744,6 +808,7 @@ def decode_attention_gluon(
         Hkv,
         QH,
         splits,
+        group,
         scaling * LOG2E,
         q.stride(0),
         q.stride(1),

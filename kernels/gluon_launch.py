@@ -9,6 +9,7 @@ the fragment registers (from ``gl.to_linear_layout`` bases) and the unpack.
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass
 
 import torch
@@ -25,19 +26,42 @@ GLUON_TRITON = "3.6"  # the triton release the Gluon kernel was written and comp
 class GluonLaunch:
     """How the Gluon kernel is launched: ``num_splits`` one-warp programs per (row, KV head), each streaming a
     contiguous run of pages with its own softmax state; ``key_two_part``: ``q * scale`` carried as its fp16/bf16
-    rounding and remainder (twice the key product's columns, as accurate as dequantizing first)."""
+    rounding and remainder (twice the key product's columns, as accurate as dequantizing first); ``merge_group``:
+    splits per first-level merge (0: :func:`merge_group` picks ~sqrt(num_splits)), so that no program merges more
+    than ~2 sqrt(num_splits) partials one after another."""
 
     num_splits: int
     key_two_part: bool = True
+    merge_group: int = 0
+
+
+MERGE_STEP = 4  # partials a merge reads per step for 4 heads per KV head (16 // heads)
+
+
+def merge_group(launch: GluonLaunch) -> int:
+    """Splits merged by the last program of each group (then the groups' rows by the last group): the launch's
+    ``merge_group``, or ~sqrt(num_splits) rounded up to a multiple of :data:`MERGE_STEP`. One group (the whole
+    launch) when there are at most ``2 MERGE_STEP`` splits."""
+    if launch.merge_group > 0:
+        return launch.merge_group
+    n = launch.num_splits
+    if n <= 2 * MERGE_STEP:
+        return max(n, 1)
+    root = math.isqrt(n - 1) + 1  # ceil(sqrt(n))
+    return -(-root // MERGE_STEP) * MERGE_STEP
 
 
 def default_gluon_launch(
-    B: int, Hkv: int, max_blocks: int, device: torch.device | int, ctas_per_sm: int = 8
+    B: int, Hkv: int, max_blocks: int, device: torch.device | int, ctas_per_sm: int = 8, min_pages: int = 2
 ) -> GluonLaunch:
-    """Splits so that ``B * Hkv * splits`` one-warp programs give ~``ctas_per_sm`` per SM, each with >= 2 pages."""
+    """Splits so that ``B * Hkv * splits`` one-warp programs give ~``ctas_per_sm`` per SM, each with >=
+    ``min_pages`` pages, and then as few splits as give every split the same page count (no empty splits). At
+    batch 1 that is many short splits; the two-level merge (:func:`merge_group`) keeps their serial tail short."""
     pairs, sms = max(B * Hkv, 1), num_sms(device)
     want = -(-ctas_per_sm * sms // pairs)
-    return GluonLaunch(num_splits=max(1, min(want, max(max_blocks // 2, 1), 512)))
+    splits = max(1, min(want, max(max_blocks // min_pages, 1), 512))
+    per = -(-max_blocks // splits)
+    return GluonLaunch(num_splits=max(1, -(-max_blocks // per)))
 
 
 def gluon_available() -> bool:
