@@ -24,253 +24,42 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from kitty.core.config import KVQuantConfig
-from kitty.core.quant import high_plane_bytes
 from kitty.core.storage import KittyLayerState, check_state
 
+from ._gluon_page import (
+    _fp_scores,
+    _fp_values,
+    _high_operand,
+    _key_operand,
+    _merge_rows,
+    _quant_scores,
+    _store_out,
+    _store_row,
+)
 from ._gluon_parts import (
     cat4,
-    channel_vector,
     low_channel,
-    merge_parts,
-    one_hot,
     token_order,
-    unpack_high,
     unpack_low,
     widen,
 )
-from .gluon_launch import GluonLaunch, default_gluon_launch, merge_group, pages_supported
+from .gluon_launch import (
+    GluonLaunch,
+    default_gluon_launch,
+    gluon_constants,
+    high_plane_view,
+    merge_group,
+    pages_supported,
+)
 
 __all__ = ["decode_attention_gluon", "gluon_constants"]
 
 LOG2E = 1.4426950408889634
-
-
-@gluon.jit
-def _key_operand(
-    q_perm,
-    scale_ptr,
-    zero_ptr,
-    meta,
-    kk,
-    part,
-    D: gl.constexpr,
-    D4: gl.constexpr,
-    TWO: gl.constexpr,
-    IS_BF16: gl.constexpr,
-    DOT: gl.constexpr,
-):
-    """Per key page: ``B`` ``(D, N)`` (``q * scale`` at the permuted channels, two parts or hi and a zero column)
-    and its per-column term ``corr`` ``(N,)``: ``sum q zero`` (part 0), minus the bf16 offsets' share."""
-    OUT: gl.constexpr = kk.type.layout
-    sc = channel_vector(scale_ptr, meta, D4, OUT).to(gl.float32)
-    z = channel_vector(zero_ptr, meta, D4, OUT).to(gl.float32)
-    s = kk // D4
-    if IS_BF16:
-        off = gl.where(s == 1, 32.0, gl.where(s == 2, 8.0, 128.0))
-    else:
-        sc = sc * gl.exp2(-2.0 * s.to(gl.float32))  # the unit 4^s of field s
-    q_perm = q_perm.to(gl.float32)
-    x = q_perm * sc[:, None]
-    hi = x.to(DOT)
-    if TWO:
-        lo = (x - hi.to(gl.float32)).to(DOT)
-        bop = gl.where(part[None, :] == 0, hi, lo)
-    else:
-        bop = gl.where(part[None, :] == 0, hi, gl.zeros_like(hi))
-    corr = gl.sum(gl.where(part[None, :] == 0, q_perm, 0.0) * z[:, None], 0)
-    if IS_BF16:
-        corr = corr - gl.sum(bop.to(gl.float32) * off[:, None], 0)
-    return bop, corr
-
-
-@gluon.jit
-def _high_operand(
-    bop,
-    idx_ptr,
-    meta,
-    D4: gl.constexpr,
-    KH: gl.constexpr,
-    NK: gl.constexpr,
-    NB: gl.constexpr,
-    NB4: gl.constexpr,
-    IS_BF16: gl.constexpr,
-    DOT: gl.constexpr,
-    MMA: gl.constexpr,
-    DA: gl.constexpr,
-    DB: gl.constexpr,
-):
-    """The high plane's small operand ``4 B[channel of slot]`` ``(KH, N)``, gathered by a one-hot product (exact:
-    one nonzero power-of-two term per entry), and its bf16 offset term."""
-    oh = one_hot(idx_ptr, meta, KH, D4, NB, NB4, not IS_BF16, DOT, DA)
-    g = mma_v2(oh, bop, gl.zeros([KH, NK], gl.float32, MMA))
-    bh = gl.convert_layout(g.to(DOT), DB)
-    if IS_BF16:
-        corr = -128.0 * gl.sum(bh.to(gl.float32), 0)
-    else:
-        corr = gl.zeros([NK], gl.float32, gl.SliceLayout(0, DB))
-    return bh, corr
-
-
-@gluon.jit
-def _quant_scores(
-    low_ptr,
-    high_ptr,
-    kpage,
-    bop,
-    bh,
-    corr_m,
-    qk_scale,
-    c: gl.constexpr,
-    G: gl.constexpr,
-    D4: gl.constexpr,
-    NB: gl.constexpr,
-    NWH: gl.constexpr,
-    RW: gl.constexpr,
-    NK: gl.constexpr,
-    PK: gl.constexpr,
-    IS_BF16: gl.constexpr,
-    MMA: gl.constexpr,
-    DA: gl.constexpr,
-):
-    """Base-2 logits ``(32, BH)`` of tokens ``32 c ..`` of a quantized key page."""
-    a = unpack_low(low_ptr, (kpage * G + 32 * c) * D4, 32, D4, IS_BF16, DA)
-    acc = mma_v2(a, bop, gl.zeros([32, NK], gl.float32, MMA))
-    if NB > 0:
-        ah = unpack_high(high_ptr, (kpage * G + 32 * c) * RW, 32, NWH, RW, IS_BF16, DA)
-        acc = mma_v2(ah, bh, acc)
-    if IS_BF16:
-        s = acc + corr_m[None, :]
-    else:
-        s = acc * 16777216.0 + corr_m[None, :]
-    return merge_parts(s, PK) * qk_scale
-
-
-@gluon.jit
-def _fp_scores(
-    k_ptr,
-    rows,
-    ok,
-    q_nat,
-    qk_scale,
-    T: gl.constexpr,
-    D: gl.constexpr,
-    NK: gl.constexpr,
-    PK: gl.constexpr,
-    DOT: gl.constexpr,
-    MMA: gl.constexpr,
-    DA: gl.constexpr,
-    LS: gl.constexpr,
-):
-    """Base-2 logits ``(T, BH)`` of ``T`` full-precision key rows at ``k_ptr + rows * D`` (``-inf`` where not
-    ``ok``)."""
-    LK: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
-    rk = gl.convert_layout(rows, gl.SliceLayout(1, LK))
-    okk = gl.convert_layout(ok, gl.SliceLayout(1, LK))
-    d = gl.arange(0, D, gl.SliceLayout(0, LK))
-    k = gl.load(k_ptr + rk[:, None] * D + d[None, :], mask=okk[:, None], other=0.0)
-    acc = mma_v2(gl.convert_layout(k.to(DOT), DA), q_nat, gl.zeros([T, NK], gl.float32, MMA))
-    s = gl.convert_layout(merge_parts(acc, PK) * qk_scale, LS)
-    return gl.where(ok[:, None], s, float("-inf"))
-
-
-@gluon.jit
-def _fp_values(
-    v_ptr,
-    rows,
-    ok,
-    v2_ptr,
-    rows2,
-    ok2,
-    p,
-    acc_n,
-    alpha_v,
-    T: gl.constexpr,
-    D: gl.constexpr,
-    PV: gl.constexpr,
-    DOT: gl.constexpr,
-    MMA: gl.constexpr,
-    DA: gl.constexpr,
-    DB: gl.constexpr,
-):
-    """``acc_n * alpha_v + V^T p`` ``(D, NV)`` over ``T`` full-precision value rows: row ``rows`` of ``v_ptr`` where
-    ``ok``, else row ``rows2`` of ``v2_ptr`` where ``ok2``."""
-    LV: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 1], [0, 1])
-    r1 = gl.convert_layout(rows, gl.SliceLayout(0, LV))
-    o1 = gl.convert_layout(ok, gl.SliceLayout(0, LV))
-    r2 = gl.convert_layout(rows2, gl.SliceLayout(0, LV))
-    o2 = gl.convert_layout(ok2, gl.SliceLayout(0, LV))
-    d = gl.arange(0, D, gl.SliceLayout(1, LV))
-    vT = gl.load(v_ptr + r1[None, :] * D + d[:, None], mask=o1[None, :], other=0.0)
-    vT2 = gl.load(v2_ptr + r2[None, :] * D + d[:, None], mask=o2[None, :] & ~o1[None, :], other=0.0)
-    vT = gl.where(o1[None, :], vT, vT2)
-    pp = p.to(DOT)
-    if PV == 2:
-        pp = gl.reshape(gl.join(pp, gl.zeros_like(pp)), [T, 2 * p.shape[1]])
-    return mma_v2(gl.convert_layout(vT.to(DOT), DA), gl.convert_layout(pp, DB), acc_n * alpha_v[None, :])
-
-
-@gluon.jit
-def _merge_rows(ws_m_ptr, ws_l_ptr, ws_z_ptr, ws_acc_ptr, row0, stride, count, BH: gl.constexpr, D: gl.constexpr):
-    """Online-softmax merge of the partials in workspace rows ``row0 + i stride`` (``i < count``), read ``SPB``
-    rows per step so a step's loads are in flight together: ``(M, L, O)`` per head, zero terms folded into ``O``."""
-    SPB: gl.constexpr = 16 // BH if BH < 16 else 1
-    L3: gl.constexpr = gl.BlockedLayout([1, 1, D // 32], [1, 1, 32], [1, 1, 1], [2, 1, 0])
-    L2: gl.constexpr = gl.SliceLayout(2, L3)
-    LO2: gl.constexpr = gl.SliceLayout(0, L3)
-    sp = gl.arange(0, SPB, gl.SliceLayout(1, L2))
-    hh = gl.arange(0, BH, gl.SliceLayout(0, L2))
-    d = gl.arange(0, D, gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-    M = gl.full([BH], float("-inf"), gl.float32, gl.SliceLayout(0, L2))
-    L = gl.zeros([BH], gl.float32, gl.SliceLayout(0, L2))
-    O = gl.zeros([BH, D], gl.float32, LO2)
-    for t in range(0, count, SPB):
-        ok = (t + sp) < count
-        mh = ((row0 + (t + sp) * stride) * BH)[:, None] + hh[None, :]
-        ms = gl.load(ws_m_ptr + mh, mask=ok[:, None], other=float("-inf"), cache_modifier=".cg")
-        ls = gl.load(ws_l_ptr + mh, mask=ok[:, None], other=0.0, cache_modifier=".cg")
-        zs = gl.load(ws_z_ptr + mh, mask=ok[:, None], other=0.0, cache_modifier=".cg")
-        os_ = gl.load(
-            ws_acc_ptr + mh[:, :, None] * D + d[None, None, :], mask=ok[:, None, None], other=0.0, cache_modifier=".cg"
-        )
-        Mn = gl.maximum(M, gl.max(ms, 0))
-        Ms = gl.where(Mn > float("-inf"), Mn, 0.0)
-        a = gl.exp2(M - Ms)
-        w = gl.exp2(ms - Ms[None, :])
-        L = L * a + gl.sum(ls * w, 0)
-        O = O * gl.convert_layout(a, gl.SliceLayout(1, LO2))[:, None] + gl.sum(
-            (os_ + zs[:, :, None]) * w[:, :, None], 0
-        )
-        M = Mn
-    return M, L, O
-
-
-@gluon.jit
-def _store_row(ws_m_ptr, ws_l_ptr, ws_z_ptr, ws_acc_ptr, row, M, L, O, BH: gl.constexpr, D: gl.constexpr):
-    """A merged ``(M, L, O)`` written back as workspace row ``row`` (zero term 0: it is folded into ``O``)."""
-    hh = gl.arange(0, BH, M.type.layout)
-    gl.store(ws_m_ptr + row * BH + hh, M)
-    gl.store(ws_l_ptr + row * BH + hh, L)
-    gl.store(ws_z_ptr + row * BH + hh, gl.zeros_like(L))
-    hr = gl.arange(0, BH, gl.SliceLayout(1, O.type.layout))
-    d = gl.arange(0, D, gl.SliceLayout(0, O.type.layout))
-    gl.store(ws_acc_ptr + row * (BH * D) + hr[:, None] * D + d[None, :], O)
-
-
-@gluon.jit
-def _store_out(out_ptr, so_h, QH, M, L, O, BH: gl.constexpr, D: gl.constexpr):
-    """``O / L`` of the ``QH`` real heads into the output rows at ``out_ptr`` (head stride ``so_h``)."""
-    LO2: gl.constexpr = O.type.layout
-    hr = gl.arange(0, BH, gl.SliceLayout(1, LO2))
-    d = gl.arange(0, D, gl.SliceLayout(0, LO2))
-    Lr = gl.convert_layout(L, gl.SliceLayout(1, LO2))
-    o = O / gl.where(Lr > 0, Lr, 1.0)[:, None]
-    gl.store(out_ptr + hr[:, None] * so_h + d[None, :], o.to(out_ptr.dtype.element_ty), mask=(hr < QH)[:, None])
 
 
 @gluon.jit
@@ -697,40 +486,6 @@ def _decode_gluon_kernel(
                 )
                 _store_out(out_ptr + b64 * so_b + h * QH * so_h, so_h, QH, M, L, O, BH, D)
                 gl.store(tickets + NG, 0)
-
-
-def gluon_constants(
-    cfg: KVQuantConfig, head_dim: int, group: int, dtype: torch.dtype, launch: GluonLaunch, full_qbuffer: bool
-) -> dict:
-    """The compile-time constants of ``_decode_gluon_kernel`` (what the wrapper launches and the compile gates
-    compile)."""
-    nb = cfg.num_boosted(head_dim)
-    nb4 = high_plane_bytes(nb)
-    return dict(
-        S=cfg.sink_tokens,
-        G=cfg.group_size,
-        R=cfg.local_window,
-        D=head_dim,
-        NB=nb,
-        NB4=nb4,
-        NWH=max(1, nb4 // 4),
-        RW=nb4 // 4 if nb4 % 4 == 0 else 1,
-        BH=max(4, triton.next_power_of_2(group)),
-        BLOCK_S=max(16, triton.next_power_of_2(max(cfg.sink_tokens, 1))),
-        TWO=bool(launch.key_two_part),
-        IS_BF16=dtype == torch.bfloat16,
-        FULL_QBUF=bool(full_qbuffer),
-    )
-
-
-def high_plane_view(k_high: torch.Tensor, nb4: int) -> torch.Tensor:
-    """``k_high`` ``[P, Hkv, G, nb4]`` as rows of 32-bit words (``nb4 % 4 == 0``), 16-bit (2) or 8-bit (1)
-    elements, the unit the kernel loads."""
-    if nb4 % 4 == 0:
-        return k_high.view(torch.int32)
-    if nb4 == 2:
-        return k_high.view(torch.int16)
-    return k_high
 
 
 def decode_attention_gluon(

@@ -131,3 +131,42 @@ def high_plane_order(nb4: int) -> list[tuple[int, int]]:
         kt, h, q, e = k // 16, (k // 8) % 2, (k // 2) % 4, k % 2
         out.append((4 * kt + 2 * e + h, q))
     return out
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (``triton.next_power_of_2``, without importing Triton)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def gluon_constants(
+    cfg: KVQuantConfig, head_dim: int, group: int, dtype: torch.dtype, launch: GluonLaunch, full_qbuffer: bool
+) -> dict:
+    """The compile-time constants of ``_decode_gluon_kernel`` (what the wrapper launches and the compile gates
+    compile)."""
+    nb = cfg.num_boosted(head_dim)
+    nb4 = high_plane_bytes(nb)
+    return dict(
+        S=cfg.sink_tokens,
+        G=cfg.group_size,
+        R=cfg.local_window,
+        D=head_dim,
+        NB=nb,
+        NB4=nb4,
+        NWH=max(1, nb4 // 4),
+        RW=nb4 // 4 if nb4 % 4 == 0 else 1,
+        BH=max(4, next_power_of_2(group)),
+        BLOCK_S=max(16, next_power_of_2(max(cfg.sink_tokens, 1))),
+        TWO=bool(launch.key_two_part),
+        IS_BF16=dtype == torch.bfloat16,
+        FULL_QBUF=bool(full_qbuffer),
+    )
+
+
+def high_plane_view(k_high: torch.Tensor, nb4: int) -> torch.Tensor:
+    """``k_high`` ``[P, Hkv, G, nb4]`` as rows of 32-bit words (``nb4 % 4 == 0``), 16-bit (2) or 8-bit (1)
+    elements, the unit the kernel loads."""
+    if nb4 % 4 == 0:
+        return k_high.view(torch.int32)
+    if nb4 == 2:
+        return k_high.view(torch.int16)
+    return k_high
