@@ -9,8 +9,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / kernels are im
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from kitty.cache import custom_ops  # noqa: E402
 from kitty.cache.backend import TritonOps  # noqa: E402
-from kitty.cache.kitty_cache import custom_ops  # noqa: E402
 from kitty.core.config import PRESETS  # noqa: E402
 from kitty.core.storage import KittyLayerState, pool_fields  # noqa: E402
 from kitty.kernels import decode_attention_triton, insert_token  # noqa: E402

@@ -85,7 +85,7 @@ def test_reference_matches_the_layer_slots():
     B, Hkv, D = 4, 2, 32
     lengths = [1, S, S + R - 1, S + R + G - 1]
     ref = _state(B, Hkv, D, S, G, R, lengths, torch.float32, seed=3)
-    layer = SimpleNamespace(cfg=cfg, _on_undo=lambda undo: None, **{n: t.clone() for n, t in ref.items()})
+    layer = SimpleNamespace(cfg=cfg, on_undo=lambda undo: None, **{n: t.clone() for n, t in ref.items()})
     g = torch.Generator().manual_seed(4)
     for step in range(G + R + 2):
         k, v = torch.randn(2, B, Hkv, D, generator=g)
