@@ -383,9 +383,14 @@ def pack_completed(
     query_scale: torch.Tensor | None = None,
     keys: bool = True,
     values: bool = True,
+    scratch: dict | None = None,
 ) -> None:
     """Pack, in one launch, every row whose key or value qbuffer the last decode token filled (a static cache's
     stage 3: no host synchronization, the same grid at every step).
+
+    ``scratch``: a dict kept by the caller per layer; the first call checks the arguments and stores its constant
+    tensors there (the placeholder pointer, the empty boost mask), later calls with the same tensors skip the checks
+    and allocate nothing (except the boost mask of a selection that torch ranks, computed from the keys each call).
 
     ``query_scale`` ``[B, Hkv, D]``: for ``channel_selection="query"`` / ``"oracle"``. ``keys`` / ``values``: which
     sides this launch packs (a side that ``kitty.core.quant`` must pack, e.g. fitted key ranges, is left to the caller;
@@ -410,18 +415,28 @@ def pack_completed(
     wk, wv = k_page_table.shape[1], v_page_table.shape[1]
     if wk == 0 or not (keys or values):  # no page fits max_cache_len on either side (wv <= wk), or nothing to pack
         return
-    # the config and qbuffer checks of pack_pages, on an empty selection (nothing is launched)
-    none = torch.empty(0, dtype=torch.int32, device=k_qbuf.device)
-    pack_pages(cfg, k_qbuf if keys else None, v_qbuf if values else None, k_rows=none, v_rows=none,
-               pool={**key_pool, **value_pool}, k_pages=none, v_pages=none, salt=salt)
-    for name, pool, width, side in (("k_low", key_pool, wk, keys), ("v_codes", value_pool, wv, values)):
-        if side and pool[name].shape[0] != B * width:
-            raise ValueError(f"{name} must hold B * width = {B * width} pages, got {pool[name].shape[0]}")
+    scratch = {} if scratch is None else scratch
+    tensors = (lengths, k_qbuf, v_qbuf, *key_pool.values(), *value_pool.values(), k_page_table, v_page_table)
+    # what the checks below saw: the same tensors (storage, shape, dtype) under the same config and sides
+    seen = (cfg, keys, values, tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in tensors))
+    if scratch.get("checked") != seen:
+        # the config and qbuffer checks of pack_pages, on an empty selection (nothing is launched)
+        none = torch.empty(0, dtype=torch.int32, device=k_qbuf.device)
+        pack_pages(cfg, k_qbuf if keys else None, v_qbuf if values else None, k_rows=none, v_rows=none,
+                   pool={**key_pool, **value_pool}, k_pages=none, v_pages=none, salt=salt)
+        for name, pool, width, side in (("k_low", key_pool, wk, keys), ("v_codes", value_pool, wv, values)):
+            if side and pool[name].shape[0] != B * width:
+                raise ValueError(f"{name} must hold B * width = {B * width} pages, got {pool[name].shape[0]}")
+        u8 = dict(dtype=torch.uint8, device=k_qbuf.device)
+        scratch.update(checked=seen, dummy=torch.empty(1, dtype=k_qbuf.dtype, device=k_qbuf.device),
+                       no_mask=torch.empty(0, **u8), u8=u8)
     nb = cfg.num_boosted(D)
-    u8 = dict(dtype=torch.uint8, device=k_qbuf.device)
-    k_mask = _boost_mask(cfg, k_qbuf if keys else None, nb, salt, query_scale, u8)
+    if keys and cfg.channel_selection != "magnitude" and 0 < nb < D:  # torch ranks the channels: a mask per call
+        k_mask = _boost_mask(cfg, k_qbuf, nb, salt, query_scale, scratch["u8"])
+    else:
+        k_mask = scratch["no_mask"]
     use_mask = k_mask.numel() > 0
-    dummy = torch.empty(1, dtype=k_qbuf.dtype, device=k_qbuf.device)
+    dummy = scratch["dummy"]
     nk, nv = (B if keys else 0), (B if values and wv else 0)
     if nk + nv == 0:
         return

@@ -27,6 +27,7 @@ from ..core.config import BACKENDS, KVQuantConfig
 from ..core.pages import PagePool
 from ..core.quant import quantize_key_page, quantize_value_page
 from ..core.storage import KittyLayerState, page_fields
+from ..kernels.launch import Launch
 from ..kernels.reference import decode_attention_ref, pack_completed_ref
 
 BACKEND_ENV = "KITTY_BACKEND"
@@ -182,9 +183,12 @@ class TritonOps(TorchOps):
     bytes."""
 
     fused_decode = True
+    # the kernel launch of every decode step (a static layer sets it with its workspace); None: the default per call
+    launch: Launch | None = None
 
     def __init__(self, cfg: KVQuantConfig, device: torch.device):
         super().__init__(cfg, device)
+        self.pack_scratch: dict = {}  # kitty.kernels.pack_completed's per-layer constants (allocated on its first call)
         # the kernel gives kitty.core.quant's bytes for a quantized side with min-max ranges (any channel selection: the
         # non-magnitude ones pass it torch's boost mask); fitted ranges stay on kitty.core.quant. A layer's cfg is
         # already its own (KVQuantConfig.for_layer), so a boost profile's per-layer nb needs nothing here.
@@ -216,12 +220,20 @@ class TritonOps(TorchOps):
         if not (keys and values):  # the sides the kernel does not pack
             self._pack_completed_torch(*tensors, salt=salt, query_scale=query_scale, keys=not keys, values=not values)
         if keys or values:
-            kernels.pack_completed(self.cfg, *tensors, salt=salt, query_scale=query_scale, keys=keys, values=values)
+            kernels.pack_completed(
+                self.cfg,
+                *tensors,
+                salt=salt,
+                query_scale=query_scale,
+                keys=keys,
+                values=values,
+                scratch=self.pack_scratch,
+            )
 
     def attend(self, q, state, scaling, full_qbuffer=False, workspace=None) -> torch.Tensor:
         # looked up on the package at every call, so that the kernel can be wrapped (tests count its calls)
         return kernels.decode_attention_triton(
-            q, state, self.cfg, scaling, full_qbuffer=full_qbuffer, workspace=workspace
+            q, state, self.cfg, scaling, full_qbuffer=full_qbuffer, workspace=workspace, launch=self.launch
         )
 
 

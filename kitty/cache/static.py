@@ -8,21 +8,28 @@ most ``max_batch_size``), ``L = max_cache_len`` columns, sink ``S``, page size `
     value pages per row   Wv = max(L - S - R, 0) // G      value pool B * Wv pages: id b * Wv + j
     page tables           int32 [B, Wk] / [B, Wv], -1 until the page is written (then its fixed id)
     sink, qbuffers, local as in ``kitty.cache.layer.PagedLayer``; lengths int32 [B], updated in place
-    kernel workspace      the fused decode kernel's split buffers and output, allocated on the first decode step
+    kernel workspace      the fused decode kernel's split buffers, merge tickets and output, allocated by the prompt
+                          (once the query heads are known) for the launch every decode step then uses
 
 No allocator is needed (a page's id follows from its row and index), and the shapes never change, so the
 Triton kernels' grids (they come from ``B`` and the table widths) are the same at every step.
 
 A decode step (one new token in every row) runs only device operations in a fixed order:
 
-1. insert: the new token goes to its sink / key-qbuffer / local slot of every row (``torch.where`` on slots computed
-   from ``lengths`` on the device), the oldest local value to the value qbuffer; ``lengths += 1`` in place;
-2. attend: the fused kernel over the storage (the qbuffer this token filled in full precision), or the torch path;
+1. insert: the new token goes to its sink / key-qbuffer / local slot of every row, the oldest local value to the value
+   qbuffer, ``lengths += 1`` in place: one launch of ``kitty.kernels.insert_token`` with the fused backend, else
+   ``torch.where`` on slots computed from ``lengths`` on the device (:meth:`PagedLayer.write_token_slots`);
+2. attend: the fused kernel over the storage (the qbuffer this token filled in full precision) with the preallocated
+   workspace and its launch (``Launch.merge_inside`` where ``$KITTY_MERGE_INSIDE=1`` or the layer's
+   ``merge_inside`` says so), or the torch path;
 3. pack: every row whose key (value) qbuffer just filled (``kitty.core.pages.filled_pages``) is packed into its page by
    the layer's ops object (``kitty.cache.backend``, ``pack_completed``): ``kitty.kernels.pack_completed`` (Triton
    backend, configs it packs bit-identically) launches one program per (row, KV head) that reads ``lengths[b]`` and
    returns unless its row completed a page, else ``kernels/reference.py``'s ``pack_completed_ref`` quantizes all rows
    and keeps the completed ones with ``torch.where``.
+
+While ``torch.compile`` traces the step, the three stages are the ``kitty::`` custom ops of
+``kitty.cache.custom_ops`` (opaque to the compiler, their mutations declared).
 
 Host counters (columns fed, steps since the prompt) are plain Python integers, advanced by the step's Python code or,
 for a replayed CUDA graph (where no Python runs), by :meth:`StaticKittyLayer.advance`. Capacity is checked on them
@@ -35,15 +42,35 @@ tokens per row, left padding) run the same code as the growing cache, with the h
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import torch
 
+from .. import kernels
 from ..core.config import KVQuantConfig, is_int
 from ..core.memory import token_layout
 from ..core.pages import FixedPages, filled_pages
+from ..core.storage import ROW_FIELDS, KittyLayerState
+from ..kernels.launch import default_launch
+from . import custom_ops
 from .backend import check_triton
 from .layer import PagedLayer
 
-__all__ = ["StaticKittyLayer", "check_static_args", "page_widths"]
+__all__ = ["MERGE_INSIDE_ENV", "StaticKittyLayer", "check_static_args", "merge_inside_requested", "page_widths"]
+
+MERGE_INSIDE_ENV = "KITTY_MERGE_INSIDE"
+
+
+def merge_inside_requested() -> bool:
+    """Whether ``$KITTY_MERGE_INSIDE=1`` asks static layers to merge the split-K partials inside the attention
+    launch (``Launch.merge_inside``; off by default until it is timed on the GPU)."""
+    return os.environ.get(MERGE_INSIDE_ENV, "0") == "1"
+
+
+def compiling() -> bool:
+    """Whether ``torch.compile`` is tracing this call (the step then calls the ``kitty::`` custom ops)."""
+    return torch.compiler.is_compiling()
 
 
 def check_static_args(max_batch_size, max_cache_len, max_pages) -> bool:
@@ -72,6 +99,8 @@ class StaticKittyLayer(PagedLayer):
     :class:`kitty.cache.layer.PagedLayer`: fixed storage and page ids (module docstring); ``is_compileable``."""
 
     is_compileable = True
+    # Launch.merge_inside for this layer's decode steps: None follows $KITTY_MERGE_INSIDE (set before the prompt)
+    merge_inside: bool | None = None
 
     def __init__(
         self,
@@ -91,9 +120,9 @@ class StaticKittyLayer(PagedLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate everything for ``B = key_states.shape[0]`` rows and ``max_cache_len`` columns; the kernel
-        workspace is allocated by the first decode step."""
+        workspace is allocated by the prompt (:meth:`prepare_workspace`: the query heads are known there)."""
         super().lazy_initialization(key_states, value_states)
-        self.workspace = {}
+        self.workspace, self.launch, self._op_workspace = None, None, []
 
     def check_capacity(self, batch_size: int, new_columns: int) -> None:
         """At most ``max_batch_size`` rows and ``max_cache_len`` columns (``ValueError`` before anything changes)."""
@@ -155,29 +184,89 @@ class StaticKittyLayer(PagedLayer):
         runs only device operations)."""
         if valid is not None:  # a prompt: host bookkeeping allowed
             self.check_append(valid)
-            return self._attend_tokens(query, key_states, value_states, valid, scale)
+            out = self._attend_tokens(query, key_states, value_states, valid, scale)
+            self.prepare_workspace(query.shape[1])
+            return out
         if key_states.shape[0] != len(self._n0):
             raise ValueError(f"the cache holds {len(self._n0)} rows but got a batch of {key_states.shape[0]}")
         return self._attend_decode(query, key_states, value_states, scale)
 
+    def prepare_workspace(self, num_heads: int) -> None:
+        """Allocate the fused kernel's workspace for ``num_heads`` query heads once (eagerly, at the prompt: never
+        inside a compiled or captured step), sized by :func:`kitty.cache.custom_ops.attention_workspace` for the
+        launch every decode step then uses (:attr:`launch`); nothing for the torch backend."""
+        if not self.ops.fused_decode:
+            return
+        B, H, D = len(self._n0), self.num_kv_heads, self.head_dim
+        if self.workspace is not None and self.workspace["out"].shape == (B, num_heads, D):
+            return
+        merge = merge_inside_requested() if self.merge_inside is None else bool(self.merge_inside)
+        launch = dataclasses.replace(default_launch(B, H, self.key_width + 1, self.device), merge_inside=merge)
+        q = torch.empty(B, num_heads, D, dtype=self.dtype, device=self.device)
+        ws, self.launch = custom_ops.attention_workspace(q, self.storage(), launch)
+        self._op_workspace = ws  # m, l, acc, tickets: what kitty::decode_attention writes
+        self.workspace = dict(zip(("m", "l", "acc", "tickets"), ws), out=q)
+        self.ops.launch = self.launch
+
+    def storage(self) -> KittyLayerState:
+        """Every tensor of this layer, whole (fixed shapes; no host counter is read)."""
+        return KittyLayerState(
+            **{name: getattr(self, name) for name in ROW_FIELDS},
+            k_page_table=self.k_page_table,
+            v_page_table=self.v_page_table,
+            **self.key_pool.tensors,
+            **self.value_pool.tensors,
+        )
+
+    def attend_fused(self, q: torch.Tensor, state: KittyLayerState, scale: float) -> torch.Tensor:
+        """Stage 2 with the fused backend: the kernel over ``state`` with the preallocated workspace and launch
+        (``kitty::decode_attention`` while compiling)."""
+        if self.workspace is None:  # no prompt prepared it (a step built by hand): allocate here, outside capture
+            self.prepare_workspace(q.shape[1])
+        if compiling():
+            return custom_ops.decode_attention(
+                q, state, self.cfg, scale, full_qbuffer=True, workspace=self._op_workspace, launch=self.launch
+            )
+        return self.ops.attend(q, state, scale, full_qbuffer=True, workspace=self.workspace)
+
     def insert_decode(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Stage 1 of a decode step for every row: device writes at slots from ``lengths``
-        (:meth:`write_token_slots`), then ``lengths += 1`` in place."""
+        """Stage 1 of a decode step for every row: with the fused backend one launch of ``kitty.kernels.insert_token``
+        (``kitty::insert_token`` while compiling), else device writes at slots from ``lengths``
+        (:meth:`write_token_slots`) and ``lengths += 1``; both in place, no host read."""
+        self.check_room(1)
+        k, v = key_states[:, :, 0], value_states[:, :, 0]
         if self.ops.fused_decode:
             check_triton(None, None, key_states.device)
-        self.check_room(1)
-        self.write_token_slots(key_states[:, :, 0], value_states[:, :, 0], self._rows)
-        self.lengths.add_(1)
-        self.on_undo(lambda: self.lengths.sub_(1))
+            buffers = (self.lengths, self.sink_k, self.sink_v, self.k_qbuf, self.v_qbuf, self.v_local)
+            (custom_ops.insert_token if compiling() else kernels.insert_token)(k, v, *buffers)
+            self.on_undo(self._undo_insert)
+        else:
+            self.write_token_slots(k, v, self._rows)
+            self.lengths.add_(1)
+            self.on_undo(lambda: self.lengths.sub_(1))
         self.seen_tokens += 1
         self._steps += 1
+
+    def _undo_insert(self) -> None:
+        """Undo of the fused insert: ``lengths -= 1``, then the value that left the local window (still in its value
+        qbuffer slot) back to its ring slot, the slots computed from the restored lengths (the other writes went to
+        slots past each row's length, which nothing reads)."""
+        self.lengths.sub_(1)
+        S, G, R = self.cfg.sink_tokens, self.cfg.group_size, self.cfg.local_window
+        if not R:
+            return
+        rows, p = self._rows, self.lengths.long()
+        m = (p - S).clamp(min=0)
+        local, qslot = m % R, (m - R).clamp(min=0) % G
+        leaving = ((p >= S) & (m >= R))[:, None, None]
+        self.v_local[rows, :, local] = torch.where(leaving, self.v_qbuf[rows, :, qslot], self.v_local[rows, :, local])
 
     def pack_filled(self, filled: None = None) -> None:
         """Stage 3 of a decode step: pack the qbuffers that filled, every row predicated on the device."""
         if self.key_width == 0:  # no row can ever complete a page
             return
         self.on_undo(self._unpoint_completed)  # a packed page lies past the row's old pages: only tables change
-        self.ops.pack_completed(
+        args = (
             self.lengths,
             self.k_qbuf,
             self.v_qbuf,
@@ -188,6 +277,10 @@ class StaticKittyLayer(PagedLayer):
             self.layer_idx,
             self.query_scale(),
         )
+        if compiling():
+            custom_ops.pack_completed(self.cfg, *args)
+        else:
+            self.ops.pack_completed(*args)
 
     def _unpoint_completed(self) -> None:
         """Undo of :meth:`pack_filled` (``lengths`` still count the step's token): the completed pages' table
