@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..core.config import PRESETS, get_preset
-from ..hf.generate import MAX_SEED, Sampling
+from ..hf.generate import MAX_SEED, MIN_TEMPERATURE, MIN_TOP_P, Sampling
 from ..hf.models import tp_rank_and_size
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -97,8 +97,14 @@ def sampling_of(args: argparse.Namespace) -> Sampling:
         raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
     if args.sample and temperature == 0:
         raise ValueError("--temperature must be > 0 with --sample (or leave out --sample for greedy decoding)")
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(f"--temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {temperature}")
     if not 0 < args.top_p <= 1:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.top_p < MIN_TOP_P:
+        raise ValueError(
+            f"--top-p must be >= {MIN_TOP_P:g} (it then keeps the most likely token alone), got {args.top_p}"
+        )
     if not 0 <= args.seed < MAX_SEED:
         raise ValueError(f"--seed must be in [0, 2**63), got {args.seed}")
     return Sampling(temperature, args.top_p, args.seed)
