@@ -5,6 +5,7 @@ parameter and what would work, or it works; none gives silently wrong tokens. Ti
 from __future__ import annotations
 
 import copy
+import os
 import threading
 import warnings
 
@@ -86,8 +87,8 @@ def test_a_second_generation_on_a_claimed_cache_is_refused_whatever_the_timing(m
         release.set()
         a.join(120)
         assert "B" not in results and len(errors) == 1, moment
-        assert "reset()" in str(errors[0]) and "one cache per generation" in str(errors[0]) or "earlier" in str(
-            errors[0]
+        assert (
+            "reset()" in str(errors[0]) and "one cache per generation" in str(errors[0]) or "earlier" in str(errors[0])
         )
         assert results["A"] == alone, moment
         assert cache.lengths == [12 + 8 - 1]
@@ -276,3 +277,119 @@ def test_the_smallest_sampling_parameters_work(model):
         out = generate_tokens(model, prompt(6), KittyCache(model.config, SMALL), 3, sampling)
         greedy = generate_tokens(model, prompt(6), KittyCache(model.config, SMALL), 3)
         assert out == greedy  # both limits keep the most likely token alone
+
+
+# ------------------------------------------------------------------------ the command line
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """``python -m kitty``'s main(), failing the test if it loads a model."""
+    import kitty.hf.models
+
+    monkeypatch.setattr(kitty.hf.models, "load_model", lambda *a, **kw: pytest.fail("the model was loaded"))
+    from kitty.tools.cli import main
+
+    return main
+
+
+@pytest.fixture
+def cli_model(default_model, monkeypatch):
+    """``python -m kitty``'s main() with the session's model instead of a fresh load."""
+    import kitty.hf.models
+
+    monkeypatch.setattr(kitty.hf.models, "load_model", lambda *a, **kw: default_model)
+    monkeypatch.delenv("KITTY_BACKEND", raising=False)
+    from kitty.tools.cli import main
+
+    return main
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["hi", "--sample", "--temperature", "1e-300"], "--temperature must be 0 (greedy) or >= 0.0001"),
+        (["hi", "--sample", "--top-p", "1e-300"], "--top-p must be >= 1e-06"),
+        (["hi", "--max-prompt-tokens", "-1"], "--max-prompt-tokens must be >= 0"),
+        (["--prompt-file", "."], "is a folder"),
+        pytest.param(
+            ["hi", "--json", "/dev/full"],
+            "cannot write there (No space left on device)",
+            marks=pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full"),
+        ),
+        pytest.param(
+            ["--prompt-file", "/dev/null"],
+            "is a character device, not a text file",
+            marks=pytest.mark.skipif(not os.path.exists("/dev/null"), reason="needs /dev/null"),
+        ),
+    ],
+)
+def test_cli_refuses_before_loading_the_model(no_load, argv, message, capsys):
+    assert no_load(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_refuses_an_unsupported_transformers_before_loading(no_load, monkeypatch, capsys):
+    import transformers
+
+    from kitty.hf.compat import transformers_version
+
+    monkeypatch.setattr(transformers, "__version__", "5.16.0")
+    transformers_version.cache_clear()
+    try:
+        assert no_load(["hi"]) == 2
+        assert "kitty needs transformers>=5.17,<6, found transformers 5.16.0" in capsys.readouterr().err
+    finally:
+        monkeypatch.undo()
+        transformers_version.cache_clear()
+
+
+def test_cli_refuses_a_bad_backend_variable_before_loading(no_load, monkeypatch, capsys):
+    monkeypatch.setenv("KITTY_BACKEND", "bogus")
+    assert no_load(["hi"]) == 2
+    assert "$KITTY_BACKEND must be one of" in capsys.readouterr().err
+
+
+def test_cli_reads_a_pipe_and_warns_about_non_utf8_stdin(monkeypatch, tmp_path, capsys):
+    import io
+    import sys
+    from types import SimpleNamespace
+
+    from kitty.tools.cli import read_prompt
+
+    fifo = tmp_path / "prompt"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text("from a pipe"))
+    writer.start()
+    assert read_prompt(SimpleNamespace(prompt=None, prompt_file=str(fifo))) == "from a pipe"
+    writer.join(10)
+
+    class Stdin(io.TextIOWrapper):
+        def isatty(self) -> bool:
+            return False
+
+    monkeypatch.setattr(sys, "stdin", Stdin(io.BytesIO(b"caf\xe9 ok")))
+    assert read_prompt(SimpleNamespace(prompt="-", prompt_file=None)) == "caf\ufffd ok"
+    assert "stdin is not valid UTF-8" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_prompt_longer_than_the_limit_before_generating(cli_model, monkeypatch, capsys):
+    import kitty.tools.cli
+
+    monkeypatch.setattr(kitty.tools.cli, "generate", lambda *a, **kw: pytest.fail("generated"))
+    assert cli_model(["one two three four five six seven", "--max-prompt-tokens", "5"]) == 2
+    assert "more than --max-prompt-tokens=5" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_cli_json_that_fails_after_the_generation_is_printed(cli_model, monkeypatch, capsys):
+    import json
+
+    import kitty.tools.cliargs
+
+    monkeypatch.setattr(kitty.tools.cliargs, "writable_file", lambda *a: None)  # as if /dev/full filled up later
+    assert cli_model(["Hi", "--max-new-tokens", "2", "--json", "/dev/full"]) == 2
+    out = capsys.readouterr()
+    assert "cannot write the results" in out.err and "printed above" in out.err
+    start = out.out.index("[\n")
+    assert json.loads(out.out[start:])[0]["new_tokens"] == 2

@@ -118,7 +118,8 @@ def check_prompt_ids(ids: torch.Tensor, cache) -> None:
         raise ValueError(
             f"ids must be a [1, T] tensor of token ids (one prompt, T >= 1), got "
             f"{f'shape {shape}' if shape is not None else type(ids).__name__}{hint}; this loop decodes one row: "
-            "for a batch call model.generate(..., cache=KittyCache(...)) with a fresh cache per batch"
+            "for a batch call model.generate(..., **kitty.hf.compat.cache_kwargs(KittyCache(...))) with a fresh "
+            "cache per batch (cache= is read from transformers 5.24 only)"
         )
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise ValueError(f"ids must hold integer token ids, got dtype {ids.dtype}")
