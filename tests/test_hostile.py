@@ -393,3 +393,31 @@ def test_cli_json_that_fails_after_the_generation_is_printed(cli_model, monkeypa
     assert "cannot write the results" in out.err and "printed above" in out.err
     start = out.out.index("[\n")
     assert json.loads(out.out[start:])[0]["new_tokens"] == 2
+
+
+def test_model_generate_checks_a_static_cache_before_the_first_token(model):
+    ids = prompt(12)
+    cache = KittyCache(model.config, SMALL, max_cache_len=16)
+    with pytest.raises(ValueError, match=r"needs 19 cache columns .* max_cache_len=16"):
+        model.generate(ids, **cache_kwargs(cache), max_new_tokens=8, do_sample=False)
+    assert cache.get_seq_length() == 0
+    out = model.generate(ids, **cache_kwargs(cache), max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    assert out.shape[1] == 12 + 5 and cache.lengths == [16]
+
+
+def test_a_padded_token_in_a_static_decode_step_is_refused(model):
+    """A static cache stores every row's token in a one-token step without reading the mask: a row marked as
+    padding there is refused (the growing cache skips it)."""
+    ids = prompt(6).repeat(2, 1)
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, -1] = 0
+    static = KittyCache(model.config, SMALL, max_batch_size=2, max_cache_len=16)
+    growing = KittyCache(model.config, SMALL)
+    with torch.no_grad():
+        for cache in (static, growing):
+            model(ids, **cache_kwargs(cache))
+        with pytest.raises(ValueError, match=r"new token of rows \[1\] as padding"):
+            model(ids[:, :1], attention_mask=mask, **cache_kwargs(static))
+        assert static.lengths == [6, 6] and static.get_seq_length() == 6
+        model(ids[:, :1], attention_mask=mask, **cache_kwargs(growing))
+    assert growing.lengths == [7, 6]

@@ -112,6 +112,7 @@ class KittyMask:
     sdpa_kwargs: dict[str, Any] = field(default_factory=dict, repr=False)
     _sdpa: Any = field(default=None, repr=False)
     _new_cpu: Any = field(default=None, repr=False)
+    _decode_checked: bool = field(default=False, repr=False)
 
     @property
     def ndim(self) -> int:
@@ -124,6 +125,24 @@ class KittyMask:
         """Itself: transformers 5.18-5.23 call ``.contiguous()`` on the mask ``generate`` prepares for a static cache
         (``kitty.hf.compat`` lists the difference)."""
         return self
+
+    def check_decode_column(self, column: int) -> None:
+        """A decode step that stores every row's token without reading the mask (a static cache): ``ValueError``
+        if the mask marks that token (``column`` of the padding mask) as padding in some row. Read once per forward
+        pass (one synchronization), and not at all while a CUDA graph is captured or the step is compiled."""
+        m = self.padding_mask
+        if self._decode_checked or m is None or m.dim() != 2 or m.shape[1] <= column:
+            return
+        if torch.compiler.is_compiling() or (m.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return
+        self._decode_checked = True
+        padded = (~m[:, column].to(device="cpu", dtype=torch.bool)).nonzero().flatten().tolist()
+        if padded:
+            raise ValueError(
+                f"attention_mask marks the new token of rows {padded} as padding, but a static cache stores every "
+                "row's token in a one-token step: feed real tokens after the prompt (as generate does), or use the "
+                "growing cache (KittyCache without max_cache_len), which skips padded tokens"
+            )
 
     def new_token_mask(self, batch_size: int, q_length: int, device: torch.device | str) -> torch.Tensor:
         """bool ``[B, T]``: which of the ``T`` new columns are real tokens.
@@ -247,6 +266,8 @@ def kitty_attention_forward(
     B, Hq, T, D = query.shape
     scale = D**-0.5 if scaling is None else scaling
     valid = layer.new_tokens(attention_mask, B, T)  # (B, T) on the CPU (bookkeeping only), or None: a decode step
+    if valid is None and isinstance(attention_mask, KittyMask):
+        attention_mask.check_decode_column(layer.seen_tokens)
     cache = layer.cache
     with cache.layer_step(layer) if cache is not None else layer.atomic():  # a failure undoes the forward pass
         out = layer.attend_and_append(query, key.key_states, key.value_states, valid, scale)

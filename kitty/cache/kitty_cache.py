@@ -30,6 +30,7 @@ function), attends, then calls :meth:`KittyLayer.append`. ``KittyCache`` makes `
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import warnings
 from contextlib import contextmanager
@@ -357,6 +358,26 @@ class KittyCache(StaticCacheSizes, Cache):
                     "before a new prompt (or pass a fresh cache, kitty.make_cache)"
                 )
             self._claimed, self._owner = True, threading.get_ident()
+
+    @property
+    def _is_user_defined(self) -> bool:
+        return getattr(self, "_user_defined", False)
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value: bool) -> None:
+        """``generate`` marks a cache the user passed before its first forward pass; a static cache then checks the
+        columns this generation needs (``max_cache_length`` of generate's cache preparation, prompt + max_new_tokens
+        - 1, where the release shows it), so that a cache too small fails before any token rather than after N."""
+        self._user_defined = value
+        if self.max_cache_len is None:
+            return
+        need = sys._getframe(1).f_locals.get("max_cache_length")
+        if is_int(need) and need > self.max_cache_len:
+            raise ValueError(
+                f"this generate call needs {need} cache columns (prompt + max_new_tokens - 1), the cache holds "
+                f"max_cache_len={self.max_cache_len}: build the cache with max_cache_len >= {need} or lower "
+                "max_new_tokens"
+            )
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         sizes = super().get_mask_sizes(query_length, layer_idx)
