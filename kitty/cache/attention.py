@@ -27,6 +27,7 @@ Backends (``KittyCache(..., backend=)``, resolved once per layer into its ops ob
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, PretrainedConfig
+from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -60,42 +61,35 @@ def in_kitty_forward() -> bool:
     return getattr(_STATE, "on", False)
 
 
-class _KittyAttentionConfig:
-    """Mixed into a model config by :func:`use_kitty_attention`: ``_attn_implementation`` reads ``"kitty"`` during a
-    KittyCache forward pass on this thread, else the user's choice (which setting it changes, as usual)."""
-
-    @property
-    def _attn_implementation(self):
-        return ATTN_NAME if in_kitty_forward() else self._attn_implementation_internal
-
-    @_attn_implementation.setter
-    def _attn_implementation(self, value) -> None:
-        PretrainedConfig._attn_implementation.fset(self, value)
-
-    def __reduce_ex__(self, protocol):  # pickles and copies as the plain config class
-        reduced = list(super().__reduce_ex__(protocol))
-        if reduced[1] and reduced[1][0] is type(self):
-            reduced[1] = (type(self).__mro__[2], *reduced[1][1:])
-        return tuple(reduced)
-
-
-_PATCHED: dict[type, type] = {}
+_PATCHED: set[type] = set()  # config classes whose ``_attn_implementation`` reads "kitty" in a KittyCache pass
 
 
 def use_kitty_attention(config) -> None:
-    """Let ``config`` select the ``"kitty"`` functions during KittyCache forward passes only (idempotent).
+    """Let every config of ``type(config)`` select the ``"kitty"`` functions during KittyCache forward passes only
+    (idempotent).
 
-    The config's class is swapped for a subclass of the same name with :class:`_KittyAttentionConfig` mixed in, so
-    ``config._attn_implementation`` keeps returning the user's implementation everywhere else.
+    The class's ``_attn_implementation`` property is wrapped: it reads ``"kitty"`` on a thread inside a KittyCache
+    forward pass, else what the user set (setting it works as usual). The class, not the instance, is changed, so a
+    cache built from a copy of the model's config (``copy.deepcopy(model.config)``, ``AutoConfig``) still switches
+    the model's own config, and copies and pickles of a config are plain configs.
     """
     cls = type(config)
-    if issubclass(cls, _KittyAttentionConfig):
+    if cls in _PATCHED:
         return
-    if cls not in _PATCHED:
-        _PATCHED[cls] = type(
-            cls.__name__, (_KittyAttentionConfig, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    own = inspect.getattr_static(cls, "_attn_implementation", None)
+    if not isinstance(own, property):
+        raise ValueError(
+            f"config must be a transformers PretrainedConfig (pass model.config), got {cls.__name__} without an "
+            "_attn_implementation property"
         )
-    config.__class__ = _PATCHED[cls]
+    if not getattr(own.fget, "_kitty", False):  # a base class may be wrapped already
+
+        def read(self):
+            return ATTN_NAME if in_kitty_forward() else own.fget(self)
+
+        read._kitty = True
+        cls._attn_implementation = property(read, own.fset, own.fdel, own.__doc__)
+    _PATCHED.add(cls)
 
 
 def user_implementation(config) -> str:
@@ -118,6 +112,7 @@ class KittyMask:
     sdpa_kwargs: dict[str, Any] = field(default_factory=dict, repr=False)
     _sdpa: Any = field(default=None, repr=False)
     _new_cpu: Any = field(default=None, repr=False)
+    _decode_checked: bool = field(default=False, repr=False)
 
     @property
     def ndim(self) -> int:
@@ -130,6 +125,24 @@ class KittyMask:
         """Itself: transformers 5.18-5.23 call ``.contiguous()`` on the mask ``generate`` prepares for a static cache
         (``kitty.hf.compat`` lists the difference)."""
         return self
+
+    def check_decode_column(self, column: int) -> None:
+        """A decode step that stores every row's token without reading the mask (a static cache): ``ValueError``
+        if the mask marks that token (``column`` of the padding mask) as padding in some row. Read once per forward
+        pass (one synchronization), and not at all while a CUDA graph is captured or the step is compiled."""
+        m = self.padding_mask
+        if self._decode_checked or m is None or m.dim() != 2 or m.shape[1] <= column:
+            return
+        if torch.compiler.is_compiling() or (m.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return
+        self._decode_checked = True
+        padded = (~m[:, column].to(device="cpu", dtype=torch.bool)).nonzero().flatten().tolist()
+        if padded:
+            raise ValueError(
+                f"attention_mask marks the new token of rows {padded} as padding, but a static cache stores every "
+                "row's token in a one-token step: feed real tokens after the prompt (as generate does), or use the "
+                "growing cache (KittyCache without max_cache_len), which skips padded tokens"
+            )
 
     def new_token_mask(self, batch_size: int, q_length: int, device: torch.device | str) -> torch.Tensor:
         """bool ``[B, T]``: which of the ``T`` new columns are real tokens.
@@ -253,6 +266,8 @@ def kitty_attention_forward(
     B, Hq, T, D = query.shape
     scale = D**-0.5 if scaling is None else scaling
     valid = layer.new_tokens(attention_mask, B, T)  # (B, T) on the CPU (bookkeeping only), or None: a decode step
+    if valid is None and isinstance(attention_mask, KittyMask):
+        attention_mask.check_decode_column(layer.seen_tokens)
     cache = layer.cache
     with cache.layer_step(layer) if cache is not None else layer.atomic():  # a failure undoes the forward pass
         out = layer.attend_and_append(query, key.key_states, key.value_states, valid, scale)

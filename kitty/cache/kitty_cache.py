@@ -29,6 +29,8 @@ function), attends, then calls :meth:`KittyLayer.append`. ``KittyCache`` makes `
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import warnings
 from contextlib import contextmanager
@@ -38,7 +40,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..core.config import KVQuantConfig, get_preset, is_int, kv_dims
-from ..core.memory import MemoryReport, token_layout
+from ..core.memory import MemoryReport, analytic_report, token_layout
 from ..core.storage import FLOAT_DTYPES
 from ..hf.compat import StaticCacheSizes, get_kv_heads_per_rank, layer_types_and_kwargs
 from . import attention as kattention
@@ -48,7 +50,7 @@ from .static import StaticKittyLayer, check_static_args
 from .step import BEAM_MESSAGE
 from .window import SlidingWindowLayer, StaticSlidingLayer
 
-__all__ = ["KittyCache", "KittyLayer", "SlidingWindowLayer", "build_layers"]
+__all__ = ["KittyCache", "KittyLayer", "SlidingWindowLayer", "build_layers", "start_generation"]
 
 LAYER_TYPES = ("full_attention", "sliding_attention")  # Kitty pages, or a bounded full-precision window
 
@@ -89,6 +91,100 @@ def build_layers(
     return [build(i, kind, kw) for i, (kind, kw) in enumerate(zip(layer_types, layer_kwargs))]
 
 
+def check_config(config) -> None:
+    """``ValueError`` unless ``config`` is a transformers model config (``model.config``), not the model itself."""
+    if isinstance(config, torch.nn.Module) or not hasattr(config, "get_text_config"):
+        got = (
+            "the model"
+            if isinstance(config, torch.nn.Module)
+            else repr(config)
+            if config is None
+            else type(config).__name__
+        )
+        raise ValueError(f"config must be the model's transformers config: pass model.config, got {got}")
+
+
+def device_memory_bytes() -> int:
+    """The most memory one device here offers: the largest CUDA GPU's, or the host's RAM (what a static cache
+    could at best be allocated in)."""
+    sizes = [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
+    try:
+        sizes.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # no sysconf (not POSIX): trust the GPUs, or refuse nothing
+        pass
+    return max(sizes, default=0)
+
+
+def static_bytes(
+    cfg: KVQuantConfig,
+    layer_types: list[str],
+    layer_kwargs: list[dict],
+    num_kv_heads: int,
+    head_dim: int,
+    max_cache_len: int,
+    rows: int,
+    dtype_bytes: int = 2,
+) -> int:
+    """A lower bound on the bytes a static cache preallocates: every full layer's pages and buffers for
+    ``max_cache_len`` tokens per row, every window layer's ``min(window, max_cache_len)`` columns (keys and values,
+    ``dtype_bytes`` per element)."""
+    n = len(layer_types)
+    total = 0
+    for i, kind in enumerate(layer_types):
+        if kind == "full_attention":
+            total += analytic_report(cfg.for_layer(i, n), [max_cache_len], head_dim, num_kv_heads).stored_bytes * rows
+    for kind, kw in zip(layer_types, layer_kwargs):
+        if kind != "full_attention":
+            total += 2 * min(kw["sliding_window"], max_cache_len) * num_kv_heads * head_dim * dtype_bytes * rows
+    return total
+
+
+def check_static_bytes(
+    cfg: KVQuantConfig,
+    layer_types: list[str],
+    layer_kwargs: list[dict],
+    num_kv_heads: int,
+    head_dim: int,
+    max_cache_len: int,
+    rows: int,
+) -> None:
+    """``ValueError`` naming ``max_cache_len`` when the static cache could not fit on any device here."""
+    need, have = (
+        static_bytes(cfg, layer_types, layer_kwargs, num_kv_heads, head_dim, max_cache_len, rows),
+        device_memory_bytes(),
+    )
+    if have and need > have:
+        raise ValueError(
+            f"max_cache_len={max_cache_len} (x {rows} rows) would preallocate at least {need / 2**30:,.1f} GiB of "
+            f"cache, more than the {have / 2**30:,.1f} GiB of the largest device here: give a max_cache_len of "
+            "prompt + max_new_tokens columns"
+        )
+
+
+def start_generation(cache, columns: int | None = None) -> None:
+    """Check that ``cache`` (any transformers cache) can start a new generation of ``columns`` cache columns
+    (prompt + new tokens - 1), before anything runs: a :class:`KittyCache` is claimed
+    (:meth:`KittyCache.start_generation`); another cache must be empty (``ValueError``: call ``cache.reset()``, since
+    positions would restart at 0 over its cached columns) and, if static, hold ``columns``."""
+    if isinstance(cache, KittyCache):
+        cache.start_generation(columns)
+        return
+    held = cache.get_seq_length()
+    if held:
+        raise ValueError(
+            f"the cache holds {held} columns of an earlier generation: call cache.reset() before a new prompt "
+            "(or pass a fresh cache)"
+        )
+    limit = getattr(cache, "max_cache_len", None)
+    if limit is None and getattr(cache, "is_compileable", False):
+        limit = next((getattr(layer, "max_cache_len", None) for layer in cache.layers), None)
+    if limit is not None and columns is not None and columns > limit:
+        raise ValueError(
+            f"this generation needs {columns} cache columns (prompt + max_new_tokens - 1), the cache holds "
+            f"max_cache_len={limit}: build the cache with max_cache_len >= {columns} or lower max_new_tokens"
+        )
+
+
 class KittyCache(StaticCacheSizes, Cache):
     """A transformers ``Cache`` holding every layer's keys and values in Kitty's paged 2-bit format.
 
@@ -127,6 +223,7 @@ class KittyCache(StaticCacheSizes, Cache):
         max_batch_size: int | None = None,
         max_cache_len: int | None = None,
     ):
+        check_config(config)
         if isinstance(cfg, str):
             cfg = get_preset(cfg)
         if not isinstance(cfg, KVQuantConfig):
@@ -150,6 +247,10 @@ class KittyCache(StaticCacheSizes, Cache):
         tp_size = self._tp_size(config, text, num_kv_heads)
         if backend == "triton":
             check_triton(cfg, head_dim)
+        if max_cache_len is not None:
+            check_static_bytes(
+                cfg, layer_types, layer_kwargs, num_kv_heads // tp_size, head_dim, max_cache_len, max_batch_size or 1
+            )
         self.cfg, self.backend, self.max_pages = cfg, backend, max_pages
         self.head_dim, self.num_layers, self.tp_size = head_dim, num_layers, tp_size
         self.num_kv_heads = num_kv_heads // tp_size  # this rank's KV heads (each layer re-sizes from its tensors)
@@ -180,6 +281,10 @@ class KittyCache(StaticCacheSizes, Cache):
         self._forward, self._last_layer = 0, num_layers  # forward passes seen, and the last layer updated
         self._pass_thread: int | None = None  # the thread whose forward pass is open (None between passes)
         self._pass_lock = threading.Lock()
+        # the generation this cache holds since the last reset(): the thread whose prompt started it, and whether a
+        # generation loop claimed it (start_generation)
+        self._owner: int | None = None
+        self._claimed = False
         kattention.use_kitty_attention(config)
         if text is not config:
             kattention.use_kitty_attention(text)
@@ -195,6 +300,7 @@ class KittyCache(StaticCacheSizes, Cache):
                     "(kitty.make_cache), or call cache.reset() if that pass was abandoned"
                 )
             if layer_idx <= self._last_layer:  # layers run in order: back at (or before) the start is a new pass
+                self._check_owner(me, key_states)
                 self._forward += 1
             self._last_layer, self._pass_thread = layer_idx, me
         kattention.kitty_forward(True)
@@ -211,6 +317,67 @@ class KittyCache(StaticCacheSizes, Cache):
         finally:  # a last sliding layer's window is handed over here (a Kitty layer closes in end_step)
             if layer_idx == self.num_layers - 1 and not isinstance(self.layers[layer_idx], PagedLayer):
                 self._pass_thread = None
+
+    def _check_owner(self, me: int, key_states) -> None:
+        """At the start of a forward pass (lock held): a prompt (several new tokens) from a thread other than the
+        one whose generation the cache holds would be stored on top of that generation's tokens; refuse it.
+        Single-token steps may come from any thread (a streaming server's worker pool)."""
+        shape = getattr(key_states, "shape", ())
+        prompt = len(shape) == 4 and shape[2] > 1
+        held = self._claimed or self.get_seq_length() > 0
+        if self._owner is not None and self._owner != me and prompt and held:
+            raise RuntimeError(
+                f"this KittyCache holds a generation started on another thread ({self.get_seq_length()} columns "
+                "cached): a second prompt would be stored on top of it; call cache.reset() first, or use one cache "
+                "per generation (kitty.make_cache)"
+            )
+        if self._owner is None or (prompt and not held):
+            self._owner = me
+
+    def start_generation(self, columns: int | None = None) -> None:
+        """Claim this cache for one generation (the generation loops of ``kitty.hf.generate`` call it first).
+
+        ``ValueError`` if the cache holds tokens (call :meth:`reset` first) or, for a static cache, if ``columns``
+        (prompt columns + new tokens - 1) exceed ``max_cache_len``; ``RuntimeError`` if another generation claimed
+        it since the last :meth:`reset`, whichever thread or timing (one cache per generation)."""
+        if self.max_cache_len is not None and columns is not None and columns > self.max_cache_len:
+            raise ValueError(
+                f"this generation needs {columns} cache columns (prompt + max_new_tokens - 1), the cache holds "
+                f"max_cache_len={self.max_cache_len}: build the cache with max_cache_len >= {columns} or lower "
+                "max_new_tokens"
+            )
+        with self._pass_lock:
+            if self._claimed or self._pass_thread is not None:
+                raise RuntimeError(
+                    "this KittyCache is in use by another generation (claimed since its last reset()): use one cache "
+                    "per generation (kitty.make_cache), or call cache.reset() once that generation is over"
+                )
+            if self.get_seq_length() > 0:
+                raise ValueError(
+                    f"the cache holds {self.get_seq_length()} columns of an earlier generation: call cache.reset() "
+                    "before a new prompt (or pass a fresh cache, kitty.make_cache)"
+                )
+            self._claimed, self._owner = True, threading.get_ident()
+
+    @property
+    def _is_user_defined(self) -> bool:
+        return getattr(self, "_user_defined", False)
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value: bool) -> None:
+        """``generate`` marks a cache the user passed before its first forward pass; a static cache then checks the
+        columns this generation needs (``max_cache_length`` of generate's cache preparation, prompt + max_new_tokens
+        - 1, where the release shows it), so that a cache too small fails before any token rather than after N."""
+        self._user_defined = value
+        if self.max_cache_len is None:
+            return
+        need = sys._getframe(1).f_locals.get("max_cache_length")
+        if is_int(need) and need > self.max_cache_len:
+            raise ValueError(
+                f"this generate call needs {need} cache columns (prompt + max_new_tokens - 1), the cache holds "
+                f"max_cache_len={self.max_cache_len}: build the cache with max_cache_len >= {need} or lower "
+                "max_new_tokens"
+            )
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         sizes = super().get_mask_sizes(query_length, layer_idx)
@@ -273,6 +440,7 @@ class KittyCache(StaticCacheSizes, Cache):
         """Drop every cached token (page pools keep their storage); the cache can take a new batch."""
         super().reset()
         self._last_layer, self._pass_thread = self.num_layers, None
+        self._owner, self._claimed = None, False
         kattention.kitty_forward(False)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -285,8 +453,8 @@ class KittyCache(StaticCacheSizes, Cache):
         layer = self._paged_layer()
         if layer is not None:
             return layer.host_lengths
-        first = self.layers[0]
-        return [first.cumulative_length] * (first.keys.shape[0] if first.is_initialized else 0)
+        first = self.layers[0]  # a window layer: columns fed (a static window counts them on the host)
+        return [first.get_seq_length()] * (first.keys.shape[0] if first.is_initialized else 0)
 
     def _paged_layer(self) -> PagedLayer | None:
         """The first full-attention (Kitty) layer; every such layer holds the same tokens."""
@@ -300,6 +468,10 @@ class KittyCache(StaticCacheSizes, Cache):
         """
         layer = self._paged_layer()
         G = self.cfg.group_size
+        if layer is None:  # window layers only: every token is held in full precision in the window
+            zero = dict.fromkeys(("sink", "key_pages", "key_qbuffer", "value_pages", "value_qbuffer", "local"), 0)
+            window = [{"tokens": n, **zero} for n in self.lengths]
+            return window if per_row else {"tokens": sum(self.lengths), **zero}
         rows = []
         for b, n in enumerate(layer.host_lengths if layer is not None else []):
             lay = token_layout(self.cfg, n)

@@ -28,6 +28,9 @@ from ..core.config import KVQuantConfig
 from .compat import cache_kwargs
 
 MAX_SEED = 2**63  # seeds in [0, 2**63) are what torch.Generator.manual_seed takes on every device
+# below these, logits / temperature overflow float32 and a top-p mass rounds to 0 in float32 (no token kept); both
+# limits already pick the most likely token alone, as greedy decoding (temperature 0) does
+MIN_TEMPERATURE, MIN_TOP_P = 1e-4, 1e-6
 
 
 @dataclass(frozen=True)
@@ -46,8 +49,12 @@ class Sampling:
         t, p, seed = self.temperature, self.top_p, self.seed
         if isinstance(t, bool) or not isinstance(t, numbers.Real) or not (math.isfinite(t) and t >= 0):
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if 0 < t < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {t!r}")
         if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 < p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        if p < MIN_TOP_P:
+            raise ValueError(f"top_p must be >= {MIN_TOP_P:g} (it then keeps the most likely token alone), got {p!r}")
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < MAX_SEED:
             raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
 
@@ -111,7 +118,8 @@ def check_prompt_ids(ids: torch.Tensor, cache) -> None:
         raise ValueError(
             f"ids must be a [1, T] tensor of token ids (one prompt, T >= 1), got "
             f"{f'shape {shape}' if shape is not None else type(ids).__name__}{hint}; this loop decodes one row: "
-            "for a batch call model.generate(..., cache=KittyCache(...)) with a fresh cache per batch"
+            "for a batch call model.generate(..., **kitty.hf.compat.cache_kwargs(KittyCache(...))) with a fresh "
+            "cache per batch (cache= is read from transformers 5.24 only)"
         )
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise ValueError(f"ids must hold integer token ids, got dtype {ids.dtype}")
@@ -121,6 +129,26 @@ def check_prompt_ids(ids: torch.Tensor, cache) -> None:
             f"cache holds {len(rows)} rows of an earlier batch, and ids is one prompt: pass a fresh cache "
             "(kitty.hf.generate.make_cache) for each generation, or call cache.reset() first"
         )
+
+
+def check_generation_args(max_new_tokens, eos, ids=None) -> None:
+    """``ValueError`` naming the argument unless ``max_new_tokens`` is an integer >= 1 (not a bool), ``eos`` a
+    collection of integer token ids (not a string) and ``ids`` (if given) a tensor of integer token ids."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if isinstance(eos, (str, bytes)) or not isinstance(eos, Collection):
+        raise ValueError(f"eos must be a collection of integer token ids (e.g. {{2}}), got {eos!r}")
+    bad = [e for e in eos if isinstance(e, bool) or not isinstance(e, numbers.Integral)]
+    if bad:
+        raise ValueError(f"eos must hold integer token ids, got {bad[0]!r} (e.g. tokenizer.eos_token_id)")
+    if ids is not None and (
+        not isinstance(ids, torch.Tensor)
+        or ids.dtype.is_floating_point
+        or ids.dtype.is_complex
+        or ids.dtype == torch.bool
+    ):
+        what = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise ValueError(f"input_ids must be a tensor of integer token ids, got {what}")
 
 
 def stream_tokens(
@@ -140,9 +168,13 @@ def stream_tokens(
     masked, as transformers' ``min_new_tokens`` does). ``generator``: the sampling generator (default: one on the
     logits' device seeded with ``sampling.seed``). Closing the generator early leaves the cache to the caller.
     """
+    check_generation_args(max_new_tokens, eos)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     check_prompt_ids(ids, cache)
+    from ..cache.kitty_cache import start_generation  # a fresh (reset) cache that holds the whole generation
+
+    start_generation(cache, ids.shape[1] + max_new_tokens - 1)
     eos = frozenset(eos)
     logits = prefill(model, ids, cache)
     if generator is None and not sampling.greedy:
@@ -269,6 +301,7 @@ def generate_static(
     reference the captured tokens are compared with). The first ``warmup`` decode steps run eagerly on a side
     stream before capture (compiling kernels, allocating workspaces); they are real steps of the generation.
     """
+    check_generation_args(max_new_tokens, eos, input_ids)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if input_ids.dim() != 2:
@@ -287,6 +320,9 @@ def generate_static(
     mask = torch.ones(B, T, dtype=torch.long, device=device) if attention_mask is None else attention_mask.to(device)
     if mask.shape != (B, T):
         raise ValueError(f"attention_mask must be [batch, tokens] = {(B, T)}, got {tuple(mask.shape)}")
+    from ..cache.kitty_cache import start_generation  # a fresh (reset) cache: positions restart at 0
+
+    start_generation(cache, T + max_new_tokens - 1)
     eos = sorted(set(eos))
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
     generator = None

@@ -189,6 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--method", default="kitty", help="cache preset (see below), optionally +field=value... (default: kitty)"
     )
     p.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to generate (default: 64)")
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="refuse a longer prompt (0: no limit) (default: the model's context, max_position_embeddings)",
+    )
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template (default: off)")
     cliargs.add_model(p)
     p.add_argument(
@@ -234,6 +240,18 @@ def main(argv: list[str] | None = None) -> int:
         return run(build_parser().parse_args(argv))
 
 
+def unreadable_prompt_file(path: Path) -> str | None:
+    """Why ``path`` cannot be read as a prompt (``None``: a regular file, or a pipe such as ``<(command)``)."""
+    if not path.exists():
+        return "no such file"
+    if path.is_dir():
+        return "is a folder; give a text file"
+    if path.is_file() or path.is_fifo():
+        return None
+    kind = "a character device" if path.is_char_device() else "a block device" if path.is_block_device() else "a socket"
+    return f"is {kind}, not a text file"
+
+
 def read_prompt(args: argparse.Namespace) -> str:
     """The prompt from the argument, ``--prompt-file`` or stdin (``-``, or piped with no prompt given), as valid
     text; ``ValueError`` says what is missing or unreadable."""
@@ -241,8 +259,9 @@ def read_prompt(args: argparse.Namespace) -> str:
         if args.prompt is not None:
             raise ValueError("give the prompt as text or as --prompt-file, not both")
         path = Path(args.prompt_file).expanduser()
-        if not path.is_file():
-            raise ValueError(f"--prompt-file {args.prompt_file!r}: no such file")
+        problem = unreadable_prompt_file(path)
+        if problem:
+            raise ValueError(f"--prompt-file {args.prompt_file!r}: {problem}")
         try:
             data = path.read_bytes()
         except OSError as e:
@@ -257,7 +276,10 @@ def read_prompt(args: argparse.Namespace) -> str:
         if tp_rank_and_size()[1] > 1:
             raise ValueError("under torchrun every rank needs the prompt: give it as text or as --prompt-file")
         buffer = getattr(sys.stdin, "buffer", None)
-        text = buffer.read().decode("utf-8", "replace") if buffer is not None else sys.stdin.read()
+        data = buffer.read() if buffer is not None else None
+        text = data.decode("utf-8", "replace") if data is not None else sys.stdin.read()
+        if data is not None and text.encode("utf-8") != data:
+            print("warning: stdin is not valid UTF-8; those bytes were replaced by U+FFFD", file=sys.stderr)
     elif args.prompt is None:
         raise ValueError("no prompt: give it as text, as --prompt-file PATH, or on stdin ('-' or a pipe)")
     else:
@@ -288,6 +310,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             methods = [cliargs.check_method(args.method, "--method")]
         cliargs.check_model_path(args.model)
+        cliargs.check_backend_env(args.backend)
+        cliargs.check_at_least_zero(max_prompt_tokens=args.max_prompt_tokens)
         rank, world, tp = cliargs.tensor_parallel(args.tp)
     except ValueError as e:
         return _fail(str(e))
@@ -309,6 +333,9 @@ def run(args: argparse.Namespace) -> int:
         model, tokenizer = load_model(args.model, DTYPES[args.dtype], tp_plan="auto" if tp else None)
     except (OSError, ValueError, RuntimeError) as e:
         return _fail(f"cannot load the model {args.model!r}: {e}")
+    problem = prompt_too_long(model, tokenizer, args)
+    if problem:
+        return _fail(problem)
     for m in methods:
         try:
             make_cache(model, get_preset(m), backend=args.backend)  # the cache's own checks, before any generation
@@ -343,11 +370,40 @@ def run(args: argparse.Namespace) -> int:
         for r in results:
             out(describe(r))
     if args.json is not None and rank == 0:
-        try:
-            Path(args.json).expanduser().write_text(json.dumps([r.as_dict() for r in results], indent=1))
-        except OSError as e:  # checked before the generation; the results above are printed already
-            return _fail(f"--json {args.json!r}: cannot write the results ({e.strerror or e})")
+        return write_json(args.json, [r.as_dict() for r in results])
     return 0
+
+
+def write_json(where: str, results: list[dict]) -> int:
+    """Write ``results`` to ``--json``; if that fails after all (checked before the generation), the JSON goes to
+    stdout instead, so the work is not lost. Returns the exit status."""
+    text = json.dumps(results, indent=1)
+    try:
+        with open(Path(where).expanduser(), "w") as f:
+            f.write(text)
+    except OSError as e:
+        print(text)
+        return _fail(f"--json {where!r}: cannot write the results ({e.strerror or e}); they are printed above")
+    return 0
+
+
+def prompt_too_long(model, tokenizer, args: argparse.Namespace) -> str | None:
+    """Why the prompt is refused (``None``: it is not): more tokens than ``--max-prompt-tokens`` (default: the
+    model's context, ``max_position_embeddings``; 0: no limit), checked before any generation."""
+    limit = args.max_prompt_tokens
+    if limit is None:
+        text = model.config.get_text_config(decoder=True)
+        limit = getattr(text, "max_position_embeddings", None) or 0
+    if not limit:
+        return None
+    n = encode_prompt(tokenizer, args.prompt, args.chat).shape[-1]
+    if n <= limit:
+        return None
+    default = " (the model's context, max_position_embeddings)" if args.max_prompt_tokens is None else ""
+    return (
+        f"the prompt is {n:,} tokens, more than --max-prompt-tokens={limit}{default}: shorten it, or give a larger "
+        "--max-prompt-tokens (0: no limit) to run it anyway"
+    )
 
 
 if __name__ == "__main__":

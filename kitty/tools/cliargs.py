@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..core.config import PRESETS, get_preset
-from ..hf.generate import MAX_SEED, Sampling
+from ..hf.generate import MAX_SEED, MIN_TEMPERATURE, MIN_TOP_P, Sampling
 from ..hf.models import tp_rank_and_size
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -97,8 +97,14 @@ def sampling_of(args: argparse.Namespace) -> Sampling:
         raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
     if args.sample and temperature == 0:
         raise ValueError("--temperature must be > 0 with --sample (or leave out --sample for greedy decoding)")
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(f"--temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {temperature}")
     if not 0 < args.top_p <= 1:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.top_p < MIN_TOP_P:
+        raise ValueError(
+            f"--top-p must be >= {MIN_TOP_P:g} (it then keeps the most likely token alone), got {args.top_p}"
+        )
     if not 0 <= args.seed < MAX_SEED:
         raise ValueError(f"--seed must be in [0, 2**63), got {args.seed}")
     return Sampling(temperature, args.top_p, args.seed)
@@ -137,8 +143,36 @@ def check_at_least_one(**values: int) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
+def check_transformers() -> None:
+    """``ValueError`` when the installed transformers is outside the range Kitty admits (before any model loads)."""
+    from ..hf.compat import transformers_version
+
+    try:
+        transformers_version()
+    except ImportError as e:
+        raise ValueError(str(e)) from None
+
+
+def check_backend_env(backend: str | None) -> None:
+    """``ValueError`` naming ``$KITTY_BACKEND`` when no ``--backend`` is given and the variable holds no backend."""
+    from ..cache.backend import requested_backend
+
+    requested_backend(backend)
+
+
+def check_at_least_zero(**values: int | None) -> None:
+    """``ValueError`` for the first flag below 0 (``None``: not given); keywords name flags as in
+    ``check_at_least_one``."""
+    for name, value in values.items():
+        if value is not None and value < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+
+
 def check_model_path(model: str | None) -> None:
-    """``--model`` written as a path (``/``, ``.``, ``~``) must exist; a hub id is checked when it loads."""
+    """``--model`` written as a path (``/``, ``.``, ``~``) must exist; a hub id is checked when it loads. The
+    installed transformers is checked here too (:func:`check_transformers`), so that every command refuses an
+    unsupported release before loading weights."""
+    check_transformers()
     if model is not None and model.startswith(("/", ".", "~")) and not Path(model).expanduser().exists():
         raise ValueError(f"--model {model!r}: no such folder (give a local model folder or a hub id)")
 
@@ -155,15 +189,18 @@ def tensor_parallel(tp: bool | None) -> tuple[int, int, bool]:
 
 def writable_file(path: Path, flag: str) -> str | None:
     """Why ``path`` cannot take the output file (``None`` when it can): checked before any work by opening it for
-    appending (a file made only for the check is removed again)."""
+    appending (a file made only for the check is removed again); a character device (``/dev/full``) is written a
+    newline, so that a device that takes no bytes is found before the work rather than after."""
     if path.is_dir():
         return f"{flag} {str(path)!r} is a folder; give a file path"
     if not path.parent.is_dir():
         return f"{flag} {str(path)!r}: its folder does not exist"
     existed = path.exists()
     try:
-        with open(path, "a"):
-            pass
+        with open(path, "a") as f:
+            if path.is_char_device():
+                f.write("\n")
+                f.flush()
     except OSError as e:
         return f"{flag} {str(path)!r}: cannot write there ({e.strerror or e})"
     if not existed:
