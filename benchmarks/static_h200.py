@@ -13,7 +13,7 @@
     8K and 32K contexts, equal and ragged lengths; FP16 StaticCache captured (batch 1, 16, largest), eager static
     and dynamic at the largest batch, kitty/kitty-pro static captured at their largest batch (kitty also at 1 and
     16, and eager); tokens/s from the median step, p50/p99 (p99 over page-completing steps too), GPU busy from a
-    profiler trace of 4 steps. Stops starting new points at the deadline.
+    profiler trace of 4 steps (and the kernels per step it ran). Stops starting new points at the deadline.
 
 Writes ``benchmarks/results/h200-<date>/static_correctness.json``, ``static_throughput.json`` and prints a summary.
 """
@@ -197,7 +197,7 @@ def main() -> None:
     print("\n== correctness ==")
     for k, v in corr.items():
         print(k, json.dumps(v)[:400])
-    print("\n== throughput (tokens/s; GPU busy; p50 / p99 / p99 of page steps, ms) ==")
+    print("\n== throughput (tokens/s; kernels per step; GPU busy; p50 / p99 / p99 of page steps, ms) ==")
     base = {}
     for r in rows:
         if r["method"].startswith("fp16-static-captured") and not r["ragged"]:
@@ -207,7 +207,8 @@ def main() -> None:
         print(
             f"{r['method']:22s} ctx {r['context']:6d} {'ragged' if r['ragged'] else 'equal ':6s} B {r['batch']:4d} "
             f"KV {r['kv_gib']:6.2f} GiB  {r['tokens_per_s']:8.0f} tok/s  {rel:5.2f}x best fp16-captured  "
-            f"busy {r.get('gpu_busy', float('nan')):.0%}  p50 {r['p50_ms']:.1f} p99 {r['p99_ms']:.1f} "
+            f"kernels/step {r.get('kernels_per_step', float('nan')):.0f}  busy {r.get('gpu_busy', float('nan')):.0%}  "
+            f"p50 {r['p50_ms']:.1f} p99 {r['p99_ms']:.1f} "
             f"p99-page {r['p99_page_ms'] if r['p99_page_ms'] is not None else float('nan'):.1f}"
         )
     for n in notes:

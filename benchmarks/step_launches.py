@@ -142,18 +142,21 @@ def fp16_step(B, Hkv, QH, D, L, prompt, dtype, device, masked: bool):
     return step
 
 
-def kitty_step(B, Hkv, QH, D, L, prompt, dtype, device, preset: str, ops: bool):
-    """One static Kitty layer's decode step: today's ``StaticKittyLayer.attend_and_append`` (``ops=False``), or
-    the three custom ops (insert, attention with the merge inside, predicated pack) on the same layer."""
+def kitty_step(B, Hkv, QH, D, L, prompt, dtype, device, preset: str, ops: bool, merge_inside: bool = False):
+    """One static Kitty layer's decode step: the layer's ``StaticKittyLayer.attend_and_append`` (``ops=False``:
+    what a model's step runs, with the workspace the prompt allocates; ``merge_inside``: its launch merges inside),
+    or the three custom ops (insert, attention with the merge inside, predicated pack) called by hand."""
     from kitty.cache import custom_ops
     from kitty.cache.static import StaticKittyLayer
 
     cfg = PRESETS[preset]
     layer = StaticKittyLayer(cfg, Hkv, D, 0, "triton", Hkv, max_cache_len=L, max_batch_size=B)
+    layer.merge_inside = merge_inside
     g = torch.Generator().manual_seed(0)
     rnd = lambda *s: torch.randn(*s, generator=g).to(dtype).to(device)
     layer.append(rnd(B, Hkv, prompt, D), rnd(B, Hkv, prompt, D))
     k, v, q = rnd(B, Hkv, 1, D), rnd(B, Hkv, 1, D), rnd(B, Hkv * QH, 1, D)
+    layer.prepare_workspace(Hkv * QH)  # as the prompt of a model's forward does
     if not ops:
 
         def step():
@@ -206,10 +209,12 @@ def cuda_graph_kernels(step) -> int:
 CASES = {
     "fp16 StaticCache, masked": dict(kind="fp16", masked=True),
     "fp16 StaticCache, unmasked": dict(kind="fp16", masked=False),
-    "kitty, today's static step": dict(kind="kitty", preset="kitty", ops=False),
-    "kitty, custom ops (insert, attend+merge, pack)": dict(kind="kitty", preset="kitty", ops=True),
-    "kitty-pro, today's static step": dict(kind="kitty", preset="kitty-pro", ops=False),
-    "kitty-pro, custom ops": dict(kind="kitty", preset="kitty-pro", ops=True),
+    "kitty, static step": dict(kind="kitty", preset="kitty", ops=False),
+    "kitty, static step, merge inside": dict(kind="kitty", preset="kitty", ops=False, merge_inside=True),
+    "kitty, custom ops by hand (insert, attend+merge, pack)": dict(kind="kitty", preset="kitty", ops=True),
+    "kitty-pro, static step": dict(kind="kitty", preset="kitty-pro", ops=False),
+    "kitty-pro, custom ops by hand": dict(kind="kitty", preset="kitty-pro", ops=True),
+    "kitty-query, static step": dict(kind="kitty", preset="kitty-query", ops=False),
 }
 
 

@@ -445,12 +445,14 @@ def static_decode(
                 run()
             torch.cuda.synchronize()
             wall = time.perf_counter() - t
-        kern = sum(
-            getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
+        device_events = [
+            e
             for e in prof.key_averages()
             if getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type)
-        )
+        ]
+        kern = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in device_events)
         busy = dict(
+            kernels_per_step=sum(e.count for e in device_events) / profile_steps,
             wall_ms_per_step=wall / profile_steps * 1e3,
             gpu_ms_per_step=kern / 1e3 / profile_steps,
             gpu_busy=kern / 1e6 / wall,

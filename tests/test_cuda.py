@@ -227,3 +227,51 @@ def test_static_decode_step_never_synchronizes():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert cache.lengths == (mask.sum(-1) + 4).tolist()  # 2 eager + 1 eager + 1 replayed decode steps
+
+
+@pytest.mark.parametrize("merge_inside", [False, True])
+def test_captured_fused_step_matches_eager_with_merge_choice(monkeypatch, merge_inside):
+    """The wired static step (one insert launch, the prompt's workspace, the pack's cached constants) captured and
+    replayed gives the eager step's tokens, with the split-K merge in a second launch or inside the attention one."""
+    from kitty.hf.generate import generate_static
+
+    monkeypatch.setenv("KITTY_MERGE_INSIDE", "1" if merge_inside else "0")
+    model = tiny_model("llama")
+    ids, mask = ragged_prompts()
+    new = 140
+    toks = []
+    for capture in (False, True):
+        cache = KittyCache(model.config, "kitty", max_batch_size=3, max_cache_len=ids.shape[1] + new)
+        toks.append(generate_static(model, ids, mask, cache, new, capture=capture))
+        layer = cache.layers[0]
+        assert layer.ops.fused_decode and layer.launch.merge_inside == merge_inside
+    assert torch.equal(toks[0], toks[1])
+
+
+@pytest.mark.parametrize("entry", ["cli", "eval"])
+def test_entry_points_take_the_captured_path_on_cuda(entry, monkeypatch):
+    """python -m kitty's generate and kitty.tools.eval's greedy decode run the captured static step on CUDA, and
+    give the eager path's greedy tokens."""
+    from kitty.hf import generate as gen
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, 512, (1, 150), generator=torch.Generator().manual_seed(1))
+    monkeypatch.delenv(gen.DECODE_PATH_ENV, raising=False)
+    assert gen.decode_path(model, "kitty") == "captured"
+    runs = []
+    real = gen._static_chunks
+
+    def chunks(*args):
+        runs.append(args[3])
+        yield from real(*args)
+
+    monkeypatch.setattr(gen, "_static_chunks", chunks)
+    n = 140
+    if entry == "cli":
+        cache, stream = gen.decode_stream(model, ids, "kitty", n)
+        fast = list(stream)
+    else:
+        fast = gen.generate_fast(model, ids, "kitty", n, eos=(), min_new_tokens=n)
+    assert len(runs) == 1
+    eager = gen.generate_tokens(model, ids.cuda(), gen.make_cache(model, "kitty"), n)
+    assert fast == eager

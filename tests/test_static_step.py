@@ -186,3 +186,109 @@ def test_pack_caches_its_constants():
     for _ in range(3):
         _decode(layer, *_token(g))
     assert scratch["dummy"] is dummy and scratch["no_mask"] is mask
+
+
+# ------------------------------------------------------------------------------------- which path entry points take
+
+
+class _Tokenizer:
+    """Just enough of a tokenizer for ``kitty.tools.cli.generate`` and ``kitty.tools.eval_metrics``: bytes as ids."""
+
+    eos_token_id = None
+
+    def __call__(self, texts, return_tensors="pt"):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(input_ids=torch.tensor([[b % 128 for b in texts[0].encode()]]))
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(65 + i % 26) for i in ids)
+
+
+def _tiny():
+    from fixtures import tiny_model
+
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def test_fast_path_is_cuda_with_triton_only(monkeypatch):
+    from types import SimpleNamespace
+
+    from fixtures import tiny_config
+
+    from kitty import kernels
+    from kitty.hf import generate as gen
+
+    monkeypatch.delenv(gen.DECODE_PATH_ENV, raising=False)
+    cpu = _tiny()
+    assert not gen.fast_path_available(cpu) and gen.decode_path(cpu) == "eager"
+    cuda = SimpleNamespace(device=torch.device("cuda", 0), config=tiny_config("llama"))
+    monkeypatch.setattr(kernels, "HAS_TRITON", True)
+    assert gen.fast_path_available(cuda) and gen.decode_path(cuda, "kitty") == "captured"
+    monkeypatch.setattr(kernels, "HAS_TRITON", False)
+    assert not gen.fast_path_available(cuda)
+    monkeypatch.setattr(kernels, "HAS_TRITON", True)
+    sliding = SimpleNamespace(device=torch.device("cuda"), config=tiny_config("gemma3"))
+    assert not gen.fast_path_available(sliding)  # a sliding-window layer cannot be captured
+    monkeypatch.setenv(gen.DECODE_PATH_ENV, "eager")
+    assert gen.decode_path(cuda) == "eager"
+    monkeypatch.setenv(gen.DECODE_PATH_ENV, "fast")
+    with pytest.raises(ValueError, match="KITTY_DECODE_PATH"):
+        gen.decode_path(cuda)
+
+
+def _spy_static(monkeypatch):
+    """Count the captured loop's runs (``_static_chunks``) and say the fast path is available (a CPU run of the
+    same static step, eagerly: ``capture=None`` captures on CUDA only)."""
+    from kitty.hf import generate as gen
+
+    runs = []
+    real = gen._static_chunks
+
+    def chunks(model, ids, mask, cache, *args):
+        runs.append(cache)
+        yield from real(model, ids, mask, cache, *args)
+
+    monkeypatch.delenv(gen.DECODE_PATH_ENV, raising=False)
+    monkeypatch.setattr(gen, "_static_chunks", chunks)
+    monkeypatch.setattr(gen, "fast_path_available", lambda model, cfg=None: True)
+    return runs
+
+
+def test_cli_generate_takes_the_captured_path_where_available(monkeypatch):
+    from kitty.hf import generate as gen
+    from kitty.tools import cli
+
+    model, tok = _tiny(), _Tokenizer()
+    monkeypatch.delenv(gen.DECODE_PATH_ENV, raising=False)
+    eager = cli.generate(model, tok, "Name a color.", "kitty", max_new_tokens=12)
+    runs = _spy_static(monkeypatch)
+    shown = []
+    fast = cli.generate(model, tok, "Name a color.", "kitty", max_new_tokens=12, on_text=shown.append)
+    assert len(runs) == 1 and runs[0].layers[0].max_cache_len == 13 + 12  # a static cache of prompt + new tokens
+    assert fast.tokens == eager.tokens and "".join(shown) == fast.text
+    assert fast.counts == eager.counts
+
+
+def test_eval_decoding_takes_the_captured_path_where_available(monkeypatch):
+    from kitty.hf import generate as gen
+    from kitty.tools import eval_metrics
+
+    model, tok = _tiny(), _Tokenizer()
+    cfg = PRESETS["kitty"]
+    monkeypatch.delenv(gen.DECODE_PATH_ENV, raising=False)
+    eager = eval_metrics.greedy(model, tok, "Name a color.", cfg, 10)
+    eager_answer = eval_metrics.passkey_answer(model, tok, "The key is 42.", cfg, 6)
+    runs = _spy_static(monkeypatch)
+    assert eval_metrics.greedy(model, tok, "Name a color.", cfg, 10) == eager
+    assert eval_metrics.passkey_answer(model, tok, "The key is 42.", cfg, 6) == eager_answer
+    assert len(runs) == 2
+
+
+def test_help_says_which_path_runs(capsys):
+    from kitty.tools.cli import build_parser
+
+    text = build_parser().format_help()
+    assert "CUDA graph" in text and "KITTY_DECODE_PATH" in text

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
@@ -80,6 +81,108 @@ def make_cache(model, cfg: KVQuantConfig | str, backend: str = "auto"):
     from ..cache.kitty_cache import KittyCache
 
     return KittyCache(model.config, cfg, backend=backend)
+
+
+DECODE_PATH_ENV = "KITTY_DECODE_PATH"
+DECODE_PATHS = ("auto", "captured", "eager")
+PATH_HELP = (
+    "On a CUDA GPU with Triton, decoding runs a static KittyCache and one decode step captured in a CUDA graph "
+    "(kitty.hf.generate.generate_static); elsewhere (the CPU, sliding-window models, tensor parallelism) the eager "
+    f"loop with a growing cache. ${DECODE_PATH_ENV}=eager|captured overrides the choice."
+)
+
+
+def fast_path_available(model, cache_cfg: KVQuantConfig | str | None = None) -> bool:
+    """Whether ``model`` can decode on the captured path: a CUDA model, Triton installed, no sliding-window layer
+    (their transformers update branches on a host counter) and no tensor parallelism. ``cache_cfg``: the preset it
+    would run (every preset runs on the static cache; kept so that a preset the path cannot take can be refused)."""
+    from .. import kernels
+
+    device = getattr(model, "device", torch.device("cpu"))
+    if torch.device(device).type != "cuda" or not kernels.HAS_TRITON:
+        return False
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return False
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return "sliding_attention" not in (getattr(config, "layer_types", None) or ())
+
+
+def decode_path(model, cache_cfg: KVQuantConfig | str | None = None) -> str:
+    """``"captured"`` (a static cache and :func:`generate_static`) where :func:`fast_path_available`, else
+    ``"eager"`` (:func:`make_cache` and :func:`stream_tokens`); ``$KITTY_DECODE_PATH`` overrides (``"captured"`` on
+    the CPU runs the same static step eagerly)."""
+    choice = os.environ.get(DECODE_PATH_ENV) or "auto"
+    if choice not in DECODE_PATHS:
+        raise ValueError(f"${DECODE_PATH_ENV} must be one of {DECODE_PATHS}, got {choice!r}")
+    if choice != "auto":
+        return choice
+    return "captured" if fast_path_available(model, cache_cfg) else "eager"
+
+
+def decode_stream(
+    model,
+    ids: torch.Tensor,
+    cfg: KVQuantConfig | str,
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    eos: Collection[int] = (),
+    backend: str = "auto",
+    min_new_tokens: int = 0,
+    path: str | None = None,
+    check_every: int = 8,
+) -> tuple[object, Iterator[int]]:
+    """The cache and the token stream of one prompt ``ids`` ``[1, T]`` on the :func:`decode_path` (``path``
+    overrides it): every entry point decodes through here. Eager: :func:`make_cache` and :func:`stream_tokens`.
+    Captured: a static ``KittyCache`` of ``T + max_new_tokens`` columns and :func:`generate_static`'s loop, whose
+    tokens arrive every ``check_every`` steps. ``min_new_tokens`` between 0 and ``max_new_tokens`` (an eos masked
+    for a while) runs eagerly; at ``max_new_tokens`` or more, ``eos`` is never picked on either path."""
+    path = path or decode_path(model, cfg)
+    if path not in DECODE_PATHS[1:]:
+        raise ValueError(f"path must be one of {DECODE_PATHS[1:]} or None, got {path!r}")
+    if path == "captured" and 0 < min_new_tokens < max_new_tokens:
+        path = "eager"
+    if path == "eager":
+        cache = make_cache(model, cfg, backend=backend)
+        return cache, stream_tokens(model, ids, cache, max_new_tokens, sampling, eos, min_new_tokens=min_new_tokens)
+    from ..cache.kitty_cache import KittyCache
+
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_prompt_ids(ids, None)
+    cache = KittyCache(
+        model.config, cfg, backend=backend, max_batch_size=1, max_cache_len=ids.shape[1] + max_new_tokens
+    )
+    ban = frozenset(eos) if min_new_tokens >= max_new_tokens else frozenset()  # eos never picked
+    stop = frozenset(eos) - ban
+
+    def tokens() -> Iterator[int]:
+        shown = 0
+        chunks = _static_chunks(
+            model, ids, None, cache, max_new_tokens, sampling, sorted(stop), None, None, check_every, 2, ban
+        )
+        for out, n in chunks:
+            for tok in out[0, shown:n].tolist():
+                yield tok
+                if tok in stop:
+                    chunks.close()
+                    return
+            shown = n
+
+    return cache, tokens()
+
+
+def generate_fast(
+    model,
+    ids: torch.Tensor,
+    cfg: KVQuantConfig | str,
+    max_new_tokens: int,
+    eos: Collection[int] = (),
+    min_new_tokens: int = 0,
+    backend: str = "auto",
+) -> list[int]:
+    """Greedy new token ids of one prompt on the :func:`decode_path` (:func:`decode_stream`, collected)."""
+    _, tokens = decode_stream(model, ids, cfg, max_new_tokens, eos=eos, backend=backend, min_new_tokens=min_new_tokens)
+    return list(tokens)
 
 
 @torch.no_grad()
@@ -302,6 +405,39 @@ def generate_static(
     stream before capture (compiling kernels, allocating workspaces); they are real steps of the generation.
     """
     check_generation_args(max_new_tokens, eos, input_ids)
+    eos_set = sorted(set(eos))
+    out, n = None, 0
+    for out, n in _static_chunks(
+        model, input_ids, attention_mask, cache, max_new_tokens, sampling, eos_set, pad_token_id, capture,
+        check_every, warmup,
+    ):  # fmt: skip
+        pass
+    if eos_set:  # cut the columns after every row finished
+        hit = torch.isin(out[:, :n], torch.tensor(eos_set, device=out.device)).long()
+        ended = (hit.cumsum(-1) - hit) > 0  # (B, N): an earlier column of the row is an eos
+        return out[:, : int((~ended).any(0).nonzero().max()) + 1]
+    return out[:, :n]
+
+
+@torch.no_grad()
+def _static_chunks(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    cache,
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    eos: Collection[int] = (),
+    pad_token_id: int | None = None,
+    capture: bool | None = None,
+    check_every: int = 16,
+    warmup: int = 2,
+    ban: Collection[int] = (),
+) -> Iterator[tuple[torch.Tensor, int]]:
+    """:func:`generate_static`'s loop as a generator of ``(out, n)``: the output buffer ``[B, max_new_tokens]`` on
+    the device whose first ``n`` columns are final, after the prompt and every ``check_every`` decode steps (so a
+    caller can show them: one host read each time), and once at the end. ``ban``: token ids never picked (their
+    logits masked on the device, as ``min_new_tokens`` masks eos)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if input_ids.dim() != 2:
@@ -334,6 +470,9 @@ def generate_static(
     logits = model(
         ids, attention_mask=mask, position_ids=positions, **cache_kwargs(cache), use_cache=True, logits_to_keep=1
     ).logits[:, -1]
+    ban_t = torch.tensor(sorted(set(ban)), dtype=torch.long, device=device)
+    if len(ban_t):
+        logits = logits.index_fill(-1, ban_t, float("-inf"))
     first = sample_tokens_no_sync(logits, sampling, generator)
 
     # ---- static buffers of the decode step
@@ -346,6 +485,7 @@ def generate_static(
     out[:, 0] = first
     done = torch.isin(first, eos_t) if eos else torch.zeros(B, dtype=torch.bool, device=device)
     step_idx = torch.ones(1, dtype=torch.long, device=device)
+    yield out, 1
 
     def step() -> None:
         logits = model(
@@ -356,6 +496,8 @@ def generate_static(
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
+        if len(ban_t):
+            logits = logits.index_fill(-1, ban_t, float("-inf"))
         nxt = torch.where(done, pad, sample_tokens_no_sync(logits, sampling, generator))
         if eos:
             done.logical_or_(torch.isin(nxt, eos_t))
@@ -393,11 +535,11 @@ def generate_static(
             graph.replay()  # room for every step was checked above
             _advance(cache, 1)
             ran += 1
+            if ran % check_every == 0:
+                yield out, ran + 1
     while ran < steps and not finished(ran):
         step()
         ran += 1
-    if eos:  # cut the columns after every row finished
-        hit = torch.isin(out[:, : ran + 1], eos_t).long()
-        ended = (hit.cumsum(-1) - hit) > 0  # (B, N): an earlier column of the row is an eos
-        return out[:, : int((~ended).any(0).nonzero().max()) + 1]
-    return out[:, : ran + 1]
+        if ran % check_every == 0:
+            yield out, ran + 1
+    yield out, ran + 1

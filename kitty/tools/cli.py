@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..core.config import PRESETS, get_preset
 from ..core.memory import MemoryReport
-from ..hf.generate import Sampling, eos_ids, make_cache, stream_tokens
+from ..hf.generate import PATH_HELP, Sampling, decode_stream, eos_ids, make_cache
 from ..hf.models import tp_rank_and_size
 from . import cliargs
 from .cliargs import DTYPES, SAMPLE_TEMPERATURE, SAMPLING, sampling_of
@@ -86,12 +86,13 @@ def generate(
     """
     cfg = get_preset(method)
     ids = encode_prompt(tokenizer, prompt, chat)
-    cache = make_cache(model, cfg, backend=backend)
     sampling = Sampling(temperature, top_p, seed) if do_sample else Sampling(seed=seed)
     new: list[int] = []
     shown = ""
     start = time.perf_counter()
-    for tok in stream_tokens(model, ids, cache, max_new_tokens, sampling, eos_ids(model, tokenizer)):
+    # the captured static step on CUDA, else the eager loop (kitty.hf.generate.decode_path)
+    cache, tokens = decode_stream(model, ids, cfg, max_new_tokens, sampling, eos_ids(model, tokenizer), backend)
+    for tok in tokens:
         new.append(tok)
         if on_text is not None:
             text = tokenizer.decode(new, skip_special_tokens=True)
@@ -174,7 +175,8 @@ def preset_list(width: int = 100) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m kitty",
-        description="Generate with a 2-bit Kitty KV cache (arXiv 2511.18643) and print what the cache holds.",
+        description="Generate with a 2-bit Kitty KV cache (arXiv 2511.18643) and print what the cache holds. "
+        + PATH_HELP,
         epilog=preset_list(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

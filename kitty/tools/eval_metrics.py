@@ -20,7 +20,7 @@ from tqdm.auto import tqdm as _tqdm
 
 from ..core.config import PRESETS, KVQuantConfig, get_preset
 from ..hf import generate as gen
-from ..hf.generate import eos_ids, generate_tokens, make_cache
+from ..hf.generate import eos_ids, generate_fast, make_cache
 from ..hf.models import tp_rank_and_size
 from .prompts import TEXTS, encode_prompt, passkey_prompt, shipped_text
 
@@ -251,7 +251,7 @@ def greedy(model, tokenizer, prompt: str, cfg: KVQuantConfig, max_new_tokens: in
     exactly ``max_new_tokens`` tokens (end-of-sequence tokens are never picked, like ``min_new_tokens``)."""
     ids = encode_prompt(tokenizer, prompt, chat)
     eos = eos_ids(model, tokenizer)
-    return generate_tokens(model, ids, make_cache(model, cfg), max_new_tokens, eos=eos, min_new_tokens=max_new_tokens)
+    return generate_fast(model, ids, cfg, max_new_tokens, eos=eos, min_new_tokens=max_new_tokens)  # decode_path
 
 
 @dataclass
@@ -288,7 +288,7 @@ def passkey_answer(model, tokenizer, prompt: str, cfg: KVQuantConfig, max_new_to
     """Greedy answer (up to ``max_new_tokens``, ending at end-of-sequence) to a plain ``prompt`` through a Kitty
     cache under ``cfg`` (prompts: :func:`kitty.tools.prompts.passkey_prompt`)."""
     ids = encode_prompt(tokenizer, prompt)
-    new = generate_tokens(model, ids, make_cache(model, cfg), max_new_tokens, eos=eos_ids(model, tokenizer))
+    new = generate_fast(model, ids, cfg, max_new_tokens, eos=eos_ids(model, tokenizer))  # decode_path
     return tokenizer.decode(new, skip_special_tokens=True)
 
 
