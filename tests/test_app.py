@@ -20,6 +20,7 @@ import torch  # noqa: E402
 
 from kitty import PRESETS, get_preset  # noqa: E402
 from kitty import demo as kd  # noqa: E402
+from kitty import demo_view as dv  # noqa: E402
 from kitty import prompts as kp  # noqa: E402
 from kitty.compat import cache_kwargs  # noqa: E402
 from kitty.generate import Sampling, make_cache, prompt_keys, prompt_query_scale  # noqa: E402
@@ -76,7 +77,7 @@ NOTE, TEXTS, READOUTS, PLOT, SUMMARY, JSON = 0, slice(1, 4), slice(4, 7), 7, 8, 
 
 
 def check_against_library(engine, final, prompt: str, new: int) -> None:
-    from app import fmt_bytes
+    from kitty.demo_view import fmt_bytes
 
     readouts = final[JSON]
     texts = final[TEXTS]
@@ -230,7 +231,7 @@ def test_stop_frees_every_cache(app_module, schedule):
         if snap.phase == "decode" and all(len(c.ids) >= 2 for c in snap.columns):
             assert all(c.get_seq_length() > 0 for c in made)
             stop.set()
-    assert snap.phase == "stopped" and "Stopped" in app_module.summarize(snap.columns, engine.tokenizer, True)
+    assert snap.phase == "stopped" and "Stopped" in dv.summarize(snap.columns, engine.tokenizer, True)
     assert len(made) == 3 and all(c.get_seq_length() == 0 for c in made)
     assert all(c.cache is None and c.readout is not None for c in snap.columns)
 
@@ -346,32 +347,16 @@ def test_page_pack_is_recorded_and_plotted(app_module):
     # the first token comes from the prefill (first_page - 2 cached), each later step caches one more
     assert kitty.packs == [(first_page, "K")] and kivi.packs == []
     assert kitty.readout.layout["key_pages"] == cfg.group_size
-    assert app_module.page_start_note(cfg, kitty.readout.layout).startswith("values not quantized yet")
-    fig = app_module.memory_figure(snap)
+    assert dv.page_start_note(cfg, kitty.readout.layout).startswith("values not quantized yet")
+    fig = dv.memory_figure(snap)
     ax = fig.axes[0]
     markers = [ln for ln in ax.lines if ln.get_marker() == "v"]
-    assert [(ln.get_xdata()[0], ln.get_color()) for ln in markers][:1] == [(first_page, app_module.COLUMN_COLORS[0])]
+    assert [(ln.get_xdata()[0], ln.get_color()) for ln in markers][:1] == [(first_page, dv.COLUMN_COLORS[0])]
     assert "3 · kivi-k2v2" not in ax.get_title() and "2 · kitty lies on 1 · kitty" in ax.get_title()
-    rows = app_module.memory_rows(snap)
+    rows = dv.memory_rows(snap)
     for c in snap.columns:
         got = rows[rows.column == c.label]
         assert list(got.tokens) == [t for t, _ in c.history]
         assert list(got.stored_MiB) == pytest.approx([b / 2**20 for _, b in c.history])
-    readout = app_module.format_readout(kitty, engine.head_dim, kitty, engine.tokenizer)
+    readout = dv.format_readout(kitty, engine.head_dim, kitty, engine.tokenizer)
     assert f"{cfg.group_size} in 1 page " in readout
-
-
-def test_first_divergent_token_is_marked(app_module):
-    """The readout names the token where a column's text leaves the reference column's and marks it."""
-    engine = app_module.get_engine(app_module.ARGS.model)
-    tok = engine.tokenizer
-    ref_ids = tok(" The capital of France is Paris.", add_special_tokens=False).input_ids
-    other = ref_ids[:5] + tok(" Lyon", add_special_tokens=False).input_ids
-    ref = kd.Column("1 · fp16", "fp16", None, torch.Generator(), ids=ref_ids)
-    col = kd.Column("2 · kitty", "kitty", None, torch.Generator(), ids=other)
-    line = app_module.text_vs_reference(col, ref, tok, "#123456")
-    assert line.startswith("differs from 1 · fp16 at token 6:")
-    marked = line.split("<mark")[1].split("</mark>")[0].split(">", 1)[1]
-    assert marked == tok.decode(other[5:6]) and "#123456" in line
-    same = kd.Column("3 · kivi-k2v2", "kivi-k2v2", None, torch.Generator(), ids=ref_ids[:4])
-    assert app_module.text_vs_reference(same, ref, tok, "#000") == "same as 1 · fp16 so far (4 tokens)"

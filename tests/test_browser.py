@@ -75,6 +75,7 @@ def test_generate_in_browser(demo_url, tmp_path):
     import app
     from kitty import PRESETS
     from kitty import demo as kd
+    from kitty.demo_view import fmt_bytes
     from kitty.memory import analytic_report, asymptotic_bits, token_layout
 
     engine = app.get_engine(app.ARGS.model)
@@ -153,12 +154,12 @@ def test_generate_in_browser(demo_url, tmp_path):
         rep = analytic_report(cfg, r["tokens"], engine.head_dim, engine.num_kv_heads, engine.num_layers)
         assert r["bits"] == pytest.approx(round(rep.bits_per_element, 2))
         assert r["compression"] == pytest.approx(round(rep.compression, 2))
-        assert r["stored"][0] == app.fmt_bytes(rep.stored_bytes)
+        assert r["stored"][0] == fmt_bytes(rep.stored_bytes)
         assert r["tok_s"] > 0
         assert f"{i + 1} · {method}" in summary
         if method == "fp16":
             continue
-        assert r["stored"][1] == app.fmt_bytes(rep.fp16_bytes)
+        assert r["stored"][1] == fmt_bytes(rep.fp16_bytes)
         assert r["long"] == pytest.approx(round(asymptotic_bits(cfg, engine.head_dim)["total"], 2))
         lay = token_layout(cfg, r["tokens"])  # where the tokens live, from the layout formula
         G = cfg.group_size
