@@ -19,6 +19,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse  # noqa: E402
 import functools  # noqa: E402
 import math  # noqa: E402
+import re  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
@@ -32,14 +33,21 @@ from kitty import demo as kd  # noqa: E402
 from kitty import prompts as kp  # noqa: E402
 from kitty.demo_view import (  # noqa: E402
     COLUMN_COLORS,
+    answer_mark,
     attention_note,
     bits_table,
+    cost_line,
     format_readout,
     heatmap_figure,
     memory_figure,
     method_intro,
+    preset_info,
     reference_column,
     summarize,
+    summary_figure,
+    text_html,
+    verdict,
+    with_knobs,
 )
 from kitty.generate import Sampling, prompt_keys, prompt_query_scale  # noqa: E402
 from kitty.quant import inspect_keys  # noqa: E402
@@ -58,13 +66,29 @@ BOOST_METHODS = [m for m, c in PRESETS.items() if c.key_bits == 2]
 CSS = """
 .readout {font-size: 0.9em; line-height: 1.35; padding: 0 4px;}
 .readout table {width: 100%; border-collapse: collapse; margin: 0;}
-.readout td {padding: 3px 6px; border: none; border-bottom: 1px solid var(--border-color-primary); vertical-align: top;}
+.readout td {padding: 3px 6px; border: none; border-bottom: 1px solid var(--border-color-primary);
+  vertical-align: top; overflow-wrap: anywhere;}
 .readout td:first-child {white-space: nowrap; width: 1%; color: var(--body-text-color-subdued);}
 #note {min-height: 1.5em;}
 .readout .headline {font-size: 1.7em; margin: 4px 0 0 0;}
 .readout .sub {margin: 0 0 4px 0; color: var(--body-text-color-subdued);}
 .readout .pagenote {color: #b45309; font-weight: 600;}
+.gen {white-space: pre-wrap; overflow-wrap: anywhere; min-height: 7em; max-height: 16em; overflow-y: auto;
+  padding: 6px 10px; line-height: 1.4; background: var(--block-background-fill); border-radius: 4px;}
+.gen mark.diverged {color: inherit; text-decoration: underline wavy #b91c1c;}
+.verdict {list-style: none; padding: 0; margin: 2px 0;}
+.verdict li {padding: 3px 10px; margin: 3px 0; font-size: 1.1em; line-height: 1.35;}
+.verdict .right {color: #15803d; font-weight: 700;}
+.verdict .wrong {color: #b91c1c; font-weight: 700;}
+#summary table {display: block; overflow-x: auto; max-width: 100%;}
+#summary th {white-space: nowrap;}
+#summary td {min-width: 4.5em;}
 #inside-pages th, #inside-bits th {white-space: normal; word-break: normal; overflow-wrap: normal; min-width: 5.5em;}
+#memory-plot, #summary-plot, #inside-heatmap {overflow-x: auto;}
+@media (max-width: 700px) {
+  #memory-plot img, #summary-plot img, #inside-heatmap img {min-width: 620px;}
+  .verdict li {font-size: 1em;}
+}
 """
 LAUNCH_STYLE = {"css": CSS, "theme": gr.themes.Soft()}  # Gradio 6 takes these at launch(); tests reuse them
 
@@ -138,13 +162,16 @@ def make_generate(engine: Engine, max_prompt_tokens: int, schedule: str = SCHEDU
         method_1: str,
         method_2: str,
         method_3: str,
+        boost_fraction: float | None = None,
+        sink: float | None = None,
+        window: float | None = None,
     ) -> Iterator[tuple]:
         stop = kd.StopFlag()
         idle = (gr.update(interactive=True), gr.update(interactive=False))
         busy = (gr.update(interactive=False), gr.update(interactive=True))
 
         def message(note: str) -> tuple:
-            return (note, "", "", "", "", "", "", gr.skip(), "", {}, None, *idle)
+            return (note, "", "", "", "", "", "", gr.skip(), "", {}, None, "", None, *idle)
 
         try:
             check_text(prompt)
@@ -158,12 +185,16 @@ def make_generate(engine: Engine, max_prompt_tokens: int, schedule: str = SCHEDU
                 if not isinstance(m, str) or not m:
                     raise ValueError(f"choose a cache method for column {i + 1} (one of {', '.join(METHODS)})")
                 get_preset(m)
+            methods = apply_knobs(methods, boost_fraction, sink, window)
         except (ValueError, TypeError, OverflowError) as e:  # PromptError included: a message, never a crash
             yield message(str(e) if isinstance(e, kp.PromptError) else f"⚠️ {e}")
             return
         template = " (chat template)" if chat_template else ""
         head = f"Prompt: {prompt_.tokens} tokens{template}, up to {n} new tokens per column."
         note = head + (f"\n\n{prompt_.note}" if prompt_.note else "")
+        key = answer_keys().get(prompt) if not chat_template else None
+        if key is not None:
+            note += f"\n\nThe answer is checked in each column: the right one is **{key}**."
         last_plot = 0.0
         try:
             for snap in kd.stream_side_by_side(
@@ -178,9 +209,11 @@ def make_generate(engine: Engine, max_prompt_tokens: int, schedule: str = SCHEDU
                     plot = gr.skip()
                 cols = snap.columns
                 ref = reference_column(cols)
+                answers = [answer_mark(c.text, key, lambda t: kd.gives_key(t, key)) for c in cols] if key else ()
+                shown = STOPPING if stop.is_set() and not final else note  # Stop's message stays until the end
                 yield (
-                    note,
-                    *(c.text for c in cols),
+                    shown,
+                    *(text_html(c, ref, engine.tokenizer, COLUMN_COLORS[i]) for i, c in enumerate(cols)),
                     *(
                         format_readout(c, engine.head_dim, ref, engine.tokenizer, COLUMN_COLORS[i])
                         for i, c in enumerate(cols)
@@ -189,14 +222,53 @@ def make_generate(engine: Engine, max_prompt_tokens: int, schedule: str = SCHEDU
                     summarize(cols, engine.tokenizer, snap.phase == "stopped", engine.head_dim)
                     if final
                     else f"_{snap.phase}…_",
-                    {c.label: (c.readout.as_dict() if c.readout else None) for c in cols} if final else gr.skip(),
+                    {c.label: (c.readout.as_dict() | {"text": c.text}) if c.readout else None for c in cols}
+                    if final
+                    else gr.skip(),
                     None if final else stop,  # a finished run has nothing left to stop
+                    verdict(cols, answers),
+                    summary_figure(cols) if final else None,
                     *(idle if final else busy),
                 )
         except Exception as e:  # shown in the UI, buttons re-enabled; the generator's finally freed the caches
             yield message(f"⚠️ Generation failed: {type(e).__name__}: {e}")
 
     return generate
+
+
+def apply_knobs(methods: list[str], boost_fraction, sink, window) -> list[str]:
+    """The columns' methods with the advanced controls applied (:func:`kitty.demo_view.with_knobs`); ``None`` knobs
+    (an API call without them) leave the presets as they are."""
+    if boost_fraction is None and sink is None and window is None:
+        return methods
+    out = []
+    for m in methods:
+        cfg = get_preset(m)
+        b = cfg.boost_fraction if boost_fraction is None else parse_number("boost fraction", boost_fraction, 0, 1)
+        s = cfg.sink_tokens if sink is None else parse_whole("sink", sink, 0, 512)
+        w = cfg.local_window if window is None else parse_whole("local window", window, 0, 512)
+        out.append(with_knobs(m, b, s, w))
+    return out
+
+
+def memory_cost(engine: Engine, max_prompt_tokens: int):
+    """The handler of the memory line above the columns: each column's stored bytes at the prompt's length plus
+    max new tokens, before Generate (the analytic model, :func:`kitty.demo_view.cost_line`)."""
+
+    def cost(prompt, chat, max_new, method_1, method_2, method_3, boost_fraction, sink, window) -> str:
+        try:
+            check_text(prompt)
+            prompt_ = kp.prepare_prompt(engine.tokenizer, prompt, bool(chat), max_prompt_tokens)
+            n = parse_whole("max_new_tokens", max_new, 1, kd.MAX_NEW_TOKENS_CAP)
+            methods = apply_knobs([method_1, method_2, method_3], boost_fraction, sink, window)
+            return cost_line(methods, prompt_.tokens + n - 1, engine)
+        except (ValueError, TypeError) as e:
+            return f"_{e}_"
+
+    return cost
+
+
+STOPPING = "Stopping… (caches are freed after the current step)"
 
 
 def check_text(prompt: object) -> None:
@@ -262,7 +334,7 @@ def stop_generation(stop: kd.StopFlag | None) -> str:
     if stop is None:
         return "Nothing is running."
     stop.set()
-    return "Stopping… (caches are freed after the current step)"
+    return STOPPING
 
 
 def make_inspect(engine: Engine, max_prompt_tokens: int):
@@ -326,13 +398,26 @@ def make_inspect(engine: Engine, max_prompt_tokens: int):
 def examples() -> list[tuple[str, str, bool, int]]:
     """``(label, prompt, chat template, max new tokens)`` of the gallery. The long document comes first and is the
     prompt box's default: a short prompt never reaches the first page (sink + one page of tokens), so it would
-    show 16 bits/element in every column."""
+    show 16 bits/element in every column. The second is the measured example (:data:`kitty.demo.EXAMPLE_NEEDLE`):
+    a fact in a long document that 2-bit KIVI loses and Kitty keeps."""
     short, doc, passkey = kp.example_prompts()
     return [
         ("Long document + question (essay excerpt)", doc[0], doc[1], kd.DEFAULT_MAX_NEW_TOKENS),
+        ("Long document: a fact 2-bit KIVI loses", kd.EXAMPLE_NEEDLE.prompt(), False, 12),
         ("Short chat question", *short),
         ("Passkey in a haystack (plain)", *passkey),
     ]
+
+
+@functools.lru_cache(maxsize=1)
+def answer_keys() -> dict[str, int]:
+    """The examples whose answer is a number the app checks in each column (:func:`kitty.demo.gives_key`)."""
+    keys = {kd.EXAMPLE_NEEDLE.prompt(): kd.EXAMPLE_NEEDLE.key}
+    for _, prompt, _, _ in examples():
+        found = re.search(r"The pass key is (\d+)\.", prompt)
+        if found and prompt not in keys:
+            keys[prompt] = int(found.group(1))
+    return keys
 
 
 def build_controls() -> dict:
@@ -358,6 +443,27 @@ def build_controls() -> dict:
                 label=f"Max new tokens per column (cap {kd.MAX_NEW_TOKENS_CAP})",
                 elem_id="max-new",
             )
+            with gr.Accordion("Advanced: boost, sink, window", open=False, elem_id="advanced"):
+                kitty = PRESETS["kitty"]
+                c["boost"] = gr.Slider(
+                    0.0,
+                    0.5,
+                    value=kitty.boost_fraction,
+                    step=1 / 64,
+                    label="Boost fraction: key channels at 4 bits per page (boosting presets)",
+                    elem_id="boost",
+                )
+                c["sink"] = gr.Slider(
+                    0,
+                    128,
+                    value=kitty.sink_tokens,
+                    step=8,
+                    label="Sink tokens (every quantizing column)",
+                    elem_id="sink",
+                )
+                c["window"] = gr.Slider(
+                    0, 256, value=kitty.local_window, step=16, label="Local window (every quantizing column)"
+                )
             with gr.Accordion("Sampling", open=False):
                 c["temperature"] = gr.Slider(0.0, 1.5, value=0.0, step=0.05, label="Temperature (0 = greedy)")
                 c["top_p"] = gr.Slider(0.05, 1.0, value=0.95, step=0.05, label="Top-p")
@@ -366,6 +472,7 @@ def build_controls() -> dict:
                 c["generate"] = gr.Button("Generate", variant="primary", elem_id="generate")
                 c["stop"] = gr.Button("Stop", variant="stop", interactive=False, elem_id="stop")
     c["note"] = gr.Markdown(elem_id="note")
+    c["verdict"] = gr.HTML("", elem_id="verdict")  # after a run: one line per column, the first thing in view
     return c
 
 
@@ -376,13 +483,16 @@ def build_columns() -> dict:
         for i, default in enumerate(kd.DEFAULT_METHODS):
             with gr.Column(min_width=280):
                 c["methods"].append(
-                    gr.Dropdown(METHODS, value=default, label=f"Column {i + 1}: cache method", elem_id=f"method-{i}")
-                )
-                c["outputs"].append(
-                    gr.Textbox(
-                        label="Generated", lines=9, max_lines=9, autoscroll=True, interactive=False, elem_id=f"out-{i}"
+                    gr.Dropdown(
+                        METHODS,
+                        value=default,
+                        label=f"Column {i + 1}: cache method",
+                        info=preset_info(default),
+                        elem_id=f"method-{i}",
                     )
                 )
+                # the text as HTML: from the first token that differs from the fp16 column on, it is marked
+                c["outputs"].append(gr.HTML("<div class='gen'></div>", elem_id=f"out-{i}"))
                 c["readouts"].append(gr.HTML("<div class='readout'><i>idle</i></div>", elem_id=f"readout-{i}"))
     return c
 
@@ -397,7 +507,9 @@ def build_generate_tab(engine: Engine, max_prompt_tokens: int, schedule: str = S
         example_labels=[e[0] for e in gallery],
         label="Examples",
     )
+    c["cost"] = gr.Markdown(elem_id="cost")
     c.update(build_columns())
+    c["summary_plot"] = gr.Plot(None, show_label=False, elem_id="summary-plot")  # summary_figure, at the end
     c["summary"] = gr.Markdown(elem_id="summary")
     c["plot"] = gr.Plot(None, show_label=False, elem_id="memory-plot")  # memory_figure: title, axes, legend
     with gr.Accordion("Raw readouts (JSON, final)", open=False):
@@ -411,15 +523,25 @@ def build_generate_tab(engine: Engine, max_prompt_tokens: int, schedule: str = S
         c["summary"],
         c["json"],
         c["state"],
+        c["verdict"],
+        c["summary_plot"],
         c["generate"],
         c["stop"],
     ]
-    inputs = [c["prompt"], c["chat"], c["max_new"], c["temperature"], c["top_p"], c["seed"], *c["methods"]]
+    knobs = [c["boost"], c["sink"], c["window"]]
+    inputs = [c["prompt"], c["chat"], c["max_new"], c["temperature"], c["top_p"], c["seed"], *c["methods"], *knobs]
     handler = make_generate(engine, max_prompt_tokens, schedule)
     # one concurrency group: the button and Enter in the prompt box share the limit set in demo.queue()
     c["generate"].click(handler, inputs, outputs, api_name="generate", concurrency_id="generate")
     c["prompt"].submit(handler, inputs, outputs, api_name=False, concurrency_id="generate")
     c["stop"].click(stop_generation, [c["state"]], [c["note"]], api_name="stop", concurrency_limit=None)
+    for dropdown in c["methods"]:
+        dropdown.change(lambda m: gr.update(info=preset_info(m)), dropdown, dropdown, api_name=False, queue=False)
+    cost_inputs = [c["prompt"], c["chat"], c["max_new"], *c["methods"], *knobs]
+    cost = memory_cost(engine, max_prompt_tokens)
+    c["cost"].value = cost(*(w.value for w in cost_inputs))
+    for w in cost_inputs:
+        w.change(cost, cost_inputs, c["cost"], api_name=False, queue=False, show_progress="hidden")
     return c
 
 
@@ -467,9 +589,9 @@ def build_demo(
             "# 🐱 Kitty — 2-bit KV caches, side by side\n"
             f"Three KV caches generate from the same prompt with **{engine.name}** "
             f"({engine.num_layers} layers, {engine.num_kv_heads} KV heads, head_dim {engine.head_dim}). "
-            "Watch the text and the memory: `fp16` keeps everything, `kivi-k2v2` stores 2-bit keys and values, "
-            "`kitty` boosts each key page's most important channels to 4 bits "
-            "([arXiv 2511.18643](https://arxiv.org/abs/2511.18643))."
+            "`fp16` keeps everything; `kivi-k2v2-sink` stores 2-bit keys and values with the same 32-token sink and "
+            "windows as `kitty`, which also boosts each key page's largest channels to 4 bits "
+            "([arXiv 2511.18643](https://arxiv.org/abs/2511.18643)): columns 2 and 3 differ by the boost alone."
         )
         with gr.Tab("Generate"):
             controls = build_generate_tab(engine, max_prompt_tokens, schedule)

@@ -6,8 +6,11 @@ DataFrame or a matplotlib figure (matplotlib and pandas are imported when a tabl
 
 from __future__ import annotations
 
+import csv
+import functools
 import html
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from . import demo as kd
@@ -139,8 +142,14 @@ def format_readout(
         )
         rows.append(("tokens live in", f"K: {keys}<br>V: {values}"))
     rows.append(("cached", f"{m.tokens} tokens ({r.new_tokens} new)"))
+    if ref is not None and col is not ref:
+        prefix, n, rate = agreement(ref.ids, col.ids)
+        rows.append(("agreement", f"{prefix} of {n} tokens before the first difference · {rate:.0%} match"))
     if ref is not None and tokenizer is not None:
         rows.append(("text", text_vs_reference(col, ref, tokenizer, color)))
+    line = eval_line(col.method)
+    if line:
+        rows.append(("measured", line))
     rows += [("speed", f"{r.tokens_per_s:.1f} tok/s ({r.step_ms:.0f} ms/step own)"), ("status", col.status)]
     body = "".join(f"<tr><td>{k}</td><td>{v}</td></tr>" for k, v in rows)
     return f"<div class='readout' {style}>{head}<div class='sub'>{sub}</div><table>{body}</table></div>"
@@ -384,7 +393,14 @@ def method_intro(cfg, head_dim: int, layer: int, num_layers: int) -> str:
         f"Keys of the **current prompt** after RoPE, as the cache receives them, for **{cfg.name}**. The first "
         f"{cfg.sink_tokens} tokens (the sink) stay at 16 bits; every page of {cfg.group_size} tokens after them "
     )
-    if nb == 0:
+    if nb == 0 and cfg.boost_profile is not None:
+        text += (
+            f"stores all {head_dim} channels with 2 bits (KIVI-style keys) at this layer: its calibrated profile "
+            f"spends the same total of boosted channels as uniform {cfg.boost_fraction:.1%}, where a boost lowered "
+            f"the model's error most on calibration text (kitty.calibrate), and layer {layer} gained too little to get "
+            "any; other layers boost more."
+        )
+    elif nb == 0:
         text += f"stores all {head_dim} channels with 2 bits (no boost: KIVI-style keys)."
     else:
         text += (
@@ -404,9 +420,238 @@ def attention_note(ins: KeyInspection) -> str:
     if not ratios or all(r == 1 for r in ratios):
         return ""
     mean = sum(ratios) / len(ratios)
-    return (
+    head = (
         f"Key error weighs every channel alike, so the boost lowers it only to {mean:.2f}× of all-2-bit here "
-        "(mean error ratio over full pages). Attention sees q·k, which the few large channels dominate, and those "
-        "are the ones kept at 4 bits: the attention-score error falls much more (notebook 02, section 5, measures "
-        "it against 2-bit keys on every layer and head)."
+        "(mean error ratio over full pages). Attention sees q·k, which the few large channels dominate"
     )
+    selection = get_preset(ins.method).channel_selection
+    if selection == "random":
+        return head + (
+            ". This ablation draws its boosted channels at random, so the large channels are mostly not the ones kept "
+            "at 4 bits (compare the brightest rows of the heatmap with the boxes): its attention-score error falls "
+            "little, which is why kitty picks channels by magnitude (the eval's kitty-random row)."
+        )
+    if selection == "magnitude":
+        return head + (
+            ", and those are the ones kept at 4 bits: the attention-score error falls much more (notebook 02, "
+            "section 5, measures it against 2-bit keys on every layer and head)."
+        )
+    return head + (
+        f"; this method keeps {SELECTION_WORDS[selection]} at 4 bits, aimed at that error rather than the key error "
+        "(notebook 02, section 5, measures attention-score error on every layer and head)."
+    )
+
+
+# ------------------------------------------------------------------------------- agreement and the verdict
+
+
+def agreement(reference: Sequence[int], ids: Sequence[int]) -> tuple[int, int, float]:
+    """``(identical prefix, positions compared, match rate)`` of ``ids`` against ``reference`` over the tokens both
+    have: the eval's greedy-agreement measures (:func:`kitty.eval_metrics.agreement_table`) for one text."""
+    n = min(len(reference), len(ids))
+    same = [a == b for a, b in zip(reference, ids)]
+    prefix = same.index(False) if False in same else n
+    return prefix, n, (sum(same) / n if n else 1.0)
+
+
+def agreement_text(col: kd.Column, ref: kd.Column) -> str:
+    """``"agrees for K tokens / M%"`` (the whole text so far when nothing differs)."""
+    prefix, n, rate = agreement(ref.ids, col.ids)
+    if prefix == n:
+        return f"agrees for all {n} tokens / 100%"
+    return f"agrees for {prefix} token{'s' * (prefix != 1)} / {rate:.0%}"
+
+
+def text_html(col: kd.Column, ref: kd.Column, tokenizer, color: str) -> str:
+    """The column's generated text as HTML, everything from its first token that differs from the reference
+    column's marked (``<mark class='diverged'>``); stripping the tags gives the text back exactly."""
+    d = None if col is ref else divergence(ref.ids, col.ids)
+    if d is None:
+        body = html.escape(col.text)
+    else:
+        head = tokenizer.decode(col.ids[:d], skip_special_tokens=True)
+        if col.text.startswith(head):
+            rest = col.text[len(head) :]
+            body = f"{html.escape(head)}<mark class='diverged' style='background:{color}40'>{html.escape(rest)}</mark>"
+        else:  # a token boundary inside a character: mark nothing rather than split it
+            body = html.escape(col.text)
+    return f"<div class='gen' style='border-left: 4px solid {color}'>{body}</div>"
+
+
+def verdict_line(col: kd.Column, ref: kd.Column, answer: str = "") -> str:
+    """One column's verdict: ``"3 · kitty: 3.6× smaller than fp16, agrees for K tokens / M%"`` (HTML), with
+    ``answer`` (e.g. whether it gave the key) after it."""
+    r = col.readout
+    if r is None:
+        return f"<b>{html.escape(col.label)}</b>: {html.escape(col.status)}…"
+    m = r.report
+    if col is ref:
+        size = f"the reference, {fmt_bytes(m.stored_bytes)}"
+        line = f"<b>{html.escape(col.label)}</b>: {size} ({m.bits_per_element:.2f} bits/element)"
+    else:
+        if m.compression > 1.005:
+            size = f"{m.compression:.1f}× smaller than fp16"
+        else:
+            cfg = get_preset(col.method)
+            size = f"as large as fp16 so far (no page yet: pages start after {cfg.sink_tokens + cfg.group_size} tokens)"
+        line = f"<b>{html.escape(col.label)}</b>: {size} ({fmt_bytes(m.stored_bytes)}), {agreement_text(col, ref)}"
+    return line + (f" · {answer}" if answer else "")
+
+
+def verdict(columns: Sequence[kd.Column], answers: Sequence[str] = ()) -> str:
+    """The verdict block: one line per column (:func:`verdict_line`), the first thing the page shows."""
+    ref = reference_column(columns)
+    answers = list(answers) + [""] * (len(columns) - len(answers))
+    lines = "".join(
+        f"<li style='border-left: 6px solid {COLUMN_COLORS[i % len(COLUMN_COLORS)]}'>{verdict_line(c, ref, a)}</li>"
+        for i, (c, a) in enumerate(zip(columns, answers))
+    )
+    return f"<ul class='verdict'>{lines}</ul>"
+
+
+def answer_mark(text: str, key: int, gives_key) -> str:
+    """``"gives the key 68351 (right)"`` or ``"… does not give the key (wrong)"`` for one column's text."""
+    if gives_key(text):
+        return f"<span class='right'>gives the answer {key}: right</span>"
+    return f"<span class='wrong'>does not give {key}: wrong</span>"
+
+
+# ------------------------------------------------------------------------------- the eval's figures
+
+
+def _assets() -> Path:
+    """The repository's ``assets/`` folder (the eval's committed CSVs), found upward from this file."""
+    here = Path(__file__).resolve()
+    return next((p / "assets" for p in here.parents if (p / "assets").is_dir()), here.parent / "assets")
+
+
+@functools.lru_cache(maxsize=None)
+def eval_figures() -> dict[str, dict[str, float]]:
+    """The eval's measured figures per preset from the committed CSVs in ``assets/`` (the full run first, the
+    "beyond" run for the presets it adds): ``ppl``, ``ppl_change`` (relative to fp16), ``passkey`` (share solved)
+    and ``match_rate`` (greedy agreement), where measured. Empty when the files are missing (an installed wheel)."""
+    out: dict[str, dict[str, float]] = {}
+    root = _assets()
+
+    def rows(name: str) -> list[dict]:
+        path = root / name
+        return list(csv.DictReader(path.open())) if path.is_file() else []
+
+    for name in ("eval_ppl_full.csv", "eval_ppl_beyond.csv"):
+        for r in rows(name):
+            d = out.setdefault(r["method"], {})
+            d.setdefault("ppl", float(r["ppl"]))
+            d.setdefault("ppl_change", float(r["ppl_change"]))
+    for name in ("eval_passkey_full.csv", "eval_passkey_beyond.csv"):
+        solved: dict[str, list[int]] = {}
+        for r in rows(name):
+            s = solved.setdefault(r["method"], [0, 0])
+            s[0] += int(r["solved"])
+            s[1] += int(r["total"])
+        for m, (s, t) in solved.items():
+            if t:
+                out.setdefault(m, {}).setdefault("passkey", s / t)
+                out[m].setdefault("passkey_total", t)
+    for r in rows("eval_agreement_full.csv"):
+        out.setdefault(r["method"], {}).setdefault("match_rate", float(r["match_rate"]))
+    return out
+
+
+def eval_line(method: str) -> str:
+    """``"eval: perplexity 17.6 (+10%), passkeys 97% of 30"`` for a preset, or ``""`` when it was not measured."""
+    base = method.split("+")[0]
+    f = eval_figures().get(base)
+    if not f:
+        return ""
+    parts = []
+    if "ppl" in f:
+        parts.append(f"perplexity {f['ppl']:.1f}" + (f" ({f['ppl_change']:+.0%})" if base != "fp16" else ""))
+    if "passkey" in f:
+        parts.append(f"passkeys {f['passkey']:.0%} of {f['passkey_total']:.0f}")
+    changed = " (the preset's own figures; this run changes it)" if "+" in method else ""
+    return "eval: " + ", ".join(parts) + changed if parts else ""
+
+
+def summary_figure(columns: Sequence[kd.Column]):
+    """The run's end in one figure: each column's stored KV memory against its agreement with the reference
+    column (this run), and beside it the eval's perplexity change and passkey share for the same presets."""
+    plt = _pyplot()
+    ref = reference_column(columns)
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(9, 3.0), dpi=90, gridspec_kw={"width_ratios": [1.1, 1]})
+    for i, c in enumerate(columns):
+        if c.readout is None:
+            continue
+        color = COLUMN_COLORS[i % len(COLUMN_COLORS)]
+        rate = agreement(ref.ids, c.ids)[2]
+        mib = c.readout.report.stored_bytes / 2**20
+        ax.scatter([mib], [100 * rate], s=90, color=color, zorder=3)
+        ax.annotate(c.label, (mib, 100 * rate), xytext=(6, 4 - 12 * (i % 2)), textcoords="offset points", fontsize=9)
+    ax.set_xlabel("KV stored (MiB)")
+    ax.set_ylabel("tokens as fp16 (%)")
+    ax.set_ylim(-5, 112)
+    ax.set_xlim(left=0)
+    ax.grid(alpha=0.3)
+    ax.set_title("This run: memory vs agreement", fontsize=10)
+    figs = eval_figures()
+    labels, ppl, passkey = [], [], []
+    for c in columns:
+        f = figs.get(c.method.split("+")[0], {})
+        labels.append(c.label)
+        ppl.append(100 * f.get("ppl_change", float("nan")))
+        passkey.append(100 * f.get("passkey", float("nan")))
+    y = range(len(labels))
+    bx.barh([v + 0.2 for v in y], passkey, height=0.38, color="#16a34a", label="passkeys solved (%)")
+    bx.barh([v - 0.2 for v in y], ppl, height=0.38, color="#9333ea", label="perplexity change (%)")
+    for v, p, k in zip(y, ppl, passkey):
+        for val, off in ((k, 0.2), (p, -0.2)):
+            if val == val:  # not NaN
+                bx.text(val + 1, v + off, f"{val:.0f}", va="center", fontsize=8)
+    bx.set_yticks(list(y), labels, fontsize=9)
+    bx.invert_yaxis()
+    bx.set_xlim(0, 115)
+    bx.legend(fontsize=8, loc="lower right", frameon=False)
+    bx.set_title("The eval's measurements (assets/*.csv)", fontsize=10)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+# ------------------------------------------------------------------------------- presets and knobs
+
+
+def preset_info(method: str) -> str:
+    """The one-line description of a preset (what its dropdown shows under it)."""
+    return get_preset(method).description
+
+
+def with_knobs(method: str, boost_fraction: float, sink: int, window: int) -> str:
+    """``method`` with the advanced controls applied where they differ from the preset: sink and local window on
+    every quantizing preset (so the columns stay comparable), the boost fraction on presets that boost."""
+    cfg = get_preset(method)
+    if not (cfg.quantizes_keys or cfg.quantizes_values):
+        return method
+    changes = []
+    if cfg.key_bits == 2 and cfg.boost_fraction > 0 and cfg.boost_profile is None:
+        if abs(boost_fraction - cfg.boost_fraction) > 1e-9:
+            changes.append(f"boost_fraction={boost_fraction:g}")
+    if sink != cfg.sink_tokens:
+        changes.append(f"sink_tokens={int(sink)}")
+    if window != cfg.local_window:
+        changes.append(f"local_window={int(window)}")
+    return "+".join([method, *changes])
+
+
+def cost_line(methods: Sequence[str], tokens: int, dims: ModelDims) -> str:
+    """What each column would store at ``tokens`` tokens (the analytic model), and what column 3 costs over column
+    2: with the fair baseline that difference is the boost alone. Shown before Generate."""
+    reps = [analytic_report(get_preset(m), tokens, dims.head_dim, dims.num_kv_heads, dims.num_layers) for m in methods]
+    parts = [
+        f"{i + 1} · {m}: {fmt_bytes(r.stored_bytes)} ({r.bits_per_element:.2f} bits/element)"
+        for i, (m, r) in enumerate(zip(methods, reps))
+    ]
+    text = f"**Memory at {tokens} tokens** (prompt + max new): " + " · ".join(parts)
+    if len(reps) >= 3 and reps[1].stored_bytes:
+        extra = reps[2].stored_bytes - reps[1].stored_bytes
+        text += f". Column 3 stores {fmt_bytes(abs(extra))} {'more' if extra >= 0 else 'less'} than column 2"
+        text += f" ({extra / reps[1].stored_bytes:+.1%})."
+    return text

@@ -117,3 +117,79 @@ def test_method_intro_names_the_selection():
     intro = dv.method_intro(PRESETS["kitty"], HEAD_DIM, 0, LAYERS)
     assert "picks its own 8 of 64 channels" in intro and "largest mean |K|" in intro
     assert "no boost" in dv.method_intro(PRESETS["kivi-k2v2-sink"], HEAD_DIM, 0, LAYERS)
+
+
+def test_agreement_and_the_marked_text():
+    ref, col = column("fp16", "abcdef"), column("kitty", "abXdeY", index=3)
+    assert dv.agreement(ref.ids, col.ids) == (2, 6, pytest.approx(4 / 6))
+    assert dv.agreement(ref.ids, ref.ids[:3]) == (3, 3, 1.0)
+    assert dv.agreement_text(col, ref) == "agrees for 2 tokens / 67%"
+    assert dv.agreement_text(column("kitty", "abc"), ref) == "agrees for all 3 tokens / 100%"
+    marked = dv.text_html(col, ref, TOK, "#2563eb")
+    assert "ab<mark class='diverged'" in marked and ">XdeY</mark>" in marked
+    assert "<mark" not in dv.text_html(ref, ref, TOK, "#000")
+    assert dv.text_html(column("kitty", "a<b"), column("fp16", "a<b"), TOK, "#000").count("&lt;") == 1
+
+
+def test_verdict_has_one_line_per_column_with_size_and_agreement():
+    cols = [column("fp16", "abcd"), column("kivi-k2v2-sink", "abXd", index=2), column("kitty", "abcd", index=3)]
+    marks = [dv.answer_mark(c.text, 123, lambda t, c=c: c is not cols[1]) for c in cols]
+    html_ = dv.verdict(cols, marks)
+    lines = html_.split("<li")[1:]
+    assert len(lines) == 3 and "the reference" in lines[0]
+    for c, line in zip(cols[1:], lines[1:]):
+        assert f"{c.readout.report.compression:.1f}× smaller than fp16" in line
+    assert "agrees for 2 tokens / 75%" in lines[1] and "wrong" in lines[1]
+    assert "agrees for all 4 tokens / 100%" in lines[2] and "right" in lines[2]
+
+
+def test_fair_baseline_differs_by_the_boost_alone():
+    kivi, kitty = PRESETS[kd.DEFAULT_METHODS[1]], PRESETS[kd.DEFAULT_METHODS[2]]
+    same = ("sink_tokens", "group_size", "local_window", "key_bits", "value_bits")
+    assert all(getattr(kivi, f) == getattr(kitty, f) for f in same) and kivi.num_boosted(HEAD_DIM) == 0
+    line = dv.cost_line(list(kd.DEFAULT_METHODS), 900, Dims())
+    reps = [analytic_report(PRESETS[m], 900, HEAD_DIM, KV_HEADS, LAYERS) for m in kd.DEFAULT_METHODS]
+    extra = reps[2].stored_bytes - reps[1].stored_bytes
+    assert f"Column 3 stores {dv.fmt_bytes(extra)} more than column 2" in line
+    assert reps[2].full_precision_bytes == reps[1].full_precision_bytes  # equal 16-bit buffers
+
+
+def test_knobs_change_only_what_differs():
+    assert dv.with_knobs("kitty", 0.125, 32, 128) == "kitty"
+    assert dv.with_knobs("kitty", 0.25, 16, 128) == "kitty+boost_fraction=0.25+sink_tokens=16"
+    assert dv.with_knobs("kivi-k2v2-sink", 0.25, 16, 64) == "kivi-k2v2-sink+sink_tokens=16+local_window=64"
+    assert dv.with_knobs("fp16", 0.25, 0, 0) == "fp16"
+    assert PRESETS["kitty"].description == dv.preset_info("kitty")
+    assert all(c.description for c in PRESETS.values())
+
+
+def test_eval_figures_come_from_the_committed_csvs():
+    import csv
+
+    from kitty.demo_view import _assets
+
+    rows = {r["method"]: r for r in csv.DictReader((_assets() / "eval_ppl_full.csv").open())}
+    figs = dv.eval_figures()
+    assert figs["kitty"]["ppl"] == pytest.approx(float(rows["kitty"]["ppl"]))
+    assert 0 <= figs["kitty"]["passkey"] <= 1
+    assert dv.eval_line("kitty").startswith(f"eval: perplexity {float(rows['kitty']['ppl']):.1f}")
+    assert dv.eval_line("no-such-preset") == ""
+    cols = [column("fp16", "abcd"), column("kivi-k2v2-sink", "abXd", index=2), column("kitty", "abcd", index=3)]
+    fig = dv.summary_figure(cols)
+    ax, bx = fig.axes
+    assert [t.get_text() for t in bx.get_yticklabels()] == [c.label for c in cols]
+    assert len(ax.collections) == 3
+
+
+def test_inside_sentences_give_the_reasons():
+    from kitty.quant import inspect_keys
+
+    adaptive = PRESETS["kitty-fit-adaptive"]
+    layer = next(i for i, f in enumerate(adaptive.boost_profile) if round(f * HEAD_DIM) == 0)
+    intro = dv.method_intro(adaptive, HEAD_DIM, layer, LAYERS)
+    assert "KIVI-style keys" in intro and "calibrated profile" in intro and "other layers boost more" in intro
+    keys = torch.randn(32 + 3 * 128, HEAD_DIM, generator=torch.Generator().manual_seed(0))
+    keys[:, 5] *= 20  # one large channel
+    random_note = dv.attention_note(inspect_keys(keys, PRESETS["kitty-random"]))
+    assert "at random" in random_note and "those are the ones kept at 4 bits" not in random_note
+    assert "those are the ones kept at 4 bits" in dv.attention_note(inspect_keys(keys, PRESETS["kitty"]))
