@@ -462,7 +462,7 @@ def crop_picture() -> None:
 
     im = Image.open(ROOT / SCREENSHOT).convert("RGB")
     w, h = im.size
-    box = (round(0.064 * w), round(0.342 * h), round(0.936 * w), round(0.659 * h))  # columns + readouts
+    box = (round(0.064 * w), round(0.232 * h), round(0.936 * w), round(0.595 * h))  # verdict, columns, readouts
     part = im.crop(box)
     part = part.resize((part.width * 3 // 4, part.height * 3 // 4), Image.LANCZOS)
     part.quantize(colors=128).save(ROOT / PICTURE, optimize=True)

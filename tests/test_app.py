@@ -23,6 +23,7 @@ from kitty.core.quant import inspect_keys  # noqa: E402
 from kitty.hf.compat import cache_kwargs  # noqa: E402
 from kitty.hf.generate import Sampling, make_cache, prompt_keys, prompt_query_scale  # noqa: E402
 from kitty.tools import demo as kd  # noqa: E402
+from kitty.tools import demo_view as dv  # noqa: E402
 from kitty.tools import prompts as kp  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -49,13 +50,22 @@ def client(app_module, demo_url):
 
 
 def args(prompt: str, new: int = NEW, chat: bool = True, methods=METHODS) -> tuple:
-    """Positional inputs of the /generate endpoint: greedy sampling, seed 0."""
-    return (prompt, chat, new, 0.0, 1.0, 0, *methods)
+    """Positional inputs of the /generate endpoint: greedy sampling, seed 0, the advanced knobs at kitty's values."""
+    kitty = PRESETS["kitty"]
+    return (prompt, chat, new, 0.0, 1.0, 0, *methods, kitty.boost_fraction, kitty.sink_tokens, kitty.local_window)
+
+
+def plain(html_text: str) -> str:
+    """A column's generated text from its HTML (tags stripped, entities decoded)."""
+    import html
+    import re
+
+    return html.unescape(re.sub(r"<[^>]+>", "", html_text or ""))
 
 
 def library_run(engine, prompt: str, method: str, new: int):
     """The same preset run through the library: ``model.generate`` with a fresh KittyCache, greedy."""
-    from kitty.cache.kitty_cache import KittyCache
+    from kitty.cache import KittyCache
 
     tok, model = engine.tokenizer, engine.model
     ids = tok.apply_chat_template(
@@ -71,15 +81,16 @@ def library_run(engine, prompt: str, method: str, new: int):
     return tok.decode(new_ids, skip_special_tokens=True), cache.memory_report(), cache.token_counts(), ids.shape[1]
 
 
-# Output tuple of /generate (see app.build_generate_tab): note, 3 texts, 3 readouts, plot, summary, json, buttons.
-NOTE, TEXTS, READOUTS, PLOT, SUMMARY, JSON = 0, slice(1, 4), slice(4, 7), 7, 8, 9
+# Output tuple of /generate (see app.build_generate_tab): note, 3 texts (HTML), 3 readouts, plot, summary, json,
+# verdict, summary plot, buttons (the client leaves out the state that the handler yields after json).
+NOTE, TEXTS, READOUTS, PLOT, SUMMARY, JSON, VERDICT = 0, slice(1, 4), slice(4, 7), 7, 8, 9, 10
 
 
 def check_against_library(engine, final, prompt: str, new: int) -> None:
-    from app import fmt_bytes
+    from kitty.tools.demo_view import fmt_bytes
 
     readouts = final[JSON]
-    texts = final[TEXTS]
+    texts = [plain(t) for t in final[TEXTS]]
     assert len(readouts) == 3
     for i, (label, got) in enumerate(readouts.items()):
         method = got["method"]
@@ -111,13 +122,16 @@ def test_streams_all_three_columns_and_matches_library(app_module, client):
     final = job.outputs()[-1]
     assert "Done" in final[SUMMARY] and "reference" in final[SUMMARY]
     for i in range(3):
-        texts = [o[TEXTS][i] for o in outputs if o[TEXTS][i]]
+        texts = [plain(o[TEXTS][i]) for o in outputs if plain(o[TEXTS][i])]
         assert len(set(texts)) >= 2, f"column {i} did not stream: {texts}"
-        assert all(final[TEXTS][i].startswith(t) or t in final[TEXTS][i] for t in texts)
+        assert all(plain(final[TEXTS][i]).startswith(t) or t in plain(final[TEXTS][i]) for t in texts)
         readouts = {o[READOUTS][i] for o in outputs if "cached" in o[READOUTS][i]}
         assert len(readouts) >= 2, f"column {i} readout never updated while streaming"
     # columns stream together: some update shows all three with text before the last one finished
-    assert any(all(o[TEXTS]) and "Done" not in (o[SUMMARY] or "") for o in outputs)
+    assert any(all(map(plain, o[TEXTS])) and "Done" not in (o[SUMMARY] or "") for o in outputs)
+    # the verdict: one line per column, "N× smaller than fp16, agrees for K tokens / M%"
+    assert final[VERDICT].count("<li") == 3 and "as large as fp16 so far (no page yet" in final[VERDICT]
+    assert "agrees for" in final[VERDICT] and "agreement" in final[READOUTS][2]
     assert final[PLOT] is not None and final[PLOT]["type"] == "matplotlib"  # the memory figure, drawn at the end
     check_against_library(app_module.get_engine(app_module.ARGS.model), final, SHORT, NEW)
 
@@ -126,7 +140,7 @@ def test_empty_prompt_gives_friendly_message(client):
     for prompt in ("", "   \n "):
         out = client.predict(*args(prompt), api_name="/generate")
         assert out[NOTE] == kp.EMPTY_PROMPT_MESSAGE
-        assert list(out[TEXTS]) == ["", "", ""]
+        assert [plain(t) for t in out[TEXTS]] == ["", "", ""]
     _, note, heat, pages, _ = client.predict("", True, "kitty", 0, 0, 8, api_name="/inspect")
     assert note == kp.EMPTY_PROMPT_MESSAGE and heat is None
 
@@ -175,14 +189,18 @@ def test_stop_ends_generation_and_reports(client):
     deadline = time.time() + 120
     while time.time() < deadline:
         outs = job.outputs()
-        if outs and all(outs[-1][TEXTS]):
+        if outs and all(map(plain, outs[-1][TEXTS])):
             break
         time.sleep(0.05)
+    seen = len(job.outputs())
     msg = client.predict(api_name="/stop")
     assert "Stopping" in msg
     job.result(timeout=60)
     final = job.outputs()[-1]
     assert "Stopped" in final[SUMMARY]
+    # the generator keeps Stop's message up until the run ends: no update after the click writes over it
+    after = [o[NOTE] for o in job.outputs()[seen + 1 : -1]]
+    assert all("Stopping" in n for n in after), after
     assert all(r["new_tokens"] < kd.MAX_NEW_TOKENS_CAP for r in final[JSON].values())
 
 
@@ -230,7 +248,7 @@ def test_stop_frees_every_cache(app_module, schedule):
         if snap.phase == "decode" and all(len(c.ids) >= 2 for c in snap.columns):
             assert all(c.get_seq_length() > 0 for c in made)
             stop.set()
-    assert snap.phase == "stopped" and "Stopped" in app_module.summarize(snap.columns, engine.tokenizer, True)
+    assert snap.phase == "stopped" and "Stopped" in dv.summarize(snap.columns, engine.tokenizer, True)
     assert len(made) == 3 and all(c.get_seq_length() == 0 for c in made)
     assert all(c.cache is None and c.readout is not None for c in snap.columns)
 
@@ -304,8 +322,8 @@ def test_hostile_inputs_over_the_api_give_clear_messages(client, demo_url):
     """Values the UI's widgets never send but the API accepts: each a message naming the problem, no run."""
     out = client.predict(SHORT, True, 2.5, 0.0, 1.0, 0, *METHODS, api_name="/generate")
     assert "max_new_tokens must be a whole number in [1, 256], got 2.5" in out[NOTE]
-    assert list(out[TEXTS]) == ["", "", ""] and not out[JSON]
-    methods = ", ".join(f'"{m}"' for m in METHODS)
+    assert [plain(t) for t in out[TEXTS]] == ["", "", ""] and not out[JSON]
+    methods = ", ".join([*(f'"{m}"' for m in METHODS), *map(str, args(SHORT)[-3:])])  # and the advanced knobs
     cases = {
         "lone surrogate": (f'"What is \\ud800 here?", true, {NEW}, 0, 1, 0', "a lone surrogate"),
         "temperature NaN": (f'"{SHORT}", true, {NEW}, NaN, 1, 0', "temperature must be a number, got NaN"),
@@ -314,7 +332,7 @@ def test_hostile_inputs_over_the_api_give_clear_messages(client, demo_url):
     for name, (inputs, expected) in cases.items():
         out = raw_call(demo_url, "generate", f'{{"data": [{inputs}, {methods}]}}')
         assert expected in out[NOTE], (name, out[NOTE])
-        assert list(out[TEXTS]) == ["", "", ""] and not out[JSON], name
+        assert [plain(t) for t in out[TEXTS]] == ["", "", ""] and not out[JSON], name
     _, note, heat, _, _ = raw_call(demo_url, "inspect", f'{{"data": ["{SHORT}", true, "kitty", NaN, 0, 8]}}')
     assert "layer must be a number, got NaN" in note and heat is None
 
@@ -346,32 +364,16 @@ def test_page_pack_is_recorded_and_plotted(app_module):
     # the first token comes from the prefill (first_page - 2 cached), each later step caches one more
     assert kitty.packs == [(first_page, "K")] and kivi.packs == []
     assert kitty.readout.layout["key_pages"] == cfg.group_size
-    assert app_module.page_start_note(cfg, kitty.readout.layout).startswith("values not quantized yet")
-    fig = app_module.memory_figure(snap)
+    assert dv.page_start_note(cfg, kitty.readout.layout).startswith("values not quantized yet")
+    fig = dv.memory_figure(snap)
     ax = fig.axes[0]
     markers = [ln for ln in ax.lines if ln.get_marker() == "v"]
-    assert [(ln.get_xdata()[0], ln.get_color()) for ln in markers][:1] == [(first_page, app_module.COLUMN_COLORS[0])]
+    assert [(ln.get_xdata()[0], ln.get_color()) for ln in markers][:1] == [(first_page, dv.COLUMN_COLORS[0])]
     assert "3 · kivi-k2v2" not in ax.get_title() and "2 · kitty lies on 1 · kitty" in ax.get_title()
-    rows = app_module.memory_rows(snap)
+    rows = dv.memory_rows(snap)
     for c in snap.columns:
         got = rows[rows.column == c.label]
         assert list(got.tokens) == [t for t, _ in c.history]
         assert list(got.stored_MiB) == pytest.approx([b / 2**20 for _, b in c.history])
-    readout = app_module.format_readout(kitty, engine.head_dim, kitty, engine.tokenizer)
+    readout = dv.format_readout(kitty, engine.head_dim, kitty, engine.tokenizer)
     assert f"{cfg.group_size} in 1 page " in readout
-
-
-def test_first_divergent_token_is_marked(app_module):
-    """The readout names the token where a column's text leaves the reference column's and marks it."""
-    engine = app_module.get_engine(app_module.ARGS.model)
-    tok = engine.tokenizer
-    ref_ids = tok(" The capital of France is Paris.", add_special_tokens=False).input_ids
-    other = ref_ids[:5] + tok(" Lyon", add_special_tokens=False).input_ids
-    ref = kd.Column("1 · fp16", "fp16", None, torch.Generator(), ids=ref_ids)
-    col = kd.Column("2 · kitty", "kitty", None, torch.Generator(), ids=other)
-    line = app_module.text_vs_reference(col, ref, tok, "#123456")
-    assert line.startswith("differs from 1 · fp16 at token 6:")
-    marked = line.split("<mark")[1].split("</mark>")[0].split(">", 1)[1]
-    assert marked == tok.decode(other[5:6]) and "#123456" in line
-    same = kd.Column("3 · kivi-k2v2", "kivi-k2v2", None, torch.Generator(), ids=ref_ids[:4])
-    assert app_module.text_vs_reference(same, ref, tok, "#000") == "same as 1 · fp16 so far (4 tokens)"

@@ -30,10 +30,13 @@ def test_cli_compare_prints_a_table_per_preset():
     r = run("Name a color.", "--compare", "--methods", "fp16,kitty", "--max-new-tokens", "4", "--chat")
     assert r.returncode == 0, r.stderr
     rows = [line for line in r.stdout.splitlines() if line.startswith("| ")]
-    assert rows[0].startswith("| method | bits/element | compression | tokens/s | diverges from fp16 at | text")
+    head = "| method | bits/element | compression | cached tokens | tokens/s | diverges from fp16 at | text"
+    assert rows[0].startswith(head)
     assert [row.split("|")[1].strip() for row in rows[1:]] == ["fp16", "kitty"]
     assert "16.00 | 1.00x" in rows[1]  # fp16 stores every token at 16 bits
-    assert rows[1].split("|")[5].strip() == "(reference)"
+    assert rows[1].split("|")[6].strip() == "(reference)"
+    assert rows[1].split("|")[4] == rows[2].split("|")[4]  # both rows cached the same tokens
+    assert "too short to fill a page: kitty quantized nothing yet" in r.stdout
 
 
 @pytest.mark.parametrize(
@@ -83,9 +86,9 @@ def test_compare_table_shows_divergence_and_whole_texts():
         fake_result("kivi-k2v2", [5, 6], "stopped early"),
     ]
     rows = [r.split("|") for r in table(results).splitlines()[2:]]
-    assert [r[5].strip() for r in rows] == ["(reference)", "token 3", "never (4 tokens)", "token 3"]
-    assert rows[0][6].strip() == long.strip()
-    cut = table(results, width=20).splitlines()[2].split("|")[6].strip()
+    assert [r[6].strip() for r in rows] == ["(reference)", "token 3", "never (4 tokens)", "token 3"]
+    assert rows[0][7].strip() == long.strip()
+    cut = table(results, width=20).splitlines()[2].split("|")[7].strip()
     assert len(cut) == 20 and cut.endswith("…")
 
 
@@ -119,3 +122,18 @@ def test_cli_reads_the_prompt_from_stdin_and_from_a_file(cli, tmp_path, capsys):
     capsys.readouterr()
     assert main(["hi", "--prompt-file", str(path)]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+def test_compare_table_counts_tokens_and_explains_short_prompts():
+    """Each row says how many tokens it cached; rows of unequal length and a prompt too short to fill a page get
+    a note under the table."""
+    kitty = PRESETS["kitty"]
+    first = kitty.sink_tokens + kitty.group_size
+    results = [fake_result("fp16", [5, 6, 7], "abc"), fake_result("kitty", [5, 6, 7], "abc")]
+    results[1] = Result("kitty", "ab", 2, 1.0, MemoryReport(1, 2, 1, 0, 0), {"key_pages": 0}, [5, 6])
+    text = table(results)
+    assert "| cached tokens |" in text
+    assert f"too short to fill a page: kitty quantized nothing yet (pages start after {first} tokens" in text
+    results[1] = Result("kitty", "ab", 2, 1.0, MemoryReport(2, 2, 1, 0, 0), {"key_pages": 128}, [5, 6])
+    text = table(results)
+    assert "too short" not in text and "the rows cached" in text

@@ -26,9 +26,10 @@ from ..hf.generate import PATH_HELP, Sampling, decode_stream, eos_ids, make_cach
 from ..hf.models import tp_rank_and_size
 from . import cliargs
 from .cliargs import DTYPES, SAMPLE_TEMPERATURE, SAMPLING, sampling_of
+from .demo import DEFAULT_METHODS
 from .prompts import encode_prompt
 
-DEFAULT_COMPARE = "fp16,kivi-k2v2,kitty,kitty-pro"
+DEFAULT_COMPARE = ",".join((*DEFAULT_METHODS, "kitty-pro"))  # the demo's three columns, then kitty-pro
 
 
 @dataclass
@@ -132,12 +133,14 @@ def divergence(tokens: list[int], reference: list[int]) -> int | None:
 
 
 def table(results: list[Result], width: int = 0) -> str:
-    """A Markdown table: method, bits/element, compression, tokens/s, where the text first differs from the first
-    result's (the reference, fp16 by default) and the text on one line (cut to ``width`` characters if > 0)."""
+    """A Markdown table: method, bits/element, compression, cached tokens, tokens/s, where the text first differs
+    from the first result's (the reference, fp16 by default) and the text on one line (cut to ``width`` characters
+    if > 0). Below it, a note when the rows cached different token counts (their memory is then not like for like)
+    or when the prompt is too short for a quantizing preset to fill its first page."""
     ref = results[0]
     lines = [
-        f"| method | bits/element | compression | tokens/s | diverges from {ref.method} at | text |",
-        "|---|---:|---:|---:|---|---|",
+        f"| method | bits/element | compression | cached tokens | tokens/s | diverges from {ref.method} at | text |",
+        "|---|---:|---:|---:|---:|---|---|",
     ]
     for r in results:
         text = " ".join(r.text.split())
@@ -146,10 +149,33 @@ def table(results: list[Result], width: int = 0) -> str:
         at = divergence(r.tokens, ref.tokens)
         where = "(reference)" if r is ref else f"never ({len(r.tokens)} tokens)" if at is None else f"token {at}"
         lines.append(
-            f"| {r.method} | {r.report.bits_per_element:.2f} | {r.report.compression:.2f}x | "
+            f"| {r.method} | {r.report.bits_per_element:.2f} | {r.report.compression:.2f}x | {r.report.tokens} | "
             f"{r.tokens_per_second:.1f} | {where} | {text.replace('|', '/')} |"
         )
+    cached = {r.report.tokens for r in results}
+    if len(cached) > 1:
+        lines += [
+            "",
+            f"note: the rows cached {min(cached)} to {max(cached)} tokens (a generation ended early at "
+            "end-of-sequence), so their bits/element are not measured at one length; compare rows with equal "
+            "cached tokens.",
+        ]
+    short = [r for r in results if r.counts and _quantizes(r.method) and r.counts.get("key_pages", 0) == 0]
+    if short:
+        cfg = get_preset(short[0].method)
+        lines += [
+            "",
+            f"note: the prompt is too short to fill a page: {', '.join(r.method for r in short)} quantized nothing "
+            f"yet (pages start after {cfg.sink_tokens + cfg.group_size} tokens for {cfg.name}: sink "
+            f"{cfg.sink_tokens} + page {cfg.group_size}; this run cached {short[0].report.tokens}), so every row "
+            "is at 16 bits. Give a longer prompt (--prompt-file, stdin) to see the compression.",
+        ]
     return "\n".join(lines)
+
+
+def _quantizes(method: str) -> bool:
+    cfg = get_preset(method)
+    return cfg.quantizes_keys or cfg.quantizes_values
 
 
 def preset_list(width: int = 100) -> str:

@@ -24,11 +24,68 @@ import torch
 from ..core.config import get_preset
 from ..core.memory import MemoryReport
 from ..hf.generate import Sampling, eos_ids, make_cache, stream_tokens
-from .prompts import PreparedPrompt
+from .prompts import PreparedPrompt, shipped_text
 
-DEFAULT_METHODS = ("fp16", "kivi-k2v2", "kitty")  # the three columns: reference, the baseline, the paper
+# The three columns: the reference, the fair baseline (KIVI 2-bit keys and values with kitty's own sink and windows,
+# so the memory difference between columns 2 and 3 is exactly the boost's cost) and the paper's method. The app, the
+# CLI's --compare and the docs use these.
+DEFAULT_METHODS = ("fp16", "kivi-k2v2-sink", "kitty")
 MAX_NEW_TOKENS_CAP = 256  # per column; 3 columns x 256 steps is about a minute on a 2-core CPU
 DEFAULT_MAX_NEW_TOKENS = 32  # with the default prompt (~800 tokens) a first run takes ~30 s on 2 shared cores
+
+
+# ------------------------------------------------------------------------------ a fact in a long document
+
+# A fact with a number, and the question that asks for it (plain form: the prompt ends where the number comes)
+NEEDLES = {
+    "passkey": ("The pass key is {key}. Remember it. {key} is the pass key.", "What is the pass key? The pass key is"),
+    "lighthouse": (
+        "The keeper of the lighthouse wrote down one number: {key}.",
+        "What number did the keeper of the lighthouse write down? The number was",
+    ),
+    "locker": ("Locker {key} holds the spare sails.", "Which locker holds the spare sails? The locker number is"),
+}
+
+
+@dataclass(frozen=True)
+class NeedleDocument:
+    """A shipped text with one fact (``NEEDLES[needle]`` holding ``key``) placed among its paragraphs, then the
+    question for it: a long-document retrieval prompt whose answer can be checked (``str(key)`` in the answer)."""
+
+    text: str  # one of kitty.tools.prompts.TEXTS
+    first: int  # index of the first paragraph used
+    paragraphs: int  # paragraphs used from there
+    depth: float  # where the fact goes, as a share of those paragraphs (0: before the first)
+    needle: str  # a key of NEEDLES
+    key: int
+
+    def prompt(self) -> str:
+        if self.needle not in NEEDLES:
+            raise ValueError(f"needle must be one of {sorted(NEEDLES)}, got {self.needle!r}")
+        paras = [p.strip() for p in shipped_text(self.text).split("\n\n") if p.strip()]
+        body = paras[self.first : self.first + self.paragraphs]
+        if len(body) < self.paragraphs:
+            raise ValueError(f"{self.text} has no {self.paragraphs} paragraphs from paragraph {self.first}")
+        fact, question = NEEDLES[self.needle]
+        at = round(self.depth * len(body))
+        body.insert(at, fact.format(key=self.key))
+        return "\n\n".join(body) + "\n\n" + question
+
+    def answered(self, text: str) -> bool:
+        """Whether a generated ``text`` gives the key (:func:`gives_key`)."""
+        return gives_key(text, self.key)
+
+
+def gives_key(text: str, key: int) -> bool:
+    """Whether the first number in ``text`` is ``key`` (how a retrieval answer is checked)."""
+    digits = "".join(ch if ch.isdigit() else " " for ch in text).split()
+    return bool(digits) and digits[0] == str(key)
+
+
+# The example the app shows under "Long document: a fact KIVI loses": found by benchmarks/demo_example_search.py
+# (kitty and fp16 give the key, kivi-k2v2-sink does not, greedy, on the default model); the search's table is in
+# benchmarks/results/demo_example_search.csv.
+EXAMPLE_NEEDLE = NeedleDocument("essay.txt", 6, 4, 0.67, "passkey", 53664)
 
 
 # ----------------------------------------------------------------------------------- side-by-side streaming

@@ -24,6 +24,7 @@ from ..core.config import PRESETS, KVQuantConfig, get_preset
 from ..hf import generate as gen
 from ..hf.generate import make_cache
 from . import cliargs
+from .demo import DEFAULT_METHODS
 from .eval_metrics import (
     AgreementResult,
     PackCost,
@@ -72,6 +73,7 @@ __all__ = [  # the command line, and the metrics and report names that callers i
 DEFAULT_OUT = "kitty-eval"  # relative to the working folder: a run never overwrites the committed assets/ unless asked
 
 PARTS = ("ppl", "agreement", "passkey", "pack")
+QUICK_METHODS = DEFAULT_METHODS  # --quick without --methods: the demo's three columns
 QUICK = dict(prefill=160, scored=32, windows_per_text=1, agreement=(2, 200, 16), lengths=(256,), depths=(0.5,))
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 AGREEMENT_LENGTH = 512  # tokens per agreement prompt (long enough that decode steps read quantized pages)
@@ -111,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--quick",
         action="store_true",
         help=f"tiny run for CI (default: off): prefill {QUICK['prefill']}, {QUICK['scored']} scored tokens, one "
-        "window per text, 2 agreement prompts of 200 tokens x 16 tokens, one 256-token passkey per method; "
+        "window per text, 2 agreement prompts of 200 tokens x 16 tokens, one 256-token passkey per method, and "
+        f"without --methods only {','.join(QUICK_METHODS)}; "
         "overrides the size flags above",
     )
     p.add_argument("--skip", default="", help=f"comma-separated parts to skip, from {','.join(PARTS)} (default: none)")
@@ -215,6 +218,8 @@ def _run(a: argparse.Namespace) -> None:
         _fail(f"--model {a.model!r}: cannot load the model: {e}")
     text = model.config.get_text_config(decoder=True)
     num_layers = kv_dims(model.config)[0]
+    if methods is None and a.quick:  # the CI run: the demo's three columns (fp16, the fair baseline, kitty)
+        methods = list(QUICK_METHODS)
     if methods is None:  # layer-adaptive presets are calibrated for one model: keep those that fit this one
         methods = [
             m for m in PRESETS if PRESETS[m].boost_profile is None or len(PRESETS[m].boost_profile) == num_layers
@@ -265,26 +270,36 @@ def _run(a: argparse.Namespace) -> None:
 
     out = Path(a.out)
     tag = a.tag or ("quick" if a.quick else "full")
-    step_s, token_s = measure_step(model, get_preset(pack_methods[0] if pack_methods else methods[0]))
-    n_cfg = 1 + len(others)
-    steps = tokens = 0.0
+    # the estimate: each configuration's own step and prompt-token cost (a fitted or oracle preset packs far slower
+    # than plain kitty), measured just now, times the work each part gives every configuration
+    configs = ["fp16", *others]
+    cost = {m: measure_step(model, get_preset(m)) for m in configs}
+    per_cfg: dict[str, tuple[float, float, float]] = {}  # part -> (decode steps, prompt tokens, share) per config
     if "ppl" in parts:
-        share = 1 / min(a.jobs, n_cfg)  # methods run side by side in the worker processes
-        steps += n_cfg * len(windows) * a.scored * share
-        tokens += n_cfg * len(windows) * a.prefill * share
+        per_cfg["ppl"] = (len(windows) * a.scored, len(windows) * a.prefill, 1 / min(a.jobs, len(configs)))
     if "agreement" in parts:
-        steps, tokens = steps + n_cfg * n_prompts * n_new, tokens + n_cfg * n_prompts * length
+        per_cfg["agreement"] = (n_prompts * n_new, n_prompts * length, 1.0)
     if "passkey" in parts:
         cases = len(lengths) * len(depths) * trials
-        steps += n_cfg * cases * PASSKEY_ANSWER_TOKENS
-        tokens += n_cfg * trials * len(depths) * sum(lengths)
+        per_cfg["passkey"] = (cases * PASSKEY_ANSWER_TOKENS, trials * len(depths) * sum(lengths), 1.0)
+    part_s = {
+        part: share * sum(n_steps * cost[m][0] + n_tokens * cost[m][1] for m in configs)
+        for part, (n_steps, n_tokens, share) in per_cfg.items()
+    }
+    if "pack" in parts:  # pack_cost_table: repeats x a key page and a value page per method, plus warm-up
+        part_s["pack"] = len(pack_methods) * (4 if a.quick else 8) * 0.05
+    steps = sum(n * share * len(configs) for n, _, share in per_cfg.values())
+    tokens = sum(n * share * len(configs) for _, n, share in per_cfg.values())
+    step_s = sum(c[0] for c in cost.values()) / len(cost)
+    token_s = sum(c[1] for c in cost.values()) / len(cost)
     t0 = time.time()
     if rank == 0:
         print(
             f"parts: {', '.join(parts)}; {len(methods)} methods. Estimated runtime: about "
-            f"{_duration(steps * step_s + tokens * token_s)} ({steps:.0f} decode steps at {1e3 * step_s:.0f} ms, "
-            f"{tokens:.0f} prompt tokens at {1e3 * token_s:.1f} ms each, measured just now; rough: longer contexts "
-            "run slower)",
+            f"{_duration(sum(part_s.values()))} ("
+            + ", ".join(f"{p} {_duration(v)}" for p, v in part_s.items())
+            + f"; {steps:.0f} decode steps at {1e3 * step_s:.0f} ms and {tokens:.0f} prompt tokens at "
+            f"{1e3 * token_s:.1f} ms on average, each method timed just now; longer contexts run slower)",
             flush=True,
         )
     report = [f"# Kitty evaluation ({tag})\n", f"model: {a.model or 'SmolLM2-135M-Instruct (embedded)'}\n"]
@@ -296,6 +311,18 @@ def _run(a: argparse.Namespace) -> None:
             write(out / name)
             (out / f"eval_{tag}.md").write_text("\n".join(report))
             wrote.extend(p for p in (out / name, out / f"eval_{tag}.md") if p not in wrote)
+
+    from tqdm import tqdm
+
+    # the parts that remain, with the estimate of what is left (the inner bars count prompts within a part)
+    progress = tqdm(total=len(parts), desc="eval parts", unit="part", disable=rank != 0, position=0)
+
+    def part_done(part: str) -> None:
+        left = parts[parts.index(part) + 1 :]
+        progress.update()
+        progress.set_postfix_str(
+            f"left: {', '.join(left)} (~{_duration(sum(part_s.get(p, 0.0) for p in left))})" if left else "done"
+        )
 
     if "ppl" in parts:
         ppl = perplexity_table(
@@ -309,6 +336,7 @@ def _run(a: argparse.Namespace) -> None:
         ]
         save(f"eval_ppl_{tag}.csv", lambda p: write_csv(ppl, p))
         save(f"eval_pareto_{tag}.png", lambda p: plot_pareto([r for r in ppl if r.text == "all"], p))
+        part_done("ppl")
     if "agreement" in parts:
         agr = agreement_table(model, tokenizer, others, prompts, n_new)
         report += [
@@ -318,6 +346,7 @@ def _run(a: argparse.Namespace) -> None:
             "",
         ]
         save(f"eval_agreement_{tag}.csv", lambda p: write_csv(agr, p))
+        part_done("agreement")
     if "passkey" in parts:
         pk = passkey_table(model, tokenizer, others, lengths, depths, trials)
         totals = {}
@@ -328,6 +357,7 @@ def _run(a: argparse.Namespace) -> None:
         report += [f"| {m} | {s}/{t} |" for m, (s, t) in totals.items()] + [""]
         save(f"eval_passkey_{tag}.csv", lambda p: write_csv(pk, p))
         save(f"eval_passkey_{tag}.png", lambda p: plot_passkey(pk, p))
+        part_done("passkey")
     if "pack" in parts:
         pack = pack_cost_table(pack_methods, repeats=3 if a.quick else 7)
         report += [
@@ -336,6 +366,8 @@ def _run(a: argparse.Namespace) -> None:
             "",
         ]
         save(f"eval_pack_{tag}.csv", lambda p: write_csv(pack, p))
+        part_done("pack")
+    progress.close()
     where = f" per rank, {world} tensor-parallel ranks" if tp else ""
     report.append(f"_{time.time() - t0:.0f} s on {torch.get_num_threads()} CPU threads{where}_\n")
     if rank == 0:

@@ -21,7 +21,7 @@ TEXTS = ("essay.txt", "python_reference.txt")  # the shipped texts, in kitty/tex
 
 MAX_PROMPT_TOKENS = 2048  # longer prompts keep their last 2048 tokens: prefill stays a few seconds per column
 MAX_PROMPT_CHARS = 100_000  # guard before tokenizing (about 20k tokens of English)
-EMPTY_PROMPT_MESSAGE = "✋ The prompt is empty: type a question or pick an example below, then press Generate."
+EMPTY_PROMPT_MESSAGE = "The prompt is empty: type a question or pick an example below, then press Generate."
 
 
 class PromptError(ValueError):
