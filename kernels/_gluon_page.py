@@ -106,6 +106,7 @@ def _quant_scores(
     IS_BF16: gl.constexpr,
     MMA: gl.constexpr,
     DA: gl.constexpr,
+    LS: gl.constexpr,
 ):
     """Base-2 logits ``(32, BH)`` of tokens ``32 c ..`` of a quantized key page."""
     a = unpack_low(low_ptr, (kpage * G + 32 * c) * D4, 32, D4, IS_BF16, DA)
@@ -117,7 +118,7 @@ def _quant_scores(
         s = acc + corr_m[None, :]
     else:
         s = acc * 16777216.0 + corr_m[None, :]
-    return merge_parts(s, PK) * qk_scale
+    return gl.convert_layout(merge_parts(s, PK) * qk_scale, LS)  # in the softmax's layout
 
 
 @gluon.jit
@@ -240,3 +241,31 @@ def _store_out(out_ptr, so_h, QH, M, L, O, BH: gl.constexpr, D: gl.constexpr):
     Lr = gl.convert_layout(L, gl.SliceLayout(1, LO2))
     o = O / gl.where(Lr > 0, Lr, 1.0)[:, None]
     gl.store(out_ptr + hr[:, None] * so_h + d[None, :], o.to(out_ptr.dtype.element_ty), mask=(hr < QH)[:, None])
+
+
+@gluon.jit
+def _key_page_scores(
+    q_perm, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, kk, part, qk_scale,
+    G: gl.constexpr, D: gl.constexpr, D4: gl.constexpr, KH: gl.constexpr, NK: gl.constexpr, NB: gl.constexpr,
+    NB4: gl.constexpr, NWH: gl.constexpr, RW: gl.constexpr, PK: gl.constexpr, TWO: gl.constexpr,
+    IS_BF16: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr,
+    LS: gl.constexpr,
+):  # fmt: skip
+    """One quantized key page's scores, four 32-token chunks in the softmax's layout ``LS``: the key operand of the
+    page (``q * scale`` at the permuted channels, the high plane's one-hot gather where channels are boosted), then
+    the low (and high) plane codes against it."""
+    bop, corr = _key_operand(q_perm, k_scale_ptr, k_zero_ptr, kpage * D, kk, part, D, D4, TWO, IS_BF16, DOT)
+    bh = bop
+    if NB > 0:
+        bh, ch = _high_operand(bop, k_idx_ptr, kpage * D, D4, KH, NK, NB, NB4, IS_BF16, DOT, MMA, DA, DB)
+        corr = corr + ch
+    corr_m = gl.convert_layout(corr, gl.SliceLayout(0, MMA))
+    s0 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 0, G, D4, NB, NWH, RW, NK, PK,
+                        IS_BF16, MMA, DA, LS)  # fmt: skip
+    s1 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 1, G, D4, NB, NWH, RW, NK, PK,
+                        IS_BF16, MMA, DA, LS)  # fmt: skip
+    s2 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 2, G, D4, NB, NWH, RW, NK, PK,
+                        IS_BF16, MMA, DA, LS)  # fmt: skip
+    s3 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 3, G, D4, NB, NWH, RW, NK, PK,
+                        IS_BF16, MMA, DA, LS)  # fmt: skip
+    return s0, s1, s2, s3

@@ -34,10 +34,8 @@ from kitty.core.storage import KittyLayerState, check_state
 from ._gluon_page import (
     _fp_scores,
     _fp_values,
-    _high_operand,
-    _key_operand,
+    _key_page_scores,
     _merge_rows,
-    _quant_scores,
     _store_out,
     _store_row,
 )
@@ -64,63 +62,12 @@ LOG2E = 1.4426950408889634
 
 @gluon.jit
 def _decode_gluon_kernel(
-    q_ptr,
-    out_ptr,
-    ws_m_ptr,
-    ws_l_ptr,
-    ws_z_ptr,
-    ws_acc_ptr,
-    ticket_ptr,
-    len_ptr,
-    sink_k_ptr,
-    sink_v_ptr,
-    k_qbuf_ptr,
-    v_qbuf_ptr,
-    v_local_ptr,
-    k_pt_ptr,
-    v_pt_ptr,
-    k_low_ptr,
-    k_high_ptr,
-    k_idx_ptr,
-    k_scale_ptr,
-    k_zero_ptr,
-    v_codes_ptr,
-    v_scale_ptr,
-    v_zero_ptr,
-    Hkv,
-    QH,
-    NUM_SPLITS,
-    MERGE_GROUP,
-    qk_scale,
-    sq_b,
-    sq_h,
-    so_b,
-    so_h,
-    ssk_b,
-    ssk_h,
-    ssv_b,
-    ssv_h,
-    skq_b,
-    skq_h,
-    svq_b,
-    svq_h,
-    svl_b,
-    svl_h,
-    spk_b,
-    spv_b,
-    S: gl.constexpr,
-    G: gl.constexpr,
-    R: gl.constexpr,
-    D: gl.constexpr,
-    NB: gl.constexpr,
-    NB4: gl.constexpr,
-    NWH: gl.constexpr,
-    RW: gl.constexpr,
-    BH: gl.constexpr,
-    BLOCK_S: gl.constexpr,
-    TWO: gl.constexpr,
-    IS_BF16: gl.constexpr,
-    FULL_QBUF: gl.constexpr,
+    q_ptr, out_ptr, ws_m_ptr, ws_l_ptr, ws_z_ptr, ws_acc_ptr, ticket_ptr, len_ptr, sink_k_ptr, sink_v_ptr, k_qbuf_ptr,
+    v_qbuf_ptr, v_local_ptr, k_pt_ptr, v_pt_ptr, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr,
+    v_scale_ptr, v_zero_ptr, Hkv, QH, NUM_SPLITS, MERGE_GROUP, qk_scale, sq_b, sq_h, so_b, so_h, ssk_b, ssk_h, ssv_b,
+    ssv_h, skq_b, skq_h, svq_b, svq_h, svl_b, svl_h, spk_b, spv_b, S: gl.constexpr, G: gl.constexpr, R: gl.constexpr, D:
+    gl.constexpr, NB: gl.constexpr, NB4: gl.constexpr, NWH: gl.constexpr, RW: gl.constexpr, BH: gl.constexpr, BLOCK_S:
+    gl.constexpr, TWO: gl.constexpr, IS_BF16: gl.constexpr, FULL_QBUF: gl.constexpr
 ):
     gl.static_assert(G == 128, "pages of 128 tokens: four chunks of 32")
     D4: gl.constexpr = D // 4
@@ -180,35 +127,9 @@ def _decode_gluon_kernel(
     for j in range(start, gl.minimum(end, vp)):
         kpage = gl.load(k_pt_ptr + b64 * spk_b + j).to(gl.int64) * Hkv + h
         vpage = gl.load(v_pt_ptr + b64 * spv_b + j).to(gl.int64) * Hkv + h
-        bop, corr = _key_operand(q_perm, k_scale_ptr, k_zero_ptr, kpage * D, kk, part, D, D4, TWO, IS_BF16, DOT)
-        bh = bop
-        if NB > 0:
-            bh, ch = _high_operand(bop, k_idx_ptr, kpage * D, D4, KH, NK, NB, NB4, IS_BF16, DOT, MMA, DA, DB)
-            corr = corr + ch
-        corr_m = gl.convert_layout(corr, gl.SliceLayout(0, MMA))
-        s0 = gl.convert_layout(
-            _quant_scores(
-                k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 0, G, D4, NB, NWH, RW, NK, PK, IS_BF16, MMA, DA
-            ),
-            LS,
-        )
-        s1 = gl.convert_layout(
-            _quant_scores(
-                k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 1, G, D4, NB, NWH, RW, NK, PK, IS_BF16, MMA, DA
-            ),
-            LS,
-        )
-        s2 = gl.convert_layout(
-            _quant_scores(
-                k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 2, G, D4, NB, NWH, RW, NK, PK, IS_BF16, MMA, DA
-            ),
-            LS,
-        )
-        s3 = gl.convert_layout(
-            _quant_scores(
-                k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 3, G, D4, NB, NWH, RW, NK, PK, IS_BF16, MMA, DA
-            ),
-            LS,
+        s0, s1, s2, s3 = _key_page_scores(
+            q_perm, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, kk, part, qk_scale, G, D, D4, KH,
+            NK, NB, NB4, NWH, RW, PK, TWO, IS_BF16, DOT, MMA, DA, DB, LS
         )
         m_new = gl.maximum(m_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), 0))
         alpha = gl.exp2(m_i - m_new)
@@ -273,103 +194,9 @@ def _decode_gluon_kernel(
         rel0 = j * G
         if j < kp:
             kpage = gl.load(k_pt_ptr + b64 * spk_b + j).to(gl.int64) * Hkv + h
-            bop, corr = _key_operand(q_perm, k_scale_ptr, k_zero_ptr, kpage * D, kk, part, D, D4, TWO, IS_BF16, DOT)
-            bh = bop
-            if NB > 0:
-                bh, ch = _high_operand(bop, k_idx_ptr, kpage * D, D4, KH, NK, NB, NB4, IS_BF16, DOT, MMA, DA, DB)
-                corr = corr + ch
-            corr_m = gl.convert_layout(corr, gl.SliceLayout(0, MMA))
-            s0 = gl.convert_layout(
-                _quant_scores(
-                    k_low_ptr,
-                    k_high_ptr,
-                    kpage,
-                    bop,
-                    bh,
-                    corr_m,
-                    qk_scale,
-                    0,
-                    G,
-                    D4,
-                    NB,
-                    NWH,
-                    RW,
-                    NK,
-                    PK,
-                    IS_BF16,
-                    MMA,
-                    DA,
-                ),
-                LS,
-            )
-            s1 = gl.convert_layout(
-                _quant_scores(
-                    k_low_ptr,
-                    k_high_ptr,
-                    kpage,
-                    bop,
-                    bh,
-                    corr_m,
-                    qk_scale,
-                    1,
-                    G,
-                    D4,
-                    NB,
-                    NWH,
-                    RW,
-                    NK,
-                    PK,
-                    IS_BF16,
-                    MMA,
-                    DA,
-                ),
-                LS,
-            )
-            s2 = gl.convert_layout(
-                _quant_scores(
-                    k_low_ptr,
-                    k_high_ptr,
-                    kpage,
-                    bop,
-                    bh,
-                    corr_m,
-                    qk_scale,
-                    2,
-                    G,
-                    D4,
-                    NB,
-                    NWH,
-                    RW,
-                    NK,
-                    PK,
-                    IS_BF16,
-                    MMA,
-                    DA,
-                ),
-                LS,
-            )
-            s3 = gl.convert_layout(
-                _quant_scores(
-                    k_low_ptr,
-                    k_high_ptr,
-                    kpage,
-                    bop,
-                    bh,
-                    corr_m,
-                    qk_scale,
-                    3,
-                    G,
-                    D4,
-                    NB,
-                    NWH,
-                    RW,
-                    NK,
-                    PK,
-                    IS_BF16,
-                    MMA,
-                    DA,
-                ),
-                LS,
+            s0, s1, s2, s3 = _key_page_scores(
+                q_perm, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, kk, part, qk_scale, G, D, D4,
+                KH, NK, NB, NB4, NWH, RW, PK, TWO, IS_BF16, DOT, MMA, DA, DB, LS
             )
         else:
             s0 = _fp_scores(kq_ptr, tt, rel0 + tt < m, q_nat, qk_scale, 32, D, NK, PK, DOT, MMA, DA, LS)
