@@ -421,3 +421,23 @@ def test_a_padded_token_in_a_static_decode_step_is_refused(model):
         assert static.lengths == [6, 6] and static.get_seq_length() == 6
         model(ids[:, :1], attention_mask=mask, **cache_kwargs(growing))
     assert growing.lengths == [7, 6]
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_hybrid_cache_refuses_a_new_batch_or_too_many_columns_before_any_layer(static):
+    """gemma3 runs its window layers first: a batch change without reset() (and, static, more than max_cache_len
+    columns) is refused before they change, with the Kitty layers' message rather than a shape error."""
+    model = tiny_model("gemma3", seed=1)
+    kw = dict(max_batch_size=3, max_cache_len=16) if static else {}
+    cache = KittyCache(model.config, SMALL, **kw)
+    with torch.no_grad():
+        model(prompt(6).repeat(2, 1), **cache_kwargs(cache))
+        with pytest.raises(ValueError, match=r"holds 2 rows but got a batch of 3; call cache.reset\(\)"):
+            model(prompt(6).repeat(3, 1), **cache_kwargs(cache))
+        if static:
+            with pytest.raises(ValueError, match="exceed max_cache_len=16"):
+                model(prompt(11).repeat(2, 1), **cache_kwargs(cache))
+        assert cache.lengths == [6, 6] and cache.get_seq_length() == 6
+        cache.reset()
+        model(prompt(6).repeat(3, 1), **cache_kwargs(cache))  # a reset cache takes the new batch
+    assert cache.lengths == [6, 6, 6]

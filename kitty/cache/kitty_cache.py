@@ -301,6 +301,7 @@ class KittyCache(StaticCacheSizes, Cache):
                 )
             if layer_idx <= self._last_layer:  # layers run in order: back at (or before) the start is a new pass
                 self._check_owner(me, key_states)
+                self._check_static_room(key_states)
                 self._forward += 1
             self._last_layer, self._pass_thread = layer_idx, me
         kattention.kitty_forward(True)
@@ -333,6 +334,19 @@ class KittyCache(StaticCacheSizes, Cache):
             )
         if self._owner is None or (prompt and not held):
             self._owner = me
+
+    def _check_static_room(self, key_states) -> None:
+        """At the start of a forward pass of a static cache: ``ValueError`` if the new columns exceed
+        ``max_cache_len``, before any layer changes (a window layer, written in place, could not be put back)."""
+        shape = getattr(key_states, "shape", ())
+        if self.max_cache_len is None or len(shape) != 4:
+            return
+        fed = self.get_seq_length()
+        if fed + shape[2] > self.max_cache_len:
+            raise ValueError(
+                f"{fed} columns cached + {shape[2]} new exceed max_cache_len={self.max_cache_len}; build the cache "
+                "with a larger max_cache_len (prompt columns, padding included, plus new tokens)"
+            )
 
     def start_generation(self, columns: int | None = None) -> None:
         """Claim this cache for one generation (the generation loops of ``kitty.hf.generate`` call it first).

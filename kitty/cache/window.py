@@ -20,6 +20,20 @@ from ..core.memory import MemoryReport
 from .step import LayerSteps
 
 
+def check_batch(layer, key_states: torch.Tensor) -> None:
+    """A window layer takes a new batch size only while empty (it is re-allocated then); else ``ValueError``, as
+    the Kitty layers refuse it, rather than a shape error deep in transformers' window update."""
+    if not layer.is_initialized or key_states.dim() != 4:
+        return
+    rows, batch = layer.keys.shape[0], key_states.shape[0]
+    if batch == rows:
+        return
+    if layer.get_seq_length() == 0:
+        layer.is_initialized = False  # allocated again for this batch by the update
+        return
+    raise ValueError(f"the cache holds {rows} rows but got a batch of {batch}; call cache.reset() before a new batch")
+
+
 class WindowMemory:
     """The memory report of a window layer; the layer sets ``model_kv_heads`` and ``ranks`` (expected until the
     first tensors arrive)."""
@@ -46,6 +60,7 @@ class SlidingWindowLayer(LayerSteps, WindowMemory, DynamicSlidingWindowLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """transformers' window update, its step opened first: the attention over the window is the user's own
         function, so the record is taken here rather than by Kitty's attention function."""
+        check_batch(self, key_states)
         cache = self.cache
         if cache is not None:
             cache.begin_step(self)
@@ -68,6 +83,11 @@ class StaticSlidingLayer(LayerSteps, WindowMemory, StaticSlidingWindowLayer):
     def __init__(self, max_cache_len: int, sliding_window: int, model_kv_heads: int, ranks: int = 1):
         super().__init__(max_cache_len=max_cache_len, sliding_window=sliding_window)
         self.model_kv_heads, self.ranks = model_kv_heads, ranks
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """transformers' static window update, a batch change checked first (:func:`check_batch`)."""
+        check_batch(self, key_states)
+        return super().update(key_states, value_states, *args, **kwargs)
 
     def check_room(self, steps: int = 1) -> None:
         """A window never runs out of room."""
