@@ -211,7 +211,10 @@ class KittyCache(StaticCacheSizes, Cache):
 
     One cache serves one generation at a time: a forward pass entering it from a second thread while another
     thread's pass is still open raises ``RuntimeError`` (use one cache per thread, e.g. ``kitty.make_cache`` per
-    request). Successive steps may come from different threads (a streaming server's worker pool).
+    request). Successive steps may come from different threads (a streaming server's worker pool), but a prompt
+    from a thread other than the one whose generation the cache holds raises ``RuntimeError``, and the loops of
+    ``kitty.hf.generate`` claim the cache (:meth:`start_generation`): a second generation before :meth:`reset` is
+    refused whatever the timing.
     """
 
     def __init__(
