@@ -34,6 +34,7 @@ from kitty.core.quant import inspect_keys  # noqa: E402
 from kitty.hf.generate import Sampling, prompt_keys, prompt_query_scale  # noqa: E402
 from kitty.tools import demo as kd  # noqa: E402
 from kitty.tools import prompts as kp  # noqa: E402
+from kitty.tools.demo_figures import heatmap_figure, memory_figure, summary_figure  # noqa: E402
 from kitty.tools.demo_view import (  # noqa: E402
     COLUMN_COLORS,
     answer_mark,
@@ -41,13 +42,10 @@ from kitty.tools.demo_view import (  # noqa: E402
     bits_table,
     cost_line,
     format_readout,
-    heatmap_figure,
-    memory_figure,
     method_intro,
     preset_info,
     reference_column,
     summarize,
-    summary_figure,
     text_html,
     verdict,
     with_knobs,

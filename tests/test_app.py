@@ -23,6 +23,7 @@ from kitty.core.quant import inspect_keys  # noqa: E402
 from kitty.hf.compat import cache_kwargs  # noqa: E402
 from kitty.hf.generate import Sampling, make_cache, prompt_keys, prompt_query_scale  # noqa: E402
 from kitty.tools import demo as kd  # noqa: E402
+from kitty.tools import demo_figures as dfig
 from kitty.tools import demo_view as dv  # noqa: E402
 from kitty.tools import prompts as kp  # noqa: E402
 
@@ -365,7 +366,7 @@ def test_page_pack_is_recorded_and_plotted(app_module):
     assert kitty.packs == [(first_page, "K")] and kivi.packs == []
     assert kitty.readout.layout["key_pages"] == cfg.group_size
     assert dv.page_start_note(cfg, kitty.readout.layout).startswith("values not quantized yet")
-    fig = dv.memory_figure(snap)
+    fig = dfig.memory_figure(snap)
     ax = fig.axes[0]
     markers = [ln for ln in ax.lines if ln.get_marker() == "v"]
     assert [(ln.get_xdata()[0], ln.get_color()) for ln in markers][:1] == [(first_page, dv.COLUMN_COLORS[0])]

@@ -12,6 +12,7 @@ import torch
 from kitty import PRESETS
 from kitty.core.memory import analytic_report, token_layout
 from kitty.tools import demo as kd
+from kitty.tools import demo_figures as dfig
 from kitty.tools import demo_view as dv
 
 HEAD_DIM, KV_HEADS, LAYERS = 64, 3, 30  # SmolLM2-135M's shape
@@ -98,7 +99,7 @@ def test_memory_rows_and_figure():
     rows = dv.memory_rows(snap)
     assert set(rows.column) == {c.label for c in cols}
     assert list(rows.stored_MiB[rows.column == cols[0].label]) == pytest.approx([b / 2**20 for _, b in cols[0].history])
-    fig = dv.memory_figure(snap)
+    fig = dfig.memory_figure(snap)
     assert "3 · kitty lies on 2 · kitty" in fig.axes[0].get_title()
 
 
@@ -175,7 +176,7 @@ def test_eval_figures_come_from_the_committed_csvs():
     assert dv.eval_line("kitty").startswith(f"eval: perplexity {float(rows['kitty']['ppl']):.1f}")
     assert dv.eval_line("no-such-preset") == ""
     cols = [column("fp16", "abcd"), column("kivi-k2v2-sink", "abXd", index=2), column("kitty", "abcd", index=3)]
-    fig = dv.summary_figure(cols)
+    fig = dfig.summary_figure(cols)
     ax, bx = fig.axes
     assert [t.get_text() for t in bx.get_yticklabels()] == [c.label for c in cols]
     assert len(ax.collections) == 3

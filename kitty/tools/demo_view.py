@@ -1,7 +1,7 @@
-"""The demo's pure formatting and figures, free of any UI: readouts, the verdict, the summary, byte sizes, the
-memory and key-heatmap figures, and the Inside tab's sentences. ``app.py`` lays out Gradio widgets around them; every
-function here takes plain values (columns from :mod:`kitty.tools.demo`, presets, key inspections) and returns text, a
-DataFrame or a matplotlib figure (matplotlib and pandas are imported when a table or figure is made).
+"""The demo's pure formatting, free of any UI: readouts, the verdict, the summary, byte sizes, tables and the
+Inside tab's sentences (its figures: :mod:`kitty.tools.demo_figures`). ``app.py`` lays out Gradio widgets around
+them; every function here takes plain values (columns from :mod:`kitty.tools.demo`, presets, key inspections) and
+returns text or a DataFrame (pandas is imported when a table is made).
 """
 
 from __future__ import annotations
@@ -28,16 +28,6 @@ class ModelDims(Protocol):
     num_layers: int
     num_kv_heads: int
     head_dim: int
-
-
-def _pyplot():
-    """matplotlib's pyplot on the Agg backend (no display: figures go to Gradio or to files)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 COLUMN_COLORS = ("#64748b", "#ea580c", "#2563eb")  # column 1, 2, 3: the readout's top border and the plot line
@@ -272,108 +262,6 @@ def memory_rows(snap: kd.Snapshot) -> pd.DataFrame:
 
 
 # Line styles per column: a wide pale line under narrower ones, so identical lines stay visible as a band
-LINE_STYLES = (
-    {"lw": 6.0, "alpha": 0.45, "ls": "-"},
-    {"lw": 2.6, "alpha": 0.95, "ls": "--"},
-    {"lw": 1.4, "alpha": 1.0, "ls": "-"},
-)
-
-
-def memory_figure(snap: kd.Snapshot):
-    """Stored KV MiB against cached tokens, one line per column in the column's colour (integer token ticks),
-    a marker where a column packed a page, and a note naming lines that lie on top of each other."""
-    from matplotlib.ticker import MaxNLocator
-
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(12, 3.1), dpi=90)
-    same = []
-    for i, c in enumerate(snap.columns):
-        if not c.history:
-            continue
-        t, b = zip(*c.history)
-        mib = [x / 2**20 for x in b]
-        color = COLUMN_COLORS[i % len(COLUMN_COLORS)]
-        twin = next((j for j in range(i) if snap.columns[j].history == c.history), None)
-        if twin is not None:
-            same.append(f"{c.label} lies on {snap.columns[twin].label}")
-        ax.plot(t, mib, color=color, label=c.label, **LINE_STYLES[i % len(LINE_STYLES)])
-        at = dict(c.history)
-        for tokens, sides in c.packs:
-            ax.plot([tokens], [at[tokens] / 2**20], marker="v", ms=9, color=color, ls="none")
-            ax.annotate(
-                f"{sides} page packed",
-                (tokens, at[tokens] / 2**20),
-                xytext=(4, -12),
-                textcoords="offset points",
-                fontsize=8,
-                color=color,
-            )
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=8))
-    ax.set_xlabel("cached tokens")
-    ax.set_ylabel("KV stored (MiB)")
-    top = max((b for c in snap.columns for _, b in c.history), default=0) / 2**20
-    ax.set_ylim(0, 1.35 * top or 1)  # headroom above the highest line for the legend
-    ax.grid(alpha=0.3)
-    title = "Stored KV cache vs cached tokens (▼: a qbuffer packed into a 2-bit page)"
-    ax.set_title(title + (" — " + "; ".join(same) if same else ""), fontsize=10)
-    if ax.lines:
-        ax.legend(loc="upper left", fontsize=9, ncol=3, frameon=False)
-    fig.tight_layout()
-    plt.close(fig)
-    return fig
-
-
-def heatmap_figure(ins: KeyInspection):
-    """|K| as channels x tokens, sink and page boundaries as lines, each page's boosted channels marked."""
-    from matplotlib.patches import Rectangle
-
-    plt = _pyplot()
-    T, D = ins.abs_keys.shape
-    fig, ax = plt.subplots(figsize=(12, 4.6), dpi=90)
-    img = ins.abs_keys.T.numpy()
-    vmax = float(ins.abs_keys.quantile(0.995)) if T * D < 2**24 else float(ins.abs_keys.max())
-    im = ax.imshow(
-        img,
-        aspect="auto",
-        origin="lower",
-        cmap="magma",
-        vmin=0,
-        vmax=vmax,
-        interpolation="nearest",
-        extent=(-0.5, T - 0.5, -0.5, D - 0.5),
-    )
-    fig.colorbar(im, ax=ax, pad=0.01, label="|K|")
-    if ins.sink:
-        ax.axvline(ins.sink - 0.5, color="white", lw=1.2)
-        ax.text(ins.sink / 2, D + 0.5, "sink", ha="center", va="bottom", fontsize=8)
-    for pg in ins.pages:
-        ax.axvline(pg.start - 0.5, color="white", lw=0.8, ls="--")
-        for ch in pg.boosted:  # a hollow box around each boosted row keeps the |K| values inside visible
-            ax.add_patch(
-                Rectangle(
-                    (pg.start - 0.5, ch - 0.5),
-                    pg.end - pg.start,
-                    1,
-                    fill=False,
-                    ec="#00e5ff",
-                    lw=0.9,
-                    ls="-" if pg.quantized else ":",
-                )
-            )
-        label = f"page {ins.pages.index(pg)}" if pg.quantized else "qbuffer"
-        ax.text((pg.start + pg.end) / 2, D + 0.5, label, ha="center", va="bottom", fontsize=8)
-    ax.set_xlim(-0.5, T - 0.5)
-    ax.set_ylim(-0.5, D + 3)
-    ax.set_xlabel("token position")
-    ax.set_ylabel("key channel")
-    ax.set_title(
-        f"|K| post-RoPE, layer {ins.layer}, KV head {ins.head} — cyan boxes: boosted channels under {ins.method} "
-        "(solid: quantized page; dotted: qbuffer, if it were quantized now)",
-        fontsize=9,
-    )
-    fig.tight_layout()
-    plt.close(fig)
-    return fig
 
 
 SELECTION_WORDS = {
@@ -516,7 +404,48 @@ def answer_mark(text: str, key: int, gives_key) -> str:
     return f"<span class='wrong'>does not give {key}: wrong</span>"
 
 
-# ------------------------------------------------------------------------------- the eval's figures
+# ------------------------------------------------------------------------------- presets and knobs
+
+
+def preset_info(method: str) -> str:
+    """The one-line description of a preset (what its dropdown shows under it)."""
+    return get_preset(method).description
+
+
+def with_knobs(method: str, boost_fraction: float, sink: int, window: int) -> str:
+    """``method`` with the advanced controls applied where they differ from the preset: sink and local window on
+    every quantizing preset (so the columns stay comparable), the boost fraction on presets that boost."""
+    cfg = get_preset(method)
+    if not (cfg.quantizes_keys or cfg.quantizes_values):
+        return method
+    changes = []
+    if cfg.key_bits == 2 and cfg.boost_fraction > 0 and cfg.boost_profile is None:
+        if abs(boost_fraction - cfg.boost_fraction) > 1e-9:
+            changes.append(f"boost_fraction={boost_fraction:g}")
+    if sink != cfg.sink_tokens:
+        changes.append(f"sink_tokens={int(sink)}")
+    if window != cfg.local_window:
+        changes.append(f"local_window={int(window)}")
+    return "+".join([method, *changes])
+
+
+def cost_line(methods: Sequence[str], tokens: int, dims: ModelDims) -> str:
+    """What each column would store at ``tokens`` tokens (the analytic model), and what column 3 costs over column
+    2: with the fair baseline that difference is the boost alone. Shown before Generate."""
+    reps = [analytic_report(get_preset(m), tokens, dims.head_dim, dims.num_kv_heads, dims.num_layers) for m in methods]
+    parts = [
+        f"{i + 1} · {m}: {fmt_bytes(r.stored_bytes)} ({r.bits_per_element:.2f} bits/element)"
+        for i, (m, r) in enumerate(zip(methods, reps))
+    ]
+    text = f"**Memory at {tokens} tokens** (prompt + max new): " + " · ".join(parts)
+    if len(reps) >= 3 and reps[1].stored_bytes:
+        extra = reps[2].stored_bytes - reps[1].stored_bytes
+        text += f". Column 3 stores {fmt_bytes(abs(extra))} {'more' if extra >= 0 else 'less'} than column 2"
+        text += f" ({extra / reps[1].stored_bytes:+.1%})."
+    return text
+
+
+# ------------------------------------------------------------------------------- the eval's measured figures
 
 
 def _assets() -> Path:
@@ -570,88 +499,3 @@ def eval_line(method: str) -> str:
         parts.append(f"passkeys {f['passkey']:.0%} of {f['passkey_total']:.0f}")
     changed = " (the preset's own figures; this run changes it)" if "+" in method else ""
     return "eval: " + ", ".join(parts) + changed if parts else ""
-
-
-def summary_figure(columns: Sequence[kd.Column]):
-    """The run's end in one figure: each column's stored KV memory against its agreement with the reference
-    column (this run), and beside it the eval's perplexity change and passkey share for the same presets."""
-    plt = _pyplot()
-    ref = reference_column(columns)
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(9, 3.0), dpi=90, gridspec_kw={"width_ratios": [1.1, 1]})
-    for i, c in enumerate(columns):
-        if c.readout is None:
-            continue
-        color = COLUMN_COLORS[i % len(COLUMN_COLORS)]
-        rate = agreement(ref.ids, c.ids)[2]
-        mib = c.readout.report.stored_bytes / 2**20
-        ax.scatter([mib], [100 * rate], s=90, color=color, zorder=3)
-        ax.annotate(c.label, (mib, 100 * rate), xytext=(6, 4 - 12 * (i % 2)), textcoords="offset points", fontsize=9)
-    ax.set_xlabel("KV stored (MiB)")
-    ax.set_ylabel("tokens as fp16 (%)")
-    ax.set_ylim(-5, 112)
-    ax.set_xlim(left=0)
-    ax.grid(alpha=0.3)
-    ax.set_title("This run: memory vs agreement", fontsize=10)
-    figs = eval_figures()
-    labels, ppl, passkey = [], [], []
-    for c in columns:
-        f = figs.get(c.method.split("+")[0], {})
-        labels.append(c.label)
-        ppl.append(100 * f.get("ppl_change", float("nan")))
-        passkey.append(100 * f.get("passkey", float("nan")))
-    y = range(len(labels))
-    bx.barh([v + 0.2 for v in y], passkey, height=0.38, color="#16a34a", label="passkeys solved (%)")
-    bx.barh([v - 0.2 for v in y], ppl, height=0.38, color="#9333ea", label="perplexity change (%)")
-    for v, p, k in zip(y, ppl, passkey):
-        for val, off in ((k, 0.2), (p, -0.2)):
-            if val == val:  # not NaN
-                bx.text(val + 1, v + off, f"{val:.0f}", va="center", fontsize=8)
-    bx.set_yticks(list(y), labels, fontsize=9)
-    bx.invert_yaxis()
-    bx.set_xlim(0, 115)
-    bx.legend(fontsize=8, loc="lower right", frameon=False)
-    bx.set_title("The eval's measurements (assets/*.csv)", fontsize=10)
-    fig.tight_layout()
-    plt.close(fig)
-    return fig
-
-
-# ------------------------------------------------------------------------------- presets and knobs
-
-
-def preset_info(method: str) -> str:
-    """The one-line description of a preset (what its dropdown shows under it)."""
-    return get_preset(method).description
-
-
-def with_knobs(method: str, boost_fraction: float, sink: int, window: int) -> str:
-    """``method`` with the advanced controls applied where they differ from the preset: sink and local window on
-    every quantizing preset (so the columns stay comparable), the boost fraction on presets that boost."""
-    cfg = get_preset(method)
-    if not (cfg.quantizes_keys or cfg.quantizes_values):
-        return method
-    changes = []
-    if cfg.key_bits == 2 and cfg.boost_fraction > 0 and cfg.boost_profile is None:
-        if abs(boost_fraction - cfg.boost_fraction) > 1e-9:
-            changes.append(f"boost_fraction={boost_fraction:g}")
-    if sink != cfg.sink_tokens:
-        changes.append(f"sink_tokens={int(sink)}")
-    if window != cfg.local_window:
-        changes.append(f"local_window={int(window)}")
-    return "+".join([method, *changes])
-
-
-def cost_line(methods: Sequence[str], tokens: int, dims: ModelDims) -> str:
-    """What each column would store at ``tokens`` tokens (the analytic model), and what column 3 costs over column
-    2: with the fair baseline that difference is the boost alone. Shown before Generate."""
-    reps = [analytic_report(get_preset(m), tokens, dims.head_dim, dims.num_kv_heads, dims.num_layers) for m in methods]
-    parts = [
-        f"{i + 1} · {m}: {fmt_bytes(r.stored_bytes)} ({r.bits_per_element:.2f} bits/element)"
-        for i, (m, r) in enumerate(zip(methods, reps))
-    ]
-    text = f"**Memory at {tokens} tokens** (prompt + max new): " + " · ".join(parts)
-    if len(reps) >= 3 and reps[1].stored_bytes:
-        extra = reps[2].stored_bytes - reps[1].stored_bytes
-        text += f". Column 3 stores {fmt_bytes(abs(extra))} {'more' if extra >= 0 else 'less'} than column 2"
-        text += f" ({extra / reps[1].stored_bytes:+.1%})."
-    return text
