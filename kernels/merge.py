@@ -14,24 +14,8 @@ from ._tiles import cast_to
 
 
 @triton.jit
-def _merge_splits(
-    ws_m_ptr,
-    ws_l_ptr,
-    ws_acc_ptr,
-    out_ptr,
-    pid_bh,
-    b,
-    h,
-    r,
-    QH,
-    NUM_SPLITS,
-    so_b,
-    so_h,
-    D: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    SPLITS_P2: tl.constexpr,
-    CACHE: tl.constexpr,
-):
+def _merge_splits(ws_m_ptr, ws_l_ptr, ws_acc_ptr, out_ptr, pid_bh, b, h, r, QH, NUM_SPLITS, so_b, so_h,
+                  D: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS_P2: tl.constexpr, CACHE: tl.constexpr):
     """Query head ``r`` of (row ``b``, KV head ``h``): the splits' ``(m, l, acc)`` merged into ``out`` (one row of
     ``D``). ``CACHE``: the loads' cache modifier (``".cg"``, past L1, when other programs of the same launch wrote
     the partials)."""
@@ -52,36 +36,11 @@ def _merge_splits(
 
 @triton.jit
 def _decode_reduce_kernel(
-    ws_m_ptr,
-    ws_l_ptr,
-    ws_acc_ptr,
-    out_ptr,
-    Hkv,
-    QH,
-    NUM_SPLITS,
-    so_b,
-    so_h,
-    D: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    SPLITS_P2: tl.constexpr,
+    ws_m_ptr, ws_l_ptr, ws_acc_ptr, out_ptr,
+    Hkv, QH, NUM_SPLITS, so_b, so_h,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS_P2: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     r = tl.program_id(1)  # query head within the group
-    _merge_splits(
-        ws_m_ptr,
-        ws_l_ptr,
-        ws_acc_ptr,
-        out_ptr,
-        pid_bh,
-        pid_bh // Hkv,
-        pid_bh % Hkv,
-        r,
-        QH,
-        NUM_SPLITS,
-        so_b,
-        so_h,
-        D,
-        BLOCK_H,
-        SPLITS_P2,
-        "",
-    )
+    _merge_splits(ws_m_ptr, ws_l_ptr, ws_acc_ptr, out_ptr, pid_bh, pid_bh // Hkv, pid_bh % Hkv, r, QH, NUM_SPLITS,
+                  so_b, so_h, D, BLOCK_H, SPLITS_P2, "")
