@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 from benchmarks import kernels as kb  # noqa: E402
 from benchmarks.layout_sweep import CHECK_CASES  # noqa: E402
-from benchmarks.results_dir import default_out, unused_path  # noqa: E402
+from benchmarks.results_dir import default_out, run_env, unused_path  # noqa: E402
 from kitty.core.config import PRESETS  # noqa: E402
 from kitty.kernels import decode_attention_ref, decode_attention_triton  # noqa: E402
 from kitty.kernels.decode_gluon import decode_attention_gluon  # noqa: E402
@@ -106,13 +106,7 @@ def main() -> None:
     out = args.out or default_out(props.name)
     os.makedirs(out, exist_ok=True)
     kb.RESULT_PATH = str(unused_path(out, "gluon_check.json"))
-    env = {
-        "gpu": props.name,
-        "sms": props.multi_processor_count,
-        "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-    }
+    env = run_env(props)
     results = {"env": env, "check": {}, "timing": [], "fastest_fp16": {}}
     kb.log("env", json.dumps(env))
     if not args.no_check:

@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from benchmarks import kernels as kb
-from benchmarks.results_dir import default_out, unused_path
+from benchmarks.results_dir import default_out, run_env, unused_path
 from kitty.core.config import PRESETS
 from kitty.kernels import decode_attention_ref, decode_attention_triton
 from kitty.kernels.launch import Launch
@@ -116,13 +116,7 @@ def main() -> None:
     out = args.out or default_out(props.name)
     os.makedirs(out, exist_ok=True)
     kb.RESULT_PATH = str(unused_path(out, "layout_sweep.json"))
-    env = {
-        "gpu": props.name,
-        "sms": props.multi_processor_count,
-        "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-    }
+    env = run_env(props)
     results = {"env": env, "check": {}, "timing": [], "fastest_fp16": {}}
     kb.log("env", json.dumps(env))
     if args.check_presets:

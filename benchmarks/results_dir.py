@@ -36,3 +36,18 @@ def unused_path(folder: str | Path, name: str) -> Path:
     while path.exists():
         path, n = folder / f"{stem}-{n}{suffix}", n + 1
     return path
+
+
+def run_env(props) -> dict:
+    """What a result file records of the machine: the GPU's name and SM count (``props``: CUDA device properties,
+    or any object with ``name`` / ``multi_processor_count``), the torch and triton releases, the UTC time."""
+    import torch
+    import triton
+
+    return {
+        "gpu": props.name,
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
