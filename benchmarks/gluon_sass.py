@@ -57,13 +57,20 @@ def _regs(k) -> int | None:
     return int(mm.group(1)) if mm else None
 
 
-def compile_gluon(preset: str, dtype: torch.dtype, gqa: int = 4, D: int = 128, two_part: bool = True) -> dict:
-    """Compile ``_decode_gluon_kernel`` as the wrapper launches it mid-step; returns cubin, registers, SASS."""
+def compile_gluon(
+    preset: str, dtype: torch.dtype, gqa: int = 4, D: int = 128, two_part: bool = True, one_split: bool = False
+) -> dict:
+    """Compile ``_decode_gluon_kernel`` as the wrapper launches it mid-step; returns cubin, registers, SASS.
+    ``one_split``: as the JIT compiles a one-split launch, where every integer argument equal to 1 (the split count
+    and merge group) becomes a constant unless the kernel lists it in ``do_not_specialize``."""
     cfg = PRESETS[preset]
     tdt = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
     consts = dg.gluon_constants(cfg, D, gqa, dtype, GluonLaunch(1, two_part), full_qbuffer=True)
     high = {1: "u8", 2: "i16"}.get(consts["NB4"], "i32")
     fn = dg._decode_gluon_kernel
+    if one_split:
+        kept = {fn.arg_names[i] if isinstance(i, int) else i for i in fn.do_not_specialize}
+        consts = {**consts, **{n: 1 for n in ("NUM_SPLITS", "MERGE_GROUP") if n not in kept}}
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
@@ -118,9 +125,12 @@ def main() -> None:
     ap.add_argument("--gqa", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--one-part", action="store_true")
+    ap.add_argument("--one-split", action="store_true", help="as the JIT compiles a one-split launch")
     ap.add_argument("--sass-out", default=None)
     args = ap.parse_args()
-    r = compile_gluon(args.preset, getattr(torch, args.dtype), args.gqa, args.head_dim, not args.one_part)
+    r = compile_gluon(
+        args.preset, getattr(torch, args.dtype), args.gqa, args.head_dim, not args.one_part, args.one_split
+    )
     if args.sass_out:
         open(args.sass_out, "w").write(r["_sass"])
     r.pop("_sass")

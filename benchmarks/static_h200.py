@@ -178,7 +178,7 @@ def main() -> None:
     out = Path(a.out or Path(__file__).parent / "results" / f"h200-{datetime.date.today():%Y-%m-%d}")
     out.mkdir(parents=True, exist_ok=True)
     corr = {} if a.skip_correctness else correctness(out)
-    import throughput
+    from benchmarks import throughput
 
     throughput.DEVICE = "cuda"
     torch.cuda.empty_cache()

@@ -60,7 +60,9 @@ __all__ = ["decode_attention_gluon", "gluon_constants"]
 LOG2E = 1.4426950408889634
 
 
-@gluon.jit
+# NUM_SPLITS and MERGE_GROUP stay runtime values: Triton would turn a 1 into a constant, and triton 3.6's LLVM lowering
+# asserts (PassManager::run failed) on the kernel with both at 1 (a one-split launch).
+@gluon.jit(do_not_specialize=["NUM_SPLITS", "MERGE_GROUP"])
 def _decode_gluon_kernel(
     q_ptr, out_ptr, ws_m_ptr, ws_l_ptr, ws_z_ptr, ws_acc_ptr, ticket_ptr, len_ptr, sink_k_ptr, sink_v_ptr, k_qbuf_ptr,
     v_qbuf_ptr, v_local_ptr, k_pt_ptr, v_pt_ptr, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr,
