@@ -134,7 +134,7 @@ def test_ragged_batch_decode_never_takes_the_torch_path(monkeypatch):
     """Rows of different lengths fill their qbuffers at different steps: every decode step still runs the fused
     kernel for the whole batch (pages packed after attention; counted: the torch path runs for the prompt only),
     and its logits follow the torch path's on the same ragged batch (teacher-forced)."""
-    import kitty.cache.attention as katt
+    import kitty.cache.layer as klayer
 
     model = tiny_model("llama")
     L = model.config.num_hidden_layers
@@ -143,8 +143,8 @@ def test_ragged_batch_decode_never_takes_the_torch_path(monkeypatch):
     for b, pad in enumerate((0, 37, 90, 151)):  # left padding: prompts of 200, 163, 110 and 49 tokens
         mask[b, :pad] = 0
     torch_calls = []
-    real = katt.attend_torch
-    monkeypatch.setattr(katt, "attend_torch", lambda q, *a, **k: torch_calls.append(q.shape[2]) or real(q, *a, **k))
+    real = klayer.attend_torch
+    monkeypatch.setattr(klayer, "attend_torch", lambda q, *a, **k: torch_calls.append(q.shape[2]) or real(q, *a, **k))
     for preset, min_agree in (("fp16", 0.99), ("kitty", 0.97)):
         logits = {}
         for backend in ("triton", "torch"):
@@ -220,7 +220,7 @@ def test_static_decode_step_never_synchronizes():
             step()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    syncs = [w for w in caught if "synchronizing" in str(w.message)]
+    syncs = [w for w in caught if "called a synchronizing" in str(w.message)]
     # exactly one: the padding check of the decode column (KittyMask.check_decode_column), once per forward pass
     assert len(syncs) == 1, [str(w.message) for w in syncs]
     graph = torch.cuda.CUDAGraph()
