@@ -53,7 +53,10 @@ _STATE = threading.local()  # .on: this thread is in a forward pass with a Kitty
 
 
 def kitty_forward(on: bool) -> None:
-    """Mark this thread as running (or no longer running) a forward pass with a KittyCache."""
+    """Mark this thread as running (or no longer running) a forward pass with a KittyCache. transformers reads the
+    attention name right after ``Cache.update`` and the mask name right after ``get_mask_sizes``, so the cache sets
+    the flag in those two hooks and clears it where a layer's step ends (success, rollback, reset): see
+    docs/ARCHITECTURE.md, "How the model finds the kitty functions"."""
     _STATE.on = on
 
 
