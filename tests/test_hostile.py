@@ -441,3 +441,22 @@ def test_a_hybrid_cache_refuses_a_new_batch_or_too_many_columns_before_any_layer
         cache.reset()
         model(prompt(6).repeat(3, 1), **cache_kwargs(cache))  # a reset cache takes the new batch
     assert cache.lengths == [6, 6, 6]
+
+
+def test_a_hybrid_static_cache_refuses_a_padded_decode_token_before_any_layer_changes():
+    """gemma3 runs its window layers before the first Kitty layer, whose step finds the padded token: the refusal
+    puts the window layers back too, so the next step gives what a cache that never saw the refused one gives."""
+    model = tiny_model("gemma3", seed=1)
+    ids = prompt(6).repeat(2, 1)
+    bad = torch.ones(2, 7, dtype=torch.long)
+    bad[1, -1] = 0
+    refused, clean = (KittyCache(model.config, SMALL, max_batch_size=2, max_cache_len=16) for _ in range(2))
+    with torch.no_grad():
+        for cache in (refused, clean):
+            model(ids, **cache_kwargs(cache))
+        with pytest.raises(ValueError, match=r"new token of rows \[1\] as padding"):
+            model(ids[:, :1], attention_mask=bad, **cache_kwargs(refused))
+        good = torch.ones(2, 7, dtype=torch.long)
+        logits = [model(ids[:, 1:2], attention_mask=good, **cache_kwargs(c)).logits for c in (refused, clean)]
+    assert torch.equal(logits[0], logits[1])
+    assert refused.lengths == clean.lengths == [7, 7]

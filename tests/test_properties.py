@@ -60,14 +60,16 @@ class Run:
     def __init__(self, model) -> None:
         config = model.config
         self.model = model
-        self.dynamic = DynamicCache(config=config)
+        self.config = config
         self.fp16 = KittyCache(config, FP16, backend="torch")
         self.growing = KittyCache(config, QUANT, backend="torch")
         self.static = KittyCache(config, QUANT, backend="torch", max_batch_size=MAX_BATCH, max_cache_len=MAX_LEN)
         self.reset()
 
     def reset(self) -> None:
-        for cache in (self.dynamic, self.fp16, self.growing, self.static):
+        # a fresh reference: transformers 5.17's DynamicCache.reset() zeroes its tensors but keeps their columns
+        self.dynamic = DynamicCache(config=self.config)
+        for cache in (self.fp16, self.growing, self.static):
             cache.reset()
         self.rows: int | None = None  # the batch the caches hold (None: empty)
         self.mask = torch.zeros(0, 0, dtype=torch.long)  # every column fed so far

@@ -30,6 +30,7 @@ from __future__ import annotations
 import inspect
 import sys
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +63,18 @@ def kitty_forward(on: bool) -> None:
 
 def in_kitty_forward() -> bool:
     return getattr(_STATE, "on", False)
+
+
+def mask_owner(cache) -> None:
+    """``cache`` asked for its mask sizes on this thread: the mask function transformers calls next builds the
+    mask of ``cache``'s forward pass (and checks it before any layer runs: :func:`kitty_mask`)."""
+    _STATE.mask_owner = weakref.ref(cache)
+
+
+def _take_mask_owner():
+    ref = getattr(_STATE, "mask_owner", None)
+    _STATE.mask_owner = None
+    return ref() if ref is not None else None
 
 
 _PATCHED: set[type] = set()  # config classes whose ``_attn_implementation`` reads "kitty" in a KittyCache pass
@@ -185,6 +198,7 @@ def kitty_mask(
     **kwargs,
 ) -> KittyMask:
     """Mask function registered as ``"kitty"``: keep the 2-D padding mask (bool ``[B, kv_length]`` or ``None``)."""
+    owner = _take_mask_owner()
     if isinstance(attention_mask, KittyMask):  # built already (generate prepares masks for a static cache)
         return attention_mask
     sdpa_kwargs = dict(
@@ -196,7 +210,10 @@ def kitty_mask(
         attention_mask=attention_mask,
         **kwargs,
     )
-    return KittyMask(attention_mask, sdpa_kwargs)
+    mask = KittyMask(attention_mask, sdpa_kwargs)
+    if owner is not None and q_length == 1:
+        owner.check_decode_mask(mask)  # before any layer: a hybrid model's window layers are written in place
+    return mask
 
 
 # ---------------------------------------------------------------------------------------- the torch path
@@ -269,10 +286,12 @@ def kitty_attention_forward(
     B, Hq, T, D = query.shape
     scale = D**-0.5 if scaling is None else scaling
     valid = layer.new_tokens(attention_mask, B, T)  # (B, T) on the CPU (bookkeeping only), or None: a decode step
-    if valid is None and isinstance(attention_mask, KittyMask):
-        attention_mask.check_decode_column(layer.seen_tokens)
     cache = layer.cache
     with cache.layer_step(layer) if cache is not None else layer.atomic():  # a failure undoes the forward pass
+        if valid is None and isinstance(attention_mask, KittyMask):
+            # inside the step: a refusal also puts back the layers this pass already changed (a hybrid model's
+            # window layers run before its first Kitty layer)
+            attention_mask.check_decode_column(layer.seen_tokens)
         out = layer.attend_and_append(query, key.key_states, key.value_states, valid, scale)
     return out.transpose(1, 2).contiguous(), None  # (B, T, Hq, D)
 

@@ -176,6 +176,8 @@ def start_generation(cache, columns: int | None = None) -> None:
             "(or pass a fresh cache)"
         )
     limit = getattr(cache, "max_cache_len", None)
+    if limit is not None and limit < 0:  # transformers 5.17: -1 for a growing (DynamicCache) cache
+        limit = None
     if limit is None and getattr(cache, "is_compileable", False):
         limit = next((getattr(layer, "max_cache_len", None) for layer in cache.layers), None)
     if limit is not None and columns is not None and columns > limit:
@@ -345,6 +347,11 @@ class KittyCache(StaticCacheSizes, Cache):
         if self.max_cache_len is None or len(shape) != 4:
             return
         fed = self.get_seq_length()
+        rows = len(self.lengths) if fed else shape[0]
+        if shape[0] != rows:  # a new batch: reset() is the advice, whatever room it would need
+            raise ValueError(
+                f"the cache holds {rows} rows but got a batch of {shape[0]}; call cache.reset() before a new batch"
+            )
         if fed + shape[2] > self.max_cache_len:
             raise ValueError(
                 f"{fed} columns cached + {shape[2]} new exceed max_cache_len={self.max_cache_len}; build the cache "
@@ -399,7 +406,17 @@ class KittyCache(StaticCacheSizes, Cache):
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         sizes = super().get_mask_sizes(query_length, layer_idx)
         kattention.kitty_forward(True)  # transformers picks the mask function right after: the "kitty" one
+        kattention.mask_owner(self)
         return sizes
+
+    def check_decode_mask(self, mask: kattention.KittyMask) -> None:
+        """A static cache stores every row's token in a one-token step: ``ValueError`` (from
+        :meth:`KittyMask.check_decode_column`) when ``mask`` marks that token as padding in some row. Called by the
+        mask function, before any layer of the forward pass changes."""
+        layer = self._paged_layer()
+        if self.max_cache_len is None or layer is None or not layer.is_initialized:
+            return
+        mask.check_decode_column(layer.seen_tokens)
 
     def begin_step(self, layer) -> None:
         """Open ``layer``'s step within the current forward pass."""

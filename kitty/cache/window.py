@@ -68,6 +68,14 @@ class SlidingWindowLayer(LayerSteps, WindowMemory, DynamicSlidingWindowLayer):
             self.begin_step()
         return super().update(key_states, value_states, *args, **kwargs)
 
+    def reset(self) -> None:
+        """Drop the window: ``update`` grows it by concatenation, so zeroed columns would stay (transformers 5.17's
+        reset zeroes them; later releases drop them, as here)."""
+        self.keys = self.values = None
+        self.is_initialized = False
+        super().reset()
+        self.cumulative_length = 0
+
     def _save(self) -> tuple:
         return self.is_initialized, self.keys, self.values, self.cumulative_length
 
