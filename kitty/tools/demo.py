@@ -82,7 +82,7 @@ def gives_key(text: str, key: int) -> bool:
     return bool(digits) and digits[0] == str(key)
 
 
-# The example the app shows under "Long document: a fact KIVI loses": found by benchmarks/demo_example_search.py
+# The example the app shows under "Long document: a passkey 2-bit KIVI lost": found by benchmarks/demo_example_search.py
 # (kitty and fp16 give the key, kivi-k2v2-sink does not, greedy, on the default model); the search's table is in
 # benchmarks/results/demo_example_search.csv.
 EXAMPLE_NEEDLE = NeedleDocument("essay.txt", 6, 4, 0.67, "passkey", 53664)
