@@ -461,8 +461,8 @@ def test_head_dim_above_256_runs_with_full_precision_keys():
     ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         caches = [DynamicCache(config=model.config), KittyCache(model.config, "fp16", backend="torch")]
-        logits = [model(ids, cache=c).logits for c in caches]
-        logits += [model(ids[:, :1], cache=c).logits for c in caches]
+        logits = [model(ids, **cache_kwargs(c)).logits for c in caches]
+        logits += [model(ids[:, :1], **cache_kwargs(c)).logits for c in caches]
     torch.testing.assert_close(logits[1], logits[0])
     torch.testing.assert_close(logits[3], logits[2])
     with pytest.raises(ValueError, match="head_dim must be <= 256 for quantized keys"):
@@ -513,7 +513,7 @@ def test_a_second_thread_inside_an_open_forward_pass_is_refused():
         assert inside.wait(60)
         try:
             with torch.no_grad():
-                model(ids, cache=cache)
+                model(ids, **cache_kwargs(cache))
         except RuntimeError as e:
             errors.append(e)
         finally:
@@ -521,19 +521,21 @@ def test_a_second_thread_inside_an_open_forward_pass_is_refused():
 
     cache.end_step = end_step
     results: list[torch.Tensor] = []
-    first = threading.Thread(target=lambda: results.append(model(ids, cache=cache).logits.detach()), name="first")
+    first = threading.Thread(
+        target=lambda: results.append(model(ids, **cache_kwargs(cache)).logits.detach()), name="first"
+    )
     other = threading.Thread(target=second)
     with torch.no_grad():
         first.start(), other.start()
         first.join(120), other.join(120)
-        expect = model(ids, cache=clean).logits
+        expect = model(ids, **cache_kwargs(clean)).logits
     assert len(errors) == 1 and "another thread" in str(errors[0])
     torch.testing.assert_close(results[0], expect, rtol=0, atol=0)
     assert_same(snapshot(clean), snapshot(cache))
 
     # one step per thread, one after the other (a streaming server's worker pool): allowed and exact
     tok = expect[:, -1:].argmax(-1)
-    step = threading.Thread(target=lambda: results.append(model(tok, cache=cache).logits.detach()))
+    step = threading.Thread(target=lambda: results.append(model(tok, **cache_kwargs(cache)).logits.detach()))
     with torch.no_grad():
         step.start(), step.join(120)
-        torch.testing.assert_close(results[1], model(tok, cache=clean).logits, rtol=0, atol=0)
+        torch.testing.assert_close(results[1], model(tok, **cache_kwargs(clean)).logits, rtol=0, atol=0)

@@ -19,7 +19,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(code: str, cwd: Path, *paths: Path) -> str:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, paths)))
+    """``code`` in a fresh interpreter with ``paths`` first on its path, then this process's ``PYTHONPATH`` (the
+    same transformers release as this run: the compat sets put theirs there)."""
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*map(str, paths), *inherited]))
     r = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
     )
