@@ -47,7 +47,7 @@ from . import attention as kattention
 from .backend import check_triton, requested_backend
 from .layer import KittyLayer, PagedLayer
 from .static import StaticKittyLayer, check_static_args
-from .step import BEAM_MESSAGE
+from .step import BEAM_MESSAGE, new_batch_error
 from .window import SlidingWindowLayer, StaticSlidingLayer
 
 __all__ = ["KittyCache", "KittyLayer", "SlidingWindowLayer", "build_layers", "start_generation"]
@@ -349,9 +349,7 @@ class KittyCache(StaticCacheSizes, Cache):
         fed = self.get_seq_length()
         rows = len(self.lengths) if fed else shape[0]
         if shape[0] != rows:  # a new batch: reset() is the advice, whatever room it would need
-            raise ValueError(
-                f"the cache holds {rows} rows but got a batch of {shape[0]}; call cache.reset() before a new batch"
-            )
+            raise new_batch_error(rows, shape[0])
         if fed + shape[2] > self.max_cache_len:
             raise ValueError(
                 f"{fed} columns cached + {shape[2]} new exceed max_cache_len={self.max_cache_len}; build the cache "

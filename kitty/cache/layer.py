@@ -31,7 +31,7 @@ from ..core.storage import (
 )
 from .attention import KittyMask, attend_torch
 from .backend import backend_ops
-from .step import LayerSteps
+from .step import LayerSteps, new_batch_error
 
 
 class PagedLayer(LayerSteps, CacheLayerMixin):
@@ -139,9 +139,7 @@ class PagedLayer(LayerSteps, CacheLayerMixin):
         ):
             self.lazy_initialization(key_states, key_states)
         elif B != rows:
-            raise ValueError(
-                f"the cache holds {rows} rows but got a batch of {B}; call cache.reset() before a new batch"
-            )
+            raise new_batch_error(rows, B)
         elif key_states.dtype != self.dtype:
             raise ValueError(
                 f"the cache holds {self.dtype} tensors but got {key_states.dtype}; call cache.reset() first"

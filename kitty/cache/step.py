@@ -24,6 +24,12 @@ BEAM_MESSAGE = (
 )
 
 
+def new_batch_error(rows: int, batch: int) -> ValueError:
+    """The refusal of a batch of ``batch`` rows by a cache holding ``rows`` (every layer kind and the cache say it
+    alike)."""
+    return ValueError(f"the cache holds {rows} rows but got a batch of {batch}; call cache.reset() before a new batch")
+
+
 @dataclass
 class StepRecord:
     """How to put one layer back as it was before a step: its bookkeeping then, and undo actions (run newest first).

@@ -17,7 +17,7 @@ import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer, StaticSlidingWindowLayer
 
 from ..core.memory import MemoryReport
-from .step import LayerSteps
+from .step import LayerSteps, new_batch_error
 
 
 def check_batch(layer, key_states: torch.Tensor) -> None:
@@ -31,7 +31,7 @@ def check_batch(layer, key_states: torch.Tensor) -> None:
     if layer.get_seq_length() == 0:
         layer.is_initialized = False  # allocated again for this batch by the update
         return
-    raise ValueError(f"the cache holds {rows} rows but got a batch of {batch}; call cache.reset() before a new batch")
+    raise new_batch_error(rows, batch)
 
 
 class WindowMemory:
