@@ -475,6 +475,18 @@ def test_head_dim_above_256_runs_with_full_precision_keys():
         PRESETS["kitty"].check_head_dim(254)  # key codes pack 4 channels per byte
 
 
+def test_the_value_quantizer_takes_any_channel_count_and_never_speaks_of_keys():
+    """Values pack along tokens, so a key preset's value side takes D = 63; its only refusals name values."""
+    cfg = PRESETS["kitty"]
+    v = torch.randn(2, cfg.group_size, 63, generator=torch.Generator().manual_seed(5))
+    page = quantize_value_page(v, cfg)
+    assert page.codes.shape == (2, 63, cfg.group_size // 4)
+    assert (dequantize_value_page(page) - v).abs().max() <= page.scale.max()  # within one 2-bit step
+    with pytest.raises(ValueError, match="value page packs 4 tokens per byte") as err:
+        quantize_value_page(v[:, :127], cfg)
+    assert "key" not in str(err.value)
+
+
 def test_generate_tokens_names_ids_and_the_cache_it_cannot_take():
     from kitty.hf.generate import generate_tokens
 

@@ -204,3 +204,21 @@ def test_cli_run_fills_the_cache(tmp_path):
     counts = result["counts"]
     # the prompt (8 words: at least 8 tokens) and every generated token but the last
     assert result["new_tokens"] >= 1 and counts["tokens"] >= 8 + result["new_tokens"] - 1, counts
+
+
+def test_generate_shows_the_columns_it_sized_the_call_for():
+    """Where the room check reads from: the argument of the function that marks a user's cache, on this release.
+    A frame without it (a future release) gives ``None``, and the check then stays out of the way."""
+    from transformers.generation.utils import GenerationMixin
+
+    params = inspect.signature(GenerationMixin._prepare_cache_for_generation).parameters
+    assert "max_cache_length" in params
+    assert "_is_user_defined = True" in inspect.getsource(GenerationMixin._prepare_cache_for_generation)
+
+    def caller(max_cache_length):
+        return compat.generate_cache_columns(sys._getframe(0))
+
+    assert caller(41) == 41
+    assert caller(True) is None and caller("41") is None
+    assert compat.generate_cache_columns(sys._getframe(0)) is None
+    assert compat.generate_cache_columns(None) is None

@@ -254,6 +254,34 @@ def test_generation_arguments_are_checked_before_any_work(model, kwargs, message
     assert cache.get_seq_length() == 0 and len(generate_static(model, ids, None, cache, 2)[0]) == 2
 
 
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("kitty+boost_fraction=2", "boost_fraction must be a number in [0, 1], got 2"),
+        ("kitty-pro+key_bits=16x", "key_bits must be one of the integers (2, 4, 16), got '16x'"),
+        ("kitty+value_range=bogus", "value_range must be one of ('minmax', 'fit', 'fit-peak'), got 'bogus'"),
+        ("kitty+sink=4", "method override must be field=value with a field in"),
+        ("bogus", "method must be one of"),
+    ],
+)
+def test_a_bad_method_is_named_for_what_is_wrong_with_it(name, message):
+    """A known method with a bad value names the field and the value, never "unknown method"."""
+    from kitty.core.config import get_preset
+
+    with pytest.raises(ValueError) as err:
+        get_preset(name)
+    assert message in str(err.value)
+    assert name == "bogus" or "method must be one of" not in str(err.value)
+
+
+def test_generate_tokens_hint_for_a_batch_works_on_every_release(model):
+    """The hint for a batch names the keyword through ``cache_kwargs``, which every admitted release reads."""
+    with pytest.raises(ValueError) as err:
+        generate_tokens(model, prompt(6).repeat(2, 1), KittyCache(model.config, SMALL), 2)
+    assert "kitty.hf.compat.cache_kwargs(KittyCache(...))" in str(err.value)
+    assert "cache=KittyCache" not in str(err.value)
+
+
 def test_generate_static_refuses_float_ids(model):
     cache = KittyCache(model.config, SMALL, max_batch_size=2, max_cache_len=32)
     with pytest.raises(ValueError, match="input_ids must be a tensor of integer token ids"):

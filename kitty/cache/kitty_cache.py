@@ -42,7 +42,7 @@ from transformers.cache_utils import Cache
 from ..core.config import KVQuantConfig, get_preset, is_int, kv_dims
 from ..core.memory import MemoryReport, analytic_report, token_layout
 from ..core.storage import FLOAT_DTYPES
-from ..hf.compat import StaticCacheSizes, get_kv_heads_per_rank, layer_types_and_kwargs
+from ..hf.compat import StaticCacheSizes, generate_cache_columns, get_kv_heads_per_rank, layer_types_and_kwargs
 from . import attention as kattention
 from .backend import check_triton, requested_backend
 from .layer import KittyLayer, PagedLayer
@@ -388,13 +388,14 @@ class KittyCache(StaticCacheSizes, Cache):
     @_is_user_defined.setter
     def _is_user_defined(self, value: bool) -> None:
         """``generate`` marks a cache the user passed before its first forward pass; a static cache then checks the
-        columns this generation needs (``max_cache_length`` of generate's cache preparation, prompt + max_new_tokens
-        - 1, where the release shows it), so that a cache too small fails before any token rather than after N."""
+        columns this generation needs (prompt + max_new_tokens - 1, read by
+        :func:`kitty.hf.compat.generate_cache_columns`), so that a cache too small fails before any token rather
+        than after N."""
         self._user_defined = value
         if self.max_cache_len is None:
             return
-        need = sys._getframe(1).f_locals.get("max_cache_length")
-        if is_int(need) and need > self.max_cache_len:
+        need = generate_cache_columns(sys._getframe(1))
+        if need is not None and need > self.max_cache_len:
             raise ValueError(
                 f"this generate call needs {need} cache columns (prompt + max_new_tokens - 1), the cache holds "
                 f"max_cache_len={self.max_cache_len}: build the cache with max_cache_len >= {need} or lower "

@@ -18,6 +18,12 @@ GPU image's release), on 5.23 (the last release without ``cache=``) and on the n
 - A static cache's mask in ``generate``: 5.18-5.23 prepare a static (compileable) cache's mask ahead of the forward
   and, given the ``"kitty"`` mask function's object (``kitty.cache.attention.KittyMask``), call tensor methods on it
   (``.contiguous()``); 5.17 and 5.24 pass it through. ``KittyMask`` answers those methods with itself.
+- The columns a ``generate`` call needs: no public API tells a user-supplied cache how long the call will run.
+  Every admitted release (5.17 to 5.25 tested) marks such a cache with ``cache._is_user_defined = True`` from
+  ``GenerationMixin._prepare_cache_for_generation``, whose argument ``max_cache_length`` is prompt +
+  ``max_new_tokens`` - 1. :func:`generate_cache_columns` reads that argument from the caller's frame and returns
+  ``None`` on a release that no longer has it; the static cache's up-front room check then simply does not run,
+  and a too-small cache fails at the step that overflows, as before.
 - The attention implementation of a config: :func:`attention_implementation` sets it for a block and puts the
   user's back (``config._attn_implementation``, which every admitted release reads at each forward).
 
@@ -39,6 +45,13 @@ MIN_TRANSFORMERS = (5, 17)  # requirements.txt / pyproject.toml: transformers>=5
 
 # transformers is imported on first use only: ``kitty.hf.generate`` (and with it the CLI's argument checks) imports
 # this module before any model is loaded.
+
+
+def generate_cache_columns(frame) -> int | None:
+    """The columns ``generate`` sized the call for (``max_cache_length`` of ``_prepare_cache_for_generation``, the
+    ``frame`` that sets ``cache._is_user_defined``), or ``None`` where the release does not show it."""
+    need = frame.f_locals.get("max_cache_length") if frame is not None else None
+    return need if isinstance(need, int) and not isinstance(need, bool) else None
 
 
 @functools.cache
