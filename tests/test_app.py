@@ -380,3 +380,33 @@ def test_page_pack_is_recorded_and_plotted(app_module):
         assert list(got.stored_MiB) == pytest.approx([b / 2**20 for _, b in c.history])
     readout = dv.format_readout(kitty, engine.head_dim, kitty, engine.tokenizer)
     assert f"{cfg.group_size} in 1 page " in readout
+
+
+def test_the_captured_path_streams_the_same_columns_in_chunks(app_module):
+    """The columns on the static step of ``decode_chunks`` (what CUDA captures; the CPU runs it eagerly) give the
+    eager loop's greedy tokens and its final readouts; their tokens arrive in chunks, one readout and plot point
+    each; the page that packs during decoding is recorded on both paths."""
+    engine = app_module.get_engine(app_module.ARGS.model)
+    cfg = PRESETS["kitty"]
+    first_page = cfg.sink_tokens + cfg.group_size
+    ids = kp.encode_prompt(engine.tokenizer, kp.essay_excerpt())[:, : first_page - 5]
+    prompt = kp.PreparedPrompt(ids, "")
+    methods, new = ["fp16", "kivi-k2v2-sink", "kitty"], 20
+    runs = {
+        path: list(kd.stream_side_by_side(engine.model, engine.tokenizer, prompt, methods, new, path=path))[-1]
+        for path in ("eager", "captured")
+    }
+    for eager, captured in zip(runs["eager"].columns, runs["captured"].columns, strict=True):
+        assert captured.ids == eager.ids and len(eager.ids) == new
+        assert captured.readout.as_dict() | {"tokens_per_s": 0, "step_ms": 0} == eager.readout.as_dict() | {
+            "tokens_per_s": 0,
+            "step_ms": 0,
+        }
+        assert len(captured.step_times) == len(eager.step_times) == new - 1
+        assert len(eager.history) == new and 2 <= len(captured.history) < new  # the prompt's token, then chunks
+        assert captured.history[-1] == eager.history[-1] and captured.cache is None
+    kitty_eager, kitty_captured = runs["eager"].columns[2], runs["captured"].columns[2]
+    assert kitty_eager.packs == [(first_page, "K")]
+    assert [side for _, side in kitty_captured.packs] == ["K"]
+    with pytest.raises(ValueError, match="path must be one of"):
+        next(kd.stream_side_by_side(engine.model, engine.tokenizer, prompt, methods, new, path="graph"))

@@ -283,3 +283,44 @@ def test_entry_points_take_the_captured_path_on_cuda(entry, monkeypatch):
     assert len(runs) == 1
     eager = gen.generate_tokens(model, ids.cuda(), gen.make_cache(model, "kitty"), n)
     assert fast == eager
+
+
+@pytest.mark.parametrize("schedule", ["threads", "interleave"])
+def test_app_columns_take_the_captured_path_on_cuda(schedule, monkeypatch):
+    """The app's three columns (kitty.tools.demo.stream_side_by_side) decode on the captured static step on CUDA,
+    each in its own thread and CUDA graph (or interleaved in one thread), and give the eager path's greedy tokens;
+    the last readouts agree."""
+    from kitty.hf import generate as gen
+    from kitty.tools import demo as kd
+    from kitty.tools.prompts import PreparedPrompt
+
+    class Tokenizer:  # the demo reads only these two
+        eos_token_id = None
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(0, 512, (1, 150), generator=torch.Generator().manual_seed(2))
+    monkeypatch.delenv(gen.DECODE_PATH_ENV, raising=False)
+    captures = []
+    real = gen._static_chunks
+
+    def chunks(*args):
+        captures.append(args[3])
+        yield from real(*args)
+
+    monkeypatch.setattr(gen, "_static_chunks", chunks)
+    methods, n = ("fp16", "kivi-k2v2-sink", "kitty"), 60
+    runs = {}
+    for path in (None, "eager"):
+        snaps = kd.stream_side_by_side(
+            model, Tokenizer(), PreparedPrompt(ids, ""), methods, n, schedule=schedule, path=path
+        )
+        runs[path] = list(snaps)[-1]
+    assert len(captures) == 3 and all(c.max_cache_len == 150 + n for c in captures)
+    for captured, eager in zip(runs[None].columns, runs["eager"].columns, strict=True):
+        assert captured.status == eager.status == "done (max tokens)"
+        assert captured.ids == eager.ids and len(captured.ids) == n
+        assert captured.readout.report == eager.readout.report

@@ -119,6 +119,68 @@ def decode_path(model, cache_cfg: KVQuantConfig | str | None = None) -> str:
     return "captured" if fast_path_available(model, cache_cfg) else "eager"
 
 
+def decode_chunks(
+    model,
+    ids: torch.Tensor,
+    cfg: KVQuantConfig | str,
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    eos: Collection[int] = (),
+    backend: str = "auto",
+    min_new_tokens: int = 0,
+    path: str | None = None,
+    check_every: int = 8,
+    generator: torch.Generator | None = None,
+) -> tuple[object, Iterator[list[int]]]:
+    """The cache and the new token ids of one prompt ``ids`` ``[1, T]`` on the :func:`decode_path` (``path``
+    overrides it), in chunks as they reach the host: every entry point decodes through here. Eager:
+    :func:`make_cache` and :func:`stream_tokens`, one token per chunk (``generator`` draws sampled tokens).
+    Captured: a static ``KittyCache`` of ``T + max_new_tokens`` columns and :func:`generate_static`'s loop, the
+    prompt's token, then up to ``check_every`` tokens per chunk (one host read each; sampled tokens are drawn on the
+    device from ``sampling.seed``). When a chunk yields, the cache holds exactly the tokens yielded so far, minus
+    the last (not yet fed back). ``min_new_tokens`` between 0 and ``max_new_tokens`` (an eos masked for a while)
+    runs eagerly; at ``max_new_tokens`` or more, ``eos`` is never picked on either path. The last chunk ends at the
+    first ``eos``."""
+    path = path or decode_path(model, cfg)
+    if path not in DECODE_PATHS[1:]:
+        raise ValueError(f"path must be one of {DECODE_PATHS[1:]} or None, got {path!r}")
+    if path == "captured" and 0 < min_new_tokens < max_new_tokens:
+        path = "eager"
+    if path == "eager":
+        cache = make_cache(model, cfg, backend=backend)
+        stream = stream_tokens(model, ids, cache, max_new_tokens, sampling, eos, generator, min_new_tokens)
+        return cache, ([tok] for tok in stream)
+    from ..cache.kitty_cache import KittyCache
+
+    check_generation_args(max_new_tokens, eos)
+    check_prompt_ids(ids, None)
+    cache = KittyCache(
+        model.config, cfg, backend=backend, max_batch_size=1, max_cache_len=ids.shape[1] + max_new_tokens
+    )
+    ban = frozenset(eos) if min_new_tokens >= max_new_tokens else frozenset()  # eos never picked
+    stop = frozenset(eos) - ban
+
+    def chunks() -> Iterator[list[int]]:
+        shown = 0
+        loop = _static_chunks(
+            model, ids, None, cache, max_new_tokens, sampling, sorted(stop), None, None, check_every, 2, ban
+        )
+        try:
+            for out, n in loop:
+                new = out[0, shown:n].tolist()
+                ended = next((i for i, tok in enumerate(new) if tok in stop), None)
+                if ended is not None:
+                    yield new[: ended + 1]
+                    return
+                if new:
+                    yield new
+                shown = n
+        finally:
+            loop.close()
+
+    return cache, chunks()
+
+
 def decode_stream(
     model,
     ids: torch.Tensor,
@@ -131,42 +193,17 @@ def decode_stream(
     path: str | None = None,
     check_every: int = 8,
 ) -> tuple[object, Iterator[int]]:
-    """The cache and the token stream of one prompt ``ids`` ``[1, T]`` on the :func:`decode_path` (``path``
-    overrides it): every entry point decodes through here. Eager: :func:`make_cache` and :func:`stream_tokens`.
-    Captured: a static ``KittyCache`` of ``T + max_new_tokens`` columns and :func:`generate_static`'s loop, whose
-    tokens arrive every ``check_every`` steps. ``min_new_tokens`` between 0 and ``max_new_tokens`` (an eos masked
-    for a while) runs eagerly; at ``max_new_tokens`` or more, ``eos`` is never picked on either path."""
-    path = path or decode_path(model, cfg)
-    if path not in DECODE_PATHS[1:]:
-        raise ValueError(f"path must be one of {DECODE_PATHS[1:]} or None, got {path!r}")
-    if path == "captured" and 0 < min_new_tokens < max_new_tokens:
-        path = "eager"
-    if path == "eager":
-        cache = make_cache(model, cfg, backend=backend)
-        return cache, stream_tokens(model, ids, cache, max_new_tokens, sampling, eos, min_new_tokens=min_new_tokens)
-    from ..cache.kitty_cache import KittyCache
-
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    check_prompt_ids(ids, None)
-    cache = KittyCache(
-        model.config, cfg, backend=backend, max_batch_size=1, max_cache_len=ids.shape[1] + max_new_tokens
+    """:func:`decode_chunks` one token at a time: the cache and the token stream of one prompt ``ids``."""
+    cache, chunks = decode_chunks(
+        model, ids, cfg, max_new_tokens, sampling, eos, backend, min_new_tokens, path, check_every
     )
-    ban = frozenset(eos) if min_new_tokens >= max_new_tokens else frozenset()  # eos never picked
-    stop = frozenset(eos) - ban
 
     def tokens() -> Iterator[int]:
-        shown = 0
-        chunks = _static_chunks(
-            model, ids, None, cache, max_new_tokens, sampling, sorted(stop), None, None, check_every, 2, ban
-        )
-        for out, n in chunks:
-            for tok in out[0, shown:n].tolist():
-                yield tok
-                if tok in stop:
-                    chunks.close()
-                    return
-            shown = n
+        try:
+            for chunk in chunks:
+                yield from chunk
+        finally:
+            chunks.close()
 
     return cache, tokens()
 
@@ -528,7 +565,9 @@ def _static_chunks(
         graph = torch.cuda.CUDAGraph()
         if generator is not None and hasattr(graph, "register_generator_state"):
             graph.register_generator_state(generator)
-        with torch.cuda.graph(graph):
+        # thread_local: a capture restricts only its own thread, so the demo's columns (one thread each) may run
+        # eager steps, or capture their own graphs, while this one captures
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             step()
         _advance(cache, -1)  # capture ran the step's Python, not its kernels
         while ran < steps and not finished(ran):

@@ -3,7 +3,8 @@
 :func:`stream_side_by_side` gives each method (preset name) its own fresh cache and sampling generator, advances
 the columns (one thread each, or interleaved in the calling thread) and yields a :class:`Snapshot` (texts and
 readouts) as they step, so every column streams and Stop acts within one step. One column is :func:`run_column`,
-a generator over :func:`kitty.hf.generate.stream_tokens` that times its steps and reads the cache after each token.
+a generator over :func:`kitty.hf.generate.stream_tokens` (or, on CUDA, the captured static step of
+:func:`kitty.hf.generate.decode_chunks`) that times its steps and reads the cache whenever tokens arrive.
 ``app.py`` lays out widgets and formats what these return; ``benchmarks/demo_timing.py`` times the schedules.
 
 Why not batch the caches into one forward: the columns use different cache objects (different quantizers) and a
@@ -23,7 +24,7 @@ import torch
 
 from ..core.config import get_preset
 from ..core.memory import MemoryReport
-from ..hf.generate import Sampling, eos_ids, make_cache, stream_tokens
+from ..hf.generate import DECODE_PATHS, Sampling, decode_chunks, decode_path, eos_ids, make_cache, stream_tokens
 from .prompts import PreparedPrompt, shipped_text
 
 # The three columns: the reference, the fair baseline (KIVI 2-bit keys and values with kitty's own sink and windows,
@@ -218,23 +219,34 @@ def run_column(
     sampling: Sampling,
     eos: set[int],
     stop: StopFlag,
+    path: str = "eager",
 ) -> Iterator[Column]:
-    """One column's generation as a generator: prefill, then one decode step per ``next()``; yields after each token.
+    """One column's generation as a generator: prefill, then decode; yields whenever new tokens reached the host.
 
-    Ends (after freeing the cache) on EOS or ``max_new_tokens``; leaves the cache to the caller when ``stop`` is set.
+    ``path="eager"``: :func:`kitty.hf.generate.stream_tokens` on ``col.cache``, one decode step (and one yield) per
+    token. ``"captured"``: :func:`kitty.hf.generate.decode_chunks` builds a static cache (``col.cache``) and replays
+    one captured decode step per token, its tokens arriving every few steps; each such chunk is one yield, one
+    readout and one point of the plot, and its wall time is shared equally by its steps. Ends (after freeing the
+    cache) on EOS or ``max_new_tokens``; leaves the cache to the caller when ``stop`` is set.
     """
     if stop.is_set():
         return
     col.status = "prefill"
-    tokens = stream_tokens(model, prompt.ids, col.cache, max_new_tokens, sampling, eos, col.generator)
     t0 = time.perf_counter()
-    for tok in tokens:  # the first token comes from the prefill, every later one from one decode step
+    if path == "eager":
+        stream = stream_tokens(model, prompt.ids, col.cache, max_new_tokens, sampling, eos, col.generator)
+        chunks = ([tok] for tok in stream)
+    else:
+        col.cache, chunks = decode_chunks(model, prompt.ids, col.method, max_new_tokens, sampling, eos, path=path)
+    for chunk in chunks:  # the first token comes from the prefill, every later one from one decode step
         now = time.perf_counter()
+        decoded = chunk
         if not col.ids:
             col.prefill_s, col.decode_start = now - t0, now
-        else:
-            col.step_times.append(now - t0)
-        col.ids.append(tok)
+            decoded = chunk[1:]
+        if decoded:
+            col.step_times.extend([(now - t0) / len(decoded)] * len(decoded))
+        col.ids.extend(chunk)
         col.last_token_at = now
         col.text = tokenizer.decode(col.ids, skip_special_tokens=True)
         before = col.readout
@@ -243,7 +255,7 @@ def run_column(
         packed = _packed(before, col.readout)
         if packed:
             col.packs.append((col.readout.report.tokens, packed))
-        if tok in eos:
+        if chunk[-1] in eos:
             _free(col, "done (eos)")
         elif len(col.ids) >= max_new_tokens:
             _free(col, "done (max tokens)")
@@ -251,7 +263,7 @@ def run_column(
             col.status = "decoding"
         yield col
         if col.status != "decoding" or stop.is_set():
-            tokens.close()
+            chunks.close()
             return
         t0 = time.perf_counter()
 
@@ -330,6 +342,7 @@ def stream_side_by_side(
     cache_factory=None,
     schedule: str = "threads",
     min_interval: float = 0.05,
+    path: str | None = None,
 ) -> Iterator[Snapshot]:
     """Generate with one fresh cache per method and yield a :class:`Snapshot` as the columns advance.
 
@@ -339,21 +352,32 @@ def stream_side_by_side(
     ``sampling.seed``, so a greedy column is exactly ``model.generate(..., **cache_kwargs(cache))``. Caches are freed
     (``reset()`` and dropped) when a column ends, when ``stop`` is set, or when the consumer closes this
     generator; the readouts taken before that stay in the snapshot.
+
+    ``path``: how the columns decode (:func:`run_column`); ``None`` takes :func:`kitty.hf.generate.decode_path`
+    (the captured static step on CUDA, the eager loop elsewhere), or ``"eager"`` when ``cache_factory`` is given.
     """
     if not 1 <= max_new_tokens <= MAX_NEW_TOKENS_CAP:
         raise ValueError(f"max_new_tokens must be in [1, {MAX_NEW_TOKENS_CAP}], got {max_new_tokens}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if path is not None and path not in DECODE_PATHS[1:]:
+        raise ValueError(f"path must be one of {DECODE_PATHS[1:]} or None, got {path!r}")
     cfgs = [get_preset(m) for m in methods]
+    path = path or ("eager" if cache_factory is not None else decode_path(model))
     stop = stop or StopFlag()
     eos = eos_ids(model, tokenizer)
     factory = cache_factory or make_cache
     columns = [
-        Column(f"{i + 1} · {cfg.name}", cfg.name, factory(model, cfg), torch.Generator().manual_seed(sampling.seed))
+        Column(
+            f"{i + 1} · {cfg.name}",
+            cfg.name,
+            factory(model, cfg) if path == "eager" else None,  # captured: run_column builds a static cache
+            torch.Generator().manual_seed(sampling.seed),
+        )
         for i, cfg in enumerate(cfgs)
     ]
     snap = Snapshot("prefill", prompt.tokens, columns)
-    runs = [run_column(model, tokenizer, c, prompt, max_new_tokens, sampling, eos, stop) for c in columns]
+    runs = [run_column(model, tokenizer, c, prompt, max_new_tokens, sampling, eos, stop, path) for c in columns]
     steps = _threads(runs, stop, min_interval) if schedule == "threads" else _interleave(runs, stop)
     try:
         yield snap
