@@ -17,6 +17,7 @@ import time  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from gradio_client.exceptions import AppError  # noqa: E402
 
 from kitty import PRESETS, get_preset  # noqa: E402
 from kitty.core.quant import inspect_keys  # noqa: E402
@@ -338,6 +339,11 @@ def test_hostile_inputs_over_the_api_give_clear_messages(client, demo_url):
         assert [plain(t) for t in out[TEXTS]] == ["", "", ""] and not out[JSON], name
     _, note, heat, _, _ = raw_call(demo_url, "inspect", f'{{"data": ["{SHORT}", true, "kitty", NaN, 0, 8]}}')
     assert "layer must be a number, got NaN" in note and heat is None
+    out = client.predict(SHORT, True, NEW, 1e-300, 1.0, 0, *METHODS, api_name="/generate")  # near-zero temperature
+    assert "temperature must be 0 (greedy) or >= 0.0001" in out[NOTE]
+    assert [plain(t) for t in out[TEXTS]] == ["", "", ""] and not out[JSON]
+    with pytest.raises(AppError, match="Value 1e-300 is less than minimum value 0.05"):  # the top-p slider's own
+        client.predict(SHORT, True, NEW, 1.0, 1e-300, 0, *METHODS, api_name="/generate")
 
 
 def test_short_prompt_says_when_pages_start(app_module, client):

@@ -151,3 +151,23 @@ def test_eval_passes_caches_with_cache_keyword(default_model):
         nll = keval.decode_nll(model, ids, keval.PRESETS["kitty"], prefill=196)
         out = keval.greedy(model, tok, "The sky is", keval.PRESETS["kitty"], max_new_tokens=2)
     assert nll.shape == (4,) and torch.isfinite(nll).all() and len(out) == 2
+
+
+def test_eval_refuses_an_unsupported_transformers_before_loading(tmp_path, monkeypatch, capsys):
+    """transformers below the admitted range is refused with the fix, before the model loads."""
+    import transformers
+
+    import kitty.hf.models
+    from kitty.hf.compat import transformers_version
+
+    monkeypatch.setattr(kitty.hf.models, "load_model", lambda *a, **kw: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(transformers, "__version__", "5.16.0")
+    transformers_version.cache_clear()
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            keval.main(["--quick", "--out", str(tmp_path / "out")])
+        assert exit_.value.code == 2
+        assert "kitty needs transformers>=5.17,<6, found transformers 5.16.0" in capsys.readouterr().err
+    finally:
+        monkeypatch.undo()
+        transformers_version.cache_clear()

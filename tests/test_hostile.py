@@ -409,6 +409,17 @@ def test_cli_refuses_a_prompt_longer_than_the_limit_before_generating(cli_model,
     assert "more than --max-prompt-tokens=5" in capsys.readouterr().err
 
 
+def test_cli_refuses_a_prompt_longer_than_the_models_context_by_default(cli_model, default_model, monkeypatch, capsys):
+    """Without --max-prompt-tokens the limit is the model's context (max_position_embeddings)."""
+    import kitty.tools.cli
+
+    model, _ = default_model
+    monkeypatch.setattr(model.config, "max_position_embeddings", 5)
+    monkeypatch.setattr(kitty.tools.cli, "generate", lambda *a, **kw: pytest.fail("generated"))
+    assert cli_model(["one two three four five six seven"]) == 2
+    assert "more than --max-prompt-tokens=5 (the model's context, max_position_embeddings)" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_cli_json_that_fails_after_the_generation_is_printed(cli_model, monkeypatch, capsys):
     import json
