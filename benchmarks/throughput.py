@@ -383,10 +383,20 @@ def page_steps(method: str, lengths: list[int], steps: int) -> list[bool]:
 
 @torch.no_grad()
 def static_decode(
-    model, cache, mask, lengths, context, steps: int, warmup: int, captured: bool, profile_steps: int = 4
+    model,
+    cache,
+    mask,
+    lengths,
+    context,
+    steps: int,
+    warmup: int,
+    captured: bool,
+    profile_steps: int = 4,
+    trace: Path | None = None,
 ):
     """Time ``steps`` single-token decode steps of every row with static input buffers (eager, or one step
-    captured in a CUDA graph and replayed). Returns per-step seconds and (when profiled) GPU busy."""
+    captured in a CUDA graph and replayed). Returns per-step seconds and (when profiled) GPU busy; ``trace``: where
+    to write the profiled steps' Chrome trace (kernel start and end times)."""
     from kitty.hf.generate import _advance
 
     B = len(lengths)
@@ -445,6 +455,8 @@ def static_decode(
                 run()
             torch.cuda.synchronize()
             wall = time.perf_counter() - t
+        if trace is not None:
+            prof.export_chrome_trace(str(trace))
         device_events = [
             e
             for e in prof.key_averages()
