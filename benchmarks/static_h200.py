@@ -198,18 +198,25 @@ def main() -> None:
     for k, v in corr.items():
         print(k, json.dumps(v)[:400])
     print("\n== throughput (tokens/s; kernels per step; GPU busy; p50 / p99 / p99 of page steps, ms) ==")
-    base = {}
+    base, piped = {}, {}
     for r in rows:
         if r["method"].startswith("fp16-static-captured") and not r["ragged"]:
             base[r["context"]] = max(base.get(r["context"], 0), r["tokens_per_s"])
+            key = (r["context"], r["batch"])
+            piped[key] = max(piped.get(key, 0), r.get("pipelined_tokens_per_s", 0))
     for r in rows:
         rel = r["tokens_per_s"] / base[r["context"]] if r["context"] in base else float("nan")
+        same, own = piped.get((r["context"], r["batch"])), r.get("pipelined_tokens_per_s", float("nan"))
         print(
             f"{r['method']:22s} ctx {r['context']:6d} {'ragged' if r['ragged'] else 'equal ':6s} B {r['batch']:4d} "
             f"KV {r['kv_gib']:6.2f} GiB  {r['tokens_per_s']:8.0f} tok/s  {rel:5.2f}x best fp16-captured  "
             f"kernels/step {r.get('kernels_per_step', float('nan')):.0f}  busy {r.get('gpu_busy', float('nan')):.0%}  "
             f"p50 {r['p50_ms']:.1f} p99 {r['p99_ms']:.1f} "
             f"p99-page {r['p99_page_ms'] if r['p99_page_ms'] is not None else float('nan'):.1f}"
+        )
+        print(
+            f"    pipelined (the product's loop) {own:8.0f} tok/s"
+            + (f", {own / same:.2f}x the best fp16-captured of the same batch" if same else "")
         )
     for n in notes:
         print("-", n)
