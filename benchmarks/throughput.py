@@ -578,7 +578,7 @@ def static_point(model, method, batch, context, ragged, captured, steps, warmup,
 def run_static(
     model, contexts, budget_gib, steps, warmup, out: Path, deadline: float, methods=None, points: str = ""
 ) -> list[dict]:
-    """The static-cache throughput table (issue: captured decode against a captured FP16 StaticCache)."""
+    """The static-cache throughput table: the captured decode step against a captured FP16 StaticCache."""
     weights = torch.cuda.memory_allocated()
     budget = int(budget_gib * 2**30)
     rows, notes = [], []

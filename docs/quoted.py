@@ -42,6 +42,8 @@ RESULTS = {
     "kernels": "benchmarks/results/h200-2026-12-01/kernels_timing.json",
     "layout_check": "benchmarks/results/h200-2026-12-02/layout_check_high32cols.json",
     "layout_sweep": "benchmarks/results/h200-2026-12-02/layout_sweep.json",
+    "small_4k": "benchmarks/results/h200-2026-12-04/gluon_check.json",  # the tl kernel's default launch at (1, 4K)
+    "small_32k": "benchmarks/results/h200-2026-12-04/gluon_check-2.json",  # and at (1, 32K), beside the Gluon kernel
     "throughput": "benchmarks/results/h200-2026-11-29/throughput.json",
     "boost_speed": "benchmarks/results/h200-2026-11-29/boost_profile_h200.json",
     "paper_kernels": "benchmarks/summarize.py",  # OFFICIAL_KITTY_MS: the paper's own kernels, timed once
@@ -318,14 +320,15 @@ def gpu_speed() -> str:
 
 def gpu_layout_speed() -> str:
     """The current kernel (reduction-axis layout): the target shapes from the correctness-checked run, batch 1 from
-    the sweep at the small-batch default launch (2 warps, two-part key operand, ~4 programs per SM)."""
-    check, sweep = load_json("layout_check"), load_json("layout_sweep")
-    small = {"num_warps": 2, "num_stages": 1, "split_fold": 1, "waves": 4}  # as recorded: split_fold = operand_parts
-    cases = [(check, r) for r in check["timing"] if r["method"].endswith(" default")]
-    cases += [(sweep, r) for r in sweep["timing"] if r["B"] == 1 and r.get("launch") == small]
+    the Gluon check runs, which time the ``tl`` kernel's default launch beside the Gluon kernel."""
+    check = load_json("layout_check")
+    cases = [(check, r, " default") for r in check["timing"] if r["method"].endswith(" default")]
+    for key in ("small_4k", "small_32k"):
+        d = load_json(key)
+        cases += [(d, r, " tl default") for r in d["timing"] if r["B"] == 1 and r["method"].endswith(" tl default")]
     cells: dict[tuple[int, int], dict[str, str]] = defaultdict(dict)
-    for d, r in cases:
-        cells[(r["B"], r["L"])][r["method"].rsplit(" ", 1)[0]] = f"{r['us']:.1f} ({r['vs_fp16']:.2f}x)"
+    for d, r, suffix in cases:
+        cells[(r["B"], r["L"])][r["method"].removesuffix(suffix)] = f"{r['us']:.1f} ({r['vs_fp16']:.2f}x)"
         f = d["fastest_fp16"][f"{r['B']},{r['L']}"]
         cells[(r["B"], r["L"])]["fp16"] = f"{f['us']:.1f} ({f['name']})"
     methods = ["kitty float16", "kitty bfloat16", "kitty-pro float16", "kitty-pro bfloat16"]
@@ -333,13 +336,15 @@ def gpu_layout_speed() -> str:
             for (B, L), c in sorted(cells.items(), key=lambda x: (-x[0][0] * x[0][1], x[0][0]))]  # fmt: skip
     header = ["(batch, context)", "fastest FP16 SDPA, µs", *(f"`{m.split()[0]}` {m.split()[1]}, µs" for m in methods)]
     correct = sum(v["ok"] for v in check["check"].values())
+    small = load_json("small_32k")["env"]
     note = wrap(
         f"Measured {check['env']['date']} on an {check['env']['gpu']}, triton {check['env']['triton']}; the FP16 time "
         f"is the fastest SDPA backend of the same run. Before timing, the default launch passed the tolerance rule "
         f"in {correct} of {len(check['check'])} cases (`kitty` and `kitty-pro`, fp16 and bf16, GQA 3, 4 and 8, D 64 "
-        "and 128, and a high plane of 13 slots). The batch-1 rows come from the sweep run, in which kitty's high-plane "
-        "tile had 16 columns and gave wrong scores (at (8, 32K) its time equalled the 32-column tile's); kitty-pro's "
-        "tile was the same in both runs."
+        "and 128, and a high plane of 13 slots). The batch-1 rows come from the Gluon kernel's check runs "
+        f"({small['date'][:10]}, `gluon_check.json` and `gluon_check-2.json`), which time this kernel's default "
+        "launch beside the Gluon kernel against the fastest FP16 SDPA of the same run; that launch passes "
+        "`tests/test_cuda.py` on the H200."
     )
     return table(header, body, "lrrrrr") + "\n\n" + note
 
