@@ -19,11 +19,19 @@ scale/zero. Within a row of ``n`` codes, byte ``j`` holds codes ``j, j + n/4, j 
 4, 6 (4-bit codes: ``j`` and ``j + n/2`` at bits 0 and 4; :func:`pack_bits`): bits ``2s`` of a row's bytes are
 its ``s``-th quarter, a plain tile with no reshuffling. Scale/zero are kept in the input dtype (fp16/bf16: 16 bits;
 fp32 stays fp32), so they never overflow.
+
+``sync_free=True`` (the quantizers and the functions they call): no host read and no shape that depends on tensor
+data, so that the call can run inside a captured CUDA graph (a static cache's decode step,
+``kernels/reference.py`` ``pack_completed_ref``). Branches taken only for rare groups (a range wider than fp32, a
+reconstruction near the dtype's limits) are then computed for every group and selected with ``torch.where``, which
+gives the same bits, and the input is not checked for NaN or Inf (the caller's responsibility). The default
+(``False``) checks the input and skips those branches after one host read each.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import lru_cache
 
 import torch
 
@@ -91,8 +99,9 @@ def unpack_2bit(packed: torch.Tensor, dim: int = -1) -> torch.Tensor:
 # ------------------------------------------------------------------------------------- min-max quantization
 
 
-def _check_input(x: torch.Tensor, name: str) -> None:
-    """``ValueError`` naming ``name`` unless ``x`` is a finite float tensor ``[..., G, D]`` with no empty dim."""
+def _check_input(x: torch.Tensor, name: str, finite: bool = True) -> None:
+    """``ValueError`` naming ``name`` unless ``x`` is a float tensor ``[..., G, D]`` with no empty dim, and finite
+    (``finite=False``: not checked, the one check that reads the data back to the host)."""
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor [..., G, D], got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
@@ -101,25 +110,37 @@ def _check_input(x: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} must be [..., G tokens, D channels] (at least 2-D), got shape {tuple(x.shape)}")
     if 0 in x.shape:
         raise ValueError(f"{name} must have at least one token, one channel and one row, got shape {tuple(x.shape)}")
-    if not torch.isfinite(x).all():
+    if finite and not torch.isfinite(x).all():
         raise ValueError(f"{name} holds NaN or Inf; Kitty quantizes only finite keys and values")
 
 
-def minmax_params(x: torch.Tensor, levels: torch.Tensor | int, dim: int, dtype: torch.dtype):
+def _levels_on(levels: torch.Tensor | int, device: torch.device) -> torch.Tensor:
+    """``levels`` as a tensor on ``device`` (``torch.as_tensor``'s result); an int is filled there, since a tensor
+    made from a Python number is copied from the host (on CUDA a synchronizing copy, which a graph capture refuses)."""
+    if isinstance(levels, torch.Tensor):
+        return levels.to(device)
+    return torch.full((), levels, device=device)
+
+
+def minmax_params(
+    x: torch.Tensor, levels: torch.Tensor | int, dim: int, dtype: torch.dtype, sync_free: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Asymmetric min-max parameters over ``dim``: ``(scale, zero)`` stored in ``dtype``.
 
     ``zero`` is the minimum (exact in the input dtype). ``scale = (max - min) / levels`` is rounded *up* to the
     next representable value of ``dtype`` so that every code fits in ``[0, levels]`` and the reconstruction error
     stays within half a step. A zero range gives ``scale = 0`` and reconstructs exactly. A range wider than fp32
     can hold (``max - min > 3.4e38``, finite inputs near the fp32/bf16 limits) takes ``max / levels - min /
-    levels`` instead, rounded up by two fp32 ulps: finite, and still covering the range.
+    levels`` instead, rounded up by two fp32 ulps: finite, and still covering the range. ``sync_free``: that
+    replacement is computed for every group and selected where needed (the same bits) instead of after a host read
+    of whether any group needs it.
     """
     xf = x.float()
     zero = xf.amin(dim)
     hi = xf.amax(dim)
     scale = (hi - zero) / levels
     wide = torch.isinf(scale)  # the fp32 range overflowed; every other group keeps the formula above bit for bit
-    if wide.any():
+    if sync_free or wide.any():
         split = hi / levels - zero / levels  # each term <= 3.4e38 / levels: no overflow
         up = torch.full_like(split, float("inf"))
         scale = torch.where(wide, torch.nextafter(torch.nextafter(split, up), up), scale)
@@ -141,7 +162,8 @@ def fitted_params(
     grid: tuple[float, ...] = CLIP_GRID,
     refine: int = REFINE_STEPS,
     keep_peak: bool = False,
-):
+    sync_free: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped asymmetric parameters over the last dim: a ``(scale, zero)`` with small squared error.
 
     1. grid search: ``lo = min + a * range``, ``hi = max - b * range`` for every ``a, b`` in ``grid`` (min-max itself
@@ -157,12 +179,14 @@ def fitted_params(
     ``keep_peak``: never clip the group's *peak*, its value of largest ``|x|`` (of a key channel: the token that
     moves that channel's logit most, e.g. the one a retrieval head looks for). Only the opposite tail is cut
     (``len(grid) - 1`` candidates), and a refit is kept only where the peak still reconstructs within half a step.
+
+    ``sync_free``: no host read (module docstring), the same result.
     """
     xf = x.float()
-    levels = torch.as_tensor(levels, device=x.device)
+    levels = _levels_on(levels, x.device)
     lv = levels[..., None] if levels.dim() else levels
-    best_scale, best_zero = minmax_params(x, levels, -1, dtype)
-    best_err = _sq_error(xf, best_scale, best_zero, levels)
+    best_scale, best_zero = minmax_params(x, levels, -1, dtype, sync_free)
+    best_err = _sq_error(xf, best_scale, best_zero, levels, sync_free)
     lo0, hi0 = xf.amin(-1), xf.amax(-1)
     span = hi0 - lo0
     peak_on_top = hi0.abs() >= lo0.abs()  # [...]: which tail holds the largest |x|
@@ -171,12 +195,12 @@ def fitted_params(
     def keep(scale: torch.Tensor, zero: torch.Tensor) -> None:
         nonlocal best_err, best_scale, best_zero
         scale, zero = scale.to(dtype), zero.to(dtype)
-        err = _sq_error(xf, scale, zero, levels)
+        err = _sq_error(xf, scale, zero, levels, sync_free)
         better = err < best_err
         if keep_peak:  # the peak's own error stays within half a step (the min-max guarantee), up to fp32 rounding
             s = scale.float()
             code = quantize_codes(peak, s, zero, levels)
-            peak_err = (dequantize_codes(code, s, zero, torch.float32) - peak).abs()
+            peak_err = (dequantize_codes(code, s, zero, torch.float32, sync_free) - peak).abs()
             better &= peak_err <= 0.5 * s * (1 + 2**-10) + 2**-20 * peak.abs()
         best_err = torch.where(better, err, best_err)
         best_scale = torch.where(better, scale, best_scale)
@@ -204,22 +228,28 @@ def fitted_params(
     return best_scale, best_zero
 
 
-def _sq_error(xf: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: torch.Tensor | int) -> torch.Tensor:
+def _sq_error(
+    xf: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: torch.Tensor | int, sync_free: bool = False
+) -> torch.Tensor:
     """Squared reconstruction error summed over the last dim, for per-row ``scale``/``zero`` ``[...]``."""
-    lv = torch.as_tensor(levels, device=xf.device)
+    lv = _levels_on(levels, xf.device)
     codes = quantize_codes(xf, scale[..., None], zero[..., None], lv[..., None] if lv.dim() else lv)
-    return (dequantize_codes(codes, scale[..., None], zero[..., None], torch.float32) - xf).square().sum(-1)
+    deq = dequantize_codes(codes, scale[..., None], zero[..., None], torch.float32, sync_free)
+    return (deq - xf).square().sum(-1)
 
 
-def range_params(x: torch.Tensor, levels: torch.Tensor | int, dtype: torch.dtype, method: str):
+def range_params(
+    x: torch.Tensor, levels: torch.Tensor | int, dtype: torch.dtype, method: str, sync_free: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scale, zero)`` over the last dim by ``method``: ``"minmax"``, ``"fit"`` (:func:`fitted_params`) or
-    ``"fit-peak"`` (the same search, never clipping the group's largest-``|x|`` value: ``keep_peak=True``)."""
+    ``"fit-peak"`` (the same search, never clipping the group's largest-``|x|`` value: ``keep_peak=True``).
+    ``sync_free``: no host read (module docstring), the same result."""
     if method == "minmax":
-        return minmax_params(x, levels, -1, dtype)
+        return minmax_params(x, levels, -1, dtype, sync_free)
     if method == "fit":
-        return fitted_params(x, levels, dtype)
+        return fitted_params(x, levels, dtype, sync_free=sync_free)
     if method == "fit-peak":
-        return fitted_params(x, levels, dtype, keep_peak=True)
+        return fitted_params(x, levels, dtype, keep_peak=True, sync_free=sync_free)
     raise ValueError(f"range method must be 'minmax', 'fit' or 'fit-peak', got {method!r}")
 
 
@@ -229,21 +259,24 @@ def quantize_codes(
     """``code = clamp(floor((x - zero) / scale + 1/2), 0, levels)`` in fp32 (0 where scale is 0), as uint8."""
     s = scale.float()
     q = torch.where(s > 0, (x.float() - zero.float()) / torch.where(s > 0, s, 1.0), 0.0)
-    return torch.minimum(torch.floor(q + 0.5).clamp_min(0), torch.as_tensor(levels, device=x.device)).to(torch.uint8)
+    return torch.minimum(torch.floor(q + 0.5).clamp_min(0), _levels_on(levels, x.device)).to(torch.uint8)
 
 
-def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_codes(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype, sync_free: bool = False
+) -> torch.Tensor:
     """``codes * scale + zero`` in fp32, cast to ``dtype``.
 
     Groups whose reconstruction could leave the range of fp32 or of ``dtype`` (a range near the dtype's limits,
     see :func:`minmax_params`) are computed as ``2 * (codes * scale/2 + zero/2)`` and clamped to ``dtype``'s
     finite range, so finite input never comes back Inf or NaN; every other group is ``codes * scale + zero``
-    exactly as written.
+    exactly as written. ``sync_free``: both forms are computed and selected per group (the same bits) instead of
+    the plain form alone after a host read of whether any group is at risk.
     """
     s, z = scale.float(), zero.float()
     top = float(torch.finfo(dtype).max)
     risky = s.abs() * 15 + z.abs() > top / 2  # per group (15 = the most levels a code has): no product can overflow
-    if not risky.any():
+    if not sync_free and not risky.any():
         return (codes.float() * s + z).to(dtype)
     c = codes.float()
     x = torch.where(risky, (c * (s * 0.5) + z * 0.5).clamp(-top / 2, top / 2) * 2, c * s + z)
@@ -290,13 +323,18 @@ class KeyPage(_Page):
 
 
 def channel_importance(
-    k: torch.Tensor, cfg: KVQuantConfig, salt: int = 0, query_scale: torch.Tensor | None = None
+    k: torch.Tensor,
+    cfg: KVQuantConfig,
+    salt: int = 0,
+    query_scale: torch.Tensor | None = None,
+    sync_free: bool = False,
 ) -> torch.Tensor:
     """Score of each key channel, higher = boosted first. ``k``: ``[..., G, D]`` -> ``[..., D]`` fp32.
 
     - ``magnitude``: the paper's ``s_i = mean_t |K[t, i]|``.
     - ``random``: a fixed random score per channel from ``cfg.seed`` and ``salt`` (e.g. the layer index), the same
-      for every page: the ablation baseline.
+      for every page: the ablation baseline (drawn on the host once per device, then kept there: later calls copy
+      nothing to the device).
     - ``range``: ``max_t K[t, i] - min_t K[t, i]``, the range 2-bit quantization divides into steps.
     - ``query``: ``query_scale_i * range_i``: a channel's contribution to the logit error ``q . (k - k_hat)`` grows
       with ``|q_i|`` times its quantization step; ``query_scale`` ``[..., D]`` is the mean ``|q|`` of the queries
@@ -306,13 +344,14 @@ def channel_importance(
       quantized both ways (with ``cfg.key_range``) and ``query_scale`` the root mean square of ``q_i`` (so
       ``query_scale**2 = E[q_i^2]``). Under uncorrelated rounding errors this is exactly each channel's share of
       the expected logit MSE, so the top-``nb`` choice is the per-page optimum (expensive: two quantizations).
+
+    ``sync_free``: no host read (module docstring), the same scores.
     """
     sel = cfg.channel_selection
     if sel == "magnitude":
         return k.float().abs().mean(-2)
     if sel == "random":
-        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + salt)
-        scores = torch.rand(k.shape[-1], generator=gen).to(k.device)
+        scores = _random_scores(cfg.seed * 1_000_003 + salt, k.shape[-1], k.device)
         return scores.expand(*k.shape[:-2], k.shape[-1])
     kf = k.float()
     if sel == "range":
@@ -321,8 +360,18 @@ def channel_importance(
     if sel == "query":
         return qs.expand(kf.shape[:-2] + kf.shape[-1:]) * (kf.amax(-2) - kf.amin(-2))
     if sel == "oracle":
-        return _oracle_scores(k.transpose(-1, -2), _both_precisions(k, cfg), qs)
+        return _oracle_scores(k.transpose(-1, -2), _both_precisions(k, cfg, sync_free), qs, sync_free)
     raise ValueError(f"channel_selection {sel!r} has no importance rule")
+
+
+@lru_cache(maxsize=1024)
+def _random_scores(seed: int, num_channels: int, device: torch.device) -> torch.Tensor:
+    """The ``random`` selection's scores ``[num_channels]`` fp32 on ``device``: drawn from a host generator seeded
+    with ``seed`` (the same numbers on every device), copied once and kept, because a host-to-device copy inside a
+    captured CUDA graph synchronizes and fails the capture. Read only (callers get views of the kept tensor)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.inference_mode(False):  # a kept tensor must be usable outside an inference-mode region as well
+        return torch.rand(num_channels, generator=gen).to(device)
 
 
 def _require_query_scale(cfg: KVQuantConfig, query_scale: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -334,18 +383,26 @@ def _require_query_scale(cfg: KVQuantConfig, query_scale: torch.Tensor | None, d
     return query_scale.float().to(device)
 
 
-def _both_precisions(k: torch.Tensor, cfg: KVQuantConfig) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+def _both_precisions(
+    k: torch.Tensor, cfg: KVQuantConfig, sync_free: bool = False
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Per-channel ``(scale, zero)`` of keys ``[..., G, D]`` at the low and at the boosted precision, by levels."""
     x = k.transpose(-1, -2)  # (..., D, G): one row per channel
-    return {lv: range_params(x, lv, k.dtype, cfg.key_range) for lv in (2**cfg.key_bits - 1, 2**cfg.boost_bits - 1)}
+    levels = (2**cfg.key_bits - 1, 2**cfg.boost_bits - 1)
+    return {lv: range_params(x, lv, k.dtype, cfg.key_range, sync_free) for lv in levels}
 
 
 def _oracle_scores(
-    x: torch.Tensor, params: dict[int, tuple[torch.Tensor, torch.Tensor]], query_scale: torch.Tensor
+    x: torch.Tensor,
+    params: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    query_scale: torch.Tensor,
+    sync_free: bool = False,
 ) -> torch.Tensor:
     """``query_scale**2 * (err_low - err_high)`` per channel row of ``x`` ``[..., D, G]`` (see channel_importance)."""
     (lo, p_lo), (hi, p_hi) = sorted(params.items())
-    return query_scale.square() * (_sq_error(x.float(), *p_lo, lo) - _sq_error(x.float(), *p_hi, hi))
+    err_lo = _sq_error(x.float(), *p_lo, lo, sync_free)
+    err_hi = _sq_error(x.float(), *p_hi, hi, sync_free)
+    return query_scale.square() * (err_lo - err_hi)
 
 
 def select_boosted(importance: torch.Tensor, num_boosted: int) -> torch.Tensor:
@@ -368,15 +425,19 @@ def quantize_key_page(
     salt: int = 0,
     boost_mask: torch.Tensor | None = None,
     query_scale: torch.Tensor | None = None,
+    sync_free: bool = False,
 ) -> KeyPage:
     """Quantize keys ``[..., G, D]`` per channel into a :class:`KeyPage`.
 
-    Boosted channels (top ``cfg.num_boosted(D)`` by :func:`channel_importance`, or ``boost_mask`` if given) get
-    4-bit codes, the rest 2-bit (``query_scale``: for ``channel_selection="query"``/``"oracle"``); each channel's
-    ``[lo, hi]`` comes from ``cfg.key_range``; each code is split into the dense low plane and, for boosted
-    channels, the compact high plane.
+    Boosted channels (top ``cfg.num_boosted(D)`` by :func:`channel_importance`, or ``boost_mask`` if given, with
+    that many channels per row) get 4-bit codes, the rest 2-bit (``query_scale``: for
+    ``channel_selection="query"``/``"oracle"``); each channel's ``[lo, hi]`` comes from ``cfg.key_range``; each code
+    is split into the dense low plane and, for boosted channels, the compact high plane.
+
+    ``sync_free``: no host read and no data-dependent shape (module docstring), the same page; ``k`` is then not
+    checked for NaN or Inf.
     """
-    _check_input(k, "k")
+    _check_input(k, "k", finite=not sync_free)
     *lead, G, D = k.shape
     cfg.check_head_dim(D)
     empty = k.new_empty(0)
@@ -390,19 +451,22 @@ def quantize_key_page(
         boost_mask = torch.full((*lead, D), nb == D, dtype=torch.bool, device=k.device)
     elif boost_mask is None and cfg.channel_selection == "oracle":
         qs = _require_query_scale(cfg, query_scale, k.device)
-        both = _both_precisions(k, cfg)
-        boost_mask = select_boosted(_oracle_scores(x, both, qs), nb)
+        both = _both_precisions(k, cfg, sync_free)
+        boost_mask = select_boosted(_oracle_scores(x, both, qs, sync_free), nb)
     elif boost_mask is None:
-        boost_mask = select_boosted(channel_importance(k, cfg, salt, query_scale), nb)
+        boost_mask = select_boosted(channel_importance(k, cfg, salt, query_scale, sync_free), nb)
     levels = torch.where(boost_mask, 2**cfg.boost_bits - 1, 2**cfg.key_bits - 1)  # [..., D]
     if both is None:
-        scale, zero = range_params(x, levels, k.dtype, cfg.key_range)  # scale/zero in the input dtype
+        scale, zero = range_params(x, levels, k.dtype, cfg.key_range, sync_free)  # scale/zero in the input dtype
     else:  # the same per-channel fits as range_params(x, levels) would compute (fits are per channel row)
         (lo, p_lo), (hi, p_hi) = sorted(both.items())
         scale, zero = (torch.where(boost_mask, h, l) for h, l in zip(p_hi, p_lo))
     codes = quantize_codes(x, scale[..., None], zero[..., None], levels[..., None])  # (..., D, G) uint8
     low = pack_2bit(codes.transpose(-1, -2) & 0x3).contiguous()  # (..., G, D/4): 4 channels per byte
-    boosted_channels = boost_mask.nonzero()[:, -1].reshape(*lead, nb)  # (..., nb) ascending channel index
+    if sync_free:  # a stable sort puts each row's nb boosted channels first, in index order: a fixed shape
+        boosted_channels = torch.argsort((~boost_mask).to(torch.uint8), dim=-1, stable=True)[..., :nb]
+    else:
+        boosted_channels = boost_mask.nonzero()[:, -1].reshape(*lead, nb)  # (..., nb) ascending channel index
     high_codes = torch.gather(codes >> 2, -2, boosted_channels[..., None].expand(*lead, nb, G))  # (..., nb, G)
     high_codes = torch.nn.functional.pad(high_codes, (0, 0, 0, 4 * high_plane_bytes(nb) - nb))  # padding slots: 0
     high = pack_2bit(high_codes.transpose(-1, -2)).contiguous()  # (..., G, ceil(nb/4))
@@ -457,9 +521,11 @@ class ValuePage(_Page):
         return self.scale.nbytes + self.zero.nbytes
 
 
-def quantize_value_page(v: torch.Tensor, cfg: KVQuantConfig) -> ValuePage:
-    """Quantize values ``[..., G, D]`` per token (min-max over channels) with ``cfg.value_bits``."""
-    _check_input(v, "v")  # values pack along tokens: any channel count D >= 1 fits
+def quantize_value_page(v: torch.Tensor, cfg: KVQuantConfig, sync_free: bool = False) -> ValuePage:
+    """Quantize values ``[..., G, D]`` per token with ``cfg.value_bits``, each token's ``[lo, hi]`` over channels
+    from ``cfg.value_range``. ``sync_free``: no host read (module docstring), the same page; ``v`` is then not
+    checked for NaN or Inf."""
+    _check_input(v, "v", finite=not sync_free)  # values pack along tokens: any channel count D >= 1 fits
     empty = v.new_empty(0)
     if not cfg.quantizes_values:
         return ValuePage(torch.empty(0, dtype=torch.uint8, device=v.device), empty, empty, v.clone(), 16, v.dtype)
@@ -469,7 +535,7 @@ def quantize_value_page(v: torch.Tensor, cfg: KVQuantConfig) -> ValuePage:
             f"got {v.shape[-2]}"
         )
     levels = 2**cfg.value_bits - 1
-    scale, zero = range_params(v, levels, v.dtype, cfg.value_range)
+    scale, zero = range_params(v, levels, v.dtype, cfg.value_range, sync_free)
     codes = quantize_codes(v, scale[..., None], zero[..., None], levels)
     packed = pack_bits(codes.transpose(-1, -2), cfg.value_bits).contiguous()  # (..., D, G*bits/8): along tokens
     return ValuePage(packed, scale, zero, empty, cfg.value_bits, v.dtype)
