@@ -233,15 +233,17 @@ _ITYPE = {torch.float16: tl.int16, torch.bfloat16: tl.int16, torch.float32: tl.i
 
 
 def _boost_mask(cfg: KVQuantConfig, k: torch.Tensor | None, nb: int, salt: int, query_scale: torch.Tensor | None,
-                u8: dict) -> torch.Tensor:
+                u8: dict, sync_free: bool = False) -> torch.Tensor:
     """The boost mask uint8 ``[N, Hkv, D]`` that ``kitty.core.quant.quantize_key_page`` picks for keys ``k``, for the
     selections the kernel does not rank itself (all but ``"magnitude"``: ``"random"``, ``"range"``, ``"query"``,
-    ``"oracle"``), computed by the same torch function; empty where the kernel ranks (or nothing is to choose)."""
+    ``"oracle"``), computed by the same torch function; empty where the kernel ranks (or nothing is to choose).
+    ``sync_free``: no host read (the oracle's error sums, ``kitty.core.quant``), the same mask."""
     if k is None or cfg.channel_selection == "magnitude" or not 0 < nb < k.shape[-1]:
         return torch.empty(0, **u8)
     if query_scale is not None:
         query_scale = query_scale.to(k.device)
-    return select_boosted(channel_importance(k, cfg, salt, query_scale), nb).to(torch.uint8).contiguous()
+    scores = channel_importance(k, cfg, salt, query_scale, sync_free=sync_free)
+    return select_boosted(scores, nb).to(torch.uint8).contiguous()
 
 
 def _high_tile(nb: int) -> int:
@@ -390,7 +392,8 @@ def pack_completed(
 
     ``scratch``: a dict kept by the caller per layer; the first call checks the arguments and stores its constant
     tensors there (the placeholder pointer, the empty boost mask), later calls with the same tensors skip the checks
-    and allocate nothing (except the boost mask of a selection that torch ranks, computed from the keys each call).
+    and allocate nothing (except the boost mask of a selection that torch ranks, computed from the keys each call,
+    without a host read: ``kitty.core.quant``'s ``sync_free``).
 
     ``query_scale`` ``[B, Hkv, D]``: for ``channel_selection="query"`` / ``"oracle"``. ``keys`` / ``values``: which
     sides this launch packs (a side that ``kitty.core.quant`` must pack, e.g. fitted key ranges, is left to the caller;
@@ -432,7 +435,7 @@ def pack_completed(
                        no_mask=torch.empty(0, **u8), u8=u8)
     nb = cfg.num_boosted(D)
     if keys and cfg.channel_selection != "magnitude" and 0 < nb < D:  # torch ranks the channels: a mask per call
-        k_mask = _boost_mask(cfg, k_qbuf, nb, salt, query_scale, scratch["u8"])
+        k_mask = _boost_mask(cfg, k_qbuf, nb, salt, query_scale, scratch["u8"], sync_free=True)
     else:
         k_mask = scratch["no_mask"]
     use_mask = k_mask.numel() > 0

@@ -170,13 +170,22 @@ def pack_completed_ref(
     ``lengths`` int32 ``[B]`` count that token. Row b's key qbuffer filled when ``m = lengths[b] - S > 0`` and
     ``m % G == 0``: it becomes key page ``j = m // G - 1`` at pool id ``b * Wk + j`` (``Wk = k_page_table.shape[1]``)
     and ``k_page_table[b, j]`` is set to that id; values likewise with ``m - R``. All rows are quantized and the
-    completed ones kept with ``torch.where`` (no host synchronization, no data-dependent shape); ``skip_idle``:
-    return early, after one host read, when no row completed a page (for the CPU, where reading is free).
-    ``keys`` / ``values``: the sides to pack (the other side's pool and table are left alone).
+    completed ones kept with ``torch.where``.
+
+    ``skip_idle=False`` (CUDA): no host read, no host-to-device copy and no data-dependent shape, for every config
+    (fitted ranges and every channel selection included), so that a static layer's decode step that runs this
+    reference can be captured in a CUDA graph. The quantizers then run with ``sync_free=True``
+    (``kitty.core.quant``): the same bytes, but the qbuffers are not checked for NaN or Inf (nor are they in the
+    pack kernel; non-finite tokens give meaningless pages instead of the default quantizers' ``ValueError``). The
+    random selection's scores reach the device on the first call (a warm-up step before any capture) and stay there.
+    ``skip_idle=True`` (the CPU, where reading is free): return early, after one host read, when no row completed a
+    page, and quantize with the default checks. ``keys`` / ``values``: the sides to pack (the other side's pool and
+    table are left alone).
     """
     S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
     n = lengths.long()
     rows = torch.arange(n.shape[0], device=n.device)
+    sync_free = not skip_idle  # the quantizers without host reads (and without their finiteness check)
     for is_key, table, pool, start in ((True, k_page_table, key_pool, S), (False, v_page_table, value_pool, S + R)):
         if not (keys if is_key else values):
             continue
@@ -192,9 +201,10 @@ def pack_completed_ref(
             # finiteness check, which reads a flag back to the host and would end a CUDA-graph capture
             fields = {"k_raw": k_qbuf} if is_key else {"v_raw": v_qbuf}
         elif is_key:
-            fields = page_fields(quantize_key_page(k_qbuf, cfg, salt=salt, query_scale=query_scale))
+            page = quantize_key_page(k_qbuf, cfg, salt=salt, query_scale=query_scale, sync_free=sync_free)
+            fields = page_fields(page)
         else:
-            fields = page_fields(quantize_value_page(v_qbuf, cfg))
+            fields = page_fields(quantize_value_page(v_qbuf, cfg, sync_free=sync_free))
         for name, new in fields.items():  # new: (B, Hkv, ...)
             t = pool[name]
             keep = done.view(-1, *([1] * (new.dim() - 1)))
