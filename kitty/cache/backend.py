@@ -9,7 +9,8 @@ only in what their ops object does; the cache and the attention function call th
   qbuffers of CUDA layers are packed by ``kitty.kernels.pack_pages`` where it packs bit-identically to
   ``kitty.core.quant`` (2/4 bits and a min-max range on that side, any channel selection), else as :class:`TorchOps`
   packs them; a static layer's completed qbuffers (``kitty.cache.static``) by ``kitty.kernels.pack_completed`` under the
-  same conditions, side by side.
+  same conditions, side by side with ``pack_completed_ref`` for the other sides (both free of host reads on CUDA,
+  so that the decode step can be captured in a CUDA graph whatever the config).
 
 ``backend="auto"`` is Triton for CUDA tensors when Triton is installed and the fused kernel handles the config
 (``kitty.kernels.triton_supports``), else torch. :func:`check_triton` is the one refusal of ``backend="triton"``.
@@ -153,7 +154,8 @@ class TorchOps:
 
     def _pack_completed_torch(self, *tensors, salt, query_scale, keys: bool = True, values: bool = True) -> None:
         """``pack_completed_ref`` of ``keys`` / ``values`` for this layer's config (``tensors``: lengths,
-        the two qbuffers, the two pools, the two page tables); a host read skips idle steps on the CPU only."""
+        the two qbuffers, the two pools, the two page tables); a host read skips idle steps on the CPU only, elsewhere
+        the reference reads nothing back (``skip_idle=False``: capturable in a CUDA graph)."""
         pack_completed_ref(
             self.cfg,
             *tensors,
@@ -190,14 +192,16 @@ class TritonOps(TorchOps):
         super().__init__(cfg, device)
         self.pack_scratch: dict = {}  # kitty.kernels.pack_completed's per-layer constants (allocated on its first call)
         # the kernel gives kitty.core.quant's bytes for a quantized side with min-max ranges (any channel selection: the
-        # non-magnitude ones pass it torch's boost mask); fitted ranges stay on kitty.core.quant. A layer's cfg is
-        # already its own (KVQuantConfig.for_layer), so a boost profile's per-layer nb needs nothing here.
+        # non-magnitude ones pass it torch's boost mask, computed without host reads); fitted ranges stay on
+        # kitty.core.quant. A layer's cfg is already its own (KVQuantConfig.for_layer), so a boost profile's per-layer
+        # nb needs nothing here.
         kernel_keys = cfg.quantizes_keys and cfg.key_range == "minmax" and cfg.boost_profile is None
         kernel_values = cfg.quantizes_values and cfg.value_range == "minmax"
         self.packs_keys = device.type == "cuda" and kernel_keys
         self.packs_values = device.type == "cuda" and kernel_values
         # kitty.kernels.pack_completed packs these sides in one launch (on CUDA or under the interpreter), the torch
-        # reference the others
+        # reference the others: on CUDA it runs kitty.core.quant sync-free (skip_idle=False), no host read and no
+        # host-to-device copy, so a static layer's decode step stays capturable in a CUDA graph with fitted ranges
         self.completes_keys, self.completes_values = kernel_keys, kernel_values
 
     def pack_keys(self, qbuf, rows, pool, ids, salt, query_scale) -> None:
@@ -217,7 +221,7 @@ class TritonOps(TorchOps):
     ) -> None:
         keys, values = self.completes_keys, self.completes_values
         tensors = (lengths, k_qbuf, v_qbuf, key_pool, value_pool, k_page_table, v_page_table)
-        if not (keys and values):  # the sides the kernel does not pack
+        if not (keys and values):  # the sides the kernel does not pack: the sync-free reference on CUDA
             self._pack_completed_torch(*tensors, salt=salt, query_scale=query_scale, keys=not keys, values=not values)
         if keys or values:
             kernels.pack_completed(
