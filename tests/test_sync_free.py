@@ -4,32 +4,28 @@
 pack: fitted ranges, and every side on the torch backend) and the torch-side work of ``kitty.kernels.pack_completed``
 (the boost masks torch ranks: random, range, query, oracle) must make no host read, build no shape from tensor data
 and copy no host data to the device: on CUDA each of these synchronizes, and a synchronization during a CUDA-graph
-capture fails the capture. On the CPU a ``TorchDispatchMode`` sees every such operation (paused inside Triton
-launches, which run under ``TRITON_INTERPRET=1``, set by conftest without a GPU), and the pages must be the same
-bytes as those of the default quantizers (``skip_idle=True``: the checked path with its host reads).
+capture fails the capture. A ``TorchDispatchMode`` sees every such operation, on the CPU as on CUDA (paused inside
+Triton launches, which run on CPU tensors under ``TRITON_INTERPRET=1``, set by conftest without a GPU), and the pages
+must be the same bytes as those of the default quantizers (``skip_idle=True``: the checked path with its host reads).
 """
 
 from __future__ import annotations
 
-import os
+from contextlib import contextmanager
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / kernels are imported
+import pytest
+import torch
+from fixtures import tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from contextlib import contextmanager  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from fixtures import tiny_model  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-
-import kitty.cache.backend as backend  # noqa: E402
-from kitty import PRESETS, KittyCache  # noqa: E402
-from kitty.core.config import get_preset  # noqa: E402
-from kitty.core.storage import pool_fields  # noqa: E402
-from kitty.hf.compat import cache_kwargs  # noqa: E402
-from kitty.hf.generate import generate_static, generate_tokens, make_cache  # noqa: E402
-from kitty.kernels import interpreting  # noqa: E402
-from kitty.kernels.reference import pack_completed_ref  # noqa: E402
+import kitty.cache.backend as backend
+from kitty import PRESETS, KittyCache
+from kitty.core.config import get_preset
+from kitty.core.storage import pool_fields
+from kitty.hf.compat import cache_kwargs
+from kitty.hf.generate import generate_static, generate_tokens, make_cache
+from kitty.kernels import interpreting
+from kitty.kernels.reference import pack_completed_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # every preset, and overrides that fit one side of a preset whose other side the kernel packs
