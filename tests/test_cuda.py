@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 
-from kitty import KittyCache
+from kitty import PRESETS, KittyCache
 from kitty.hf.compat import cache_kwargs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -190,6 +190,36 @@ def test_captured_decode_matches_eager(preset):
         cache = KittyCache(model.config, preset, max_batch_size=3, max_cache_len=ids.shape[1] + new)
         toks.append(generate_static(model, ids, mask, cache, new, capture=capture))
         assert cache.token_counts()["key_pages"] > 0  # pages were packed inside the steps
+    assert torch.equal(toks[0], toks[1])
+
+
+# presets whose captured stage 3 runs torch work: fitted keys, masks ranked by torch, a boost profile
+TORCH_STAGE_3 = ["kitty-fit", "kitty-query", "kitty-oracle", "kitty-pro-fit-adaptive", "kitty-random"]
+
+
+@pytest.mark.parametrize("preset", TORCH_STAGE_3)
+def test_captured_decode_matches_eager_with_torch_work_in_stage_3(preset):
+    """Presets whose stage 3 runs torch work inside the captured step: fitted key ranges (packed by
+    pack_completed_ref, which reads nothing back on CUDA), boost masks ranked by torch and handed to the pack kernel
+    (query, oracle, random), a per-layer boost profile. The captured and replayed step gives the eager step's tokens
+    on the ragged batch, and pages were packed. The adaptive preset gets a profile for the tiny model's two layers,
+    of the same mean: no boost in layer 0, twice the mean in layer 1 (the shipped profile is for 30 layers, whose
+    eager fitted steps take minutes)."""
+    from kitty.hf.generate import generate_static
+
+    cfg = PRESETS[preset]
+    if cfg.boost_profile is not None:
+        cfg = cfg.with_(boost_profile=(0.0, 2 * cfg.boost_fraction))
+    model = tiny_model("llama")
+    ids, mask = ragged_prompts()
+    new = 140
+    toks = []
+    for capture in (False, True):
+        cache = KittyCache(model.config, cfg, max_batch_size=3, max_cache_len=ids.shape[1] + new)
+        toks.append(generate_static(model, ids, mask, cache, new, capture=capture))
+        assert cache.token_counts()["key_pages"] > 0  # pages were packed inside the steps
+        ops = cache.layers[-1].ops
+        assert ops.fused_decode and ops.completes_keys == (cfg.key_range == "minmax")  # fitted keys: the reference
     assert torch.equal(toks[0], toks[1])
 
 
