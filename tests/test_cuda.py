@@ -180,17 +180,24 @@ def ragged_prompts(B: int = 3, T: int = 150):
 def test_captured_decode_matches_eager(preset):
     """generate_static: the decode step captured in a CUDA graph and replayed gives the eager step's tokens, on a
     ragged left-padded batch whose rows fill pages (G=128) at different steps."""
+    toks, _ = eager_and_captured(preset)
+    assert torch.equal(toks[0], toks[1])
+
+
+def eager_and_captured(cfg, new: int = 140):
+    """``generate_static``'s tokens on the ragged batch, eager and then captured, and the two caches (each of which
+    packed pages inside its decode steps)."""
     from kitty.hf.generate import generate_static
 
     model = tiny_model("llama")
     ids, mask = ragged_prompts()
-    new = 140
-    toks = []
+    toks, caches = [], []
     for capture in (False, True):
-        cache = KittyCache(model.config, preset, max_batch_size=3, max_cache_len=ids.shape[1] + new)
+        cache = KittyCache(model.config, cfg, max_batch_size=3, max_cache_len=ids.shape[1] + new)
         toks.append(generate_static(model, ids, mask, cache, new, capture=capture))
         assert cache.token_counts()["key_pages"] > 0  # pages were packed inside the steps
-    assert torch.equal(toks[0], toks[1])
+        caches.append(cache)
+    return toks, caches
 
 
 # presets whose captured stage 3 runs torch work: fitted keys, masks ranked by torch, a boost profile
@@ -205,19 +212,11 @@ def test_captured_decode_matches_eager_with_torch_work_in_stage_3(preset):
     on the ragged batch, and pages were packed. The adaptive preset gets a profile for the tiny model's two layers,
     of the same mean: no boost in layer 0, twice the mean in layer 1 (the shipped profile is for 30 layers, whose
     eager fitted steps take minutes)."""
-    from kitty.hf.generate import generate_static
-
     cfg = PRESETS[preset]
     if cfg.boost_profile is not None:
         cfg = cfg.with_(boost_profile=(0.0, 2 * cfg.boost_fraction))
-    model = tiny_model("llama")
-    ids, mask = ragged_prompts()
-    new = 140
-    toks = []
-    for capture in (False, True):
-        cache = KittyCache(model.config, cfg, max_batch_size=3, max_cache_len=ids.shape[1] + new)
-        toks.append(generate_static(model, ids, mask, cache, new, capture=capture))
-        assert cache.token_counts()["key_pages"] > 0  # pages were packed inside the steps
+    toks, caches = eager_and_captured(cfg)
+    for cache in caches:
         ops = cache.layers[-1].ops
         assert ops.fused_decode and ops.completes_keys == (cfg.key_range == "minmax")  # fitted keys: the reference
     assert torch.equal(toks[0], toks[1])
@@ -286,6 +285,22 @@ def test_captured_fused_step_matches_eager_with_merge_choice(monkeypatch, merge_
     assert torch.equal(toks[0], toks[1])
 
 
+def static_runs(monkeypatch) -> list:
+    """The caches of every run of the captured loop (``kitty.hf.generate._static_chunks``) from now on, with the
+    decode path left to its automatic choice."""
+    from kitty.hf import generate as gen
+
+    monkeypatch.delenv(gen.DECODE_PATH_ENV, raising=False)
+    runs, real = [], gen._static_chunks
+
+    def chunks(*args):
+        runs.append(args[3])
+        yield from real(*args)
+
+    monkeypatch.setattr(gen, "_static_chunks", chunks)
+    return runs
+
+
 @pytest.mark.parametrize("entry", ["cli", "eval"])
 def test_entry_points_take_the_captured_path_on_cuda(entry, monkeypatch):
     """python -m kitty's generate and kitty.tools.eval's greedy decode run the captured static step on CUDA, and
@@ -294,16 +309,8 @@ def test_entry_points_take_the_captured_path_on_cuda(entry, monkeypatch):
 
     model = tiny_model("llama")
     ids = torch.randint(0, 512, (1, 150), generator=torch.Generator().manual_seed(1))
-    monkeypatch.delenv(gen.DECODE_PATH_ENV, raising=False)
+    runs = static_runs(monkeypatch)
     assert gen.decode_path(model, "kitty") == "captured"
-    runs = []
-    real = gen._static_chunks
-
-    def chunks(*args):
-        runs.append(args[3])
-        yield from real(*args)
-
-    monkeypatch.setattr(gen, "_static_chunks", chunks)
     n = 140
     if entry == "cli":
         cache, stream = gen.decode_stream(model, ids, "kitty", n)
@@ -320,7 +327,6 @@ def test_app_columns_take_the_captured_path_on_cuda(schedule, monkeypatch):
     """The app's three columns (kitty.tools.demo.stream_side_by_side) decode on the captured static step on CUDA,
     each in its own thread and CUDA graph (or interleaved in one thread), and give the eager path's greedy tokens;
     the last readouts agree."""
-    from kitty.hf import generate as gen
     from kitty.tools import demo as kd
     from kitty.tools.prompts import PreparedPrompt
 
@@ -333,15 +339,7 @@ def test_app_columns_take_the_captured_path_on_cuda(schedule, monkeypatch):
     model = tiny_model("llama")
     model.generation_config.eos_token_id = None
     ids = torch.randint(0, 512, (1, 150), generator=torch.Generator().manual_seed(2))
-    monkeypatch.delenv(gen.DECODE_PATH_ENV, raising=False)
-    captures = []
-    real = gen._static_chunks
-
-    def chunks(*args):
-        captures.append(args[3])
-        yield from real(*args)
-
-    monkeypatch.setattr(gen, "_static_chunks", chunks)
+    captures = static_runs(monkeypatch)
     methods, n = ("fp16", "kivi-k2v2-sink", "kitty"), 60
     runs = {}
     for path in (None, "eager"):
