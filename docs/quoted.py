@@ -134,7 +134,7 @@ def wrap(text: str) -> str:
 
 
 def headline_size() -> str:
-    ppl, k = by_method("ppl_full"), PRESETS["kitty"]
+    ppl, k = by_method("ppl_full", text="all"), PRESETS["kitty"]
     b128, b64 = page_bits("kitty", BENCH_HEAD_DIM), page_bits("kitty", DEFAULT_HEAD_DIM)
     whole = ppl["kitty"]["bits_per_element"]
     return wrap(
@@ -151,7 +151,7 @@ def headline_size() -> str:
 
 
 def headline_cost() -> str:
-    ppl, pk = by_method("ppl_full"), passkeys("passkey_full")
+    ppl, pk = by_method("ppl_full", text="all"), passkeys("passkey_full")
     gap = lambda m: ppl[m]["ppl_change"]  # noqa: E731
     closed = (gap("kivi-k2v2-sink") - gap("kitty")) / (gap("kivi-k2v2-sink") - gap("kivi-k4v2-sink"))
     solved = lambda m: f"{pk[m]['all'][0]}/{pk[m]['all'][1]}"  # noqa: E731
@@ -167,7 +167,7 @@ def headline_cost() -> str:
 
 
 def accuracy_ppl() -> str:
-    ppl = by_method("ppl_full")
+    ppl = by_method("ppl_full", text="all")
     body = []
     for m, r in ppl.items():
         change = "–" if m == "fp16" else pct(r["ppl_change"])

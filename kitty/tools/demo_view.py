@@ -468,6 +468,8 @@ def eval_figures() -> dict[str, dict[str, float]]:
 
     for name in ("eval_ppl_full.csv", "eval_ppl_beyond.csv"):
         for r in rows(name):
+            if r.get("text", "all") != "all":  # a per-text row: the preset's figure is the one over every text
+                continue
             d = out.setdefault(r["method"], {})
             d.setdefault("ppl", float(r["ppl"]))
             d.setdefault("ppl_change", float(r["ppl_change"]))
