@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import time
 import traceback
@@ -128,13 +129,14 @@ def correctness(out: Path) -> dict:
     print("no_sync", r, flush=True)
     # transformers' compile path
     r = {}
-    for how in ("generate_auto_compile", "torch_compile_reduce_overhead"):
+    for preset, how in itertools.product(("fp16", "kitty"), ("generate_auto_compile", "torch_compile_reduce_overhead")):
+        how = f"{preset}:{how}"
         try:
             t = time.time()
-            ref_cache = KittyCache(model.config, "fp16", max_batch_size=4, max_cache_len=L)
+            ref_cache = KittyCache(model.config, preset, max_batch_size=4, max_cache_len=L)
             ref = generate_static(model, ids, mask, ref_cache, 40, capture=False)
-            cache = KittyCache(model.config, "fp16", max_batch_size=4, max_cache_len=L)
-            if how == "generate_auto_compile":
+            cache = KittyCache(model.config, preset, max_batch_size=4, max_cache_len=L)
+            if how.endswith("generate_auto_compile"):
                 got = model.generate(
                     ids,
                     attention_mask=mask,
