@@ -25,7 +25,6 @@ every program with ordinary ranges takes (``fast``) is that of a build with the 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import sys
@@ -45,8 +44,8 @@ from kitty.core.config import PRESETS  # noqa: E402
 from kitty.core.storage import pool_fields  # noqa: E402
 
 TARGET_US = {1: 26.0, 100: 89.0}  # the issue's budget per layer for a page-completing step
-SPLIT_GRID = ((1, 1), (2, 2), (4, 4), (8, 8))
-WARP_GRID = (4, 8)
+# (key programs per page, value programs per page), warps, register tile: the new kernel's launches timed
+GRID = [(s, w, 4096) for s in ((1, 1), (2, 2), (8, 8)) for w in (4, 8)] + [(s, 4, 2048) for s in ((1, 1), (2, 2))]
 
 
 def layer(cfg, B: int, Hkv: int, D: int, dtype, device, width: int, seed: int = 0) -> dict:
@@ -89,33 +88,35 @@ def clone(st: dict) -> dict:
 def launchers(cfg, B: int, Hkv: int) -> dict:
     """name -> (callable(state), meta): the old kernel and the new one over the split / warp grid."""
     from benchmarks.pack_old import pack_completed_old
-    from kitty.kernels.pack import PACK_WARPS, pack_completed, pack_splits
+    from kitty.kernels.pack import PACK_TILE, pack_completed, pack_splits, pack_warps
 
-    default = (pack_splits(B * Hkv, cfg.group_size, cfg.value_bits), PACK_WARPS)
+    splits = pack_splits(B * Hkv, cfg.group_size, cfg.value_bits)
+    default = (splits, pack_warps(splits), PACK_TILE)
     out = {
         "old": (
             lambda st: pack_completed_old(
                 cfg, st["lengths"], st["k"], st["v"], st["key_pool"], st["value_pool"], st["k_pt"], st["v_pt"]
             ),
-            dict(kernel="old", splits=None, warps=4, default=False),
+            dict(kernel="old", splits=None, warps=4, tile=None, default=False),
         )
     }
     per = 8 // cfg.value_bits
-    grid = [(s, w) for s, w in itertools.product(SPLIT_GRID, WARP_GRID) if s[1] <= cfg.group_size // per]
+    grid = [g for g in GRID if max(g[0]) <= cfg.group_size // per]
     if default not in grid:
         grid.append(default)
-    for splits, warps in grid:
+    for splits, warps, tile in grid:
         scratch = {}
 
-        def run(st, splits=splits, warps=warps, scratch=scratch):
+        def run(st, splits=splits, warps=warps, tile=tile, scratch=scratch):
             pack_completed(
                 cfg, st["lengths"], st["k"], st["v"], st["key_pool"], st["value_pool"], st["k_pt"], st["v_pt"],
-                scratch=scratch, splits=splits, num_warps=warps,
+                scratch=scratch, splits=splits, num_warps=warps, tile=tile,
             )  # fmt: skip
 
-        star = "*" if (splits, warps) == default else ""
-        name = f"new k{splits[0]}v{splits[1]} w{warps}{star}"
-        out[name] = (run, dict(kernel="new", splits=list(splits), warps=warps, default=bool(star)))
+        star = "*" if (splits, warps, tile) == default else ""
+        name = f"new k{splits[0]}v{splits[1]} w{warps} t{tile}{star}"
+        meta = dict(kernel="new", splits=list(splits), warps=warps, tile=tile, default=bool(star))
+        out[name] = (run, meta)
     return out
 
 
@@ -160,7 +161,8 @@ def bench(args) -> dict:
             base = layer(cfg, B, Hkv, D, dtype, device, width)
             runs = launchers(cfg, B, Hkv)
             if smoke:  # the interpreter: the old kernel, the default launch and one split launch
-                runs = {n: r for n, r in runs.items() if n == "old" or r[1]["default"] or n.startswith("new k2v2 w4")}
+                keep = ("old", "new k2v2 w4 t2048")
+                runs = {n: r for n, r in runs.items() if n in keep or r[1]["default"]}
             set_lengths(cfg, base, complete=True)
             ref = clone(base)
             runs["old"][0](ref)
@@ -288,11 +290,11 @@ def sass_report(args) -> dict:
     rows = []
     for preset in args.presets.split(","):
         cfg = PRESETS[preset]
-        row = dict(preset=preset, kernel="old", splits=None, warps=4)
+        row = dict(preset=preset, kernel="old", splits=None, warps=4, tile=None)
         rows.append({**row, **compile_sass(old._pack_kernel, cfg, torch.bfloat16, 128, 4, {})})
-        for splits, warps in itertools.product(((1, 1), (2, 2), (8, 8)), WARP_GRID):
-            steps = new._steps(cfg.group_size, 128, cfg.value_bits, *splits)
-            row = dict(preset=preset, kernel="new", splits=list(splits), warps=warps)
+        for splits, warps, tile in GRID:
+            steps = new._steps(cfg.group_size, 128, cfg.value_bits, *splits, tile)
+            row = dict(preset=preset, kernel="new", splits=list(splits), warps=warps, tile=tile)
             built = compile_sass(new._pack_kernel, cfg, torch.bfloat16, 128, warps, steps)
             path = compile_sass(fast, cfg, torch.bfloat16, 128, warps, steps)
             rows.append({**row, **built, "fast_key_sass": path["key_sass"], "fast_value_sass": path["value_sass"]})
@@ -300,9 +302,9 @@ def sass_report(args) -> dict:
         threads = 32 * r["warps"]
         fast = f", fast path key {r['fast_key_sass']} value {r['fast_value_sass']}" if "fast_key_sass" in r else ""
         print(
-            f"{r['preset']:9s} {r['kernel']} splits={r['splits']} warps={r['warps']}: {r['regs']} registers, "
-            f"{r['stack_bytes']} B stack, {r['local_instructions']} LDL/STL, SASS key {r['key_sass']} value "
-            f"{r['value_sass']} per thread ({threads} threads){fast}"
+            f"{r['preset']:9s} {r['kernel']} splits={r['splits']} warps={r['warps']} tile={r['tile']}: "
+            f"{r['regs']} registers, {r['stack_bytes']} B stack, {r['local_instructions']} LDL/STL, "
+            f"SASS key {r['key_sass']} value {r['value_sass']} per thread ({threads} threads){fast}"
         )
     return dict(rows=rows)
 

@@ -415,10 +415,17 @@ def _high_tile(nb: int) -> int:
 
 # Programs per page: a key page's statistics pass reads the whole page in each of its programs, so key splits pay
 # for themselves only while the launch has fewer busy programs than the GPU has room for; a value page's programs
-# share nothing. A program keeps at least MIN_TOKENS tokens.
+# share nothing. A program keeps at least MIN_TOKENS tokens. Split launches (few pages, latency-bound) run 8 warps
+# per program, unsplit ones 4 (fewer instructions per page, more programs per SM); a register tile is about
+# PACK_TILE elements.
 MIN_TOKENS = 16
 BUSY_PROGRAMS = 2 * 132  # busy programs per side that fill the GPU (2 per SM of an H100/H200), no more splitting
-PACK_WARPS = 4
+PACK_TILE = 4096
+
+
+def pack_warps(splits: tuple[int, int]) -> int:
+    """Warps per program for a launch with ``splits`` programs per page."""
+    return 8 if max(splits) > 1 else 4
 
 
 def pack_splits(pages: int, G: int, value_bits: int, busy: int = BUSY_PROGRAMS) -> tuple[int, int]:
@@ -435,10 +442,12 @@ def pack_splits(pages: int, G: int, value_bits: int, busy: int = BUSY_PROGRAMS) 
     return fit(G // MIN_TOKENS), fit(min(G // per, G // max(MIN_TOKENS, per)))
 
 
-def _steps(G: int, D: int, value_bits: int, ks: int, vs: int, tile: int = 4096) -> dict:
+def _steps(G: int, D: int, value_bits: int, ks: int, vs: int, tile: int = PACK_TILE) -> dict:
     """The kernel's step sizes for ``(ks, vs)`` programs per page: a register tile of about ``tile`` elements per
     step (tokens x channels): ``TS`` tokens per step of a key program's statistics pass, ``TQ`` of its packing
     pass, ``IC`` bytes of a channel's row per step of a value program (the tokens of one bit position of them)."""
+    if not is_power_of_two(tile):
+        raise ValueError(f"tile must be a power of two, got {tile}")
     per = 8 // value_bits
     rows = max(tile // D, 1)
     return dict(KSPLIT=ks, VSPLIT=vs, TS=min(G, rows), TQ=min(G // ks, rows), IC=min(G // per // vs, rows))
@@ -474,7 +483,8 @@ def pack_pages(
     salt: int = 0,
     query_scale: torch.Tensor | None = None,
     splits: tuple[int, int] | None = None,
-    num_warps: int = PACK_WARPS,
+    num_warps: int | None = None,
+    tile: int = PACK_TILE,
 ):
     """Quantize + pack full qbuffers into key and value pages with one kernel launch.
 
@@ -488,8 +498,8 @@ def pack_pages(
         salt: passed to ``channel_importance`` for ``channel_selection="random"``.
         query_scale: ``[N, Hkv, D]`` per-channel query magnitude of the packed key rows, for
             ``channel_selection="query"`` / ``"oracle"`` (as ``kitty.core.quant.quantize_key_page`` takes it).
-        splits: ``(key, value)`` programs per page (default :func:`pack_splits`); num_warps: per program. Both
-            change the speed only, never the bytes.
+        splits: ``(key, value)`` programs per page (default :func:`pack_splits`); num_warps: per program (default
+            :func:`pack_warps`); tile: elements of a register tile. They change the speed only, never the bytes.
 
     Returns:
         without ``pool``: ``(KeyPage | None, ValuePage | None)`` with leading dims ``[N, Hkv]``, equal bit for bit to
@@ -566,8 +576,8 @@ def pack_pages(
         nk * Hkv * ks, Hkv, k_rows, k_rows, k_rows, 0, 0, 0, 0,
         kq.stride(0), kq.stride(1), kq.stride(2), vq.stride(0), vq.stride(1), vq.stride(2),
         G=G, D=D, NB=nb, NBQP=_high_tile(nb), KEY_LEVELS=(1 << cfg.key_bits) - 1, VBITS=cfg.value_bits, USE_MASK=use_mask,
-        DTYPE=TLTYPE[dtype], ITYPE=_ITYPE[dtype], ROUND_UP=dtype != torch.float32, **_steps(G, D, cfg.value_bits, ks, vs),
-        num_warps=num_warps,
+        DTYPE=TLTYPE[dtype], ITYPE=_ITYPE[dtype], ROUND_UP=dtype != torch.float32, **_steps(G, D, cfg.value_bits, ks, vs, tile),
+        num_warps=num_warps or pack_warps((ks, vs)),
     )
     if pool is not None:
         return None
@@ -593,7 +603,8 @@ def pack_completed(
     values: bool = True,
     scratch: dict | None = None,
     splits: tuple[int, int] | None = None,
-    num_warps: int = PACK_WARPS,
+    num_warps: int | None = None,
+    tile: int = PACK_TILE,
 ) -> None:
     """Pack, in one launch, every row whose key or value qbuffer the last decode token filled (a static cache's
     stage 3: no host synchronization, the same grid at every step).
@@ -614,7 +625,8 @@ def pack_completed(
     ``b * Wk + j``. The value side likewise with ``m - R``. Completed rows get ``table[b, j] = id``.
     The completion test is the rule of ``kitty.core.pages.filled_page``, kept inline once (``_filled_page``).
     Each page is spread over ``splits = (key, value)`` programs (default :func:`pack_splits` for ``B * Hkv`` pages,
-    fixed per shape, so the grid is the same at every step); ``num_warps`` per program. Torch reference:
+    fixed per shape, so the grid is the same at every step); ``num_warps`` per program (default :func:`pack_warps`),
+    ``tile`` elements per register tile. Torch reference:
     ``kernels/reference.py`` ``pack_completed_ref``.
     """
     B, Hkv, G, D = k_qbuf.shape
@@ -667,8 +679,8 @@ def pack_completed(
         k_qbuf.stride(0), k_qbuf.stride(1), k_qbuf.stride(2), v_qbuf.stride(0), v_qbuf.stride(1), v_qbuf.stride(2),
         G=G, D=D, NB=nb, NBQP=_high_tile(nb), KEY_LEVELS=(1 << cfg.key_bits) - 1, VBITS=cfg.value_bits, USE_MASK=use_mask,
         DTYPE=TLTYPE[k_qbuf.dtype], ITYPE=_ITYPE[k_qbuf.dtype], ROUND_UP=k_qbuf.dtype != torch.float32,
-        PREDICATED=True, S=cfg.sink_tokens, R=cfg.local_window, **_steps(G, D, cfg.value_bits, ks, vs),
-        num_warps=num_warps,
+        PREDICATED=True, S=cfg.sink_tokens, R=cfg.local_window, **_steps(G, D, cfg.value_bits, ks, vs, tile),
+        num_warps=num_warps or pack_warps((ks, vs)),
     )
 
 
