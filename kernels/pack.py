@@ -7,8 +7,8 @@ KV heads, keys and values, in a single launch. It is bit-identical to the torch 
     key page   (per channel, §3.2–3.3):  ``quantize_key_page``    -> low / high / boost_idx / scale / zero
     value page (per token, KIVI-style):  ``quantize_value_page``  -> codes / scale / zero
 
-Algorithm, one program per (page, KV head), keys or values (the program id picks the branch, no per-element
-branching). Every plane packs along the axis attention reduces over (``docs/LAYOUT.md``): a row of ``n`` codes is
+Algorithm, per (page, KV head), keys or values (the program id picks the branch, no per-element branching). Every
+plane packs along the axis attention reduces over (``docs/LAYOUT.md``): a row of ``n`` codes is
 4 quarters of ``n/4``, quarter ``s`` at bits ``2s`` of the row's ``n/4`` bytes (4-bit value codes: 2 halves):
 
     x      = qbuf[row, head]                              # (G, D) tokens x channels
@@ -27,8 +27,17 @@ branching). Every plane packs along the axis attention reduces over (``docs/LAYO
     # values: min-max per token (over channels), codes packed along tokens, channel-major, PER = 8 / bits:
     codes[c, i]     = OR_e code[e*G/PER + i, c] << (bits * e)          # (D, G/PER)
 
-The high plane gathers its channels through ``chan``: each slot's scale/zero is a one-hot pick from the per-channel
-vectors (exact) and its tokens are read again from the qbuffer (the same floats, so the same codes).
+Programs: a page is spread over ``KSPLIT`` (keys) or ``VSPLIT`` (values) programs of the same launch (``splits``,
+default ``pack_splits``). A key program computes ``s``, the selection and the min-max of every channel over all ``G``
+tokens (each of the page's programs the same), then the planes of its ``G / KSPLIT`` tokens; a value program packs
+``G / PER / VSPLIT`` bytes of every channel's row (its tokens' statistics are its own). Both work in register tiles of
+about ``PACK_TILE`` elements. The rank compares one int64 key per channel (the score's bits above the reversed
+channel index: the order above); ``slot`` is a cumsum; ``chan[k]`` counts the channels whose running count of boosted
+channels is at most ``k``, and each slot's scale / zero / reciprocal are gathered from the per-channel vectors (its
+tokens are read again from the qbuffer: the same floats, so the same codes). The low plane is quantized one quarter
+of the channels at a time and the value codes one bit position at a time, so that the codes of a byte meet in one
+thread. Divisions are exact without IEEE division instructions where the ranges allow it (``_div``, ``_reciprocal``;
+other programs keep ``tl.div_rn``).
 
 Selection other than ``"magnitude"`` (``"random"``, ``"range"``, ``"query"``, ``"oracle"``, the last two with the
 rows' ``query_scale``) is computed by the torch reference's ``channel_importance`` and passed in as a ready boost mask,
