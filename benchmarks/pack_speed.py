@@ -18,8 +18,9 @@ and 32.1 ms step over 36 layers). Writes ``pack_speed.json`` to ``--out`` (defau
 
 ``--sass``: compiles both kernels for sm_90 with the Triton on the path (the repository's triton-3.6 side env) and
 reports registers per thread, local-memory (spill) instructions and the SASS of each branch (key / value program);
-the new kernel's branches are straight-line code except for its IEEE-division fallback, so its count on the path
-every program with ordinary ranges takes (``fast``) is that of a build with the fallback compiled out.
+the new kernel's branches are straight-line code except for its IEEE-division fallback and its equal-score re-rank,
+so its count on the path every program with ordinary ranges and distinct scores takes (``fast``) is that of a build
+with both compiled out.
 """
 
 from __future__ import annotations
@@ -264,8 +265,10 @@ def compile_sass(fn, cfg, dtype, D: int, num_warps: int, extra: dict) -> dict:
 
 
 def fast_path_kernel():
-    """``kernels/pack.py``'s ``_pack_kernel`` with the IEEE-division fallback compiled out (``fast = True``): the
-    straight-line code of a program whose ranges are ordinary, to count what such a program executes."""
+    """``kernels/pack.py``'s ``_pack_kernel`` with the IEEE-division fallback (``fast = True``) and the equal-score
+    re-rank compiled out: the straight-line code of a program whose ranges are ordinary and whose channel scores are
+    distinct, to count what such a program executes (the equal-score check's own reduction, a few instructions, is
+    compiled out with it)."""
     import importlib.util
     import re
     import tempfile
@@ -274,6 +277,9 @@ def fast_path_kernel():
     src = src.replace("from ._tiles import", "from kitty.kernels._tiles import")
     src, n = re.subn(r"(\n\s*)(v?fast) = tl\.min\(.*\n", r"\1\2 = True\n", src)
     assert n == 2, "expected the key and the value program's fast flags"
+    tie = "if tl.sum(rank, axis=0) != D * (D - 1) // 2:"
+    assert src.count(tie) == 1, "expected the key program's equal-score check"
+    src = src.replace(tie, "if False:")
     path = Path(tempfile.mkdtemp()) / "pack_fast_path.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("pack_fast_path", path)

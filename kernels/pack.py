@@ -206,15 +206,19 @@ def _key_program(
     mn = tl.min(lo, axis=0)  # (D,)
     mx = tl.max(hi, axis=0)
     # -- top-NB selection: rank by counting the channels that rank before, ties -> lower index (mean = sum / G, G a
-    # power of two: the sums rank like the means). The sums are >= 0, so their bits order like them: one int64 key
-    # per channel, the score's bits above the reversed channel index, orders channels as the rule does.
+    # power of two: the sums rank like the means). The sums are >= 0, so their bits order like them. Without equal
+    # scores the rank is the count of larger scores; those counts then sum to D (D - 1) / 2, and only a page where
+    # they don't (equal scores) ranks again by one int64 key per channel, the score's bits above the reversed channel
+    # index, which orders channels as the rule does.
     if USE_MASK:
         boost = tl.load(k_mask_ptr + (i * Hkv + h) * D + c) != 0
     else:
-        score = tl.sum(acc, axis=0)  # (D,)
-        key = (score.to(tl.int32, bitcast=True).to(tl.int64) << 16) | (D - 1 - c)
-        before = key[None, :] > key[:, None]  # (D, D): channel c' ranks before c
-        boost = tl.sum(before.to(tl.int32), axis=1) < NB
+        bits = tl.sum(acc, axis=0).to(tl.int32, bitcast=True)  # (D,)
+        rank = tl.sum((bits[None, :] > bits[:, None]).to(tl.int32), axis=1)  # (D, D) compares: larger scores
+        if tl.sum(rank, axis=0) != D * (D - 1) // 2:
+            key = (bits.to(tl.int64) << 16) | (D - 1 - c)
+            rank = tl.sum((key[None, :] > key[:, None]).to(tl.int32), axis=1)
+        boost = rank < NB
     b32 = boost.to(tl.int32)
     slot = tl.cumsum(b32, axis=0) - b32  # boosted channels before c
     levels = tl.where(boost, 15.0, KEY_LEVELS * 1.0)  # (D,)
