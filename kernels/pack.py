@@ -233,10 +233,11 @@ def _key_program(
     # -- this program's tokens, TQ at a time: the low plane (a token's D codes as 4 quarters of D/4 channels, quarter
     # s at bits 2s), each quarter loaded and quantized on its own so that the 4 codes of a byte meet in one thread;
     # the high plane likewise by quarter of its slots
-    z0, z1, z2, z3 = _quarters(zero_f, D4)
-    s0, s1, s2, s3 = _quarters(scale_f, D4)
-    r0, r1, r2, r3 = _quarters(rcp, D4)
-    l0, l1, l2, l3 = _quarters(levels, D4)
+    q0, q1, q2, q3 = _quarters(tl.join(tl.join(zero_f, scale_f), tl.join(rcp, levels)), D4)  # (D4, 2, 2) each
+    z0, s0, r0, l0 = _params4(q0)
+    z1, s1, r1, l1 = _params4(q1)
+    z2, s2, r2, l2 = _params4(q2)
+    z3, s3, r3, l3 = _params4(q3)
     if NB > 0:
         cum = slot + b32  # boosted channels up to and including c
         c0, v0, hs0, hz0, hr0 = _slot_params(cum, 0, scale_f, zero_f, rcp, D, NB, NBQ, NBQP)
@@ -265,11 +266,21 @@ def _key_program(
 
 @triton.jit
 def _quarters(v, D4: tl.constexpr):
-    """The 4 quarters of a ``(4 * D4,)`` vector: element ``s * D4 + j`` is element ``j`` of quarter ``s``."""
-    lo, hi = tl.split(tl.reshape(tl.trans(tl.reshape(v, (4, D4))), (D4, 2, 2)))  # [j, a, b]: quarter 2a + b
+    """The 4 quarters of a ``(4 * D4, 2, 2)`` tensor: ``v[s * D4 + j]`` is element ``j`` of quarter ``s``."""
+    w = tl.permute(tl.reshape(v, (4, D4, 2, 2)), (1, 2, 3, 0))  # (D4, 2, 2, 4)
+    lo, hi = tl.split(tl.reshape(w, (D4, 2, 2, 2, 2)))  # [j, ., ., a, b]: quarter 2a + b
     v0, v2 = tl.split(lo)
     v1, v3 = tl.split(hi)
     return v0, v1, v2, v3
+
+
+@triton.jit
+def _params4(q):
+    """The 4 vectors joined as ``join(join(a, b), join(c, d))``."""
+    ab, cd = tl.split(q)
+    a, b = tl.split(ab)
+    c, d = tl.split(cd)
+    return a, b, c, d
 
 
 @triton.jit
