@@ -214,7 +214,8 @@ def _key_program(
         boost = tl.load(k_mask_ptr + (i * Hkv + h) * D + c) != 0
     else:
         bits = tl.sum(acc, axis=0).to(tl.int32, bitcast=True)  # (D,)
-        rank = tl.sum((bits[None, :] > bits[:, None]).to(tl.int32), axis=1)  # (D, D) compares: larger scores
+        # (D, D): larger scores, counted by the sign bit of bits[c] - bits[c'] (no overflow: both are >= 0)
+        rank = tl.sum(((bits[:, None] - bits[None, :]) >> 31) & 1, axis=1)
         if tl.sum(rank, axis=0) != D * (D - 1) // 2:
             key = (bits.to(tl.int64) << 16) | (D - 1 - c)
             rank = tl.sum((key[None, :] > key[:, None]).to(tl.int32), axis=1)
