@@ -67,6 +67,7 @@ from kitty.core.quant import (
 from kitty.core.storage import allocate_pool, pool_fields
 
 from ._tiles import TLTYPE, check_power_of_two, is_power_of_two
+from .launch import H200_SMS
 
 __all__ = ["pack_completed", "pack_pages"]
 
@@ -444,7 +445,7 @@ def _high_tile(nb: int) -> int:
 # per program, unsplit ones 4 (fewer instructions per page, more programs per SM); a register tile is about
 # PACK_TILE elements.
 MIN_TOKENS = 16
-BUSY_PROGRAMS = 2 * 132  # busy programs per side that fill the GPU (2 per SM of an H100/H200), no more splitting
+BUSY_PROGRAMS = 2 * H200_SMS  # busy programs per side that fill the GPU (2 per SM), no more splitting
 PACK_TILE = 4096
 
 
