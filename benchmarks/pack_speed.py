@@ -95,7 +95,7 @@ def launchers(cfg, B: int, Hkv: int) -> dict:
     from kitty.kernels.pack import PACK_TILE, pack_completed, pack_splits, pack_warps
 
     splits = pack_splits(B * Hkv, cfg.group_size, cfg.value_bits)
-    default = (splits, pack_warps(splits), PACK_TILE)
+    default = (splits, pack_warps(splits, 128), PACK_TILE)
     out = {
         "old": (
             lambda st: pack_completed_old(

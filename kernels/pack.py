@@ -442,16 +442,16 @@ def _high_tile(nb: int) -> int:
 # Programs per page: a key page's statistics pass reads the whole page in each of its programs, so key splits pay
 # for themselves only while the launch has fewer busy programs than the GPU has room for; a value page's programs
 # share nothing. A program keeps at least MIN_TOKENS tokens. Split launches (few pages, latency-bound) run 8 warps
-# per program, unsplit ones 4 (fewer instructions per page, more programs per SM); a register tile is about
-# PACK_TILE elements.
+# per program, unsplit ones 4 (fewer instructions per page, more programs per SM) unless D > 128 (8: fewer spills);
+# a register tile is about PACK_TILE elements.
 MIN_TOKENS = 16
 BUSY_PROGRAMS = 2 * H200_SMS  # busy programs per side that fill the GPU (2 per SM), no more splitting
 PACK_TILE = 4096
 
 
-def pack_warps(splits: tuple[int, int]) -> int:
-    """Warps per program for a launch with ``splits`` programs per page."""
-    return 8 if max(splits) > 1 else 4
+def pack_warps(splits: tuple[int, int], D: int = 128) -> int:
+    """Warps per program for a launch with ``splits`` programs per page of head dimension ``D``."""
+    return 8 if max(splits) > 1 or D > 128 else 4
 
 
 def pack_splits(pages: int, G: int, value_bits: int, busy: int = BUSY_PROGRAMS) -> tuple[int, int]:
@@ -603,7 +603,7 @@ def pack_pages(
         kq.stride(0), kq.stride(1), kq.stride(2), vq.stride(0), vq.stride(1), vq.stride(2),
         G=G, D=D, NB=nb, NBQP=_high_tile(nb), KEY_LEVELS=(1 << cfg.key_bits) - 1, VBITS=cfg.value_bits, USE_MASK=use_mask,
         DTYPE=TLTYPE[dtype], ITYPE=_ITYPE[dtype], ROUND_UP=dtype != torch.float32, **_steps(G, D, cfg.value_bits, ks, vs, tile),
-        num_warps=num_warps or pack_warps((ks, vs)),
+        num_warps=num_warps or pack_warps((ks, vs), D),
     )
     if pool is not None:
         return None
@@ -706,7 +706,7 @@ def pack_completed(
         G=G, D=D, NB=nb, NBQP=_high_tile(nb), KEY_LEVELS=(1 << cfg.key_bits) - 1, VBITS=cfg.value_bits, USE_MASK=use_mask,
         DTYPE=TLTYPE[k_qbuf.dtype], ITYPE=_ITYPE[k_qbuf.dtype], ROUND_UP=k_qbuf.dtype != torch.float32,
         PREDICATED=True, S=cfg.sink_tokens, R=cfg.local_window, **_steps(G, D, cfg.value_bits, ks, vs, tile),
-        num_warps=num_warps or pack_warps((ks, vs)),
+        num_warps=num_warps or pack_warps((ks, vs), D),
     )
 
 
