@@ -279,7 +279,7 @@ def fast_path_kernel():
     import tempfile
 
     src = (_HERE.parent / "kernels" / "pack.py").read_text()
-    src = src.replace("from ._tiles import", "from kitty.kernels._tiles import")
+    src = src.replace("from ._", "from kitty.kernels._").replace("from .launch", "from kitty.kernels.launch")
     src, n = re.subn(r"(\n\s*)(v?fast) = tl\.min\(.*\n", r"\1\2 = True\n", src)
     assert n == 2, "expected the key and the value program's fast flags"
     tie = "if tl.sum(rank, axis=0) != D * (D - 1) // 2:"

@@ -294,6 +294,23 @@ def test_pack_reciprocal_division_is_exact():
     assert torch.equal(out, a / b.float())
 
 
+def test_pack_speed_benchmark_cpu_smoke(tmp_path, capsys):
+    """benchmarks/pack_speed.py's plumbing on the CPU: the old and the new kernel write the same bytes, and a table
+    and JSON come out."""
+    import importlib
+    import json
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the smoke run is the interpreter's (on CUDA: python -m benchmarks.pack_speed)")
+    pack_speed = importlib.import_module("benchmarks.pack_speed")
+    pack_speed.main(
+        ["--cpu-smoke", "--variants", "default", "--presets", "kitty-pro", "--batches", "2", "--out", str(tmp_path)]
+    )
+    result = json.loads((tmp_path / "pack_speed.json").read_text())
+    assert not result["failures"] and {r["variant"] for r in result["rows"]} >= {"old"}
+    assert "| kitty-pro | 2 | complete |" in capsys.readouterr().out
+
+
 def test_pack_ties_keep_lower_channel_index():
     cfg = small("kitty")  # D=32 -> 4 boosted
     k = torch.ones(1, 1, 16, 32, dtype=torch.float16, device=DEVICE)
