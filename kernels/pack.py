@@ -31,10 +31,11 @@ Programs: a page is spread over ``KSPLIT`` (keys) or ``VSPLIT`` (values) program
 default ``pack_splits``). A key program computes ``s``, the selection and the min-max of every channel over all ``G``
 tokens (each of the page's programs the same), then the planes of its ``G / KSPLIT`` tokens; a value program packs
 ``G / PER / VSPLIT`` bytes of every channel's row (its tokens' statistics are its own). Both work in register tiles of
-about ``PACK_TILE`` elements. The rank compares one int64 key per channel (the score's bits above the reversed
-channel index: the order above); ``slot`` is a cumsum; ``chan[k]`` counts the channels whose running count of boosted
-channels is at most ``k``, and each slot's scale / zero / reciprocal are gathered from the per-channel vectors (its
-tokens are read again from the qbuffer: the same floats, so the same codes). The low plane is quantized one quarter
+about ``PACK_TILE`` elements. The rank counts larger scores by their bits (a page with equal scores ranks again by
+one int64 key per channel, the score's bits above the reversed channel index: the order above); ``slot`` is a
+cumsum; ``chan[k]`` counts the channels whose running count of boosted channels is at most ``k``, and each slot's
+scale / zero / reciprocal are gathered from the per-channel vectors (its tokens are read again from the qbuffer: the
+same floats, so the same codes). The low plane is quantized one quarter
 of the channels at a time and the value codes one bit position at a time, so that the codes of a byte meet in one
 thread. Divisions are exact without IEEE division instructions where the ranges allow it (``_div``, ``_reciprocal``;
 other programs keep ``tl.div_rn``).
@@ -46,7 +47,10 @@ order); the rest runs here. Fitted ranges (``key_range``/``value_range`` ``"fit"
 and least-squares refits whose fp32 sums would have to follow torch's order) are not packed here; a side with a
 min-max range is packed whatever the other side's range.
 Ties: ``torch.topk`` does not document which of equal scores it keeps; the kernel keeps the lower channel index.
-Random float data has no ties; the tests plant distinct outlier channels.
+Random float data has no ties; the tests plant distinct outlier channels. Near ties: the scores are fp32 sums, and
+the kernel, torch (and the previous kernel) sum in different orders, so two channels whose sums differ by about an
+ulp at the top-``nb`` boundary can be chosen differently (rare on real data; ``benchmarks/pack_speed.py`` uses keys
+whose sums are exact).
 """
 
 from __future__ import annotations
