@@ -278,6 +278,31 @@ def _div_kernel(a_ptr, b_ptr, out_ptr, N: tl.constexpr):
     tl.store(out_ptr + i, _div(tl.load(a_ptr + i), b, _reciprocal(b, tl.bfloat16)))
 
 
+@pytest.mark.parametrize("splits", [(8, 8), None])
+def test_pack_completed_production_shape_bit_identical(splits):
+    """kitty-pro as served (G = R = 128, S = 32, D = 128, bf16), one row completing both sides and one its key side,
+    pages spread over 8 programs a side (the launch of a batch of 1) and pack_splits' choice."""
+    cfg = PRESETS["kitty-pro"]
+    S, G, B, Hkv, D, W = cfg.sink_tokens, cfg.group_size, 2, 2, 128, 3
+    k, v = planted_kv(B, Hkv, G, D, torch.bfloat16, DEVICE, seed=11)
+    lengths = torch.tensor([S + 2 * G, S + G], dtype=torch.int32, device=DEVICE)
+    key_spec, value_spec = pool_fields(cfg, Hkv, D, torch.bfloat16)
+    pools = [
+        {n: torch.full((B * W, *s), 7, dtype=dt, device=DEVICE) for n, (s, dt) in spec.items()}
+        for spec in (key_spec, value_spec)
+    ]
+    tables = [torch.full((B, W), -1, dtype=torch.int32, device=DEVICE) for _ in range(2)]
+    ref_pools = [{n: t.clone() for n, t in pool.items()} for pool in pools]
+    ref_tables = [t.clone() for t in tables]
+    kernels.pack_completed(cfg, lengths, k, v, *pools, *tables, splits=splits)
+    kernels.pack_completed_ref(cfg, lengths, k, v, *ref_pools, *ref_tables)
+    for got, ref in zip(pools, ref_pools):
+        for name in got:
+            assert torch.equal(got[name], ref[name]), name
+    assert all(torch.equal(a, b) for a, b in zip(tables, ref_tables))
+    assert tables[0].tolist() == [[-1, 1, -1], [3, -1, -1]] and tables[1].tolist() == [[0, -1, -1], [-1, -1, -1]]
+
+
 def test_pack_reciprocal_division_is_exact():
     """The kernel's division by a reciprocal (Newton-refined for 16-bit divisors, then one FMA correction by the
     exact remainder) equals IEEE division on quotients a hair from the rounding boundaries n + 1/2, for every
