@@ -7,8 +7,8 @@ KV heads, keys and values, in a single launch. It is bit-identical to the torch 
     key page   (per channel, §3.2–3.3):  ``quantize_key_page``    -> low / high / boost_idx / scale / zero
     value page (per token, KIVI-style):  ``quantize_value_page``  -> codes / scale / zero
 
-Algorithm, one program per (page, KV head), keys or values (the program id picks the branch, no per-element
-branching). Every plane packs along the axis attention reduces over (``docs/LAYOUT.md``): a row of ``n`` codes is
+Algorithm, per (page, KV head), keys or values (the program id picks the branch, no per-element branching). Every
+plane packs along the axis attention reduces over (``docs/LAYOUT.md``): a row of ``n`` codes is
 4 quarters of ``n/4``, quarter ``s`` at bits ``2s`` of the row's ``n/4`` bytes (4-bit value codes: 2 halves):
 
     x      = qbuf[row, head]                              # (G, D) tokens x channels
@@ -27,8 +27,18 @@ branching). Every plane packs along the axis attention reduces over (``docs/LAYO
     # values: min-max per token (over channels), codes packed along tokens, channel-major, PER = 8 / bits:
     codes[c, i]     = OR_e code[e*G/PER + i, c] << (bits * e)          # (D, G/PER)
 
-The high plane gathers its channels through ``chan``: each slot's scale/zero is a one-hot pick from the per-channel
-vectors (exact) and its tokens are read again from the qbuffer (the same floats, so the same codes).
+Programs: a page is spread over ``KSPLIT`` (keys) or ``VSPLIT`` (values) programs of the same launch (``splits``,
+default ``pack_splits``). A key program computes ``s``, the selection and the min-max of every channel over all ``G``
+tokens (each of the page's programs the same), then the planes of its ``G / KSPLIT`` tokens; a value program packs
+``G / PER / VSPLIT`` bytes of every channel's row (its tokens' statistics are its own). Both work in register tiles of
+about ``PACK_TILE`` elements. The rank counts larger scores by their bits (a page with equal scores ranks again by
+one int64 key per channel, the score's bits above the reversed channel index: the order above); ``slot`` is a
+cumsum; ``chan[k]`` counts the channels whose running count of boosted channels is at most ``k``, and each slot's
+scale / zero / reciprocal are gathered from the per-channel vectors (its tokens are read again from the qbuffer: the
+same floats, so the same codes). The low plane is quantized one quarter
+of the channels at a time and the value codes one bit position at a time, so that the codes of a byte meet in one
+thread. Divisions are exact without IEEE division instructions where the ranges allow it (``_div``, ``_reciprocal``;
+other programs keep ``tl.div_rn``).
 
 Selection other than ``"magnitude"`` (``"random"``, ``"range"``, ``"query"``, ``"oracle"``, the last two with the
 rows' ``query_scale``) is computed by the torch reference's ``channel_importance`` and passed in as a ready boost mask,
@@ -37,7 +47,10 @@ order); the rest runs here. Fitted ranges (``key_range``/``value_range`` ``"fit"
 and least-squares refits whose fp32 sums would have to follow torch's order) are not packed here; a side with a
 min-max range is packed whatever the other side's range.
 Ties: ``torch.topk`` does not document which of equal scores it keeps; the kernel keeps the lower channel index.
-Random float data has no ties; the tests plant distinct outlier channels.
+Random float data has no ties; the tests plant distinct outlier channels. Near ties: the scores are fp32 sums, and
+the kernel, torch (and the previous kernel) sum in different orders, so two channels whose sums differ by about an
+ulp at the top-``nb`` boundary can be chosen differently (rare on real data; ``benchmarks/pack_speed.py`` uses keys
+whose sums are exact).
 """
 
 from __future__ import annotations
@@ -57,7 +70,8 @@ from kitty.core.quant import (
 )
 from kitty.core.storage import allocate_pool, pool_fields
 
-from ._tiles import TLTYPE, check_power_of_two
+from ._tiles import TLTYPE, check_power_of_two, is_power_of_two
+from .launch import H200_SMS
 
 __all__ = ["pack_completed", "pack_pages"]
 
@@ -80,14 +94,82 @@ def _range_scale(mx, mn, levels):
     return tl.where(scale == float("inf"), split_up, scale)
 
 
+# Division without IEEE division instructions: with ``y = RN(1 / b)`` and ``q0 = RN(a * y)``, one correction by the
+# exact remainder, ``fma(fma(-b, q0, a), y, q0)``, is the correctly rounded ``a / b`` (Markstein's theorem; the IEEE
+# division's own fast path ends with these two FMAs) as long as nothing under- or overflows. Scales are divided this
+# way (by their levels) and codes (by the scale, whose reciprocal is computed once per channel or token) in a
+# program whose ranges ``max - min`` are all 0 or within [RANGE_MIN, RANGE_MAX] (its scales are then within
+# [2**-84, 2**80]); any other program (ranges near the fp32 limits or subnormal, non-finite tokens) divides with
+# ``tl.div_rn`` and clamps its codes, the literal formula.
+RANGE_MIN = tl.constexpr(2.0**-80)
+RANGE_MAX = tl.constexpr(2.0**80)
+RCP3 = tl.constexpr(float(torch.tensor(1.0) / 3))  # 1 / levels rounded to fp32, for 2- and 4-bit codes
+RCP15 = tl.constexpr(float(torch.tensor(1.0) / 15))
+
+
 @triton.jit
-def _quantize(x, zero, scale, levels):
-    """``clamp(floor((x - zero) / scale + 1/2), 0, levels)`` in fp32 with IEEE division; 0 where scale == 0."""
-    pos = scale > 0
-    q = tl.div_rn(x - zero, tl.where(pos, scale, 1.0))
-    q = tl.where(pos, q, 0.0)
-    code = tl.minimum(tl.maximum(tl.floor(q + 0.5), 0.0), levels)
-    return code.to(tl.int32)
+def _exact_range(mx, mn):
+    """Whether the range ``mx - mn`` allows the reciprocal division (0 or within ``[RANGE_MIN, RANGE_MAX]``)."""
+    v = mx - mn
+    return (v == 0) | ((v >= RANGE_MIN) & (v <= RANGE_MAX))
+
+
+@triton.jit
+def _div(a, b, y):
+    """``a / b`` rounded to nearest, from ``y = RN(1 / b)`` (see above; ``y = 0`` gives 0 for ``a = 0``)."""
+    q0 = a * y
+    return tl.fma(tl.fma(-b, q0, a), y, q0)
+
+
+@triton.jit
+def _params(mx, mn, levels, rlevels, fast, DTYPE: tl.constexpr, ITYPE: tl.constexpr, ROUND_UP: tl.constexpr):
+    """Min-max parameters of ``kitty.core.quant.minmax_params``: ``scale_q``, ``zero_q`` in ``DTYPE`` (the scale
+    rounded up to it), and in fp32 the scale, the zero and the reciprocal of the scale (0 where the scale is 0).
+    ``rlevels``: ``1 / levels`` rounded to fp32."""
+    if fast:
+        scale = _div(mx - mn, levels, rlevels)
+    else:
+        scale = _range_scale(mx, mn, levels)
+    if ROUND_UP:
+        scale_q = _roundup_to(scale, DTYPE, ITYPE)
+    else:
+        scale_q = scale.to(DTYPE)
+    zero_q = mn.to(DTYPE)
+    scale_f = scale_q.to(tl.float32)
+    return scale_q, zero_q, scale_f, zero_q.to(tl.float32), _reciprocal(scale_f, DTYPE)
+
+
+@triton.jit
+def _reciprocal(b, DTYPE: tl.constexpr):
+    """``1 / b`` rounded to nearest, 0 where ``b == 0``, for the scales of a fast program. A 16-bit scale (at most 11
+    significant bits) takes four Newton steps ``y += y * (1 - b * y)`` (FMAs) from the bit-level first guess, the
+    last of which is the Markstein correction: exactly ``RN(1 / b)`` for every significand of up to 16 bits and
+    every ``b`` in ``[2**-90, 2**90]`` (checked exhaustively; three steps already suffice for 11 bits). An fp32 scale
+    takes IEEE division."""
+    pos = b > 0
+    if DTYPE == tl.float32:
+        y = tl.div_rn(1.0, tl.where(pos, b, 1.0))
+    else:
+        y = (0x7EF311C3 - b.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+        for _ in tl.static_range(4):
+            y = tl.fma(tl.fma(-b, y, 1.0), y, y)
+    return tl.where(pos, y, 0.0)
+
+
+@triton.jit
+def _quantize(x, zero, scale, rcp, levels, fast):
+    """``clamp(floor((x - zero) / scale + 1/2), 0, levels)`` in fp32 with the IEEE quotient; 0 where scale == 0.
+    ``fast``: the reciprocal division, and no clamp: ``x - zero`` is finite and at most the range, so the quotient is
+    within ``[0, levels]`` up to rounding (the scale was rounded up, or to nearest in fp32) and ``+ 1/2`` then
+    truncation is the floor."""
+    a = x - zero
+    if fast:
+        code = (_div(a, scale, rcp) + 0.5).to(tl.int32)
+    else:
+        pos = scale > 0
+        q = tl.where(pos, tl.div_rn(a, tl.where(pos, scale, 1.0)), 0.0)
+        code = tl.minimum(tl.maximum(tl.floor(q + 0.5), 0.0), levels).to(tl.int32)
+    return code
 
 
 @triton.jit
@@ -97,6 +179,180 @@ def _filled_page(len_ptr, i, start, G: tl.constexpr):
     ``j`` of the row it becomes (``m = lengths[i] - start``: ``m > 0``, ``m % G == 0``, ``j = m // G - 1``)."""
     m = tl.load(len_ptr + i) - start
     return (m > 0) & (m % G == 0), m // G - 1
+
+
+@triton.jit
+def _key_program(
+    kq_ptr, k_mask_ptr, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr,
+    row, page, i, h, part, Hkv, skq_b, skq_h, skq_t,
+    G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, NBQP: tl.constexpr, KEY_LEVELS: tl.constexpr,
+    KEY_RLEVELS: tl.constexpr, USE_MASK: tl.constexpr, DTYPE: tl.constexpr, ITYPE: tl.constexpr, ROUND_UP: tl.constexpr,
+    KSPLIT: tl.constexpr, TS: tl.constexpr, TQ: tl.constexpr,
+):
+    """Program ``part`` of ``KSPLIT`` of key page (row, head): the page's per-channel statistics over all ``G``
+    tokens (every program of the page computes the same ones), then the low and high plane rows of its ``G / KSPLIT``
+    tokens; program 0 also stores ``boost_idx``, ``scale`` and ``zero``."""
+    D4: tl.constexpr = D // 4  # bytes of a low-plane row: channel s * D4 + j at bits 2s of byte j
+    NBQ: tl.constexpr = (NB + 3) // 4  # bytes of a high-plane row: slot s * NBQ + j at bits 2s of byte j
+    GP: tl.constexpr = G // KSPLIT  # tokens of this program; TS, TQ: tokens per step of the two passes
+    c = tl.arange(0, D)
+    kbase = kq_ptr + row * skq_b + h * skq_h
+    # -- statistics over all G tokens, in steps of TS tokens: elementwise running |x| sum / min / max, reduced once
+    ts = tl.arange(0, TS)
+    x = tl.load(kbase + ts[:, None] * skq_t + c[None, :]).to(tl.float32)  # (TS, D) tokens x channels
+    acc = tl.abs(x)
+    lo = x
+    hi = x
+    for t0 in tl.static_range(TS, G, TS):
+        x = tl.load(kbase + (t0 + ts)[:, None] * skq_t + c[None, :]).to(tl.float32)
+        acc += tl.abs(x)
+        lo = tl.minimum(lo, x)
+        hi = tl.maximum(hi, x)
+    mn = tl.min(lo, axis=0)  # (D,)
+    mx = tl.max(hi, axis=0)
+    # -- top-NB selection: rank by counting the channels that rank before, ties -> lower index (mean = sum / G, G a
+    # power of two: the sums rank like the means). The sums are >= 0, so their bits order like them. Without equal
+    # scores the rank is the count of larger scores; those counts then sum to D (D - 1) / 2, and only a page where
+    # they don't (equal scores) ranks again by one int64 key per channel, the score's bits above the reversed channel
+    # index, which orders channels as the rule does.
+    if USE_MASK:
+        boost = tl.load(k_mask_ptr + (i * Hkv + h) * D + c) != 0
+    else:
+        bits = tl.sum(acc, axis=0).to(tl.int32, bitcast=True)  # (D,)
+        # (D, D): larger scores, counted by the sign bit of bits[c] - bits[c'] (no overflow: both are >= 0)
+        rank = tl.sum(((bits[:, None] - bits[None, :]) >> 31) & 1, axis=1)
+        if tl.sum(rank, axis=0) != D * (D - 1) // 2:
+            key = (bits.to(tl.int64) << 16) | (D - 1 - c)
+            rank = tl.sum((key[None, :] > key[:, None]).to(tl.int32), axis=1)
+        boost = rank < NB
+    b32 = boost.to(tl.int32)
+    slot = tl.cumsum(b32, axis=0) - b32  # boosted channels before c
+    levels = tl.where(boost, 15.0, KEY_LEVELS * 1.0)  # (D,)
+    rlevels = tl.where(boost, RCP15, KEY_RLEVELS)
+    fast = tl.min(_exact_range(mx, mn).to(tl.int32), axis=0) != 0  # every channel divides by its reciprocal
+    scale_q, zero_q, scale_f, zero_f, rcp = _params(mx, mn, levels, rlevels, fast, DTYPE, ITYPE, ROUND_UP)
+    pbase = page * Hkv + h
+    if part == 0:
+        tl.store(k_idx_ptr + pbase * D + c, tl.where(boost, slot, 255).to(tl.uint8))
+        tl.store(k_scale_ptr + pbase * D + c, scale_q)
+        tl.store(k_zero_ptr + pbase * D + c, zero_q)
+    # -- this program's tokens, TQ at a time: the low plane (a token's D codes as 4 quarters of D/4 channels, quarter
+    # s at bits 2s), each quarter loaded and quantized on its own so that the 4 codes of a byte meet in one thread;
+    # the high plane likewise by quarter of its slots
+    q0, q1, q2, q3 = _quarters(tl.join(tl.join(zero_f, scale_f), tl.join(rcp, levels)), D4)  # (D4, 2, 2) each
+    z0, s0, r0, l0 = _params4(q0)
+    z1, s1, r1, l1 = _params4(q1)
+    z2, s2, r2, l2 = _params4(q2)
+    z3, s3, r3, l3 = _params4(q3)
+    if NB > 0:
+        cum = slot + b32  # boosted channels up to and including c
+        c0, v0, hs0, hz0, hr0 = _slot_params(cum, 0, scale_f, zero_f, rcp, D, NB, NBQ, NBQP)
+        c1, v1, hs1, hz1, hr1 = _slot_params(cum, 1, scale_f, zero_f, rcp, D, NB, NBQ, NBQP)
+        c2, v2, hs2, hz2, hr2 = _slot_params(cum, 2, scale_f, zero_f, rcp, D, NB, NBQ, NBQP)
+        c3, v3, hs3, hz3, hr3 = _slot_params(cum, 3, scale_f, zero_f, rcp, D, NB, NBQ, NBQP)
+        jq = tl.arange(0, NBQP)
+    tq = tl.arange(0, TQ)
+    jd = tl.arange(0, D4)
+    for t0 in tl.static_range(0, GP, TQ):
+        t = part * GP + t0 + tq
+        rows = kbase + t[:, None] * skq_t
+        low = _low_bits(rows + jd[None, :], z0, s0, r0, l0, fast, 0)  # (TQ, D4)
+        low |= _low_bits(rows + (D4 + jd)[None, :], z1, s1, r1, l1, fast, 2)
+        low |= _low_bits(rows + (2 * D4 + jd)[None, :], z2, s2, r2, l2, fast, 4)
+        low |= _low_bits(rows + (3 * D4 + jd)[None, :], z3, s3, r3, l3, fast, 6)
+        tl.store(k_low_ptr + pbase * (G * D4) + t[:, None] * D4 + jd[None, :], low.to(tl.uint8))
+        if NB > 0:
+            high = _high_bits(rows, c0, v0, hs0, hz0, hr0, fast, 0)  # (TQ, NBQP)
+            high |= _high_bits(rows, c1, v1, hs1, hz1, hr1, fast, 2)
+            high |= _high_bits(rows, c2, v2, hs2, hz2, hr2, fast, 4)
+            high |= _high_bits(rows, c3, v3, hs3, hz3, hr3, fast, 6)
+            tl.store(k_high_ptr + pbase * (G * NBQ) + t[:, None] * NBQ + jq[None, :], high.to(tl.uint8),
+                     mask=(jq < NBQ)[None, :])
+
+
+@triton.jit
+def _quarters(v, D4: tl.constexpr):
+    """The 4 quarters of a ``(4 * D4, 2, 2)`` tensor: ``v[s * D4 + j]`` is element ``j`` of quarter ``s``."""
+    w = tl.permute(tl.reshape(v, (4, D4, 2, 2)), (1, 2, 3, 0))  # (D4, 2, 2, 4)
+    lo, hi = tl.split(tl.reshape(w, (D4, 2, 2, 2, 2)))  # [j, ., ., a, b]: quarter 2a + b
+    v0, v2 = tl.split(lo)
+    v1, v3 = tl.split(hi)
+    return v0, v1, v2, v3
+
+
+@triton.jit
+def _params4(q):
+    """The 4 vectors joined as ``join(join(a, b), join(c, d))``."""
+    ab, cd = tl.split(q)
+    a, b = tl.split(ab)
+    c, d = tl.split(cd)
+    return a, b, c, d
+
+
+@triton.jit
+def _low_bits(ptrs, zero, scale, rcp, levels, fast, SHIFT: tl.constexpr):
+    """The low 2 bits of the codes of the tokens x channels at ``ptrs``, shifted to bits ``SHIFT``."""
+    x = tl.load(ptrs).to(tl.float32)
+    return (_quantize(x, zero[None, :], scale[None, :], rcp[None, :], levels[None, :], fast) & 3) << SHIFT
+
+
+@triton.jit
+def _slot_params(cum, s: tl.constexpr, scale, zero, rcp, D: tl.constexpr, NB: tl.constexpr, NBQ: tl.constexpr,
+                 NBQP: tl.constexpr):
+    """Quarter ``s`` of the high plane's slots (slot ``s * NBQ + j`` at bits ``2s`` of byte ``j``, ``j <
+    NBQP``): the boosted channel of each slot (the channels whose count ``cum`` of boosted channels up to them is at
+    most the slot), whether the slot holds one (slots past ``NB`` and the tile's padding hold code 0), and its scale,
+    zero and reciprocal gathered from the per-channel vectors."""
+    jq = tl.arange(0, NBQP)
+    k = s * NBQ + jq
+    chan = tl.minimum(tl.sum((cum[None, :] <= k[:, None]).to(tl.int32), axis=1), D - 1)  # (NBQP,)
+    live = (jq < NBQ) & (k < NB)
+    return chan, live, tl.gather(scale, chan, 0), tl.gather(zero, chan, 0), tl.gather(rcp, chan, 0)
+
+
+@triton.jit
+def _high_bits(rows, chan, live, scale, zero, rcp, fast, SHIFT: tl.constexpr):
+    """The high 2 bits of the 4-bit codes of the slots' channels (``_slot_params``) of the tokens at ``rows``
+    (the tokens' rows of the qbuffer, re-read: the same floats give the same codes), shifted to bits ``SHIFT``."""
+    x = tl.load(rows + chan[None, :], mask=live[None, :], other=0.0).to(tl.float32)  # (TQ, NBQP)
+    code = _quantize(x, zero[None, :], scale[None, :], rcp[None, :], 15.0, fast) >> 2
+    return tl.where(live[None, :], code, 0) << SHIFT
+
+
+@triton.jit
+def _value_program(
+    vq_ptr, v_codes_ptr, v_scale_ptr, v_zero_ptr,
+    vrow, vpage, vh, part, Hkv, svq_b, svq_h, svq_t,
+    G: tl.constexpr, D: tl.constexpr, VBITS: tl.constexpr,
+    DTYPE: tl.constexpr, ITYPE: tl.constexpr, ROUND_UP: tl.constexpr, VSPLIT: tl.constexpr, IC: tl.constexpr,
+):
+    """Program ``part`` of ``VSPLIT`` of value page (row, head): bytes ``i`` of ``[part * GQ / VSPLIT, (part + 1) *
+    GQ / VSPLIT)`` of every channel's row, i.e. tokens ``e * GQ + i`` (statistics per token: nothing shared)."""
+    PER: tl.constexpr = 8 // VBITS  # codes per byte
+    GQ: tl.constexpr = G // PER  # bytes of a channel's row: token e * GQ + i at bits VBITS * e of byte i
+    NI: tl.constexpr = GQ // VSPLIT  # bytes of each channel's row that this program writes, IC of them per step
+    VLEVELS: tl.constexpr = (1 << VBITS) - 1
+    VRLEVELS: tl.constexpr = RCP15 if VBITS == 4 else RCP3
+    iq = tl.arange(0, IC)
+    cv = tl.arange(0, D)
+    vsrc = vq_ptr + vrow * svq_b + vh * svq_h
+    vbase = vpage * Hkv + vh
+    for i0 in tl.static_range(0, NI, IC):
+        ib = part * NI + i0 + iq  # (IC,) bytes of a channel's row
+        packed = tl.zeros((IC, D), tl.int32)
+        for e in tl.static_range(PER):  # tokens e * GQ + ib: codes at bits VBITS * e of bytes ib
+            tok = e * GQ + ib
+            vx = tl.load(vsrc + tok[:, None] * svq_t + cv[None, :]).to(tl.float32)  # (IC, D)
+            vmn = tl.min(vx, axis=1)  # (IC,): per token, over channels
+            vmx = tl.max(vx, axis=1)
+            vfast = tl.min(_exact_range(vmx, vmn).to(tl.int32), axis=0) != 0
+            vscale_q, vzero_q, vscale_f, vzero_f, vrcp = _params(vmx, vmn, VLEVELS * 1.0, VRLEVELS, vfast, DTYPE,
+                                                                  ITYPE, ROUND_UP)
+            vcode = _quantize(vx, vzero_f[:, None], vscale_f[:, None], vrcp[:, None], VLEVELS * 1.0, vfast)
+            packed |= vcode << (VBITS * e)
+            tl.store(v_scale_ptr + vbase * G + tok, vscale_q)
+            tl.store(v_zero_ptr + vbase * G + tok, vzero_q)
+        tl.store(v_codes_ptr + vbase * (D * GQ) + cv[None, :] * GQ + ib[:, None], packed.to(tl.uint8))
 
 
 @triton.jit
@@ -117,116 +373,52 @@ def _pack_kernel(
     VBITS: tl.constexpr, USE_MASK: tl.constexpr,
     DTYPE: tl.constexpr, ITYPE: tl.constexpr, ROUND_UP: tl.constexpr,
     PREDICATED: tl.constexpr = False, S: tl.constexpr = 0, R: tl.constexpr = 0,
+    # programs per key page / per value page; tokens per step of a key program's two passes, bytes of a channel's
+    # row per step of a value program (_steps)
+    KSPLIT: tl.constexpr = 1, VSPLIT: tl.constexpr = 1, TS: tl.constexpr = 1, TQ: tl.constexpr = 1,
+    IC: tl.constexpr = 1,
 ):
     pid = tl.program_id(0)
     if pid < n_key_progs:
         # ================================================================= key page: per channel, boosted
-        D4: tl.constexpr = D // 4  # bytes of a low-plane row: channel s * D4 + j at bits 2s of byte j
-        NBQ: tl.constexpr = (NB + 3) // 4  # bytes of a high-plane row: slot s * NBQ + j at bits 2s of byte j
-        i = pid // Hkv
-        h = pid % Hkv
-        if PREDICATED:  # program (row i, head h) of every row: only a row whose key qbuffer just filled packs
+        page_prog = pid // KSPLIT  # (row i, head h) of the page
+        part = pid % KSPLIT
+        i = page_prog // Hkv
+        h = page_prog % Hkv
+        if PREDICATED:  # programs (row i, head h, part) of every row: only a row whose key qbuffer just filled packs
             done, j = _filled_page(len_ptr, i, S, G)
             if done == 0:
                 return
             row = i.to(tl.int64)
             page = (i * k_width + j).to(tl.int64)
-            if h == 0:  # the page-table entry, once per row
+            if page_prog % Hkv + part == 0:  # the page-table entry, once per row
                 tl.store(k_pt_ptr + i * spt_k + j, page.to(tl.int32))
         else:
             row = tl.load(k_rows_ptr + i).to(tl.int64)
             page = tl.load(k_pages_ptr + i).to(tl.int64)
-        t = tl.arange(0, G)
-        c = tl.arange(0, D)
-        q4 = tl.arange(0, 4)
-        kbase = kq_ptr + row * skq_b + h * skq_h
-        x = tl.load(kbase + t[:, None] * skq_t + c[None, :]).to(tl.float32)  # (G, D) tokens x channels
-        # -- importance and top-NB selection (rank by counting larger scores, ties -> lower index)
-        if USE_MASK:
-            boost = tl.load(k_mask_ptr + (i * Hkv + h) * D + c) != 0
-        else:
-            score = tl.sum(tl.abs(x), axis=0) / G  # (D,)
-            sc = score[:, None]
-            so = score[None, :]
-            before = (so > sc) | ((so == sc) & (c[None, :] < c[:, None]))  # (D, D): channel c' ranks before c
-            rank = tl.sum(before.to(tl.int32), axis=1)
-            boost = rank < NB
-        slot = tl.sum(((c[None, :] < c[:, None]) & boost[None, :]).to(tl.int32), axis=1)  # boosted channels before c
-        levels = tl.where(boost, 15.0, KEY_LEVELS * 1.0)  # (D,)
-        # -- min-max per channel over tokens
-        mn = tl.min(x, axis=0)
-        mx = tl.max(x, axis=0)
-        if ROUND_UP:
-            scale_q = _roundup_to(_range_scale(mx, mn, levels), DTYPE, ITYPE)
-        else:
-            scale_q = _range_scale(mx, mn, levels).to(DTYPE)
-        zero_q = mn.to(DTYPE)
-        scale_f = scale_q.to(tl.float32)
-        zero_f = zero_q.to(tl.float32)
-        code = _quantize(x, zero_f[None, :], scale_f[None, :], levels[None, :])  # (G, D) int32
-        # -- low plane: a token's row of D codes as 4 quarters of D/4 channels, quarter s at bits 2s
-        quarters = tl.reshape(code & 3, (G, 4, D4))  # [t, s, j] = channel s * D4 + j
-        low = tl.sum(quarters << (2 * q4)[None, :, None], axis=1)  # (G, D4), disjoint bits: sum == or
-        pbase = page * Hkv + h
-        jd = tl.arange(0, D4)
-        tl.store(k_low_ptr + pbase * (G * D4) + t[:, None] * D4 + jd[None, :], low.to(tl.uint8))
-        if NB > 0:
-            # -- high plane, compact by slot: the boosted channel of each slot, its scale/zero (a one-hot pick from
-            # the per-channel vectors: exact) and its tokens re-read from the qbuffer (the codes come out the same)
-            jq = tl.arange(0, NBQP)
-            tgt = q4[:, None] * NBQ + jq[None, :]  # (4, NBQP): the slot at bits 2s of byte jq
-            live = (jq[None, :] < NBQ) & (tgt < NB)  # slots nb .. 4 * NBQ - 1 and the tile's padding hold code 0
-            pick = (tgt[:, :, None] == slot[None, None, :]) & boost[None, None, :]  # (4, NBQP, D)
-            chan = tl.sum(tl.where(pick, c[None, None, :], 0), axis=2)  # (4, NBQP)
-            hscale = tl.sum(tl.where(pick, scale_f[None, None, :], 0.0), axis=2)
-            hzero = tl.sum(tl.where(pick, zero_f[None, None, :], 0.0), axis=2)
-            xh = tl.load(kbase + t[:, None, None] * skq_t + chan[None, :, :], mask=live[None, :, :],
-                         other=0.0).to(tl.float32)  # (G, 4, NBQP)
-            hcode = _quantize(xh, hzero[None, :, :], hscale[None, :, :], 15.0) >> 2
-            hcode = tl.where(live[None, :, :], hcode, 0)
-            high = tl.sum(hcode << (2 * q4)[None, :, None], axis=1)  # (G, NBQP)
-            tl.store(k_high_ptr + pbase * (G * NBQ) + t[:, None] * NBQ + jq[None, :], high.to(tl.uint8),
-                     mask=(jq < NBQ)[None, :])
-        tl.store(k_idx_ptr + pbase * D + c, tl.where(boost, slot, 255).to(tl.uint8))
-        tl.store(k_scale_ptr + pbase * D + c, scale_q)
-        tl.store(k_zero_ptr + pbase * D + c, zero_q)
+        _key_program(kq_ptr, k_mask_ptr, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr,
+                     row, page, i, h, part, Hkv, skq_b, skq_h, skq_t,
+                     G, D, NB, NBQP, KEY_LEVELS, RCP15 if KEY_LEVELS == 15 else RCP3, USE_MASK, DTYPE, ITYPE,
+                     ROUND_UP, KSPLIT, TS, TQ)
     else:
         # ================================================================= value page: per token
-        PER: tl.constexpr = 8 // VBITS  # codes per byte
-        GQ: tl.constexpr = G // PER  # bytes of a channel's row: token e * GQ + i at bits VBITS * e of byte i
-        vi = (pid - n_key_progs) // Hkv
-        vh = (pid - n_key_progs) % Hkv
+        vprog = (pid - n_key_progs) // VSPLIT
+        vpart = (pid - n_key_progs) % VSPLIT
+        vi = vprog // Hkv
+        vh = vprog % Hkv
         if PREDICATED:  # likewise for a value qbuffer (filled once R more tokens came)
             vdone, vj = _filled_page(len_ptr, vi, S + R, G)
             if vdone == 0:
                 return
             vrow = vi.to(tl.int64)
             vpage = (vi * v_width + vj).to(tl.int64)
-            if vh == 0:
+            if vh + vpart == 0:
                 tl.store(v_pt_ptr + vi * spt_v + vj, vpage.to(tl.int32))
         else:
             vrow = tl.load(v_rows_ptr + vi).to(tl.int64)
             vpage = tl.load(v_pages_ptr + vi).to(tl.int64)
-        e = tl.arange(0, PER)
-        iq = tl.arange(0, GQ)
-        cv = tl.arange(0, D)
-        tok = e[:, None] * GQ + iq[None, :]  # (PER, GQ) token index
-        vx = tl.load(vq_ptr + vrow * svq_b + vh * svq_h + tok[:, :, None] * svq_t + cv[None, None, :]).to(tl.float32)
-        vmn = tl.min(vx, axis=2)  # (PER, GQ): per token, over channels
-        vmx = tl.max(vx, axis=2)
-        VLEVELS: tl.constexpr = (1 << VBITS) - 1
-        vlevels = tl.full(vmx.shape, VLEVELS, tl.float32)
-        if ROUND_UP:
-            vscale_q = _roundup_to(_range_scale(vmx, vmn, vlevels), DTYPE, ITYPE)
-        else:
-            vscale_q = _range_scale(vmx, vmn, vlevels).to(DTYPE)
-        vzero_q = vmn.to(DTYPE)
-        vcode = _quantize(vx, vzero_q.to(tl.float32)[:, :, None], vscale_q.to(tl.float32)[:, :, None], VLEVELS * 1.0)
-        packed = tl.sum(vcode << (VBITS * e)[:, None, None], axis=0)  # (GQ, D): tokens e * GQ + i of channel c
-        vbase = vpage * Hkv + vh
-        tl.store(v_codes_ptr + vbase * (D * GQ) + cv[None, :] * GQ + iq[:, None], packed.to(tl.uint8))
-        tl.store(v_scale_ptr + vbase * G + tok, vscale_q)
-        tl.store(v_zero_ptr + vbase * G + tok, vzero_q)
+        _value_program(vq_ptr, v_codes_ptr, v_scale_ptr, v_zero_ptr, vrow, vpage, vh, vpart, Hkv, svq_b, svq_h, svq_t,
+                       G, D, VBITS, DTYPE, ITYPE, ROUND_UP, VSPLIT, IC)
 
 
 _ITYPE = {torch.float16: tl.int16, torch.bfloat16: tl.int16, torch.float32: tl.int32}
@@ -251,6 +443,54 @@ def _high_tile(nb: int) -> int:
     return triton.next_power_of_2(max(high_plane_bytes(nb), 1))
 
 
+# Programs per page: a key page's statistics pass reads the whole page in each of its programs, so key splits pay
+# for themselves only while the launch has fewer busy programs than the GPU has room for; a value page's programs
+# share nothing. A program keeps at least MIN_TOKENS tokens. Split launches (few pages, latency-bound) run 8 warps
+# per program, unsplit ones 4 (fewer instructions per page, more programs per SM) unless D > 128 (8: fewer spills);
+# a register tile is about PACK_TILE elements.
+MIN_TOKENS = 16
+BUSY_PROGRAMS = 2 * H200_SMS  # busy programs per side that fill the GPU (2 per SM), no more splitting
+PACK_TILE = 4096
+
+
+def pack_warps(splits: tuple[int, int], D: int = 128) -> int:
+    """Warps per program for a launch with ``splits`` programs per page of head dimension ``D``."""
+    return 8 if max(splits) > 1 or D > 128 else 4
+
+
+def pack_splits(pages: int, G: int, value_bits: int, busy: int = BUSY_PROGRAMS) -> tuple[int, int]:
+    """``(key programs per page, value programs per page)`` for a launch over ``pages`` (row, KV head) pages a side:
+    powers of two, as many as keep the side's busy programs within ``busy``, each program keeping at least
+    ``MIN_TOKENS`` of the page's ``G`` tokens (a value program: whole bytes of a channel's row)."""
+    def fit(limit: int) -> int:
+        n = 1
+        while 2 * n <= limit and 2 * n * max(pages, 1) <= busy:
+            n *= 2
+        return n
+
+    per = 8 // value_bits  # value tokens per byte
+    return fit(G // MIN_TOKENS), fit(min(G // per, G // max(MIN_TOKENS, per)))
+
+
+def _steps(G: int, D: int, value_bits: int, ks: int, vs: int, tile: int = PACK_TILE) -> dict:
+    """The kernel's step sizes for ``(ks, vs)`` programs per page: a register tile of about ``tile`` elements per
+    step (tokens x channels): ``TS`` tokens per step of a key program's statistics pass, ``TQ`` of its packing
+    pass, ``IC`` bytes of a channel's row per step of a value program (the tokens of one bit position of them)."""
+    if not is_power_of_two(tile):
+        raise ValueError(f"tile must be a power of two, got {tile}")
+    per = 8 // value_bits
+    rows = max(tile // D, 1)
+    return dict(KSPLIT=ks, VSPLIT=vs, TS=min(G, rows), TQ=min(G // ks, rows), IC=min(G // per // vs, rows))
+
+
+def _check_splits(splits, G: int, value_bits: int) -> tuple[int, int]:
+    ks, vs = splits
+    per = 8 // value_bits
+    if not (is_power_of_two(ks) and is_power_of_two(vs) and ks <= G and vs <= G // per):
+        raise ValueError(f"splits must be powers of two with key <= G = {G} and value <= G / {per}, got {splits}")
+    return int(ks), int(vs)
+
+
 def _index(x: torch.Tensor | None, n: int, device, name: str) -> torch.Tensor:
     if x is None:
         return torch.arange(n, dtype=torch.int32, device=device)
@@ -272,6 +512,9 @@ def pack_pages(
     v_pages=None,
     salt: int = 0,
     query_scale: torch.Tensor | None = None,
+    splits: tuple[int, int] | None = None,
+    num_warps: int | None = None,
+    tile: int = PACK_TILE,
 ):
     """Quantize + pack full qbuffers into key and value pages with one kernel launch.
 
@@ -285,6 +528,8 @@ def pack_pages(
         salt: passed to ``channel_importance`` for ``channel_selection="random"``.
         query_scale: ``[N, Hkv, D]`` per-channel query magnitude of the packed key rows, for
             ``channel_selection="query"`` / ``"oracle"`` (as ``kitty.core.quant.quantize_key_page`` takes it).
+        splits: ``(key, value)`` programs per page (default :func:`pack_splits`); num_warps: per program (default
+            :func:`pack_warps`); tile: elements of a register tile. They change the speed only, never the bytes.
 
     Returns:
         without ``pool``: ``(KeyPage | None, ValuePage | None)`` with leading dims ``[N, Hkv]``, equal bit for bit to
@@ -348,7 +593,8 @@ def pack_pages(
     dummy = torch.empty(1, dtype=dtype, device=device)
     kq = k_qbuf if k_qbuf is not None else dummy.view(1, 1, 1, 1)
     vq = v_qbuf if v_qbuf is not None else dummy.view(1, 1, 1, 1)
-    grid = ((nk + nv) * Hkv,)
+    ks, vs = _check_splits(splits or pack_splits(max(nk, nv) * Hkv, G, cfg.value_bits), G, cfg.value_bits)
+    grid = ((nk * ks + nv * vs) * Hkv,)
     if grid[0] == 0:
         return None if pool is not None else (None, None)
     _pack_kernel[grid](
@@ -357,11 +603,11 @@ def pack_pages(
         out.get("k_scale", dummy), out.get("k_zero", dummy),
         vq, v_rows, v_pages,
         out.get("v_codes", dummy), out.get("v_scale", dummy), out.get("v_zero", dummy),
-        nk * Hkv, Hkv, k_rows, k_rows, k_rows, 0, 0, 0, 0,
+        nk * Hkv * ks, Hkv, k_rows, k_rows, k_rows, 0, 0, 0, 0,
         kq.stride(0), kq.stride(1), kq.stride(2), vq.stride(0), vq.stride(1), vq.stride(2),
         G=G, D=D, NB=nb, NBQP=_high_tile(nb), KEY_LEVELS=(1 << cfg.key_bits) - 1, VBITS=cfg.value_bits, USE_MASK=use_mask,
-        DTYPE=TLTYPE[dtype], ITYPE=_ITYPE[dtype], ROUND_UP=dtype != torch.float32,
-        num_warps=4,
+        DTYPE=TLTYPE[dtype], ITYPE=_ITYPE[dtype], ROUND_UP=dtype != torch.float32, **_steps(G, D, cfg.value_bits, ks, vs, tile),
+        num_warps=num_warps or pack_warps((ks, vs), D),
     )
     if pool is not None:
         return None
@@ -386,6 +632,9 @@ def pack_completed(
     keys: bool = True,
     values: bool = True,
     scratch: dict | None = None,
+    splits: tuple[int, int] | None = None,
+    num_warps: int | None = None,
+    tile: int = PACK_TILE,
 ) -> None:
     """Pack, in one launch, every row whose key or value qbuffer the last decode token filled (a static cache's
     stage 3: no host synchronization, the same grid at every step).
@@ -405,7 +654,10 @@ def pack_completed(
     unless ``m = lengths[b] - S > 0`` and ``m % G == 0``; then it packs key page ``j = m // G - 1`` at pool id
     ``b * Wk + j``. The value side likewise with ``m - R``. Completed rows get ``table[b, j] = id``.
     The completion test is the rule of ``kitty.core.pages.filled_page``, kept inline once (``_filled_page``).
-    Torch reference: ``kernels/reference.py`` ``pack_completed_ref``.
+    Each page is spread over ``splits = (key, value)`` programs (default :func:`pack_splits` for ``B * Hkv`` pages,
+    fixed per shape, so the grid is the same at every step); ``num_warps`` per program (default :func:`pack_warps`),
+    ``tile`` elements per register tile. Torch reference:
+    ``kernels/reference.py`` ``pack_completed_ref``.
     """
     B, Hkv, G, D = k_qbuf.shape
     if tuple(v_qbuf.shape) != (B, Hkv, G, D) or v_qbuf.dtype != k_qbuf.dtype:
@@ -445,19 +697,20 @@ def pack_completed(
         return
     kpool = key_pool if keys else {}
     vpool = value_pool if values else {}
-    _pack_kernel[((nk + nv) * Hkv,)](
+    ks, vs = _check_splits(splits or pack_splits(B * Hkv, G, cfg.value_bits), G, cfg.value_bits)
+    _pack_kernel[((nk * ks + nv * vs) * Hkv,)](
         k_qbuf, lengths, lengths, k_mask,
         kpool.get("k_low", dummy), kpool.get("k_high", dummy) if nb else dummy, kpool.get("k_boost_idx", dummy),
         kpool.get("k_scale", dummy), kpool.get("k_zero", dummy),
         v_qbuf, lengths, lengths,
         vpool.get("v_codes", dummy), vpool.get("v_scale", dummy), vpool.get("v_zero", dummy),
-        nk * Hkv, Hkv, lengths, k_page_table, v_page_table if wv else lengths, wk, max(wv, 1), k_page_table.stride(0),
+        nk * Hkv * ks, Hkv, lengths, k_page_table, v_page_table if wv else lengths, wk, max(wv, 1), k_page_table.stride(0),
         v_page_table.stride(0),
         k_qbuf.stride(0), k_qbuf.stride(1), k_qbuf.stride(2), v_qbuf.stride(0), v_qbuf.stride(1), v_qbuf.stride(2),
         G=G, D=D, NB=nb, NBQP=_high_tile(nb), KEY_LEVELS=(1 << cfg.key_bits) - 1, VBITS=cfg.value_bits, USE_MASK=use_mask,
         DTYPE=TLTYPE[k_qbuf.dtype], ITYPE=_ITYPE[k_qbuf.dtype], ROUND_UP=k_qbuf.dtype != torch.float32,
-        PREDICATED=True, S=cfg.sink_tokens, R=cfg.local_window,
-        num_warps=4,
+        PREDICATED=True, S=cfg.sink_tokens, R=cfg.local_window, **_steps(G, D, cfg.value_bits, ks, vs, tile),
+        num_warps=num_warps or pack_warps((ks, vs), D),
     )
 
 

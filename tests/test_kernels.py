@@ -15,6 +15,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / kernels are im
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 import kitty.kernels as kernels  # noqa: E402
 from kitty.cache.backend import backend_ops  # noqa: E402
@@ -39,6 +41,7 @@ from kitty.kernels import (  # noqa: E402
     pack_pages_ref,
 )
 from kitty.kernels.launch import Launch, default_launch  # noqa: E402
+from kitty.kernels.pack import _div, _reciprocal  # noqa: E402
 from kitty.kernels.testing import attention_tolerance, make_state, planted_kv  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -219,6 +222,118 @@ def test_pack_completed_matches_its_reference(preset, R):
         assert torch.equal(got, ref)
     assert tables[0][0, 1] == 0 * W + 1 and tables[1][1, 0] == 1 * W + 0  # row b's page j is pool id b * W + j
     assert (tables[0][3:] == -1).all() and (tables[1][3:] == -1).all()  # rows that filled nothing
+
+
+PACK_SPLIT_CASES = [  # (preset, dtype, D, R, splits): R = G fills both qbuffers of a row at once, R = G / 2 never
+    ("kitty", torch.float16, 64, 32, (1, 1)),
+    ("kitty-pro", torch.bfloat16, 128, 16, (4, 2)),
+    ("kitty", torch.bfloat16, 128, 16, (2, 4)),
+    ("kitty-pro", torch.float16, 64, 32, None),  # pack_splits' choice
+]
+
+
+@pytest.mark.parametrize("preset,dtype,D,R,splits", PACK_SPLIT_CASES)
+def test_pack_completed_split_pages_bit_identical(preset, dtype, D, R, splits):
+    """The predicated pack with each page spread over several programs (key programs share the page's statistics,
+    value programs split its bytes) writes pack_completed_ref's bytes, over pools of other bytes, on random data
+    without zeros: rows that complete a key page, a value page, both or neither; in bf16 one row's tokens span
+    ranges small enough that its pages divide with IEEE division (the other rows by reciprocals)."""
+    cfg = small(preset, group_size=32, local_window=R, sink_tokens=4)
+    S, G = cfg.sink_tokens, cfg.group_size
+    B, Hkv, W = 5, 2, 3
+    # key page 1 (+ value page 0 when R = G); key page 0 only; nothing; value page only (R < G) or both; nothing
+    lengths = [S + 2 * G, S + G, S + G + 7, S + R + 2 * G, 2]
+    lengths = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    g = torch.Generator().manual_seed(D + R)
+    k, v = (torch.randn(B, Hkv, G, D, generator=g) for _ in range(2))
+    k = k * torch.linspace(0.5, 3.0, D)[torch.randperm(D, generator=g)]  # distinct channel magnitudes
+    k, v = (torch.where(x == 0, 1.0, x) for x in (k, v))
+    if dtype == torch.bfloat16:  # ranges below 2**-80: IEEE division (fp16 has no such nonzero range)
+        k[3], v[3] = k[3] * 1e-30, v[3] * 1e-30
+    k, v = k.to(dtype).to(DEVICE), v.to(dtype).to(DEVICE)
+    key_spec, value_spec = pool_fields(cfg, Hkv, D, dtype)
+    pools = [
+        {n: torch.randint(1, 200, (B * W, *s), generator=g).to(dt).to(DEVICE) for n, (s, dt) in spec.items()}
+        for spec in (key_spec, value_spec)
+    ]
+    tables = [torch.full((B, W), -1, dtype=torch.int32, device=DEVICE) for _ in range(2)]
+    ref_pools = [{n: t.clone() for n, t in pool.items()} for pool in pools]
+    ref_tables = [t.clone() for t in tables]
+    kernels.pack_completed(cfg, lengths, k, v, *pools, *tables, splits=splits)
+    kernels.pack_completed_ref(cfg, lengths, k, v, *ref_pools, *ref_tables)
+    for got, ref in zip(pools, ref_pools):
+        for name in got:
+            assert torch.equal(got[name], ref[name]), name
+    for got, ref in zip(tables, ref_tables):
+        assert torch.equal(got, ref)
+    done = (tables[0] >= 0).sum(1).tolist(), (tables[1] >= 0).sum(1).tolist()
+    assert done == (([1, 1, 0, 1, 0], [1, 0, 0, 1, 0]) if R == G else ([1, 1, 0, 0, 0], [0, 0, 0, 1, 0]))
+
+
+@triton.jit
+def _div_kernel(a_ptr, b_ptr, out_ptr, N: tl.constexpr):
+    """``a / b`` as a fast pack program divides (by a 16-bit scale)."""
+    i = tl.arange(0, N)
+    b = tl.load(b_ptr + i)
+    tl.store(out_ptr + i, _div(tl.load(a_ptr + i), b, _reciprocal(b, tl.bfloat16)))
+
+
+@pytest.mark.parametrize("splits", [(8, 8), None])
+def test_pack_completed_production_shape_bit_identical(splits):
+    """kitty-pro as served (G = R = 128, S = 32, D = 128, bf16), one row completing both sides and one its key side,
+    pages spread over 8 programs a side (the launch of a batch of 1) and pack_splits' choice."""
+    cfg = PRESETS["kitty-pro"]
+    S, G, B, Hkv, D, W = cfg.sink_tokens, cfg.group_size, 2, 2, 128, 3
+    k, v = planted_kv(B, Hkv, G, D, torch.bfloat16, DEVICE, seed=11)
+    lengths = torch.tensor([S + 2 * G, S + G], dtype=torch.int32, device=DEVICE)
+    key_spec, value_spec = pool_fields(cfg, Hkv, D, torch.bfloat16)
+    pools = [
+        {n: torch.full((B * W, *s), 7, dtype=dt, device=DEVICE) for n, (s, dt) in spec.items()}
+        for spec in (key_spec, value_spec)
+    ]
+    tables = [torch.full((B, W), -1, dtype=torch.int32, device=DEVICE) for _ in range(2)]
+    ref_pools = [{n: t.clone() for n, t in pool.items()} for pool in pools]
+    ref_tables = [t.clone() for t in tables]
+    kernels.pack_completed(cfg, lengths, k, v, *pools, *tables, splits=splits)
+    kernels.pack_completed_ref(cfg, lengths, k, v, *ref_pools, *ref_tables)
+    for got, ref in zip(pools, ref_pools):
+        for name in got:
+            assert torch.equal(got[name], ref[name]), name
+    assert all(torch.equal(a, b) for a, b in zip(tables, ref_tables))
+    assert tables[0].tolist() == [[-1, 1, -1], [3, -1, -1]] and tables[1].tolist() == [[0, -1, -1], [-1, -1, -1]]
+
+
+def test_pack_reciprocal_division_is_exact():
+    """The kernel's division by a reciprocal (Newton-refined for 16-bit divisors, then one FMA correction by the
+    exact remainder) equals IEEE division on quotients a hair from the rounding boundaries n + 1/2, for every
+    bf16 and fp16 significand over the exponents a fast program meets."""
+    g = torch.Generator().manual_seed(0)
+    mant = torch.cat([torch.arange(128) / 128, torch.arange(1024) / 1024]) + 1  # bf16 and fp16 significands
+    N = 1 << 16
+    b = mant[torch.randint(len(mant), (N,), generator=g)] * 2.0 ** torch.randint(-84, 80, (N,), generator=g)
+    n = torch.randint(1, 32, (N,), generator=g) / 2  # the boundaries 1/2 .. 31/2 and the integers between
+    a = (n * b).float()  # then a few ulps either way
+    a = (a.view(torch.int32) + torch.randint(-8, 9, (N,), generator=g, dtype=torch.int32)).view(torch.float32)
+    out = torch.empty(N)
+    _div_kernel[(1,)](a, b.float(), out, N=N)
+    assert torch.equal(out, a / b.float())
+
+
+def test_pack_speed_benchmark_cpu_smoke(tmp_path, capsys):
+    """benchmarks/pack_speed.py's plumbing on the CPU: the old and the new kernel write the same bytes, and a table
+    and JSON come out."""
+    import importlib
+    import json
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the smoke run is the interpreter's (on CUDA: python -m benchmarks.pack_speed)")
+    pack_speed = importlib.import_module("benchmarks.pack_speed")
+    pack_speed.main(
+        ["--cpu-smoke", "--variants", "default", "--presets", "kitty-pro", "--batches", "2", "--out", str(tmp_path)]
+    )
+    result = json.loads((tmp_path / "pack_speed.json").read_text())
+    assert not result["failures"] and {r["variant"] for r in result["rows"]} >= {"old"}
+    assert "| kitty-pro | 2 | complete |" in capsys.readouterr().out
 
 
 def test_pack_ties_keep_lower_channel_index():
