@@ -95,7 +95,7 @@ def _quant_scores(
     bh,
     corr_m,
     qk_scale,
-    c: gl.constexpr,
+    c,
     G: gl.constexpr,
     D4: gl.constexpr,
     NB: gl.constexpr,
@@ -123,12 +123,10 @@ def _quant_scores(
 
 @gluon.jit
 def _fp_scores(
-    k_ptr,
-    rows,
+    krow,
     ok,
     q_nat,
     qk_scale,
-    T: gl.constexpr,
     D: gl.constexpr,
     NK: gl.constexpr,
     PK: gl.constexpr,
@@ -137,52 +135,60 @@ def _fp_scores(
     DA: gl.constexpr,
     LS: gl.constexpr,
 ):
-    """Base-2 logits ``(T, BH)`` of ``T`` full-precision key rows at ``k_ptr + rows * D`` (``-inf`` where not
-    ``ok``)."""
+    """Base-2 logits ``(32, BH)`` of 32 full-precision key rows starting at the pointers ``krow`` (``-inf`` where
+    not ``ok``)."""
     LK: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
-    rk = gl.convert_layout(rows, gl.SliceLayout(1, LK))
+    rk = gl.convert_layout(krow, gl.SliceLayout(1, LK))
     okk = gl.convert_layout(ok, gl.SliceLayout(1, LK))
     d = gl.arange(0, D, gl.SliceLayout(0, LK))
-    k = gl.load(k_ptr + rk[:, None] * D + d[None, :], mask=okk[:, None], other=0.0)
-    acc = mma_v2(gl.convert_layout(k.to(DOT), DA), q_nat, gl.zeros([T, NK], gl.float32, MMA))
+    k = gl.load(rk[:, None] + d[None, :], mask=okk[:, None], other=0.0)
+    acc = mma_v2(gl.convert_layout(k.to(DOT), DA), q_nat, gl.zeros([32, NK], gl.float32, MMA))
     s = gl.convert_layout(merge_parts(acc, PK) * qk_scale, LS)
     return gl.where(ok[:, None], s, float("-inf"))
 
 
 @gluon.jit
+def _fp_value_chunk(vr, ok, pb, acc, av, c: gl.constexpr, DOT: gl.constexpr, DA: gl.constexpr):
+    """``acc * av + V[:, 32 c .. 32 c + 31]^T p`` ``(32, NV)`` for 32 value rows at the pointers ``vr``."""
+    LV: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [1, 1], [0, 1])
+    d = gl.arange(0, 32, gl.SliceLayout(1, LV))
+    vT = gl.load(vr[None, :] + (32 * c + d)[:, None], mask=ok[None, :], other=0.0)
+    return mma_v2(gl.convert_layout(vT.to(DOT), DA), pb, acc * av[None, :])
+
+
+@gluon.jit
 def _fp_values(
-    v_ptr,
-    rows,
+    vrow,
     ok,
-    v2_ptr,
-    rows2,
-    ok2,
     p,
-    acc_n,
-    alpha_v,
-    T: gl.constexpr,
+    acc0,
+    acc1,
+    acc2,
+    acc3,
+    av,
     D: gl.constexpr,
+    NCH: gl.constexpr,
     PV: gl.constexpr,
     DOT: gl.constexpr,
     MMA: gl.constexpr,
     DA: gl.constexpr,
     DB: gl.constexpr,
 ):
-    """``acc_n * alpha_v + V^T p`` ``(D, NV)`` over ``T`` full-precision value rows: row ``rows`` of ``v_ptr`` where
-    ``ok``, else row ``rows2`` of ``v2_ptr`` where ``ok2``."""
-    LV: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 1], [0, 1])
-    r1 = gl.convert_layout(rows, gl.SliceLayout(0, LV))
-    o1 = gl.convert_layout(ok, gl.SliceLayout(0, LV))
-    r2 = gl.convert_layout(rows2, gl.SliceLayout(0, LV))
-    o2 = gl.convert_layout(ok2, gl.SliceLayout(0, LV))
-    d = gl.arange(0, D, gl.SliceLayout(1, LV))
-    vT = gl.load(v_ptr + r1[None, :] * D + d[:, None], mask=o1[None, :], other=0.0)
-    vT2 = gl.load(v2_ptr + r2[None, :] * D + d[:, None], mask=o2[None, :] & ~o1[None, :], other=0.0)
-    vT = gl.where(o1[None, :], vT, vT2)
+    """The four 32-channel accumulators ``acc_c * av + V_c^T p`` over 32 full-precision value rows at the pointers
+    ``vrow`` (masked by ``ok``), in natural token order (``p`` ``(32, BH)``)."""
+    LV: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [1, 1], [0, 1])
+    vr = gl.convert_layout(vrow, gl.SliceLayout(0, LV))
+    okv = gl.convert_layout(ok, gl.SliceLayout(0, LV))
     pp = p.to(DOT)
     if PV == 2:
-        pp = gl.reshape(gl.join(pp, gl.zeros_like(pp)), [T, 2 * p.shape[1]])
-    return mma_v2(gl.convert_layout(vT.to(DOT), DA), gl.convert_layout(pp, DB), acc_n * alpha_v[None, :])
+        pp = gl.reshape(gl.join(pp, gl.zeros_like(pp)), [32, 2 * p.shape[1]])
+    pb = gl.convert_layout(pp, DB)
+    acc0 = _fp_value_chunk(vr, okv, pb, acc0, av, 0, DOT, DA)
+    acc1 = _fp_value_chunk(vr, okv, pb, acc1, av, 1, DOT, DA)
+    if NCH > 2:
+        acc2 = _fp_value_chunk(vr, okv, pb, acc2, av, 2, DOT, DA)
+        acc3 = _fp_value_chunk(vr, okv, pb, acc3, av, 3, DOT, DA)
+    return acc0, acc1, acc2, acc3
 
 
 @gluon.jit
@@ -269,3 +275,23 @@ def _key_page_scores(
     s3 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 3, G, D4, NB, NWH, RW, NK, PK,
                         IS_BF16, MMA, DA, LS)  # fmt: skip
     return s0, s1, s2, s3
+
+
+@gluon.jit
+def _key_chunk_scores(
+    q_perm, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, c, kk, part, qk_scale,
+    G: gl.constexpr, D: gl.constexpr, D4: gl.constexpr, KH: gl.constexpr, NK: gl.constexpr, NB: gl.constexpr,
+    NB4: gl.constexpr, NWH: gl.constexpr, RW: gl.constexpr, PK: gl.constexpr, TWO: gl.constexpr,
+    IS_BF16: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr,
+    LS: gl.constexpr,
+):  # fmt: skip
+    """Scores of the 32 tokens ``32 c ..`` of a quantized key page (a page whose values are still in full
+    precision): the page's key operand is built for this one chunk."""
+    bop, corr = _key_operand(q_perm, k_scale_ptr, k_zero_ptr, kpage * D, kk, part, D, D4, TWO, IS_BF16, DOT)
+    bh = bop
+    if NB > 0:
+        bh, ch = _high_operand(bop, k_idx_ptr, kpage * D, D4, KH, NK, NB, NB4, IS_BF16, DOT, MMA, DA, DB)
+        corr = corr + ch
+    corr_m = gl.convert_layout(corr, gl.SliceLayout(0, MMA))
+    return _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, c, G, D4, NB, NWH, RW, NK, PK,
+                         IS_BF16, MMA, DA, LS)  # fmt: skip

@@ -34,6 +34,7 @@ from kitty.core.storage import KittyLayerState, check_state
 from ._gluon_page import (
     _fp_scores,
     _fp_values,
+    _key_chunk_scores,
     _key_page_scores,
     _merge_rows,
     _store_out,
@@ -125,6 +126,57 @@ def _decode_gluon_kernel(
     acc1 = gl.zeros([32, NV], gl.float32, MMA)
     acc2 = gl.zeros([32, NV], gl.float32, MMA)
     acc3 = gl.zeros([32, NV], gl.float32, MMA)
+    # ---- first the full-precision values, 32 tokens per step, before the page loop so that their buffers, the
+    # natural-order q and the per-chunk pointers are dead while the page loop runs: the sink (split 0), then this
+    # split's tokens whose values are in the qbuffer or the local window (keys quantized below kp, else in the
+    # qbuffer). They accumulate into the page loop's accumulators, in natural units until the loop starts.
+    NSC: gl.constexpr = (S + 31) // 32
+    c_lo = gl.maximum(start, vp) * 4
+    c_hi = gl.maximum(gl.minimum(end * 4, gl.cdiv(m, 32)), c_lo)
+    ns = gl.where((split == 0) & (n > 0), NSC, 0)
+    q_nat = gl.load(
+        q_ptr + q_off + head[None, :] * sq_h + kk[:, None], mask=((head < QH) & (part == 0))[None, :], other=0.0
+    ).to(DOT)
+    sk_ptr = sink_k_ptr + b64 * ssk_b + h * ssk_h
+    sv_ptr = sink_v_ptr + b64 * ssv_b + h * ssv_h
+    kq_ptr = k_qbuf_ptr + b64 * skq_b + h * skq_h
+    vq_ptr = v_qbuf_ptr + b64 * svq_b + h * svq_h
+    vl_ptr = v_local_ptr + b64 * svl_b + h * svl_h
+    Rm = gl.maximum(R, 1)
+    for i in range(c_lo - ns, c_hi):
+        rel = i * 32 + tt  # token after the sink (tail chunks)
+        if i < c_lo:  # sink chunk
+            r = (i - c_lo + ns) * 32 + tt
+            ok = r < gl.minimum(n, S)
+            krow = sk_ptr + r * D
+            vrow = sv_ptr + r * D
+        else:
+            ok = rel < m
+            krow = kq_ptr + (rel % G) * D
+            vrow = gl.where(rel < mv, vq_ptr + (rel % G) * D, vl_ptr + (rel % Rm) * D)
+        if (i >= c_lo) & (i // 4 < kp):
+            kpage = gl.load(k_pt_ptr + b64 * spk_b + i // 4).to(gl.int64) * Hkv + h
+            s = _key_chunk_scores(
+                q_perm, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, i % 4, kk, part, qk_scale,
+                G, D, D4, KH, NK, NB, NB4, NWH, RW, PK, TWO, IS_BF16, DOT, MMA, DA, DB, LS
+            )
+        else:
+            s = _fp_scores(krow, ok, q_nat, qk_scale, D, NK, PK, DOT, MMA, DA, LS)
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        m_safe = gl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[None, :])
+        m_i = m_new
+        l_i = l_i * alpha + gl.sum(p, 0)  # az is still 0: no quantized values yet
+        acc0, acc1, acc2, acc3 = _fp_values(
+            vrow, ok, p, acc0, acc1, acc2, acc3, gl.convert_layout(widen(alpha, PV), gl.SliceLayout(0, MMA)), D,
+            NCH, PV, DOT, MMA, DA, DB
+        )
+    if not IS_BF16:  # the page loop's units: its fp16 codes read as code 2^-24
+        acc0 = acc0 * 5.9604644775390625e-08
+        acc1 = acc1 * 5.9604644775390625e-08
+        acc2 = acc2 * 5.9604644775390625e-08
+        acc3 = acc3 * 5.9604644775390625e-08
     # ---- pages with quantized keys and values
     for j in range(start, gl.minimum(end, vp)):
         kpage = gl.load(k_pt_ptr + b64 * spk_b + j).to(gl.int64) * Hkv + h
@@ -175,7 +227,7 @@ def _decode_gluon_kernel(
         if NCH > 2:
             acc2 = mma_v2(unpack_low(v_codes_ptr, vrow + 64 * 32, 32, 32, IS_BF16, DA), pb, acc2 * av[None, :])
             acc3 = mma_v2(unpack_low(v_codes_ptr, vrow + 96 * 32, 32, 32, IS_BF16, DA), pb, acc3 * av[None, :])
-    # ---- the quantized values' product as one (D, NV) tile in output units
+    # ---- the split's product as one (D, NV) tile in output units
     if NCH > 2:
         acc_q = cat4(acc0, acc1, acc2, acc3)
     else:
@@ -183,96 +235,9 @@ def _decode_gluon_kernel(
     if not IS_BF16:
         acc_q = acc_q * 16777216.0
     LO: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, 1], [0, 1])
-    acc_q = gl.convert_layout(acc_q, LO)
-    # ---- full-precision tail: pages whose values are in the qbuffer / local window, the key qbuffer page, the sink
-    q_nat = gl.load(
-        q_ptr + q_off + head[None, :] * sq_h + kk[:, None], mask=((head < QH) & (part == 0))[None, :], other=0.0
-    ).to(DOT)
-    acc_n = gl.zeros([D, NV], gl.float32, MMA)
-    kq_ptr = k_qbuf_ptr + b64 * skq_b + h * skq_h
-    vq_ptr = v_qbuf_ptr + b64 * svq_b + h * svq_h
-    vl_ptr = v_local_ptr + b64 * svl_b + h * svl_h
-    for j in range(gl.maximum(start, vp), end):
-        rel0 = j * G
-        if j < kp:
-            kpage = gl.load(k_pt_ptr + b64 * spk_b + j).to(gl.int64) * Hkv + h
-            s0, s1, s2, s3 = _key_page_scores(
-                q_perm, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, kk, part, qk_scale, G, D, D4,
-                KH, NK, NB, NB4, NWH, RW, PK, TWO, IS_BF16, DOT, MMA, DA, DB, LS
-            )
-        else:
-            s0 = _fp_scores(kq_ptr, tt, rel0 + tt < m, q_nat, qk_scale, 32, D, NK, PK, DOT, MMA, DA, LS)
-            s1 = _fp_scores(kq_ptr, 32 + tt, rel0 + 32 + tt < m, q_nat, qk_scale, 32, D, NK, PK, DOT, MMA, DA, LS)
-            s2 = _fp_scores(kq_ptr, 64 + tt, rel0 + 64 + tt < m, q_nat, qk_scale, 32, D, NK, PK, DOT, MMA, DA, LS)
-            s3 = _fp_scores(kq_ptr, 96 + tt, rel0 + 96 + tt < m, q_nat, qk_scale, 32, D, NK, PK, DOT, MMA, DA, LS)
-        m_new = gl.maximum(m_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), 0))
-        m_safe = gl.where(m_new > float("-inf"), m_new, 0.0)
-        alpha = gl.exp2(m_i - m_safe)
-        p0 = gl.exp2(s0 - m_safe[None, :])
-        p1 = gl.exp2(s1 - m_safe[None, :])
-        p2 = gl.exp2(s2 - m_safe[None, :])
-        p3 = gl.exp2(s3 - m_safe[None, :])
-        m_i = m_new
-        l_i = l_i * alpha + gl.sum((p0 + p1) + (p2 + p3), 0)
-        az = az * alpha
-        av = widen(alpha, PV)
-        acc_q = acc_q * gl.convert_layout(av, gl.SliceLayout(0, LO))[None, :]
-        avm = gl.convert_layout(av, gl.SliceLayout(0, MMA))
-        one = gl.full([NV], 1.0, gl.float32, gl.SliceLayout(0, MMA))
-        Rm = gl.maximum(R, 1)
-        r0 = rel0 + tt
-        acc_n = _fp_values(
-            vq_ptr, r0 % G, r0 < mv, vl_ptr, r0 % Rm, (r0 >= mv) & (r0 < m), p0, acc_n, avm, 32, D, PV, DOT, MMA, DA, DB
-        )
-        r0 = rel0 + 32 + tt
-        acc_n = _fp_values(
-            vq_ptr, r0 % G, r0 < mv, vl_ptr, r0 % Rm, (r0 >= mv) & (r0 < m), p1, acc_n, one, 32, D, PV, DOT, MMA, DA, DB
-        )
-        r0 = rel0 + 64 + tt
-        acc_n = _fp_values(
-            vq_ptr, r0 % G, r0 < mv, vl_ptr, r0 % Rm, (r0 >= mv) & (r0 < m), p2, acc_n, one, 32, D, PV, DOT, MMA, DA, DB
-        )
-        r0 = rel0 + 96 + tt
-        acc_n = _fp_values(
-            vq_ptr, r0 % G, r0 < mv, vl_ptr, r0 % Rm, (r0 >= mv) & (r0 < m), p3, acc_n, one, 32, D, PV, DOT, MMA, DA, DB
-        )
-    if S > 0:
-        if (split == 0) & (n > 0):
-            ps = gl.arange(0, BLOCK_S, gl.SliceLayout(1, LS))
-            okp = (ps < S) & (ps < n)
-            s = _fp_scores(
-                sink_k_ptr + b64 * ssk_b + h * ssk_h, ps, okp, q_nat, qk_scale, BLOCK_S, D, NK, PK, DOT, MMA, DA, LS
-            )
-            m_new = gl.maximum(m_i, gl.max(s, 0))
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(s - m_new[None, :])
-            m_i = m_new
-            l_i = l_i * alpha + gl.sum(p, 0)
-            az = az * alpha
-            av = widen(alpha, PV)
-            acc_q = acc_q * gl.convert_layout(av, gl.SliceLayout(0, LO))[None, :]
-            sv = sink_v_ptr + b64 * ssv_b + h * ssv_h
-            acc_n = _fp_values(
-                sv,
-                ps,
-                okp,
-                sv,
-                ps,
-                okp & False,
-                p,
-                acc_n,
-                gl.convert_layout(av, gl.SliceLayout(0, MMA)),
-                BLOCK_S,
-                D,
-                PV,
-                DOT,
-                MMA,
-                DA,
-                DB,
-            )
     # ---- the split's partial: (m, l, zero term) per head, (BH, D) product; merged in two levels: the last program
     # of each group of MERGE_GROUP splits merges the group into the group's first row, the last group merges the rows
-    res = acc_q + gl.convert_layout(acc_n, LO)
+    res = acc_q
     if PV == 2:
         res, _ = gl.split(gl.reshape(res, [D, BH, 2]))  # the zero columns beside each head dropped
     res = gl.convert_layout(res, LO)
