@@ -20,42 +20,71 @@ from ._gluon_parts import (
 LOG2E = 1.4426950408889634
 
 
+# the key operand of one column pair: hi = rn(q4 * scale) in every lane, and in lanes of a remainder column
+# ($3 != 0) lo = rn(q4 * scale - hi) (one fused rounding: the exact remainder of the exact product)
+OPERAND_ASM_F16 = gl.constexpr(
+    "{ .reg .b32 h, n; .reg .pred p; setp.ne.b32 p, $3, 0; mul.rn.f16x2 h, $1, $2; neg.f16x2 n, h; "
+    "@p fma.rn.f16x2 h, $1, $2, n; mov.b32 $0, h; }"
+)
+OPERAND_ASM_BF16 = gl.constexpr(
+    "{ .reg .b32 h, n; .reg .pred p; setp.ne.b32 p, $3, 0; mul.rn.bf16x2 h, $1, $2; neg.bf16x2 n, h; "
+    "@p fma.rn.bf16x2 h, $1, $2, n; mov.b32 $0, h; }"
+)
+
+
+@gluon.jit
+def rows2(c16, MMA: gl.constexpr):
+    """A ``(16, N)`` accumulator tile stacked twice: ``(32, N)`` in ``MMA`` (the same registers)."""
+    c = gl.join(c16, c16)
+    c = gl.permute(c, [2, 0, 1])
+    return gl.convert_layout(gl.reshape(c, [2 * c16.shape[0], c16.shape[1]]), MMA)
+
+
 @gluon.jit
 def _key_operand(
-    q_perm,
+    q4,
+    qz,
+    pflag,
     scale_ptr,
     zero_ptr,
     meta,
     kk,
-    part,
     D: gl.constexpr,
     D4: gl.constexpr,
+    NK: gl.constexpr,
     TWO: gl.constexpr,
     IS_BF16: gl.constexpr,
     DOT: gl.constexpr,
+    MMA: gl.constexpr,
+    DA: gl.constexpr,
 ):
-    """Per key page: ``B`` ``(D, N)`` (``q * scale`` at the permuted channels, two parts or hi and a zero column)
-    and its per-column term ``corr`` ``(N,)``: ``sum q zero`` (part 0), minus the bf16 offsets' share."""
+    """Per key page: ``B`` ``(D, N)`` (``q4 * scale`` at the permuted channels as its 16-bit rounding and
+    remainder, or the rounding and a zero column; packed 16-bit math, ``OPERAND_ASM_*``) and its per-column term
+    as a ``(16, N)`` accumulator tile whose rows all hold ``sum q zero`` (part columns; bf16: minus the offsets'
+    share): a tensor-core product of the zeros, broadcast over 16 rows, with ``qz`` (q, zero in part-1 columns)."""
     OUT: gl.constexpr = kk.type.layout
-    sc = channel_vector(scale_ptr, meta, D4, OUT).to(gl.float32)
-    z = channel_vector(zero_ptr, meta, D4, OUT).to(gl.float32)
-    s = kk // D4
-    if IS_BF16:
-        off = gl.where(s == 1, 32.0, gl.where(s == 2, 8.0, 128.0))
-    else:
-        sc = sc * gl.exp2(-2.0 * s.to(gl.float32))  # the unit 4^s of field s
-    q_perm = q_perm.to(gl.float32)
-    x = q_perm * sc[:, None]
-    hi = x.to(DOT)
+    sc = channel_vector(scale_ptr, meta, D4, OUT)
+    scb, _ = gl.broadcast(sc[:, None], q4)
     if TWO:
-        lo = (x - hi.to(gl.float32)).to(DOT)
-        bop = gl.where(part[None, :] == 0, hi, lo)
+        if IS_BF16:
+            bop = gl.inline_asm_elementwise(
+                OPERAND_ASM_BF16, "=r,r,r,r", [q4, scb, pflag], dtype=gl.bfloat16, is_pure=True, pack=2
+            )
+        else:
+            bop = gl.inline_asm_elementwise(
+                OPERAND_ASM_F16, "=r,r,r,r", [q4, scb, pflag], dtype=gl.float16, is_pure=True, pack=2
+            )
     else:
-        bop = gl.where(part[None, :] == 0, hi, gl.zeros_like(hi))
-    corr = gl.sum(gl.where(part[None, :] == 0, q_perm, 0.0) * z[:, None], 0)
+        bop = q4 * scb  # q4 is zero in the pad columns
+    z = gl.convert_layout(channel_vector(zero_ptr, meta, D4, OUT), gl.SliceLayout(0, DA), assert_trivial=True)
+    za, _ = gl.broadcast(z[None, :], gl.zeros([16, D], DOT, DA))
+    c16 = mma_v2(za, qz, gl.zeros([16, NK], gl.float32, MMA))
     if IS_BF16:
-        corr = corr - gl.sum(bop.to(gl.float32) * off[:, None], 0)
-    return bop, corr
+        s = kk // D4
+        off = gl.where(s == 1, 32.0, gl.where(s == 2, 8.0, 128.0))
+        corr = gl.sum(bop.to(gl.float32) * off[:, None], 0)
+        c16 = c16 - gl.convert_layout(corr, gl.SliceLayout(0, MMA))[None, :]
+    return bop, c16
 
 
 @gluon.jit
@@ -93,7 +122,7 @@ def _quant_scores(
     kpage,
     bop,
     bh,
-    corr_m,
+    c0,
     qk_scale,
     c,
     G: gl.constexpr,
@@ -108,17 +137,18 @@ def _quant_scores(
     DA: gl.constexpr,
     LS: gl.constexpr,
 ):
-    """Base-2 logits ``(32, BH)`` of tokens ``32 c ..`` of a quantized key page."""
+    """Base-2 logits ``(32, BH)`` of tokens ``32 c ..`` of a quantized key page; ``c0`` ``(32, N)``: the page's
+    per-column term, the product's initial accumulator."""
     a = unpack_low(low_ptr, (kpage * G + 32 * c) * D4, 32, D4, IS_BF16, DA)
-    acc = mma_v2(a, bop, gl.zeros([32, NK], gl.float32, MMA))
+    acc = mma_v2(a, bop, c0)  # c0: the page's per-column term (fp16: in the codes' 2^-24 units)
     if NB > 0:
         ah = unpack_high(high_ptr, (kpage * G + 32 * c) * RW, 32, NWH, RW, IS_BF16, DA)
         acc = mma_v2(ah, bh, acc)
     if IS_BF16:
-        s = acc + corr_m[None, :]
+        s = merge_parts(acc, PK) * qk_scale
     else:
-        s = acc * 16777216.0 + corr_m[None, :]
-    return gl.convert_layout(merge_parts(s, PK) * qk_scale, LS)  # in the softmax's layout
+        s = merge_parts(acc, PK) * (qk_scale * 16777216.0)
+    return gl.convert_layout(s, LS)  # in the softmax's layout
 
 
 @gluon.jit
@@ -250,48 +280,60 @@ def _store_out(out_ptr, so_h, QH, M, L, O, BH: gl.constexpr, D: gl.constexpr):
 
 
 @gluon.jit
+def _key_page_terms(
+    q4, qz, pflag, k_scale_ptr, k_zero_ptr, k_idx_ptr, kpage, kk,
+    D: gl.constexpr, D4: gl.constexpr, KH: gl.constexpr, NK: gl.constexpr, NB: gl.constexpr,
+    NB4: gl.constexpr, TWO: gl.constexpr, IS_BF16: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr,
+    DA: gl.constexpr, DB: gl.constexpr,
+):  # fmt: skip
+    """A quantized key page's operands: the low plane's ``bop``, the high plane's ``bh`` (one-hot gather) and the
+    ``(32, N)`` initial accumulator holding the per-column term."""
+    bop, c16 = _key_operand(q4, qz, pflag, k_scale_ptr, k_zero_ptr, kpage * D, kk, D, D4, NK, TWO, IS_BF16, DOT,
+                            MMA, DA)  # fmt: skip
+    bh = bop
+    if NB > 0:
+        bh, ch = _high_operand(bop, k_idx_ptr, kpage * D, D4, KH, NK, NB, NB4, IS_BF16, DOT, MMA, DA, DB)
+        if IS_BF16:
+            c16 = c16 + gl.convert_layout(ch, gl.SliceLayout(0, MMA))[None, :]
+    if not IS_BF16:
+        c16 = c16 * 5.9604644775390625e-08  # the codes' unit 2^-24
+    return bop, bh, rows2(c16, MMA)
+
+
+@gluon.jit
 def _key_page_scores(
-    q_perm, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, kk, part, qk_scale,
+    q4, qz, pflag, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, kk, qk_scale,
     G: gl.constexpr, D: gl.constexpr, D4: gl.constexpr, KH: gl.constexpr, NK: gl.constexpr, NB: gl.constexpr,
     NB4: gl.constexpr, NWH: gl.constexpr, RW: gl.constexpr, PK: gl.constexpr, TWO: gl.constexpr,
     IS_BF16: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr,
     LS: gl.constexpr,
 ):  # fmt: skip
-    """One quantized key page's scores, four 32-token chunks in the softmax's layout ``LS``: the key operand of the
-    page (``q * scale`` at the permuted channels, the high plane's one-hot gather where channels are boosted), then
-    the low (and high) plane codes against it."""
-    bop, corr = _key_operand(q_perm, k_scale_ptr, k_zero_ptr, kpage * D, kk, part, D, D4, TWO, IS_BF16, DOT)
-    bh = bop
-    if NB > 0:
-        bh, ch = _high_operand(bop, k_idx_ptr, kpage * D, D4, KH, NK, NB, NB4, IS_BF16, DOT, MMA, DA, DB)
-        corr = corr + ch
-    corr_m = gl.convert_layout(corr, gl.SliceLayout(0, MMA))
-    s0 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 0, G, D4, NB, NWH, RW, NK, PK,
+    """One quantized key page's scores, four 32-token chunks in the softmax's layout ``LS``: the key operands of
+    the page (``_key_page_terms``), then the low (and high) plane codes against them."""
+    bop, bh, c0 = _key_page_terms(q4, qz, pflag, k_scale_ptr, k_zero_ptr, k_idx_ptr, kpage, kk, D, D4, KH, NK, NB,
+                                  NB4, TWO, IS_BF16, DOT, MMA, DA, DB)  # fmt: skip
+    s0 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, 0, G, D4, NB, NWH, RW, NK, PK,
                         IS_BF16, MMA, DA, LS)  # fmt: skip
-    s1 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 1, G, D4, NB, NWH, RW, NK, PK,
+    s1 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, 1, G, D4, NB, NWH, RW, NK, PK,
                         IS_BF16, MMA, DA, LS)  # fmt: skip
-    s2 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 2, G, D4, NB, NWH, RW, NK, PK,
+    s2 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, 2, G, D4, NB, NWH, RW, NK, PK,
                         IS_BF16, MMA, DA, LS)  # fmt: skip
-    s3 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 3, G, D4, NB, NWH, RW, NK, PK,
+    s3 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, 3, G, D4, NB, NWH, RW, NK, PK,
                         IS_BF16, MMA, DA, LS)  # fmt: skip
     return s0, s1, s2, s3
 
 
 @gluon.jit
 def _key_chunk_scores(
-    q_perm, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, c, kk, part, qk_scale,
+    q4, qz, pflag, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, c, kk, qk_scale,
     G: gl.constexpr, D: gl.constexpr, D4: gl.constexpr, KH: gl.constexpr, NK: gl.constexpr, NB: gl.constexpr,
     NB4: gl.constexpr, NWH: gl.constexpr, RW: gl.constexpr, PK: gl.constexpr, TWO: gl.constexpr,
     IS_BF16: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr,
     LS: gl.constexpr,
 ):  # fmt: skip
     """Scores of the 32 tokens ``32 c ..`` of a quantized key page (a page whose values are still in full
-    precision): the page's key operand is built for this one chunk."""
-    bop, corr = _key_operand(q_perm, k_scale_ptr, k_zero_ptr, kpage * D, kk, part, D, D4, TWO, IS_BF16, DOT)
-    bh = bop
-    if NB > 0:
-        bh, ch = _high_operand(bop, k_idx_ptr, kpage * D, D4, KH, NK, NB, NB4, IS_BF16, DOT, MMA, DA, DB)
-        corr = corr + ch
-    corr_m = gl.convert_layout(corr, gl.SliceLayout(0, MMA))
-    return _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, c, G, D4, NB, NWH, RW, NK, PK,
+    precision): the page's key operands are built for this one chunk."""
+    bop, bh, c0 = _key_page_terms(q4, qz, pflag, k_scale_ptr, k_zero_ptr, k_idx_ptr, kpage, kk, D, D4, KH, NK, NB,
+                                  NB4, TWO, IS_BF16, DOT, MMA, DA, DB)  # fmt: skip
+    return _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, c, G, D4, NB, NWH, RW, NK, PK,
                          IS_BF16, MMA, DA, LS)  # fmt: skip

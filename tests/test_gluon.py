@@ -221,8 +221,8 @@ def one_hot_model(boost_idx: np.ndarray, kh: int, nb: int, nb4: int, bf16: bool)
 
 def key_scores_model(page, q: np.ndarray, bf16: bool, two_part: bool = True) -> np.ndarray:
     """``q . k`` for every token of a key page as the kernel computes it: the A fragments of the low and high
-    planes (bit models above), the small operand ``q * scale`` (fp16: times ``4^-s``) as its 16-bit rounding and
-    remainder, the one-hot gather of the high operand, the per-page terms (``sum q zero``, bf16 offsets), fp16's
+    planes (bit models above), the small operand ``q4 * scale`` (fp16: ``q4`` is ``q 4^-s`` rounded to fp16) as
+    its 16-bit rounding and remainder, the one-hot gather of the high operand, the per-page terms (``sum q zero``, bf16 offsets), fp16's
     ``2^24``. ``q``: ``(D,)`` values of the 16-bit dtype."""
     low = page.low.numpy()
     G, bpr = low.shape
@@ -232,9 +232,10 @@ def key_scores_model(page, q: np.ndarray, bf16: bool, two_part: bool = True) -> 
     sc = page.scale.double().numpy()[ch]
     z = page.zero.double().numpy()[ch]
     qp = q[ch]
-    x = (qp * sc * (1.0 if bf16 else 4.0**-s)).astype(np.float32).astype(np.float64)
-    hi = _round(x, bf16)
-    lo = _round(x - hi, bf16) if two_part else np.zeros_like(hi)
+    q4 = qp if bf16 else _round(qp * 4.0**-s, bf16)  # fp16: the unit 4^-s folded into q, rounded to fp16
+    x = q4 * sc  # exact: a product of two 16-bit values
+    hi = _round(x, bf16)  # mul.rn
+    lo = _round(x - hi, bf16) if two_part else np.zeros_like(hi)  # fma.rn(q4, scale, -hi): one rounding
     corr = float(np.sum(qp * z))
     if bf16:
         off = np.array([F16_MAGIC_OFF[int(v)] for v in s])
