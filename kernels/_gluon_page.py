@@ -12,6 +12,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from ._gluon_parts import (
     channel_vector,
     merge_parts,
+    mul16,
     one_hot,
     unpack_high,
     unpack_low,
@@ -75,7 +76,7 @@ def _key_operand(
                 OPERAND_ASM_F16, "=r,r,r,r", [q4, scb, pflag], dtype=gl.float16, is_pure=True, pack=2
             )
     else:
-        bop = q4 * scb  # q4 is zero in the pad columns
+        bop = mul16(q4, scb, IS_BF16)  # q4 is zero in the pad columns
     z = gl.convert_layout(channel_vector(zero_ptr, meta, D4, OUT), gl.SliceLayout(0, DA), assert_trivial=True)
     za, _ = gl.broadcast(z[None, :], gl.zeros([16, D], DOT, DA))
     c16 = mma_v2(za, qz, gl.zeros([16, NK], gl.float32, MMA))
@@ -104,9 +105,17 @@ def _high_operand(
     DB: gl.constexpr,
 ):
     """The high plane's small operand ``4 B[channel of slot]`` ``(KH, N)``, gathered by a one-hot product (exact:
-    one nonzero power-of-two term per entry), and its bf16 offset term."""
-    oh = one_hot(idx_ptr, meta, KH, D4, NB, NB4, not IS_BF16, DOT, DA)
-    g = mma_v2(oh, bop, gl.zeros([KH, NK], gl.float32, MMA))
+    one nonzero power-of-two term per entry), and its bf16 offset term. The one-hot entries are ``0x3C00`` (fp16
+    1.0, bf16 2^-7): the unit goes into ``B`` (fp16 ``4^(s+1)``, undoing the low operand's ``4^-s``; bf16
+    ``4 * 2^7``), one packed product per pair."""
+    kk = gl.arange(0, bop.shape[0], gl.SliceLayout(1, bop.type.layout))
+    if IS_BF16:
+        unit = gl.full([bop.shape[0]], 512.0, DOT, gl.SliceLayout(1, bop.type.layout))
+    else:
+        unit = gl.exp2(2.0 * (kk // D4).to(gl.float32) + 2.0).to(DOT)
+    ub, _ = gl.broadcast(unit[:, None], bop)
+    oh = one_hot(idx_ptr, meta, KH, D4, NB, NB4, IS_BF16, DA)
+    g = mma_v2(oh, mul16(bop, ub, IS_BF16), gl.zeros([KH, NK], gl.float32, MMA))
     bh = gl.convert_layout(g.to(DOT), DB)
     if IS_BF16:
         corr = -128.0 * gl.sum(bh.to(gl.float32), 0)

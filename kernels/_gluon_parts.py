@@ -171,16 +171,27 @@ def channel_vector(ptr, base, D4: gl.constexpr, OUT: gl.constexpr):
     return gl.convert_layout(x, OUT)
 
 
-# one-hot rows of the high-plane gather, two fp16/bf16 pairs per word of four boost_idx bytes: the byte pair
-# (0, 2) / (1, 3) xor the row's slot is zero exactly where the channel is the slot's; + 0x7FFF sets bit 15 of a
-# nonzero half, prmt replicates it over the half, and the unit survives where it is clear
-ONE_HOT_ASM = gl.constexpr(
-    "{ .reg .b32 p0, p1; shr.b32 p1, $2, 8; "
-    "lop3.b32 p0, $2, 0x00FF00FF, $3, 0x6A; lop3.b32 p1, p1, 0x00FF00FF, $3, 0x6A; "
-    "add.u32 p0, p0, 0x7FFF7FFF; add.u32 p1, p1, 0x7FFF7FFF; "
-    "prmt.b32 p0, p0, 0, 0xBB99; prmt.b32 p1, p1, 0, 0xBB99; "
-    "lop3.b32 $0, p0, $5, 0, 0x0C; lop3.b32 $1, p1, $5, 0, 0x0C; }"
+# one-hot rows of the high-plane gather: the bytes (0, 2) / (1, 3) of a word of four boost_idx bytes as fp16
+# 1024 + byte (magic number), then one set.eq per pair and row against 1024 + the row's slot: 1.0 (0x3C00) where
+# the channel is the slot's, else 0
+IDX_F16_ASM = gl.constexpr(
+    "{ .reg .b32 h; shr.b32 h, $2, 8; lop3.b32 $0, $2, 0x00FF00FF, 0x64006400, 0xEA; "
+    "lop3.b32 $1, h, 0x00FF00FF, 0x64006400, 0xEA; }"
 )
+EQ_ASM = gl.constexpr("set.eq.f16x2.f16x2 $0, $1, $2;")
+# 16-bit packed product (the one-part key operand, the high operand's units)
+MUL_ASM_F16 = gl.constexpr("mul.rn.f16x2 $0, $1, $2;")
+MUL_ASM_BF16 = gl.constexpr("mul.rn.bf16x2 $0, $1, $2;")
+ONE_BITS = 0x3C00  # a one-hot entry: fp16 1.0, read as bf16 2^-7
+
+
+@gluon.jit
+def mul16(a, b, IS_BF16: gl.constexpr):
+    """``a * b`` of two 16-bit tensors, two lanes per instruction, rounded once (``mul.rn``)."""
+    if IS_BF16:
+        return gl.inline_asm_elementwise(MUL_ASM_BF16, "=r,r,r", [a, b], dtype=gl.bfloat16, is_pure=True, pack=2)
+    else:
+        return gl.inline_asm_elementwise(MUL_ASM_F16, "=r,r,r", [a, b], dtype=gl.float16, is_pure=True, pack=2)
 
 
 @gluon.jit
@@ -200,14 +211,14 @@ def one_hot(
     D4: gl.constexpr,
     NB: gl.constexpr,
     NB4: gl.constexpr,
-    UNIT_F16: gl.constexpr,
-    DOT: gl.constexpr,
+    IS_BF16: gl.constexpr,
     DA: gl.constexpr,
 ):
-    """The ``(KH, 4 D4)`` A fragment ``DA`` of ``unit[k] * (boost_idx[low_channel(k)] == slot[r])``: row ``r`` picks
-    the channel of slot ``high_slot(r)`` out of a ``(4 D4, N)`` operand in ``low_plane_order``. ``unit`` is ``4^s``
-    for field ``s`` (``UNIT_F16``: the fp16 low operand carries ``4^-s``), else 1; times the high codes' weight 4.
-    Each lane loads its channels' bytes once (contiguous runs, as ``channel_vector``), 9 integer ops per 4 entries."""
+    """The ``(KH, 4 D4)`` A fragment ``DA`` of ``(boost_idx[low_channel(k)] == slot[r])`` as the 16-bit pattern
+    ``0x3C00`` (fp16 1.0, bf16 2^-7; the caller folds the unit into the other operand): row ``r`` picks the channel
+    of slot ``high_slot(r)`` out of a ``(4 D4, N)`` operand in ``low_plane_order``. Each lane loads its channels'
+    bytes once (contiguous runs, as ``channel_vector``) and turns each word into fp16 ``1024 + byte`` once (3
+    integer ops per 4 bytes); each row then costs one ``set.eq`` per pair."""
     W: gl.constexpr = D4 // 16
     L5: gl.constexpr = gl.BlockedLayout([1, 1, 1, W, 4], [8, 1, 4, 1, 1], [1, 1, 1, 1, 1], [4, 3, 2, 1, 0])
     L4: gl.constexpr = gl.SliceLayout(0, L5)
@@ -217,28 +228,16 @@ def one_hot(
     b = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
     off = s[:, None, None, None] * D4 + q[None, :, None, None] * (4 * W) + kt[None, None, :, None] * 4
     idx = gl.load(idx_ptr + base + off + b[None, None, None, :])  # (s, q, kt, byte): channel 4 W q + 4 kt + byte
+    # element b of a word after the conversion: channel 4 kt + 2 (b % 2) + b // 2
+    cv = gl.inline_asm_elementwise(IDX_F16_ASM, "=r,=r,r", [idx], dtype=gl.float16, is_pure=True, pack=4)
     L1: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, L5))))
     r = gl.arange(0, KH, L1)
-    sl = high_slot(r, NB, NB4).to(gl.int16)
-    LS1: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, L5))))
-    su = gl.arange(0, 4, LS1)
-    if UNIT_F16:
-        unit = gl.exp2(2.0 * su.to(gl.float32) + 2.0).to(DOT)
+    sl = (high_slot(r, NB, NB4) + 1024).to(gl.float16)
+    cvb, slb = gl.broadcast(gl.expand_dims(cv, 0), sl[:, None, None, None, None])
+    if IS_BF16:
+        oh = gl.inline_asm_elementwise(EQ_ASM, "=r,r,r", [cvb, slb], dtype=gl.bfloat16, is_pure=True, pack=2)
     else:
-        unit = gl.full([4], 4.0, DOT, LS1)
-    zero_i = gl.zeros([KH, 4, 4, W, 4], gl.int16, L5)
-    x = gl.expand_dims(idx, 0) + zero_i.to(gl.uint8)
-    slt = sl[:, None, None, None, None] + zero_i
-    un = unit[None, :, None, None, None] + zero_i.to(DOT)
-    # element b of a word: channel 4 kt + 2 (b % 2) + b // 2
-    if UNIT_F16:
-        oh = gl.inline_asm_elementwise(
-            ONE_HOT_ASM, "=r,=r,r,r,r,r,r", [x, slt, un], dtype=gl.float16, is_pure=True, pack=4
-        )
-    else:
-        oh = gl.inline_asm_elementwise(
-            ONE_HOT_ASM, "=r,=r,r,r,r,r,r", [x, slt, un], dtype=gl.bfloat16, is_pure=True, pack=4
-        )
+        oh = gl.inline_asm_elementwise(EQ_ASM, "=r,r,r", [cvb, slb], dtype=gl.float16, is_pure=True, pack=2)
     oh = gl.reshape(oh, [KH, 4, 4, W, 2, 2])  # (r, s, q, kt, h, e)
     oh = gl.permute(oh, [0, 1, 3, 4, 2, 5])  # (r, s, kt, h, q, e)
     oh = gl.reshape(oh, [KH, 4 * D4])

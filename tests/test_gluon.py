@@ -194,8 +194,9 @@ def high_operand_model(row_bytes: np.ndarray, kh: int, bf16: bool) -> np.ndarray
 
 
 def one_hot_model(boost_idx: np.ndarray, kh: int, nb: int, nb4: int, bf16: bool) -> np.ndarray:
-    """``one_hot``'s ``(KH, D)`` entries, ONE_HOT_ASM bit by bit (xor, + 0x7FFF7FFF, prmt sign replication, and-not
-    with the unit pair), per row slot ``high_slot``."""
+    """``one_hot``'s ``(KH, D)`` entries bit by bit: IDX_F16_ASM (bytes (0, 2) / (1, 3) of a word as fp16
+    ``1024 + byte``), then ``set.eq.f16x2`` against ``1024 + high_slot(r)``: ``0x3C00`` where equal, else 0, read as
+    fp16 (1.0) or bf16 (2^-7)."""
     d = boost_idx.shape[0]
     d4 = d // 4
     W = d4 // 16
@@ -204,19 +205,22 @@ def one_hot_model(boost_idx: np.ndarray, kh: int, nb: int, nb4: int, bf16: bool)
         byte = 4 * (r // 16) + 2 * (r % 2) + (r // 8) % 2
         sl = byte + ((r // 2) % 4) * nb4
         sl = sl if (byte < nb4 and sl < nb) else 256
+        slot_f16 = float(np.float16(1024 + sl))
         for k in range(d):
             s, rr = divmod(k, d4)
             kt, h, q, e = rr // 16, (rr // 8) % 2, (rr // 2) % 4, rr % 2
             c0 = s * d4 + 4 * W * q + 4 * kt
             word = int.from_bytes(bytes(boost_idx[c0 : c0 + 4].astype(np.uint8)), "little")
-            unit = 4.0 if bf16 else 4.0 ** (s + 1)
-            ubits = int(torch.tensor(unit, dtype=torch.bfloat16 if bf16 else torch.float16).view(torch.int16)) & 0xFFFF
-            p = ((word >> (8 * h)) & 0x00FF00FF) ^ (sl | sl << 16)
-            t = (p + 0x7FFF7FFF) & 0xFFFFFFFF
-            m = (0xFFFF if t & 0x8000 else 0) | (0xFFFF0000 if t & 0x80000000 else 0)
-            res = ~m & (ubits | ubits << 16)
-            out[r, k] = _half_value(res >> (16 * e), bf16)
+            pair = ((word >> (8 * h)) & 0x00FF00FF) | 0x64006400
+            bits = 0x3C00 if _half_value(pair >> (16 * e), False) == slot_f16 else 0
+            out[r, k] = _half_value(bits, bf16)
     return out
+
+
+def high_unit_model(s: np.ndarray, bf16: bool) -> np.ndarray:
+    """The factor ``_high_operand`` puts on the low operand before the one-hot product, per channel field ``s``:
+    the high codes' weight 4, over the one-hot entry (bf16 2^-7), times the fp16 low operand's ``4^s``."""
+    return np.full(s.shape, 512.0) if bf16 else 4.0 ** (s + 1.0)
 
 
 def key_scores_model(page, q: np.ndarray, bf16: bool, two_part: bool = True) -> np.ndarray:
@@ -246,7 +250,8 @@ def key_scores_model(page, q: np.ndarray, bf16: bool, two_part: bool = True) -> 
     out = np.zeros(G)
     if nb:
         oh = one_hot_model(page.boost_idx.numpy(), kh, nb, nb4, bf16)  # columns in k order
-        bh_hi, bh_lo = _round(oh @ hi, bf16), _round(oh @ lo, bf16)
+        unit = high_unit_model(s, bf16)
+        bh_hi, bh_lo = _round(oh @ _round(hi * unit, bf16), bf16), _round(oh @ _round(lo * unit, bf16), bf16)
         if bf16:
             corr -= 128.0 * float(np.sum(bh_hi + bh_lo))
     for t in range(G):
@@ -307,7 +312,8 @@ def test_page_math_model_matches_dequantized_keys_and_values(preset, D, dtype):
 
 
 def test_page_math_model_catches_a_wrong_high_unit():
-    """The fp16 high-plane operand with the low plane's ``4^-s`` left in (the bug the H200 found) is far off."""
+    """The fp16 high-plane operand with the low plane's ``4^-s`` left in (a fixed unit 4, the bug the H200 found)
+    is far off."""
     from kitty.core.quant import dequantize_key_page, quantize_key_page
 
     cfg = PRESETS["kitty"]
@@ -317,15 +323,10 @@ def test_page_math_model_catches_a_wrong_high_unit():
     kp = quantize_key_page(k, cfg)
     ref = dequantize_key_page(kp).double().numpy() @ q
     good = key_scores_model(kp, q, False)
-    orig = one_hot_model
-
-    def wrong(boost_idx, kh, nb, nb4, bf16):
-        d4 = boost_idx.shape[0] // 4
-        return orig(boost_idx, kh, nb, nb4, bf16) / 4.0 ** (np.arange(boost_idx.shape[0]) // d4 + 1) * 4.0
-
-    globals()["one_hot_model"] = wrong
+    orig = high_unit_model
+    globals()["high_unit_model"] = lambda s, bf16: np.full(s.shape, 4.0)
     try:
         bad = key_scores_model(kp, q, False)
     finally:
-        globals()["one_hot_model"] = orig
+        globals()["high_unit_model"] = orig
     assert np.max(np.abs(good - ref)) < 0.1 * np.max(np.abs(bad - ref))
