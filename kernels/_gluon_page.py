@@ -16,36 +16,28 @@ from ._gluon_parts import (
     one_hot,
     unpack_high,
     unpack_low,
+    zero_fragment,
+    zero_rows,
 )
 
 LOG2E = 1.4426950408889634
 
 
-# the key operand of one column pair: hi = rn(q4 * scale) in every lane, and in lanes of a remainder column
-# ($3 != 0) lo = rn(q4 * scale - hi) (one fused rounding: the exact remainder of the exact product)
+# the key operand of one column pair: hi = rn(q4 * scale), then rn(q4 * scale + hi * m) with m = 0 (hi again) or,
+# in remainder columns, m = -1 (lo = the exact remainder of the exact product, one rounding): three packed ops
 OPERAND_ASM_F16 = gl.constexpr(
-    "{ .reg .b32 h, n; .reg .pred p; setp.ne.b32 p, $3, 0; mul.rn.f16x2 h, $1, $2; neg.f16x2 n, h; "
-    "@p fma.rn.f16x2 h, $1, $2, n; mov.b32 $0, h; }"
+    "{ .reg .b32 h, c; mul.rn.f16x2 h, $1, $2; mul.rn.f16x2 c, h, $3; fma.rn.f16x2 $0, $1, $2, c; }"
 )
 OPERAND_ASM_BF16 = gl.constexpr(
-    "{ .reg .b32 h, n; .reg .pred p; setp.ne.b32 p, $3, 0; mul.rn.bf16x2 h, $1, $2; neg.bf16x2 n, h; "
-    "@p fma.rn.bf16x2 h, $1, $2, n; mov.b32 $0, h; }"
+    "{ .reg .b32 h, c; mul.rn.bf16x2 h, $1, $2; mul.rn.bf16x2 c, h, $3; fma.rn.bf16x2 $0, $1, $2, c; }"
 )
-
-
-@gluon.jit
-def rows2(c16, MMA: gl.constexpr):
-    """A ``(16, N)`` accumulator tile stacked twice: ``(32, N)`` in ``MMA`` (the same registers)."""
-    c = gl.join(c16, c16)
-    c = gl.permute(c, [2, 0, 1])
-    return gl.convert_layout(gl.reshape(c, [2 * c16.shape[0], c16.shape[1]]), MMA)
 
 
 @gluon.jit
 def _key_operand(
     q4,
     qz,
-    pflag,
+    mneg,
     scale_ptr,
     zero_ptr,
     meta,
@@ -61,31 +53,32 @@ def _key_operand(
 ):
     """Per key page: ``B`` ``(D, N)`` (``q4 * scale`` at the permuted channels as its 16-bit rounding and
     remainder, or the rounding and a zero column; packed 16-bit math, ``OPERAND_ASM_*``) and its per-column term
-    as a ``(16, N)`` accumulator tile whose rows all hold ``sum q zero`` (part columns; bf16: minus the offsets'
-    share): a tensor-core product of the zeros, broadcast over 16 rows, with ``qz`` (q, zero in part-1 columns)."""
+    ``sum q zero`` (part-0 columns; bf16: minus the offsets' share) stacked to ``(32, N)`` in ``MMA``: a
+    tensor-core product of the zeros (``zero_fragment``) with ``qz`` (``q`` at ``zero_channel``, zero in
+    remainder columns)."""
     OUT: gl.constexpr = kk.type.layout
     sc = channel_vector(scale_ptr, meta, D4, OUT)
     scb, _ = gl.broadcast(sc[:, None], q4)
     if TWO:
         if IS_BF16:
             bop = gl.inline_asm_elementwise(
-                OPERAND_ASM_BF16, "=r,r,r,r", [q4, scb, pflag], dtype=gl.bfloat16, is_pure=True, pack=2
+                OPERAND_ASM_BF16, "=r,r,r,r", [q4, scb, mneg], dtype=gl.bfloat16, is_pure=True, pack=2
             )
         else:
             bop = gl.inline_asm_elementwise(
-                OPERAND_ASM_F16, "=r,r,r,r", [q4, scb, pflag], dtype=gl.float16, is_pure=True, pack=2
+                OPERAND_ASM_F16, "=r,r,r,r", [q4, scb, mneg], dtype=gl.float16, is_pure=True, pack=2
             )
     else:
         bop = mul16(q4, scb, IS_BF16)  # q4 is zero in the pad columns
-    z = gl.convert_layout(channel_vector(zero_ptr, meta, D4, OUT), gl.SliceLayout(0, DA), assert_trivial=True)
-    za, _ = gl.broadcast(z[None, :], gl.zeros([16, D], DOT, DA))
-    c16 = mma_v2(za, qz, gl.zeros([16, NK], gl.float32, MMA))
+    za = zero_fragment(zero_ptr, meta, D4, DA)
+    c16 = mma_v2(za, qz, gl.zeros([16, 2 * NK], gl.float32, MMA))
+    c0 = zero_rows(c16, NK, MMA)
     if IS_BF16:
         s = kk // D4
         off = gl.where(s == 1, 32.0, gl.where(s == 2, 8.0, 128.0))
         corr = gl.sum(bop.to(gl.float32) * off[:, None], 0)
-        c16 = c16 - gl.convert_layout(corr, gl.SliceLayout(0, MMA))[None, :]
-    return bop, c16
+        c0 = c0 - gl.convert_layout(corr, gl.SliceLayout(0, MMA))[None, :]
+    return bop, c0
 
 
 @gluon.jit
@@ -116,6 +109,9 @@ def _high_operand(
     ub, _ = gl.broadcast(unit[:, None], bop)
     oh = one_hot(idx_ptr, meta, KH, D4, NB, NB4, IS_BF16, DA)
     g = mma_v2(oh, mul16(bop, ub, IS_BF16), gl.zeros([KH, NK], gl.float32, MMA))
+    if not IS_BF16:  # row r meets the fp16 high codes of field (r // 2) % 4, unpacked as 4^field code 2^-24
+        rr = gl.arange(0, KH, gl.SliceLayout(1, MMA))
+        g = g * gl.exp2(-2.0 * ((rr // 2) % 4).to(gl.float32))[:, None]
     bh = gl.convert_layout(g.to(DOT), DB)
     if IS_BF16:
         corr = -128.0 * gl.sum(bh.to(gl.float32), 0)
@@ -290,28 +286,28 @@ def _store_out(out_ptr, so_h, QH, M, L, O, BH: gl.constexpr, D: gl.constexpr):
 
 @gluon.jit
 def _key_page_terms(
-    q4, qz, pflag, k_scale_ptr, k_zero_ptr, k_idx_ptr, kpage, kk,
+    q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, kpage, kk,
     D: gl.constexpr, D4: gl.constexpr, KH: gl.constexpr, NK: gl.constexpr, NB: gl.constexpr,
     NB4: gl.constexpr, TWO: gl.constexpr, IS_BF16: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr,
     DA: gl.constexpr, DB: gl.constexpr,
 ):  # fmt: skip
     """A quantized key page's operands: the low plane's ``bop``, the high plane's ``bh`` (one-hot gather) and the
     ``(32, N)`` initial accumulator holding the per-column term."""
-    bop, c16 = _key_operand(q4, qz, pflag, k_scale_ptr, k_zero_ptr, kpage * D, kk, D, D4, NK, TWO, IS_BF16, DOT,
-                            MMA, DA)  # fmt: skip
+    bop, c0 = _key_operand(q4, qz, mneg, k_scale_ptr, k_zero_ptr, kpage * D, kk, D, D4, NK, TWO, IS_BF16, DOT,
+                           MMA, DA)  # fmt: skip
     bh = bop
     if NB > 0:
         bh, ch = _high_operand(bop, k_idx_ptr, kpage * D, D4, KH, NK, NB, NB4, IS_BF16, DOT, MMA, DA, DB)
         if IS_BF16:
-            c16 = c16 + gl.convert_layout(ch, gl.SliceLayout(0, MMA))[None, :]
+            c0 = c0 + gl.convert_layout(ch, gl.SliceLayout(0, MMA))[None, :]
     if not IS_BF16:
-        c16 = c16 * 5.9604644775390625e-08  # the codes' unit 2^-24
-    return bop, bh, rows2(c16, MMA)
+        c0 = c0 * 5.9604644775390625e-08  # the codes' unit 2^-24
+    return bop, bh, c0
 
 
 @gluon.jit
 def _key_page_scores(
-    q4, qz, pflag, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, kk, qk_scale,
+    q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, kk, qk_scale,
     G: gl.constexpr, D: gl.constexpr, D4: gl.constexpr, KH: gl.constexpr, NK: gl.constexpr, NB: gl.constexpr,
     NB4: gl.constexpr, NWH: gl.constexpr, RW: gl.constexpr, PK: gl.constexpr, TWO: gl.constexpr,
     IS_BF16: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr,
@@ -319,7 +315,7 @@ def _key_page_scores(
 ):  # fmt: skip
     """One quantized key page's scores, four 32-token chunks in the softmax's layout ``LS``: the key operands of
     the page (``_key_page_terms``), then the low (and high) plane codes against them."""
-    bop, bh, c0 = _key_page_terms(q4, qz, pflag, k_scale_ptr, k_zero_ptr, k_idx_ptr, kpage, kk, D, D4, KH, NK, NB,
+    bop, bh, c0 = _key_page_terms(q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, kpage, kk, D, D4, KH, NK, NB,
                                   NB4, TWO, IS_BF16, DOT, MMA, DA, DB)  # fmt: skip
     s0 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, 0, G, D4, NB, NWH, RW, NK, PK,
                         IS_BF16, MMA, DA, LS)  # fmt: skip
@@ -334,7 +330,7 @@ def _key_page_scores(
 
 @gluon.jit
 def _key_chunk_scores(
-    q4, qz, pflag, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, c, kk, qk_scale,
+    q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, c, kk, qk_scale,
     G: gl.constexpr, D: gl.constexpr, D4: gl.constexpr, KH: gl.constexpr, NK: gl.constexpr, NB: gl.constexpr,
     NB4: gl.constexpr, NWH: gl.constexpr, RW: gl.constexpr, PK: gl.constexpr, TWO: gl.constexpr,
     IS_BF16: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr,
@@ -342,7 +338,7 @@ def _key_chunk_scores(
 ):  # fmt: skip
     """Scores of the 32 tokens ``32 c ..`` of a quantized key page (a page whose values are still in full
     precision): the page's key operands are built for this one chunk."""
-    bop, bh, c0 = _key_page_terms(q4, qz, pflag, k_scale_ptr, k_zero_ptr, k_idx_ptr, kpage, kk, D, D4, KH, NK, NB,
+    bop, bh, c0 = _key_page_terms(q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, kpage, kk, D, D4, KH, NK, NB,
                                   NB4, TWO, IS_BF16, DOT, MMA, DA, DB)  # fmt: skip
     return _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, c, G, D4, NB, NWH, RW, NK, PK,
                          IS_BF16, MMA, DA, LS)  # fmt: skip

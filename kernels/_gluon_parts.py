@@ -32,8 +32,9 @@ LOW_ASM_BF16 = gl.constexpr(
     "lop3.b32 $4, $8, 0x00300030, 0x41004100, 0xEA; lop3.b32 $5, h, 0x00300030, 0x41004100, 0xEA; "
     "lop3.b32 $6, a, 0x00030003, 0x43004300, 0xEA; lop3.b32 $7, b, 0x00030003, 0x43004300, 0xEA; }"
 )
-# the high plane: field 0 of a word the lane has already shifted to its field
-HIGH_ASM_F16 = gl.constexpr("{ .reg .b32 h; shr.b32 h, $2, 8; and.b32 $0, $2, 0x00030003; and.b32 $1, h, 0x00030003; }")
+# the high plane, bf16: field 0 of a word the lane has already shifted to its field
+# fp16: the lane's field masked in place ($6: 0x00030003 << 2q), read as the subnormal 4^q code 2^-24
+HIGH_ASM_F16 = gl.constexpr("{ .reg .b32 h; shr.b32 h, $2, 8; and.b32 $0, $2, $6; and.b32 $1, h, $6; }")
 HIGH_ASM_BF16 = gl.constexpr(
     "{ .reg .b32 h; shr.b32 h, $2, 8; lop3.b32 $0, $2, 0x00030003, 0x43004300, 0xEA; "
     "lop3.b32 $1, h, 0x00030003, 0x43004300, 0xEA; }"
@@ -79,8 +80,8 @@ def unpack_high(
     ptr, row0, M: gl.constexpr, NWH: gl.constexpr, RW: gl.constexpr, IS_BF16: gl.constexpr, DA: gl.constexpr
 ):
     """High-plane codes of ``M`` token rows as the ``(M, 16 NWH)`` A fragment ``DA`` (``gluon_launch.
-    high_plane_order``): ``ptr`` reads a row as ``RW`` elements of 8, 16 or 32 bits (``NWH`` words, zero-extended),
-    lane ``q`` unpacks field ``q``."""
+    high_plane_order``): ``ptr`` reads a row as ``RW`` elements of 8, 16 or 32 bits (``NWH`` words), lane ``q``
+    unpacks field ``q``: bf16 ``128 + code``, fp16 ``4^q code 2^-24`` (masked in place, no shift)."""
     LH: gl.constexpr = gl.BlockedLayout([1, 1, NWH, 4], [8, 4, 1, 1], [1, 1, 1, 1], [3, 2, 1, 0])
     L3: gl.constexpr = gl.SliceLayout(3, LH)
     t = gl.arange(0, M, gl.SliceLayout(1, gl.SliceLayout(2, L3)))
@@ -88,13 +89,17 @@ def unpack_high(
     w = gl.arange(0, NWH, gl.SliceLayout(0, gl.SliceLayout(1, L3)))
     off = t[:, None, None] * RW + w[None, None, :] + q[None, :, None] * 0
     word = gl.load(ptr + row0 + off).to(gl.int32)
-    word = word >> (2 * q)[None, :, None]  # lane q's field to bits 0-1 of each byte
     b = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LH))))
-    x = word[:, :, :, None] + (b * 0)[None, None, None, :]
     if IS_BF16:
+        word = word >> (2 * q)[None, :, None]  # lane q's field to bits 0-1 of each byte
+        x = word[:, :, :, None] + (b * 0)[None, None, None, :]
         a = gl.inline_asm_elementwise(HIGH_ASM_BF16, "=r,=r,r,r,r,r", [x], dtype=gl.bfloat16, is_pure=True, pack=4)
-    else:
-        a = gl.inline_asm_elementwise(HIGH_ASM_F16, "=r,=r,r,r,r,r", [x], dtype=gl.float16, is_pure=True, pack=4)
+    else:  # field q masked in place: 4^q code 2^-24 (the caller's operand carries 4^-q)
+        x = word[:, :, :, None] + (b * 0)[None, None, None, :]
+        mask = (0x00030003 << (2 * q))[None, :, None, None] + (x * 0)
+        a = gl.inline_asm_elementwise(
+            HIGH_ASM_F16, "=r,=r,r,r,r,r,r,r,r,r", [x, mask], dtype=gl.float16, is_pure=True, pack=4
+        )
     a = gl.reshape(a, [M, 4, NWH, 2, 2])
     a = gl.permute(a, [0, 2, 3, 1, 4])  # (M, kt, h, q, e)
     a = gl.reshape(a, [M, 16 * NWH])
@@ -108,6 +113,57 @@ def low_channel(k, D4: gl.constexpr):
     s = k // D4
     r = k % D4
     return 4 * W * ((r // 2) % 4) + 4 * (r // 16) + 2 * (r % 2) + (r // 8) % 2 + s * D4
+
+
+@gluon.jit
+def zero_channel(k, t, D4: gl.constexpr):
+    """Channel of row ``k`` of half ``t`` of the zero term's operands (``zero_fragment``): with ``u = k // 8``,
+    field ``u // W``, k-tile ``u % W``, lane ``(k // 2) % 4``, channel pair ``t``, ``k % 2`` the channel in it."""
+    W: gl.constexpr = D4 // 16
+    u = k // 8
+    return (u // W) * D4 + 4 * W * ((k // 2) % 4) + 4 * (u % W) + 2 * t + k % 2
+
+
+@gluon.jit
+def zero_fragment(ptr, base, D4: gl.constexpr, DA: gl.constexpr):
+    """The ``(16, 2 D4)`` A fragment whose row ``8 t + g`` holds ``ptr[base + zero_channel(k, t)]`` (the same for
+    every ``g``): each (field, lane) loads its ``4 W`` channels as one contiguous run, and each 4-register quad of
+    the fragment (rows ``g``, ``g + 8`` x columns ``2 q``, ``2 q + 8``) is 8 adjacent channels as loaded
+    (``assert_trivial``). So the zeros go to the tensor cores with no register moves; the other operand holds
+    the ``q`` of both channel pairs side by side (``2 N`` columns), and ``zero_rows`` adds the two halves."""
+    W: gl.constexpr = D4 // 16
+    LZ: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4 * W], [8, 1, 4, 1], [1, 1, 1, 1], [3, 2, 1, 0])
+    g = gl.arange(0, 8, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LZ))))
+    s = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LZ))))
+    q = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, LZ))))
+    j = gl.arange(0, 4 * W, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LZ))))
+    off = (
+        g[:, None, None, None] * 0
+        + s[None, :, None, None] * D4
+        + q[None, None, :, None] * (4 * W)
+        + j[None, None, None, :]
+    )
+    x = gl.load(ptr + base + off)
+    x = gl.reshape(x, [8, 4, 4, W, 2, 2])  # (g, s, q, kt, t, h): channel s D4 + 4 W q + 4 kt + 2 t + h
+    x = gl.permute(x, [4, 0, 1, 3, 2, 5])  # (t, g, s, kt, q, h): row 8 t + g, column 8 (s W + kt) + 2 q + h
+    x = gl.reshape(x, [16, 2 * D4])
+    return gl.convert_layout(x, DA, assert_trivial=True)
+
+
+@gluon.jit
+def zero_rows(c, NK: gl.constexpr, MMA: gl.constexpr):
+    """The zero term from ``zero_fragment``'s product ``c`` ``(16, 2 NK)`` (columns ``t NK + n``): the sum over
+    both halves is row half 0 of column half 0 plus row half 1 of column half 1; returned stacked to ``(32, NK)``
+    in ``MMA`` (every row the same), the layout of the scores' accumulator."""
+    c = gl.permute(gl.reshape(c, [2, 8, 2, NK]), [1, 3, 2, 0])  # (g, n, t, b): row 8 b + g, column t NK + n
+    upper, lower = gl.split(c)  # row halves b = 0, 1
+    top, _ = gl.split(upper)  # column half t = 0
+    _, bottom = gl.split(lower)  # t = 1
+    c8 = top + bottom
+    c8 = gl.join(c8, c8)
+    c8 = gl.join(c8, c8)  # (g, n, b, a)
+    c8 = gl.reshape(gl.permute(c8, [3, 2, 0, 1]), [32, NK])
+    return gl.convert_layout(c8, MMA)
 
 
 @gluon.jit

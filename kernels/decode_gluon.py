@@ -46,6 +46,7 @@ from ._gluon_parts import (
     token_order,
     unpack_low,
     widen,
+    zero_channel,
 )
 from .gluon_launch import (
     GluonLaunch,
@@ -118,14 +119,22 @@ def _decode_gluon_kernel(
     q_perm = gl.load(
         q_ptr + q_off + head[None, :] * sq_h + low_channel(kk, D4)[:, None], mask=(head < QH)[None, :], other=0.0
     )
-    qz = gl.where(part[None, :] == 0, q_perm, 0.0).to(DOT)  # the zero term's operand: q in part-0 columns
     if IS_BF16:
         q4 = q_perm
     else:  # the unit 4^-s of field s folded into q (exact unless q4 is subnormal)
         q4 = (q_perm.to(gl.float32) * gl.exp2(-2.0 * (kk // D4).to(gl.float32))[:, None]).to(DOT)
     if not TWO:
         q4 = gl.where(part[None, :] == 0, q4, 0.0).to(DOT)
-    pflag, _ = gl.broadcast(part[None, :].to(gl.int16), q4.to(gl.int16, bitcast=True))
+    mneg, _ = gl.broadcast(gl.where(part == 1, -1.0, 0.0).to(DOT)[None, :], q4)  # -1 in remainder columns
+    # the zero term's operand: q at zero_channel, column t * NK + n (half t of the channels), zero in part-1 columns
+    kz = gl.arange(0, D // 2, gl.SliceLayout(1, DB))
+    nz = gl.arange(0, 2 * NK, gl.SliceLayout(0, DB))
+    hz = (nz % NK) // PK
+    qz = gl.load(
+        q_ptr + q_off + hz[None, :] * sq_h + zero_channel(kz[:, None], (nz // NK)[None, :], D4),
+        mask=((hz < QH) & ((nz % NK) % PK == 0))[None, :],
+        other=0.0,
+    )
     tt = gl.arange(0, 32, gl.SliceLayout(1, LS))
     m_i = gl.full([BH], float("-inf"), gl.float32, LH)
     l_i = gl.zeros([BH], gl.float32, LH)
@@ -165,7 +174,7 @@ def _decode_gluon_kernel(
         if (i >= c_lo) & (i // 4 < kp):
             kpage = gl.load(k_pt_ptr + b64 * spk_b + i // 4).to(gl.int64) * Hkv + h
             s = _key_chunk_scores(
-                q4, qz, pflag, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, i % 4, kk, qk_scale,
+                q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, i % 4, kk, qk_scale,
                 G, D, D4, KH, NK, NB, NB4, NWH, RW, PK, TWO, IS_BF16, DOT, MMA, DA, DB, LS
             )
         else:
@@ -190,7 +199,7 @@ def _decode_gluon_kernel(
         kpage = gl.load(k_pt_ptr + b64 * spk_b + j).to(gl.int64) * Hkv + h
         vpage = gl.load(v_pt_ptr + b64 * spv_b + j).to(gl.int64) * Hkv + h
         s0, s1, s2, s3 = _key_page_scores(
-            q4, qz, pflag, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, kk, qk_scale, G, D, D4,
+            q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, kk, qk_scale, G, D, D4,
             KH, NK, NB, NB4, NWH, RW, PK, TWO, IS_BF16, DOT, MMA, DA, DB, LS
         )
         m_new = gl.maximum(m_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), 0))

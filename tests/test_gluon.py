@@ -70,6 +70,31 @@ def test_high_plane_order_covers_every_slot(nb):
     assert slots == list(range(nb))
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_zero_term_fragment_and_sum(D):
+    """The zero term's operands (``_gluon_parts.zero_fragment`` / ``zero_channel`` / ``zero_rows``): the loaded
+    runs, reshaped and permuted as the kernel does, put channel ``zero_channel(k, t)`` in row ``8 t + g``, column
+    ``k``; both halves cover every channel once; and the product's diagonal blocks add up to ``q . zero``."""
+    parts = pytest.importorskip("kitty.kernels._gluon_parts")
+    D4, W = D // 4, D // 64
+    g, s, q, j = np.meshgrid(np.arange(8), np.arange(4), np.arange(4), np.arange(4 * W), indexing="ij")
+    off = s * D4 + q * 4 * W + j  # what zero_fragment loads, as (g, s, q, j)
+    frag = off.reshape(8, 4, 4, W, 2, 2).transpose(4, 0, 1, 3, 2, 5).reshape(16, 2 * D4)
+    k = np.arange(2 * D4)
+    chan = [np.asarray(parts.zero_channel.fn(k, t, D4)) for t in (0, 1)]
+    for t in (0, 1):
+        assert (frag[8 * t : 8 * t + 8] == chan[t][None, :]).all()
+    assert sorted(np.concatenate(chan).tolist()) == list(range(D))
+    NK = 8
+    rng = np.random.default_rng(D)
+    z, qv = rng.normal(size=D), rng.normal(size=(D, NK))
+    za = z[frag]  # (16, D / 2)
+    qz = np.concatenate([qv[chan[0]], qv[chan[1]]], axis=1)  # (D / 2, 2 NK): column t NK + n
+    c = (za @ qz).reshape(2, 8, 2, NK).transpose(1, 3, 2, 0)  # (g, n, t, b) as zero_rows
+    c8 = c[..., 0, 0] + c[..., 1, 1]
+    assert np.allclose(c8, (z @ qv)[None, :])
+
+
 def test_pages_supported_and_cpu_never():
     cfg = PRESETS["kitty"]
     assert pages_supported(cfg, 128, torch.float16, 4)
@@ -182,13 +207,16 @@ def low_operand_model(row_bytes: np.ndarray, bf16: bool) -> np.ndarray:
 
 
 def high_operand_model(row_bytes: np.ndarray, kh: int, bf16: bool) -> np.ndarray:
-    """The high plane's A operand values ``unpack_high`` gives for one token row (HIGH_ASM_*), column ``k``."""
+    """The high plane's A operand values ``unpack_high`` gives for one token row (HIGH_ASM_*), column ``k``: bf16
+    ``128 + code``, fp16 ``4^q code 2^-24`` for lane ``q = (k // 2) % 4``."""
     words = _words(row_bytes)
     out = np.zeros(kh)
     for k in range(kh):
         kt, h, q, e = k // 16, (k // 8) % 2, (k // 2) % 4, k % 2
-        w = (int(words[kt]) >> (2 * q)) >> (8 * h)
-        reg = (w & 0x00030003) | (0x43004300 if bf16 else 0)
+        if bf16:  # shifted to the lane's field, then the magic number
+            reg = (((int(words[kt]) >> (2 * q)) >> (8 * h)) & 0x00030003) | 0x43004300
+        else:  # masked in place: 4^q code 2^-24
+            reg = (int(words[kt]) >> (8 * h)) & (0x00030003 << (2 * q))
         out[k] = _half_value(reg >> (16 * e), bf16)
     return out
 
@@ -251,7 +279,10 @@ def key_scores_model(page, q: np.ndarray, bf16: bool, two_part: bool = True) -> 
     if nb:
         oh = one_hot_model(page.boost_idx.numpy(), kh, nb, nb4, bf16)  # columns in k order
         unit = high_unit_model(s, bf16)
-        bh_hi, bh_lo = _round(oh @ _round(hi * unit, bf16), bf16), _round(oh @ _round(lo * unit, bf16), bf16)
+        # fp16: row r of the gathered operand times 4^-q, q = (r // 2) % 4 (the high codes' in-place unit)
+        rows = np.ones(kh) if bf16 else 4.0 ** -((np.arange(kh) // 2) % 4)
+        bh_hi = _round(rows * (oh @ _round(hi * unit, bf16)), bf16)
+        bh_lo = _round(rows * (oh @ _round(lo * unit, bf16)), bf16)
         if bf16:
             corr -= 128.0 * float(np.sum(bh_hi + bh_lo))
     for t in range(G):
