@@ -141,13 +141,15 @@ def _quant_scores(
     MMA: gl.constexpr,
     DA: gl.constexpr,
     LS: gl.constexpr,
+    TOKPERM: gl.constexpr,
 ):
-    """Base-2 logits ``(32, BH)`` of tokens ``32 c ..`` of a quantized key page; ``c0`` ``(32, N)``: the page's
-    per-column term, the product's initial accumulator."""
-    a = unpack_low(low_ptr, (kpage * G + 32 * c) * D4, 32, D4, IS_BF16, DA)
+    """Base-2 logits ``(32, BH)`` of tokens ``32 c ..`` of a quantized key page (row ``r``: token ``token_perm(r)``
+    with ``TOKPERM``, else ``r``); ``c0`` ``(32, N)``: the page's per-column term, the product's initial
+    accumulator."""
+    a = unpack_low(low_ptr, (kpage * G + 32 * c) * D4, 32, D4, IS_BF16, DA, TOKPERM)
     acc = mma_v2(a, bop, c0)  # c0: the page's per-column term (fp16: in the codes' 2^-24 units)
     if NB > 0:
-        ah = unpack_high(high_ptr, (kpage * G + 32 * c) * RW, 32, NWH, RW, IS_BF16, DA)
+        ah = unpack_high(high_ptr, (kpage * G + 32 * c) * RW, 32, NWH, RW, IS_BF16, DA, TOKPERM)
         acc = mma_v2(ah, bh, acc)
     if IS_BF16:
         s = merge_parts(acc, PK) * qk_scale
@@ -313,18 +315,19 @@ def _key_page_scores(
     IS_BF16: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr,
     LS: gl.constexpr,
 ):  # fmt: skip
-    """One quantized key page's scores, four 32-token chunks in the softmax's layout ``LS``: the key operands of
-    the page (``_key_page_terms``), then the low (and high) plane codes against them."""
+    """One quantized key page's scores, four 32-token chunks in the softmax's layout ``LS`` (row ``r`` of chunk
+    ``c``: token ``32 c + token_perm(r)``): the key operands of the page (``_key_page_terms``), then the low (and
+    high) plane codes against them."""
     bop, bh, c0 = _key_page_terms(q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, kpage, kk, D, D4, KH, NK, NB,
                                   NB4, TWO, IS_BF16, DOT, MMA, DA, DB)  # fmt: skip
     s0 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, 0, G, D4, NB, NWH, RW, NK, PK,
-                        IS_BF16, MMA, DA, LS)  # fmt: skip
+                        IS_BF16, MMA, DA, LS, True)  # fmt: skip
     s1 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, 1, G, D4, NB, NWH, RW, NK, PK,
-                        IS_BF16, MMA, DA, LS)  # fmt: skip
+                        IS_BF16, MMA, DA, LS, True)  # fmt: skip
     s2 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, 2, G, D4, NB, NWH, RW, NK, PK,
-                        IS_BF16, MMA, DA, LS)  # fmt: skip
+                        IS_BF16, MMA, DA, LS, True)  # fmt: skip
     s3 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, 3, G, D4, NB, NWH, RW, NK, PK,
-                        IS_BF16, MMA, DA, LS)  # fmt: skip
+                        IS_BF16, MMA, DA, LS, True)  # fmt: skip
     return s0, s1, s2, s3
 
 
@@ -341,4 +344,4 @@ def _key_chunk_scores(
     bop, bh, c0 = _key_page_terms(q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, kpage, kk, D, D4, KH, NK, NB,
                                   NB4, TWO, IS_BF16, DOT, MMA, DA, DB)  # fmt: skip
     return _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, c, G, D4, NB, NWH, RW, NK, PK,
-                         IS_BF16, MMA, DA, LS)  # fmt: skip
+                         IS_BF16, MMA, DA, LS, False)  # fmt: skip

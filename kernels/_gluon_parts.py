@@ -44,22 +44,21 @@ F16_UNIT = 2.0**-24  # fp16: a code c of field s reads as 4^s c 2^-24
 
 
 @gluon.jit
-def unpack_low(ptr, row0, M: gl.constexpr, BPR: gl.constexpr, IS_BF16: gl.constexpr, DA: gl.constexpr):
+def unpack_low(
+    ptr, row0, M: gl.constexpr, BPR: gl.constexpr, IS_BF16: gl.constexpr, DA: gl.constexpr, TOKPERM: gl.constexpr
+):
     """Codes of ``M`` rows of ``BPR`` bytes at ``ptr + row0`` as the ``(M, 4 BPR)`` A fragment ``DA`` (column
-    ``k``: ``gluon_launch.low_plane_order``), fp16 ``4^s code 2^-24`` or bf16 ``OFF_s + code``."""
-    W: gl.constexpr = BPR // 16  # 32-bit words a lane loads per row
-    LP: gl.constexpr = gl.BlockedLayout([1, 1, W, 4], [8, 4, 1, 1], [1, 1, 1, 1], [3, 2, 1, 0])
-    t = gl.arange(0, M, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LP))))
-    q = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LP))))
-    w = gl.arange(0, W, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, LP))))
-    b = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LP))))
-    off = (
-        t[:, None, None, None] * BPR
-        + q[None, :, None, None] * (4 * W)
-        + w[None, None, :, None] * 4
-        + b[None, None, None, :]
-    )
-    x = gl.load(ptr + row0 + off)
+    ``k``: ``gluon_launch.low_plane_order``), fp16 ``4^s code 2^-24`` or bf16 ``OFF_s + code``. ``TOKPERM`` (32
+    rows): row ``r`` reads row ``token_perm(r)``, so the lane holding rows ``g + 8 i`` holds rows ``4 g + i``."""
+    W: gl.constexpr = BPR // 16  # 32-bit words a lane loads per row, one contiguous run
+    LP: gl.constexpr = gl.BlockedLayout([1, 1, 4 * W], [8, 4, 1], [1, 1, 1], [2, 1, 0])
+    t = gl.arange(0, M, gl.SliceLayout(1, gl.SliceLayout(2, LP)))
+    q = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(2, LP)))
+    j = gl.arange(0, 4 * W, gl.SliceLayout(0, gl.SliceLayout(1, LP)))
+    if TOKPERM:
+        t = token_perm(t)
+    off = t[:, None, None] * BPR + q[None, :, None] * (4 * W) + j[None, None, :]
+    x = gl.reshape(gl.load(ptr + row0 + off), [M, 4, W, 4])
     if IS_BF16:
         a0, a1, a2, a3 = gl.inline_asm_elementwise(
             LOW_ASM_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r", [x], dtype=(gl.bfloat16,) * 4, is_pure=True, pack=4
@@ -77,16 +76,26 @@ def unpack_low(ptr, row0, M: gl.constexpr, BPR: gl.constexpr, IS_BF16: gl.conste
 
 @gluon.jit
 def unpack_high(
-    ptr, row0, M: gl.constexpr, NWH: gl.constexpr, RW: gl.constexpr, IS_BF16: gl.constexpr, DA: gl.constexpr
+    ptr,
+    row0,
+    M: gl.constexpr,
+    NWH: gl.constexpr,
+    RW: gl.constexpr,
+    IS_BF16: gl.constexpr,
+    DA: gl.constexpr,
+    TOKPERM: gl.constexpr,
 ):
     """High-plane codes of ``M`` token rows as the ``(M, 16 NWH)`` A fragment ``DA`` (``gluon_launch.
     high_plane_order``): ``ptr`` reads a row as ``RW`` elements of 8, 16 or 32 bits (``NWH`` words), lane ``q``
-    unpacks field ``q``: bf16 ``128 + code``, fp16 ``4^q code 2^-24`` (masked in place, no shift)."""
+    unpacks field ``q``: bf16 ``128 + code``, fp16 ``4^q code 2^-24`` (masked in place, no shift). ``TOKPERM``:
+    rows as ``unpack_low``."""
     LH: gl.constexpr = gl.BlockedLayout([1, 1, NWH, 4], [8, 4, 1, 1], [1, 1, 1, 1], [3, 2, 1, 0])
     L3: gl.constexpr = gl.SliceLayout(3, LH)
     t = gl.arange(0, M, gl.SliceLayout(1, gl.SliceLayout(2, L3)))
     q = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(2, L3)))
     w = gl.arange(0, NWH, gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    if TOKPERM:
+        t = token_perm(t)
     off = t[:, None, None] * RW + w[None, None, :] + q[None, :, None] * 0
     word = gl.load(ptr + row0 + off).to(gl.int32)
     b = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LH))))
@@ -104,6 +113,25 @@ def unpack_high(
     a = gl.permute(a, [0, 2, 3, 1, 4])  # (M, kt, h, q, e)
     a = gl.reshape(a, [M, 16 * NWH])
     return gl.convert_layout(a, DA, assert_trivial=True)
+
+
+@gluon.jit
+def token_perm(r):
+    """Token of score row ``r`` of a 32-token chunk in the page loop: ``4 (r % 8) + r // 8``, so that the lane
+    holding rows ``g + 8 i`` (the accumulator layout) holds the 4 adjacent tokens ``4 g + i``."""
+    return 4 * (r % 8) + r // 8
+
+
+@gluon.jit
+def token_vector(ptr, base, OUT: gl.constexpr):
+    """``ptr[base + token_perm(r)]`` for the 32 rows ``r`` of a chunk, in ``OUT`` (the row slice of the scores'
+    layout, lane ``g`` holding rows ``g + 8 i``): each lane loads its 4 adjacent tokens as one run."""
+    L2: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0])
+    g = gl.arange(0, 8, gl.SliceLayout(1, L2))
+    i = gl.arange(0, 4, gl.SliceLayout(0, L2))
+    x = gl.load(ptr + base + 4 * g[:, None] + i[None, :])  # (g, i): token 4 g + i = token_perm(8 i + g)
+    x = gl.reshape(gl.permute(x, [1, 0]), [32])
+    return gl.convert_layout(x, OUT)
 
 
 @gluon.jit
@@ -168,13 +196,14 @@ def zero_rows(c, NK: gl.constexpr, MMA: gl.constexpr):
 
 @gluon.jit
 def token_order(p, PV: gl.constexpr):
-    """``p`` ``(32, BH)`` of a token quarter (rows in token order) as the value product's ``(32, BH PV)`` K rows
-    in ``low_plane_order`` (BPR 32), head ``r`` in column ``r PV`` (zeros beside it when ``PV`` is 2)."""
+    """``p`` ``(32, BH)`` of a token quarter (row ``r``: token ``token_perm(r)``) as the value product's
+    ``(32, BH PV)`` K rows in ``low_plane_order`` (BPR 32), head ``r`` in column ``r PV`` (zeros beside it when
+    ``PV`` is 2)."""
     if PV == 2:
         p = gl.reshape(gl.join(p, gl.zeros_like(p)), [p.shape[0], 2 * p.shape[1]])
     N: gl.constexpr = p.shape[1]
-    p = gl.reshape(p, [4, 2, 2, 2, N])  # token 8 q + 4 kt + 2 e + h
-    p = gl.permute(p, [1, 3, 0, 2, 4])  # (kt, h, q, e)
+    p = gl.reshape(p, [2, 2, 4, 2, N])  # row 16 e + 8 h + 2 q + kt = token_perm^-1(token 8 q + 4 kt + 2 e + h)
+    p = gl.permute(p, [3, 1, 2, 0, 4])  # (kt, h, q, e)
     return gl.reshape(p, [32, N])
 
 

@@ -44,6 +44,7 @@ from ._gluon_parts import (
     cat4,
     low_channel,
     token_order,
+    token_vector,
     unpack_low,
     widen,
     zero_channel,
@@ -195,6 +196,9 @@ def _decode_gluon_kernel(
         acc2 = acc2 * 5.9604644775390625e-08
         acc3 = acc3 * 5.9604644775390625e-08
     # ---- pages with quantized keys and values
+    # p * scale's trip to the value operand (tokens on rows, heads on lanes -> the B fragment): through shared
+    # memory, K-contiguous, 16 four-byte stores and 4 ldmatrix a page (convert_layout chose ~50 shuffles and selects)
+    pbuf = gl.allocate_shared_memory(DOT, [4 * 32, NV], gl.SwizzledSharedLayout(8, 1, 8, [0, 1]))
     for j in range(start, gl.minimum(end, vp)):
         kpage = gl.load(k_pt_ptr + b64 * spk_b + j).to(gl.int64) * Hkv + h
         vpage = gl.load(v_pt_ptr + b64 * spv_b + j).to(gl.int64) * Hkv + h
@@ -211,15 +215,17 @@ def _decode_gluon_kernel(
         m_i = m_new
         l_i = l_i * alpha + gl.sum((p0 + p1) + (p2 + p3), 0)
         # value operand: p * scale per token (fp16: times 4^-u, the unit of token quarter u)
+        # (rows in token_perm order, as the scores: each lane loads 4 adjacent tokens' scale and zero at once)
         vb = vpage * G
-        vs0 = gl.load(v_scale_ptr + vb + tt).to(gl.float32)
-        vs1 = gl.load(v_scale_ptr + vb + 32 + tt).to(gl.float32)
-        vs2 = gl.load(v_scale_ptr + vb + 64 + tt).to(gl.float32)
-        vs3 = gl.load(v_scale_ptr + vb + 96 + tt).to(gl.float32)
-        vz0 = gl.load(v_zero_ptr + vb + tt).to(gl.float32)
-        vz1 = gl.load(v_zero_ptr + vb + 32 + tt).to(gl.float32)
-        vz2 = gl.load(v_zero_ptr + vb + 64 + tt).to(gl.float32)
-        vz3 = gl.load(v_zero_ptr + vb + 96 + tt).to(gl.float32)
+        TV: gl.constexpr = gl.SliceLayout(1, LS)
+        vs0 = token_vector(v_scale_ptr, vb, TV).to(gl.float32)
+        vs1 = token_vector(v_scale_ptr, vb + 32, TV).to(gl.float32)
+        vs2 = token_vector(v_scale_ptr, vb + 64, TV).to(gl.float32)
+        vs3 = token_vector(v_scale_ptr, vb + 96, TV).to(gl.float32)
+        vz0 = token_vector(v_zero_ptr, vb, TV).to(gl.float32)
+        vz1 = token_vector(v_zero_ptr, vb + 32, TV).to(gl.float32)
+        vz2 = token_vector(v_zero_ptr, vb + 64, TV).to(gl.float32)
+        vz3 = token_vector(v_zero_ptr, vb + 96, TV).to(gl.float32)
         if IS_BF16:
             w0 = (p0 * vs0[:, None]).to(DOT)
             w1 = (p1 * vs1[:, None]).to(DOT)
@@ -234,16 +240,15 @@ def _decode_gluon_kernel(
             w3 = (p3 * (vs3 * 0.015625)[:, None]).to(DOT)
             zt = (p0 * vz0[:, None] + p1 * vz1[:, None]) + (p2 * vz2[:, None] + p3 * vz3[:, None])
         az = az * alpha + gl.sum(zt, 0)
-        pb = gl.convert_layout(
-            cat4(token_order(w0, PV), token_order(w1, PV), token_order(w2, PV), token_order(w3, PV)), DB
-        )
+        pbuf.store(cat4(token_order(w0, PV), token_order(w1, PV), token_order(w2, PV), token_order(w3, PV)))
+        pb = pbuf.load(DB)
         av = gl.convert_layout(widen(alpha, PV), gl.SliceLayout(0, MMA))
         vrow = vpage * (D * 32)
-        acc0 = mma_v2(unpack_low(v_codes_ptr, vrow, 32, 32, IS_BF16, DA), pb, acc0 * av[None, :])
-        acc1 = mma_v2(unpack_low(v_codes_ptr, vrow + 32 * 32, 32, 32, IS_BF16, DA), pb, acc1 * av[None, :])
+        acc0 = mma_v2(unpack_low(v_codes_ptr, vrow, 32, 32, IS_BF16, DA, False), pb, acc0 * av[None, :])
+        acc1 = mma_v2(unpack_low(v_codes_ptr, vrow + 32 * 32, 32, 32, IS_BF16, DA, False), pb, acc1 * av[None, :])
         if NCH > 2:
-            acc2 = mma_v2(unpack_low(v_codes_ptr, vrow + 64 * 32, 32, 32, IS_BF16, DA), pb, acc2 * av[None, :])
-            acc3 = mma_v2(unpack_low(v_codes_ptr, vrow + 96 * 32, 32, 32, IS_BF16, DA), pb, acc3 * av[None, :])
+            acc2 = mma_v2(unpack_low(v_codes_ptr, vrow + 64 * 32, 32, 32, IS_BF16, DA, False), pb, acc2 * av[None, :])
+            acc3 = mma_v2(unpack_low(v_codes_ptr, vrow + 96 * 32, 32, 32, IS_BF16, DA, False), pb, acc3 * av[None, :])
     # ---- the split's product as one (D, NV) tile in output units
     if NCH > 2:
         acc_q = cat4(acc0, acc1, acc2, acc3)
