@@ -89,14 +89,23 @@ def unpack_high(
     high_plane_order``): ``ptr`` reads a row as ``RW`` elements of 8, 16 or 32 bits (``NWH`` words), lane ``q``
     unpacks field ``q``: bf16 ``128 + code``, fp16 ``4^q code 2^-24`` (masked in place, no shift). ``TOKPERM``:
     rows as ``unpack_low``."""
-    LH: gl.constexpr = gl.BlockedLayout([1, 1, NWH, 4], [8, 4, 1, 1], [1, 1, 1, 1], [3, 2, 1, 0])
-    L3: gl.constexpr = gl.SliceLayout(3, LH)
-    t = gl.arange(0, M, gl.SliceLayout(1, gl.SliceLayout(2, L3)))
-    q = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(2, L3)))
-    w = gl.arange(0, NWH, gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-    if TOKPERM:
-        t = token_perm(t)
-    off = t[:, None, None] * RW + w[None, None, :] + q[None, :, None] * 0
+    if TOKPERM and RW == NWH and M == 32:
+        # a lane's rows g + 8 i are the 4 adjacent tokens 4 g + i: one contiguous run of 4 NWH words
+        LH: gl.constexpr = gl.BlockedLayout([1, 1, 4 * NWH, 4], [8, 4, 1, 1], [1, 1, 1, 1], [3, 2, 1, 0])
+        L3: gl.constexpr = gl.SliceLayout(3, LH)
+        g = gl.arange(0, 8, gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        q = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+        j = gl.arange(0, 4 * NWH, gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+        off = g[:, None, None] * (4 * RW) + j[None, None, :] + q[None, :, None] * 0
+    else:
+        LH: gl.constexpr = gl.BlockedLayout([1, 1, NWH, 4], [8, 4, 1, 1], [1, 1, 1, 1], [3, 2, 1, 0])
+        L3: gl.constexpr = gl.SliceLayout(3, LH)
+        t = gl.arange(0, M, gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        q = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+        w = gl.arange(0, NWH, gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+        if TOKPERM:
+            t = token_perm(t)
+        off = t[:, None, None] * RW + w[None, None, :] + q[None, :, None] * 0
     word = gl.load(ptr + row0 + off).to(gl.int32)
     b = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LH))))
     if IS_BF16:
@@ -109,8 +118,12 @@ def unpack_high(
         a = gl.inline_asm_elementwise(
             HIGH_ASM_F16, "=r,=r,r,r,r,r,r,r,r,r", [x, mask], dtype=gl.float16, is_pure=True, pack=4
         )
-    a = gl.reshape(a, [M, 4, NWH, 2, 2])
-    a = gl.permute(a, [0, 2, 3, 1, 4])  # (M, kt, h, q, e)
+    if TOKPERM and RW == NWH and M == 32:
+        a = gl.reshape(a, [8, 4, 4, NWH, 2, 2])  # (g, q, i, kt, h, e)
+        a = gl.permute(a, [2, 0, 3, 4, 1, 5])  # (i, g, kt, h, q, e): row 8 i + g
+    else:
+        a = gl.reshape(a, [M, 4, NWH, 2, 2])
+        a = gl.permute(a, [0, 2, 3, 1, 4])  # (M, kt, h, q, e)
     a = gl.reshape(a, [M, 16 * NWH])
     return gl.convert_layout(a, DA, assert_trivial=True)
 
