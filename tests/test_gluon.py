@@ -5,13 +5,17 @@
   the A operand holds the code ``kitty.core.quant.pack_bits`` stored for the channel (or token) the small operand is read
   at. Runs in plain CPU CI.
 - Compile gates in the side environment with the device's triton (``make test-gluon`` installs it): the kernel
-  compiles for sm_90 (so every ``assert_trivial`` conversion holds), the page loop has no STS/LDS of codes, and the
-  SASS/register budgets, which are not met yet (strict xfail, so meeting one is noticed).
+  compiles for sm_90 (so every ``assert_trivial`` conversion holds), the page loop has no STS/LDS of codes, no
+  variant spills, and kitty fp16's page loop is within 1.5 SASS per element; the register and integer-pipe budgets
+  are not met yet (strict xfail, so meeting them is noticed).
+- The page-math model: the kernel's operands bit by bit (unpack, two-part key operand, one-hot gather, units and
+  offsets, zero term, token order) against kitty's dequantized pages.
 - ``backend="auto"`` never picks the Gluon kernel on the CPU.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -127,6 +131,7 @@ def test_auto_never_picks_gluon_on_cpu():
     assert resolve_backend("gluon", torch.device("cpu"), PRESETS["kitty"], 128) == "gluon"
 
 
+@functools.lru_cache(maxsize=None)
 def _compile(preset: str, dtype: str, gqa: int = 4, D: int = 128, *extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile for sm_90, not interpret
     env.update(PYTHONPATH=str(SIDE_ENV), GLUON_MAXNREG="255", OMP_NUM_THREADS="1")
@@ -149,7 +154,7 @@ def _compile(preset: str, dtype: str, gqa: int = 4, D: int = 128, *extra: str) -
 
 
 side_env = pytest.mark.skipif(not (SIDE_ENV / "triton").is_dir(), reason="no triton 3.6 side env (make test-gluon)")
-VARIANTS = [("kitty", "float16", 4, 128), ("kitty-pro", "bfloat16", 8, 64)]
+VARIANTS = [("kitty", "float16", 4, 128), ("kitty", "bfloat16", 4, 128), ("kitty-pro", "bfloat16", 8, 64)]
 
 
 @side_env
@@ -163,6 +168,15 @@ def test_compiles_with_trivial_conversions_and_no_shared_codes(variant):
 
 
 @side_env
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_no_local_memory(variant):
+    """No spills anywhere in the kernel (the full-precision chunks run before the page loop, so their live values
+    never meet the loop's), at the wrapper's register cap."""
+    r = _compile(*variant)
+    assert r["loop_local"] == 0 and r["local_all"] == 0, (r["loop_local"], r["local_all"])
+
+
+@side_env
 def test_one_split_launch_compiles():
     """A one-split launch (batch rows with few pages): the JIT would make the split count and merge group constants
     (both 1), which triton 3.6's lowering cannot compile; the kernel keeps them runtime values."""
@@ -170,12 +184,22 @@ def test_one_split_launch_compiles():
 
 
 @side_env
-@pytest.mark.xfail(
-    strict=True, reason="budgets not met yet: 1.71 SASS/element, 255 registers, 4 LDL/STL in the loop (kitty fp16)"
-)
 def test_page_loop_budget():
+    """kitty fp16 (GQA 4, D 128): the page loop within 1.5 SASS instructions per cached element (CPU-compiled,
+    1.32 now)."""
     r = _compile("kitty", "float16")
-    assert r["sass_per_element"] <= 1.5 and r["loop_local"] == 0 and r["regs"] <= 180
+    assert r["sass_per_element"] <= 1.5, r["sass_per_element"]
+
+
+@side_env
+@pytest.mark.xfail(
+    strict=True,
+    reason="not met yet (kitty fp16): 247 registers (the loads of a whole page are in flight at once), integer "
+    "pipe 0.74 per element",
+)
+def test_page_loop_register_and_integer_budget():
+    r = _compile("kitty", "float16")
+    assert r["regs"] <= 180 and r["loop_int"] <= 0.7
 
 
 # ------------------------------------------------------------------ the page math in the kernel's fragment order
