@@ -64,15 +64,15 @@ LOG2E = 1.4426950408889634
 
 
 # NUM_SPLITS and MERGE_GROUP stay runtime values: Triton would turn a 1 into a constant, and triton 3.6's LLVM lowering
-# asserts (PassManager::run failed) on the kernel with both at 1 (a one-split launch).
-@gluon.jit(do_not_specialize=["NUM_SPLITS", "MERGE_GROUP"])
+# asserts (PassManager::run failed) on the kernel with both at 1 (a one-split launch). TAIL likewise.
+@gluon.jit(do_not_specialize=["NUM_SPLITS", "MERGE_GROUP", "TAIL"])
 def _decode_gluon_kernel(
     q_ptr, out_ptr, ws_m_ptr, ws_l_ptr, ws_z_ptr, ws_acc_ptr, ticket_ptr, len_ptr, sink_k_ptr, sink_v_ptr, k_qbuf_ptr,
     v_qbuf_ptr, v_local_ptr, k_pt_ptr, v_pt_ptr, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr,
-    v_scale_ptr, v_zero_ptr, Hkv, QH, NUM_SPLITS, MERGE_GROUP, qk_scale, sq_b, sq_h, so_b, so_h, ssk_b, ssk_h, ssv_b,
-    ssv_h, skq_b, skq_h, svq_b, svq_h, svl_b, svl_h, spk_b, spv_b, S: gl.constexpr, G: gl.constexpr, R: gl.constexpr, D:
-    gl.constexpr, NB: gl.constexpr, NB4: gl.constexpr, NWH: gl.constexpr, RW: gl.constexpr, BH: gl.constexpr, BLOCK_S:
-    gl.constexpr, TWO: gl.constexpr, IS_BF16: gl.constexpr, FULL_QBUF: gl.constexpr
+    v_scale_ptr, v_zero_ptr, Hkv, QH, NUM_SPLITS, MERGE_GROUP, TAIL, qk_scale, sq_b, sq_h, so_b, so_h, ssk_b, ssk_h,
+    ssv_b, ssv_h, skq_b, skq_h, svq_b, svq_h, svl_b, svl_h, spk_b, spv_b, S: gl.constexpr, G: gl.constexpr,
+    R: gl.constexpr, D: gl.constexpr, NB: gl.constexpr, NB4: gl.constexpr, NWH: gl.constexpr, RW: gl.constexpr,
+    BH: gl.constexpr, BLOCK_S: gl.constexpr, TWO: gl.constexpr, IS_BF16: gl.constexpr, FULL_QBUF: gl.constexpr
 ):
     gl.static_assert(G == 128, "pages of 128 tokens: four chunks of 32")
     D4: gl.constexpr = D // 4
@@ -107,9 +107,27 @@ def _decode_gluon_kernel(
         kp = m // G
         vp = mv // G
     slots = gl.cdiv(m, G)
-    per = gl.cdiv(slots, NUM_SPLITS)
-    start = split * per
-    end = gl.minimum(start + per, slots)
+    nck = gl.cdiv(m, 32)  # 32-token chunks holding tokens
+    if TAIL > 0:  # the last TAIL splits share the full-precision chunks, the others the quantized pages
+        nps = NUM_SPLITS - TAIL
+        per = gl.cdiv(vp, nps)
+        if split < nps:
+            start = split * per
+            end = gl.minimum(start + per, vp)
+            c_lo = 0
+            c_hi = 0
+        else:
+            start = 0
+            end = 0
+            tper = gl.cdiv(gl.maximum(nck - vp * 4, 0), TAIL)
+            c_lo = vp * 4 + (split - nps) * tper
+            c_hi = gl.maximum(gl.minimum(c_lo + tper, nck), c_lo)
+    else:  # each split: a run of page slots, then the full-precision chunks among them
+        per = gl.cdiv(slots, NUM_SPLITS)
+        start = split * per
+        end = gl.minimum(start + per, slots)
+        c_lo = gl.maximum(start, vp) * 4
+        c_hi = gl.maximum(gl.minimum(end * 4, nck), c_lo)
 
     # ---- the small key operand's loop-invariant part: q at the permuted channels, column r * PK + part
     kk = gl.arange(0, D, gl.SliceLayout(1, DB))
@@ -149,8 +167,6 @@ def _decode_gluon_kernel(
     # split's tokens whose values are in the qbuffer or the local window (keys quantized below kp, else in the
     # qbuffer). They accumulate into the page loop's accumulators, in natural units until the loop starts.
     NSC: gl.constexpr = (S + 31) // 32
-    c_lo = gl.maximum(start, vp) * 4
-    c_hi = gl.maximum(gl.minimum(end * 4, gl.cdiv(m, 32)), c_lo)
     ns = gl.where((split == 0) & (n > 0), NSC, 0)
     q_nat = gl.load(
         q_ptr + q_off + head[None, :] * sq_h + kk[:, None], mask=((head < QH) & (part == 0))[None, :], other=0.0
@@ -327,6 +343,8 @@ def decode_attention_gluon(
     scaling = 1.0 / math.sqrt(D) if scaling is None else float(scaling)
     max_pages = state.k_page_table.shape[1] + 1
     launch = launch or default_gluon_launch(B, Hkv, max_pages, q.device)
+    if not 0 <= launch.tail_splits < launch.num_splits:
+        raise ValueError(f"tail_splits={launch.tail_splits} must leave a page split of num_splits={launch.num_splits}")
     consts = gluon_constants(cfg, D, QH, q.dtype, launch, full_qbuffer)
     BH, splits = consts["BH"], launch.num_splits
     dev, f32 = q.device, torch.float32
@@ -380,6 +398,7 @@ def decode_attention_gluon(
         QH,
         splits,
         group,
+        launch.tail_splits,
         scaling * LOG2E,
         q.stride(0),
         q.stride(1),

@@ -117,6 +117,30 @@ def test_page_loop_token_order():
     assert rows.tolist() == [b for b, _ in low_plane_order(32)[:32]]
 
 
+@pytest.mark.parametrize("full_qbuffer", [False, True])
+def test_splits_cover_every_page_and_chunk_once(full_qbuffer):
+    """The kernel's work split (``gluon_launch.split_work``, with and without tail splits): over the programs of a
+    row, every quantized page and every full-precision 32-token chunk holding tokens runs exactly once, and the
+    sink once."""
+    from kitty.kernels.gluon_launch import split_work
+
+    S, G, R = 32, 128, 128
+    for n in (0, 1, 31, 32, 33, S + G, S + G + 1, S + R + G - 1, S + R + 2 * G, S + 9 * G + 5, 4096, 4097):
+        m = max(n - S, 0)
+        mv = max(m - R, 0)
+        vp = max(-(-mv // G) - 1, 0) if full_qbuffer else mv // G
+        for splits, tail in ((1, 0), (3, 0), (7, 0), (40, 0), (2, 1), (8, 3), (40, 4), (5, 4)):
+            pages, chunks, sinks = [], [], 0
+            for sp in range(splits):
+                pg, ch, sink = split_work(n, S, G, R, full_qbuffer, splits, tail, sp)
+                pages += list(pg)
+                chunks += list(ch)
+                sinks += sink
+            assert sorted(pages) == list(range(vp)), (n, splits, tail)
+            assert sorted(chunks) == list(range(4 * vp, -(-m // 32))), (n, splits, tail)
+            assert sinks == (n > 0)
+
+
 def test_pages_supported_and_cpu_never():
     cfg = PRESETS["kitty"]
     assert pages_supported(cfg, 128, torch.float16, 4)
