@@ -51,11 +51,8 @@ def _key_operand(
     MMA: gl.constexpr,
     DA: gl.constexpr,
 ):
-    """Per key page: ``B`` ``(D, N)`` (``q4 * scale`` at the permuted channels as its 16-bit rounding and
-    remainder, or the rounding and a zero column; packed 16-bit math, ``OPERAND_ASM_*``) and its per-column term
-    ``sum q zero`` (part-0 columns; bf16: minus the offsets' share) stacked to ``(32, N)`` in ``MMA``: a
-    tensor-core product of the zeros (``zero_fragment``) with ``qz`` (``q`` at ``zero_channel``, zero in
-    remainder columns)."""
+    """Per key page: ``B`` ``(D, N)``, ``q4 * scale`` at the permuted channels as its 16-bit rounding and
+    remainder, or the rounding and a zero column (packed 16-bit math, ``OPERAND_ASM_*``)."""
     OUT: gl.constexpr = kk.type.layout
     sc = channel_vector(scale_ptr, meta, D4, OUT)
     scb, _ = gl.broadcast(sc[:, None], q4)
@@ -70,15 +67,32 @@ def _key_operand(
             )
     else:
         bop = mul16(q4, scb, IS_BF16)  # q4 is zero in the pad columns
+    return bop
+
+
+@gluon.jit
+def _zero_term(zero_ptr, meta, qz, init, D4: gl.constexpr, NK: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr):
+    """``init + sum q zero`` per column, stacked to ``(32, N)`` in ``MMA`` (``init`` ``(16, N)``, rows equal): a
+    tensor-core product of the zeros (``zero_fragment``) with ``qz`` (``q`` at ``zero_channel``, zero in remainder
+    columns), ``init`` riding in its first column half."""
     za = zero_fragment(zero_ptr, meta, D4, DA)
-    c16 = mma_v2(za, qz, gl.zeros([16, 2 * NK], gl.float32, MMA))
-    c0 = zero_rows(c16, NK, MMA)
-    if IS_BF16:
-        s = kk // D4
-        off = gl.where(s == 1, 32.0, gl.where(s == 2, 8.0, 128.0))
-        corr = gl.sum(bop.to(gl.float32) * off[:, None], 0)
-        c0 = c0 - gl.convert_layout(corr, gl.SliceLayout(0, MMA))[None, :]
-    return bop, c0
+    c = gl.permute(gl.reshape(gl.join(init, gl.zeros_like(init)), [16, NK, 2]), [0, 2, 1])
+    c = gl.convert_layout(gl.reshape(c, [16, 2 * NK]), MMA)
+    return zero_rows(mma_v2(za, qz, c), NK, MMA)
+
+
+@gluon.jit
+def _offset_share(op, K: gl.constexpr, D4: gl.constexpr, LOW: gl.constexpr, acc, DOT: gl.constexpr, DA: gl.constexpr):
+    """``acc - sum_k off_k op[k, :]`` ``(16, N)`` (every row), on the tensor cores with a constant A operand: the
+    bf16 unpack's offsets (``LOW``: 128, 32, 8, 128 for the low plane's fields; else 128, the high plane's)."""
+    k = gl.arange(0, K, gl.SliceLayout(0, DA))
+    if LOW:
+        s = k // D4
+        off = gl.where(s == 1, -32.0, gl.where(s == 2, -8.0, -128.0)).to(DOT)
+    else:
+        off = gl.full([K], -128.0, DOT, gl.SliceLayout(0, DA))
+    a, _ = gl.broadcast(off[None, :], gl.zeros([16, K], DOT, DA))
+    return mma_v2(a, op, acc)
 
 
 @gluon.jit
@@ -98,7 +112,7 @@ def _high_operand(
     DB: gl.constexpr,
 ):
     """The high plane's small operand ``4 B[channel of slot]`` ``(KH, N)``, gathered by a one-hot product (exact:
-    one nonzero power-of-two term per entry), and its bf16 offset term. The one-hot entries are ``0x3C00`` (fp16
+    one nonzero power-of-two term per entry). The one-hot entries are ``0x3C00`` (fp16
     1.0, bf16 2^-7): the unit goes into ``B`` (fp16 ``4^(s+1)``, undoing the low operand's ``4^-s``; bf16
     ``4 * 2^7``), one packed product per pair."""
     kk = gl.arange(0, bop.shape[0], gl.SliceLayout(1, bop.type.layout))
@@ -112,12 +126,7 @@ def _high_operand(
     if not IS_BF16:  # row r meets the fp16 high codes of field (r // 2) % 4, unpacked as 4^field code 2^-24
         rr = gl.arange(0, KH, gl.SliceLayout(1, MMA))
         g = g * gl.exp2(-2.0 * ((rr // 2) % 4).to(gl.float32))[:, None]
-    bh = gl.convert_layout(g.to(DOT), DB)
-    if IS_BF16:
-        corr = -128.0 * gl.sum(bh.to(gl.float32), 0)
-    else:
-        corr = gl.zeros([NK], gl.float32, gl.SliceLayout(0, DB))
-    return bh, corr
+    return gl.convert_layout(g.to(DOT), DB)
 
 
 @gluon.jit
@@ -295,13 +304,17 @@ def _key_page_terms(
 ):  # fmt: skip
     """A quantized key page's operands: the low plane's ``bop``, the high plane's ``bh`` (one-hot gather) and the
     ``(32, N)`` initial accumulator holding the per-column term."""
-    bop, c0 = _key_operand(q4, qz, mneg, k_scale_ptr, k_zero_ptr, kpage * D, kk, D, D4, NK, TWO, IS_BF16, DOT,
-                           MMA, DA)  # fmt: skip
+    bop = _key_operand(q4, qz, mneg, k_scale_ptr, k_zero_ptr, kpage * D, kk, D, D4, NK, TWO, IS_BF16, DOT, MMA,
+                       DA)  # fmt: skip
+    init = gl.zeros([16, NK], gl.float32, MMA)
+    if IS_BF16:
+        init = _offset_share(bop, D, D4, True, init, DOT, DA)
     bh = bop
     if NB > 0:
-        bh, ch = _high_operand(bop, k_idx_ptr, kpage * D, D4, KH, NK, NB, NB4, IS_BF16, DOT, MMA, DA, DB)
+        bh = _high_operand(bop, k_idx_ptr, kpage * D, D4, KH, NK, NB, NB4, IS_BF16, DOT, MMA, DA, DB)
         if IS_BF16:
-            c0 = c0 + gl.convert_layout(ch, gl.SliceLayout(0, MMA))[None, :]
+            init = _offset_share(bh, KH, D4, False, init, DOT, DA)
+    c0 = _zero_term(k_zero_ptr, kpage * D, qz, init, D4, NK, MMA, DA)
     if not IS_BF16:
         c0 = c0 * 5.9604644775390625e-08  # the codes' unit 2^-24
     return bop, bh, c0
