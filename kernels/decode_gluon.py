@@ -418,6 +418,6 @@ def decode_attention_gluon(
         st.v_page_table.stride(0),
         **consts,
         num_warps=1,
-        maxnreg=255,
+        maxnreg=launch.maxnreg,
     )
     return out

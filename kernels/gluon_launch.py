@@ -31,12 +31,15 @@ class GluonLaunch:
     than ~2 sqrt(num_splits) partials one after another; ``tail_splits``: the last ``tail_splits`` of the
     ``num_splits`` programs of a (row, KV head) share its full-precision chunks (qbuffers, local window: up to ~12
     chunks of 32 tokens) in equal parts and the others its quantized pages, so that at small batch no program runs
-    the whole tail after its pages (0: each split runs the tail of its own page range)."""
+    the whole tail after its pages (0: each split runs the tail of its own page range); ``maxnreg``: the register
+    cap per thread (255: ~8 one-warp programs per SM fit; <= 204 gives 10, <= 168 gives 12, with some spills in the
+    page loop at those caps, CPU-compiled)."""
 
     num_splits: int
     key_two_part: bool = True
     merge_group: int = 0
     tail_splits: int = 0
+    maxnreg: int = 255
 
 
 MERGE_STEP = 4  # partials a merge reads per step for 4 heads per KV head (16 // heads)
