@@ -10,6 +10,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from ._gluon_parts import (
+    adjacent_to_low,
     channel_vector,
     merge_parts,
     mul16,
@@ -54,7 +55,7 @@ def _key_operand(
     """Per key page: ``B`` ``(D, N)``, ``q4 * scale`` at the permuted channels as its 16-bit rounding and
     remainder, or the rounding and a zero column (packed 16-bit math, ``OPERAND_ASM_*``)."""
     OUT: gl.constexpr = kk.type.layout
-    sc = channel_vector(scale_ptr, meta, D4, OUT)
+    sc = channel_vector(scale_ptr, meta, D4, OUT, True)  # q4 is in adjacent_channel order too
     scb, _ = gl.broadcast(sc[:, None], q4)
     if TWO:
         if IS_BF16:
@@ -67,7 +68,7 @@ def _key_operand(
             )
     else:
         bop = mul16(q4, scb, IS_BF16)  # q4 is zero in the pad columns
-    return bop
+    return adjacent_to_low(bop, D4)
 
 
 @gluon.jit

@@ -248,7 +248,7 @@ def merge_parts(s, PK: gl.constexpr):
 
 
 @gluon.jit
-def channel_vector(ptr, base, D4: gl.constexpr, OUT: gl.constexpr):
+def channel_vector(ptr, base, D4: gl.constexpr, OUT: gl.constexpr, ADJACENT: gl.constexpr = False):
     """``ptr[base + low_channel(k)]`` for ``k < 4 D4`` in the 1-D layout ``OUT`` (the K slice of an operand
     fragment), loaded as contiguous runs: in ``low_plane_order`` lane ``q`` holds channels ``4 W q .. 4 W q + 4 W - 1``
     of every field ``s``, so each (field, lane) is one vector load of ``4 W`` elements, broadcast over the lanes of
@@ -264,9 +264,34 @@ def channel_vector(ptr, base, D4: gl.constexpr, OUT: gl.constexpr):
     )
     x = gl.load(ptr + base + off)
     x = gl.reshape(x, [4, 4, W, 2, 2])  # (s, q, kt, e, h): channel 4 W q + 4 kt + 2 e + h
-    x = gl.permute(x, [0, 2, 4, 1, 3])  # (s, kt, h, q, e): column s D4 + 16 kt + 8 h + 2 q + e
+    if ADJACENT:  # column s D4 + 16 kt + 8 e + 2 q + h (adjacent_channel): the loaded pairs as they are
+        x = gl.permute(x, [0, 2, 3, 1, 4])
+    else:
+        x = gl.permute(x, [0, 2, 4, 1, 3])  # (s, kt, h, q, e): column s D4 + 16 kt + 8 h + 2 q + e
     x = gl.reshape(x, [4 * D4])
     return gl.convert_layout(x, OUT)
+
+
+@gluon.jit
+def adjacent_channel(k, D4: gl.constexpr):
+    """``low_channel`` with the bits ``h`` and ``e`` swapped: a fragment register pair holds adjacent channels (the
+    order in which ``channel_vector(..., ADJACENT=True)`` loads with no register moves)."""
+    W: gl.constexpr = D4 // 16
+    s = k // D4
+    r = k % D4
+    return 4 * W * ((r // 2) % 4) + 4 * (r // 16) + 2 * ((r // 8) % 2) + r % 2 + s * D4
+
+
+@gluon.jit
+def adjacent_to_low(x, D4: gl.constexpr):
+    """A ``(4 D4, N)`` operand in ``adjacent_channel`` order as the same operand in ``low_channel`` order, in its
+    own layout (the h and e bits of K swapped: two PRMT per two registers)."""
+    OUT: gl.constexpr = x.type.layout
+    W: gl.constexpr = D4 // 16
+    N: gl.constexpr = x.shape[1]
+    x = gl.reshape(x, [4, W, 2, 4, 2, N])  # (s, kt, e, q, h)
+    x = gl.permute(x, [0, 1, 4, 3, 2, 5])  # (s, kt, h, q, e)
+    return gl.convert_layout(gl.reshape(x, [4 * D4, N]), OUT)
 
 
 # one-hot rows of the high-plane gather: the bytes (0, 2) / (1, 3) of a word of four boost_idx bytes as fp16

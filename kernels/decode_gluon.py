@@ -41,8 +41,8 @@ from ._gluon_page import (
     _store_row,
 )
 from ._gluon_parts import (
+    adjacent_channel,
     cat4,
-    low_channel,
     token_order,
     token_vector,
     unpack_low,
@@ -135,8 +135,8 @@ def _decode_gluon_kernel(
     part = nn % PK
     head = nn // PK
     q_off = b64 * sq_b + h * QH * sq_h
-    q_perm = gl.load(
-        q_ptr + q_off + head[None, :] * sq_h + low_channel(kk, D4)[:, None], mask=(head < QH)[None, :], other=0.0
+    q_perm = gl.load(  # at adjacent_channel: the order the page's scales load in, before bop goes to low_channel
+        q_ptr + q_off + head[None, :] * sq_h + adjacent_channel(kk, D4)[:, None], mask=(head < QH)[None, :], other=0.0
     )
     if IS_BF16:
         q4 = q_perm

@@ -99,6 +99,23 @@ def test_zero_term_fragment_and_sum(D):
     assert np.allclose(c8, (z @ qv)[None, :])
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_channel_orders(D):
+    """``channel_vector``'s runs, reshaped and permuted as the kernel does, hold ``low_channel`` (or, with
+    ``ADJACENT``, ``adjacent_channel``) at each column; ``adjacent_to_low`` turns the second order into the first
+    (the key operand is built in adjacent order, where the scales load with no register moves)."""
+    parts = pytest.importorskip("kitty.kernels._gluon_parts")
+    D4, W = D // 4, D // 64
+    s, q, j = np.meshgrid(np.arange(4), np.arange(4), np.arange(4 * W), indexing="ij")
+    loaded = (s * D4 + q * 4 * W + j).reshape(4, 4, W, 2, 2)  # what channel_vector loads, as (s, q, kt, e, h)
+    k = np.arange(D)
+    low, adj = np.asarray(parts.low_channel.fn(k, D4)), np.asarray(parts.adjacent_channel.fn(k, D4))
+    assert (loaded.transpose(0, 2, 4, 1, 3).reshape(D) == low).all()
+    assert (loaded.transpose(0, 2, 3, 1, 4).reshape(D) == adj).all()
+    assert (adj.reshape(4, W, 2, 4, 2).transpose(0, 1, 4, 3, 2).reshape(D) == low).all()
+    assert [b + f * D4 for b, f in low_plane_order(D4)] == low.tolist()
+
+
 def test_page_loop_token_order():
     """The page loop's score rows are permuted (``_gluon_parts.token_perm``: row ``r`` of a chunk is token
     ``4 (r % 8) + r // 8``, so a lane's rows ``g + 8 i`` are 4 adjacent tokens); ``token_vector`` loads the value
