@@ -4,7 +4,8 @@
         [--head-dim 128] [--one-part] [--json]
 
 Prints (or writes as JSON) registers, spill/local-memory instructions, shared-memory instructions, the hot loop's
-SASS count and SASS per cached element (a page is G tokens x D channels of keys and of values).
+SASS count and SASS per cached element (a page is G tokens x D channels of keys and of values), and its integer
+instructions per element (loop_int; loop_alu without IMAD, which issues to the FMA pipe).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from kitty.kernels import decode_gluon as dg  # noqa: E402
 from kitty.kernels.gluon_launch import GluonLaunch  # noqa: E402
 
 MAXNREG = int(os.environ.get("GLUON_MAXNREG", "0"))
+# integer and logic instructions (loop_int); loop_alu leaves out IMAD, which Hopper issues to the FMA pipe, not to
+# the half-rate ALU pipe that runs the rest (LOP3, SHF, IADD3, PRMT, LEA, ...)
+INT_OPS = ("LOP3", "SHF", "IADD3", "IMAD", "ISETP", "SEL", "PRMT", "LEA", "SHL", "IMNMX", "I2F", "F2I")
 PTR_TYPES = {
     "ws_m_ptr": "fp32",
     "ws_l_ptr": "fp32",
@@ -111,13 +115,8 @@ def compile_gluon(
         "loop_local": sum(op.startswith(("LDL", "STL")) for op in ops),
         "loop_shared": sum(op.startswith(("LDS", "STS")) for op in ops),
         "loop_shared_ops": sorted({t for op, t in loop if op.startswith(("LDS", "STS"))})[:8],
-        "loop_int": sum(
-            op.split(".")[0]
-            in ("LOP3", "SHF", "IADD3", "IMAD", "ISETP", "SEL", "PRMT", "LEA", "SHL", "IMNMX", "I2F", "F2I")
-            for op in ops
-        )
-        * 32
-        / elems,
+        "loop_int": sum(op.split(".")[0] in INT_OPS for op in ops) * 32 / elems,
+        "loop_alu": sum(op.split(".")[0] in INT_OPS and not op.startswith("IMAD") for op in ops) * 32 / elems,
         "loop_hmma": sum(op.startswith("HMMA") for op in ops),
         "ops": {o: ops.count(o) for o in sorted(set(ops), key=lambda o: -ops.count(o))[:25]},
         "_sass": sass,
