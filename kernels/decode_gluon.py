@@ -154,6 +154,11 @@ def _decode_gluon_kernel(
         mask=((hz < QH) & ((nz % NK) % PK == 0))[None, :],
         other=0.0,
     )
+    # the loop-invariant operands wait in shared memory (read back per page: 8 ldmatrix), not in ~48 registers
+    # through both loops
+    QL: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [0, 1])
+    q4buf = gl.allocate_shared_memory(DOT, [D, NK], QL, q4)
+    qzbuf = gl.allocate_shared_memory(DOT, [D // 2, 2 * NK], QL, qz)
     tt = gl.arange(0, 32, gl.SliceLayout(1, LS))
     m_i = gl.full([BH], float("-inf"), gl.float32, LH)
     l_i = gl.zeros([BH], gl.float32, LH)
@@ -168,9 +173,14 @@ def _decode_gluon_kernel(
     # qbuffer). They accumulate into the page loop's accumulators, in natural units until the loop starts.
     NSC: gl.constexpr = (S + 31) // 32
     ns = gl.where((split == 0) & (n > 0), NSC, 0)
-    q_nat = gl.load(
-        q_ptr + q_off + head[None, :] * sq_h + kk[:, None], mask=((head < QH) & (part == 0))[None, :], other=0.0
-    ).to(DOT)
+    qnbuf = gl.allocate_shared_memory(
+        DOT,
+        [D, NK],
+        QL,
+        gl.load(
+            q_ptr + q_off + head[None, :] * sq_h + kk[:, None], mask=((head < QH) & (part == 0))[None, :], other=0.0
+        ).to(DOT),
+    )
     sk_ptr = sink_k_ptr + b64 * ssk_b + h * ssk_h
     sv_ptr = sink_v_ptr + b64 * ssv_b + h * ssv_h
     kq_ptr = k_qbuf_ptr + b64 * skq_b + h * skq_h
@@ -191,11 +201,11 @@ def _decode_gluon_kernel(
         if (i >= c_lo) & (i // 4 < kp):
             kpage = gl.load(k_pt_ptr + b64 * spk_b + i // 4).to(gl.int64) * Hkv + h
             s = _key_chunk_scores(
-                q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, i % 4, kk, qk_scale,
-                G, D, D4, KH, NK, NB, NB4, NWH, RW, PK, TWO, IS_BF16, DOT, MMA, DA, DB, LS
+                q4buf.load(DB), qzbuf.load(DB), mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage,
+                i % 4, kk, qk_scale, G, D, D4, KH, NK, NB, NB4, NWH, RW, PK, TWO, IS_BF16, DOT, MMA, DA, DB, LS
             )
         else:
-            s = _fp_scores(krow, ok, q_nat, qk_scale, D, NK, PK, DOT, MMA, DA, LS)
+            s = _fp_scores(krow, ok, qnbuf.load(DB), qk_scale, D, NK, PK, DOT, MMA, DA, LS)
         m_new = gl.maximum(m_i, gl.max(s, 0))
         m_safe = gl.where(m_new > float("-inf"), m_new, 0.0)
         alpha = gl.exp2(m_i - m_safe)
@@ -219,8 +229,8 @@ def _decode_gluon_kernel(
         kpage = gl.load(k_pt_ptr + b64 * spk_b + j).to(gl.int64) * Hkv + h
         vpage = gl.load(v_pt_ptr + b64 * spv_b + j).to(gl.int64) * Hkv + h
         s0, s1, s2, s3 = _key_page_scores(
-            q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, kk, qk_scale, G, D, D4,
-            KH, NK, NB, NB4, NWH, RW, PK, TWO, IS_BF16, DOT, MMA, DA, DB, LS
+            q4buf.load(DB), qzbuf.load(DB), mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, kk,
+            qk_scale, G, D, D4, KH, NK, NB, NB4, NWH, RW, PK, TWO, IS_BF16, DOT, MMA, DA, DB, LS
         )
         m_new = gl.maximum(m_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), 0))
         alpha = gl.exp2(m_i - m_new)

@@ -203,19 +203,18 @@ VARIANTS = [("kitty", "float16", 4, 128), ("kitty", "bfloat16", 4, 128), ("kitty
 def test_compiles_with_trivial_conversions_and_no_shared_codes(variant):
     r = _compile(*variant)
     assert r["loop_hmma"] > 0
-    # the only shared memory in the page loop is p * scale's trip to the value operand: 16 four-byte STS and 4
-    # LDSM a page (the codes never go through shared memory)
-    assert r["loop_shared"] <= 20, r["loop_shared_ops"]
+    # the only shared memory in the page loop: p * scale's trip to the value operand (16 four-byte STS and 4 LDSM a
+    # page) and the loop-invariant key operands read back (8 LDSM); the codes never go through shared memory
+    assert r["loop_shared"] <= 28, r["loop_shared_ops"]
 
 
 @side_env
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_no_local_memory(variant):
-    """No spills in the page loop and (almost) none in the kernel: the full-precision chunks run before the page
-    loop, so their live values never meet the loop's. At the wrapper's register cap kitty bf16 keeps one value in
-    local memory across the chunk loop (one store, one load per chunk of a quantized key page), nothing else."""
+    """No spills anywhere in the kernel at the wrapper's register cap: the full-precision chunks run before the page
+    loop, so their live values never meet the loop's, and the loop-invariant operands wait in shared memory."""
     r = _compile(*variant)
-    assert r["loop_local"] == 0 and r["local_all"] <= 2, (r["loop_local"], r["local_all"])
+    assert r["loop_local"] == 0 and r["local_all"] == 0, (r["loop_local"], r["local_all"])
 
 
 @side_env
@@ -235,7 +234,11 @@ def test_page_loop_budget():
 
 
 @side_env
-@pytest.mark.xfail(strict=True, reason="not met yet (kitty fp16): 248 registers (a whole page's loads are in flight)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="not met yet (kitty fp16): 248 registers at the cap of 255; spill-free down to a cap of 200, a cap of 184 "
+    "spills 2 LDL/STL in the page loop",
+)
 def test_page_loop_register_budget():
     assert _compile("kitty", "float16")["regs"] <= 180
 
