@@ -158,8 +158,8 @@ def main() -> None:
             row("tl default", t)
             ws = [{} for _ in range(nrot)]
             launches = [(cps, two, 2, 0, 255) for cps, two in ((8, True), (4, True), (16, True), (8, False))]
-            if B * HKV <= 16:  # small batch: one page per program, the full-precision chunks on 4 programs of their own
-                launches.append((8, True, 1, 4, 255))
+            if B * HKV <= 16:  # small batch: one page per program, the full-precision chunks on programs of their own
+                launches += [(8, True, 1, 4, 255), (8, True, 1, 8, 255)]
             else:  # a lower register cap: 10 one-warp programs per SM instead of 8 (spill-free when CPU-compiled)
                 launches.append((10, True, 2, 0, 200))
             for cps, two, min_pages, tail, nreg in launches:

@@ -63,6 +63,14 @@ __all__ = ["decode_attention_gluon", "gluon_constants"]
 LOG2E = 1.4426950408889634
 
 
+@gluon.jit
+def _prefetch_l2(ptrs):
+    """``prefetch.global.L2`` of the lines at ``ptrs`` (valid addresses; nothing is read into registers)."""
+    gl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; mov.b32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32, is_pure=False, pack=1
+    )
+
+
 # NUM_SPLITS and MERGE_GROUP stay runtime values: Triton would turn a 1 into a constant, and triton 3.6's LLVM lowering
 # asserts (PassManager::run failed) on the kernel with both at 1 (a one-split launch). TAIL likewise.
 @gluon.jit(do_not_specialize=["NUM_SPLITS", "MERGE_GROUP", "TAIL"])
@@ -187,6 +195,17 @@ def _decode_gluon_kernel(
     vq_ptr = v_qbuf_ptr + b64 * svq_b + h * svq_h
     vl_ptr = v_local_ptr + b64 * svl_b + h * svl_h
     Rm = gl.maximum(R, 1)
+    # warm L2 with this split's full-precision key and value rows (2 lines of 128 B each), so that the chunk loop's
+    # dependent steps wait on L2 rather than DRAM: at small batch these chunks are a program's critical path
+    LR: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    tr = gl.arange(0, 32, LR)
+    for i in range(c_lo, c_hi):
+        rr = i * 32 + tr
+        kr = kq_ptr + (rr % G) * D
+        vr = gl.where(rr < mv, vq_ptr + (rr % G) * D, vl_ptr + (rr % Rm) * D)
+        for line in gl.static_range(0, D * 2 // 128):
+            _prefetch_l2(kr + line * (128 // 2))
+            _prefetch_l2(vr + line * (128 // 2))
     for i in range(c_lo - ns, c_hi):
         rel = i * 32 + tt  # token after the sink (tail chunks)
         if i < c_lo:  # sink chunk
