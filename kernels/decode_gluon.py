@@ -202,7 +202,7 @@ def _decode_gluon_kernel(
     for i in range(c_lo, c_hi):
         rr = i * 32 + tr
         kr = kq_ptr + (rr % G) * D
-        vr = gl.where(rr < mv, vq_ptr + (rr % G) * D, vl_ptr + (rr % Rm) * D)
+        vr = gl.where((rr < mv) | (rr >= m), vq_ptr + (rr % G) * D, vl_ptr + (rr % Rm) * D)  # always a real row
         for line in gl.static_range(0, D * 2 // 128):
             _prefetch_l2(kr + line * (128 // 2))
             _prefetch_l2(vr + line * (128 // 2))
