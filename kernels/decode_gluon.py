@@ -5,15 +5,18 @@ The same contract as the ``tl`` kernel (``kernels/decode_attention.py``, the ref
 and value pages | qbuffers | local window, ``full_qbuffer`` mid-step, split-K partials merged inside the launch by
 the last program of each (row, KV head) (an int32 ticket that program resets, so a replayed graph starts clean).
 
-Program = (row, KV head, split), one warp streaming a contiguous run of pages with its own online softmax. Per page
-(128 tokens), swap-AB as the ``tl`` kernel: scores ``(32 tokens, N) = codes (32, D) @ (q * scale)^T (D, N)`` for four
-token chunks (key low plane, then the boosted channels' high plane, ``kernels/_gluon_parts.py`` ``unpack_low`` /
+Program = (row, KV head, split), one warp with its own online softmax: first its full-precision chunks of 32 tokens
+(the sink on split 0, then the tokens whose values are in the qbuffer or the local window), then a contiguous run
+of quantized pages (``GluonLaunch.tail_splits`` can give the chunks programs of their own). Per page (128 tokens),
+swap-AB as the ``tl`` kernel: scores ``(32 tokens, N) = codes (32, D) @ (q * scale)^T (D, N)`` for four token chunks
+(key low plane, then the boosted channels' high plane, ``kernels/_gluon_parts.py`` ``unpack_low`` /
 ``unpack_high``: the unpacked codes land in the A fragment with ``assert_trivial``), one softmax step, then
 ``(32 channels, N) += value codes (32, 128) @ (p * scale) (128, N)`` per channel chunk. ``N`` is the small side:
 the query heads of the KV head, padded to 4 or 8, twice with the two-part key operand. The permutation the unpack
 gives the reduction axis (``kernels/gluon_launch.py``) is applied to the small operands: key scales, zeros and
-boost slots are read at the permuted channels, ``p`` is permuted across lanes (a register shuffle, not codes).
-Zero points, bf16 offsets and the fp16 unit fold into per-page terms added to the fp32 products.
+boost slots are read at the permuted channels; the score rows are permuted (``token_perm``) and ``p`` goes to the
+value operand's K order through shared memory (not codes). Zero points, bf16 offsets and the fp16 unit fold into
+per-page terms: the scores' initial accumulator (a tensor-core product), and the value zero term per head.
 
 Which kernel runs is decided in ``kitty/cache/backend.py`` by ``gluon_launch.gluon_supports``; this file is imported
 only where triton 3.6's Gluon is available.
