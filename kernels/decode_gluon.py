@@ -83,7 +83,7 @@ def _decode_gluon_kernel(
     v_scale_ptr, v_zero_ptr, Hkv, QH, NUM_SPLITS, MERGE_GROUP, TAIL, qk_scale, sq_b, sq_h, so_b, so_h, ssk_b, ssk_h,
     ssv_b, ssv_h, skq_b, skq_h, svq_b, svq_h, svl_b, svl_h, spk_b, spv_b, S: gl.constexpr, G: gl.constexpr,
     R: gl.constexpr, D: gl.constexpr, NB: gl.constexpr, NB4: gl.constexpr, NWH: gl.constexpr, RW: gl.constexpr,
-    BH: gl.constexpr, BLOCK_S: gl.constexpr, TWO: gl.constexpr, IS_BF16: gl.constexpr, FULL_QBUF: gl.constexpr
+    BH: gl.constexpr, TWO: gl.constexpr, IS_BF16: gl.constexpr, FULL_QBUF: gl.constexpr
 ):
     gl.static_assert(G == 128, "pages of 128 tokens: four chunks of 32")
     D4: gl.constexpr = D // 4

@@ -192,7 +192,6 @@ def gluon_constants(
         NWH=max(1, nb4 // 4),
         RW=nb4 // 4 if nb4 % 4 == 0 else 1,
         BH=max(4, next_power_of_2(group)),
-        BLOCK_S=max(16, next_power_of_2(max(cfg.sink_tokens, 1))),
         TWO=bool(launch.key_two_part),
         IS_BF16=dtype == torch.bfloat16,
         FULL_QBUF=bool(full_qbuffer),
