@@ -40,6 +40,7 @@ from ._gluon_page import (
     _key_chunk_scores,
     _key_page_scores,
     _merge_rows,
+    _offset_share,
     _store_out,
     _store_row,
 )
@@ -247,6 +248,7 @@ def _decode_gluon_kernel(
     # p * scale's trip to the value operand (tokens on rows, heads on lanes -> the B fragment): through shared
     # memory, K-contiguous, 16 four-byte stores and 4 ldmatrix a page (convert_layout chose ~50 shuffles and selects)
     pbuf = gl.allocate_shared_memory(DOT, [4 * 32, NV], gl.SwizzledSharedLayout(8, 1, 8, [0, 1]))
+    azo = gl.zeros([16, NV], gl.float32, MMA)  # bf16: the value offsets' share, every row the same
     for j in range(start, gl.minimum(end, vp)):
         kpage = gl.load(k_pt_ptr + b64 * spk_b + j).to(gl.int64) * Hkv + h
         vpage = gl.load(v_pt_ptr + b64 * spv_b + j).to(gl.int64) * Hkv + h
@@ -279,8 +281,7 @@ def _decode_gluon_kernel(
             w1 = (p1 * vs1[:, None]).to(DOT)
             w2 = (p2 * vs2[:, None]).to(DOT)
             w3 = (p3 * vs3[:, None]).to(DOT)
-            zt = (p0 * vz0[:, None] - w0.to(gl.float32) * 128.0) + (p1 * vz1[:, None] - w1.to(gl.float32) * 32.0)
-            zt += (p2 * vz2[:, None] - w2.to(gl.float32) * 8.0) + (p3 * vz3[:, None] - w3.to(gl.float32) * 128.0)
+            zt = (p0 * vz0[:, None] + p1 * vz1[:, None]) + (p2 * vz2[:, None] + p3 * vz3[:, None])
         else:
             w0 = (p0 * vs0[:, None]).to(DOT)
             w1 = (p1 * (vs1 * 0.25)[:, None]).to(DOT)
@@ -292,6 +293,8 @@ def _decode_gluon_kernel(
         pb = pbuf.load(DB)
         av = gl.convert_layout(widen(alpha, PV), gl.SliceLayout(0, MMA))
         vrow = vpage * (D * 32)
+        if IS_BF16:  # the value codes' offsets' share, -sum_t off(t) w_t per column, on the tensor cores
+            azo = _offset_share(pb, 4 * 32, 32, True, azo * av[None, :], DOT, DA)
         acc0 = mma_v2(unpack_low(v_codes_ptr, vrow, 32, 32, IS_BF16, DA, False), pb, acc0 * av[None, :])
         acc1 = mma_v2(unpack_low(v_codes_ptr, vrow + 32 * 32, 32, 32, IS_BF16, DA, False), pb, acc1 * av[None, :])
         if NCH > 2:
@@ -315,6 +318,11 @@ def _decode_gluon_kernel(
     row = pid_bh * NUM_SPLITS + split
     gl.store(ws_m_ptr + row * BH + hv, m_i)
     gl.store(ws_l_ptr + row * BH + hv, l_i)
+    if IS_BF16:  # one row of the value offsets' share, its head columns, added to the zero term
+        azh = gl.max(azo, 0)  # every row holds the same sums
+        if PV == 2:
+            azh, _ = gl.split(gl.reshape(azh, [BH, 2]))
+        az = az + gl.convert_layout(azh, LH)
     gl.store(ws_z_ptr + row * BH + hv, az)
     dd = gl.arange(0, D, gl.SliceLayout(1, LO))
     hd = gl.arange(0, BH, gl.SliceLayout(0, LO))
