@@ -185,7 +185,7 @@ def _fp_scores(
     """Base-2 logits ``(32, BH)`` of 32 full-precision key rows starting at the pointers ``krow`` (``-inf`` where
     not ``ok``)."""
     LK: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
-    rk = gl.convert_layout(krow, gl.SliceLayout(1, LK))
+    rk = gl.multiple_of(gl.convert_layout(krow, gl.SliceLayout(1, LK)), 16)  # rows 16-byte aligned: vector loads
     okk = gl.convert_layout(ok, gl.SliceLayout(1, LK))
     d = gl.arange(0, D, gl.SliceLayout(0, LK))
     k = gl.load(rk[:, None] + d[None, :], mask=okk[:, None], other=0.0)
@@ -224,7 +224,7 @@ def _fp_values(
     """The four 32-channel accumulators ``acc_c * av + V_c^T p`` over 32 full-precision value rows at the pointers
     ``vrow`` (masked by ``ok``), in natural token order (``p`` ``(32, BH)``)."""
     LV: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [1, 1], [0, 1])
-    vr = gl.convert_layout(vrow, gl.SliceLayout(0, LV))
+    vr = gl.multiple_of(gl.convert_layout(vrow, gl.SliceLayout(0, LV)), 16)  # rows 16-byte aligned: vector loads
     okv = gl.convert_layout(ok, gl.SliceLayout(0, LV))
     pp = p.to(DOT)
     if PV == 2:

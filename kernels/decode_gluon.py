@@ -409,6 +409,10 @@ def decode_attention_gluon(
     if q.stride(-1) != 1:
         q = q.contiguous()
     st = state
+    for name in ("sink_k", "sink_v", "k_qbuf", "v_qbuf", "v_local"):  # their rows are read as 16-byte vectors
+        t = getattr(st, name)
+        if t.numel() and (t.data_ptr() % 16 or t.stride(-1) != 1 or t.stride(-2) != D):
+            raise ValueError(f"the Gluon kernel reads {name} as 16-byte aligned rows of {D} contiguous elements")
     high = high_plane_view(st.k_high, consts["NB4"]) if consts["NB"] else st.k_low
     _decode_gluon_kernel[(B * Hkv, splits)](
         q,
