@@ -160,8 +160,8 @@ def main() -> None:
             launches = [(cps, two, 2, 0, 255) for cps, two in ((8, True), (4, True), (16, True), (8, False))]
             if B * HKV <= 16:  # small batch: one page per program, the full-precision chunks on programs of their own
                 launches += [(8, True, 1, 4, 255), (8, True, 1, 8, 255)]
-            else:  # a lower register cap: 10 one-warp programs per SM instead of 8 (spill-free when CPU-compiled)
-                launches.append((10, True, 2, 0, 200))
+            else:  # lower register caps: 10 or 11 one-warp programs per SM instead of 8 (spill-free, CPU-compiled)
+                launches += [(10, True, 2, 0, 200), (11, True, 2, 0, 176)]
             for cps, two, min_pages, tail, nreg in launches:
                 if time.time() - t0 > args.deadline_s or (time.time() - t0 > args.budget_s and (cps, two) != (8, True)):
                     continue

@@ -32,8 +32,8 @@ class GluonLaunch:
     ``num_splits`` programs of a (row, KV head) share its full-precision chunks (qbuffers, local window: up to ~12
     chunks of 32 tokens) in equal parts and the others its quantized pages, so that at small batch no program runs
     the whole tail after its pages (0: each split runs the tail of its own page range); ``maxnreg``: the register
-    cap per thread (255: ~8 one-warp programs per SM fit; <= 204 gives 10, <= 168 gives 12; CPU-compiled, the
-    kernel is spill-free at 200 and spills a few LDL/STL in the page loop at 184 and below)."""
+    cap per thread (255: ~8 one-warp programs per SM fit; <= 200 gives 10, <= 176 gives 11, <= 168 gives 12;
+    CPU-compiled, kitty and kitty-pro are spill-free at 200 and 176)."""
 
     num_splits: int
     key_two_part: bool = True
