@@ -1,6 +1,7 @@
 """The Gluon decode kernel's per-page math and its split merge (``kernels/decode_gluon.py`` launches them): the key
-operand from ``q * scale`` at the permuted channels, the high plane's one-hot gather, the quantized and
-full-precision scores, the full-precision values, and the workspace rows the last program of a group merges.
+operand from ``q * scale`` (packed 16-bit math), the high plane's one-hot gather, the per-page term (zeros and bf16
+offsets on the tensor cores, the scores' initial accumulator), the quantized and full-precision scores, the
+full-precision values, and the workspace rows the last program of a group merges.
 """
 
 from __future__ import annotations

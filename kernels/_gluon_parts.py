@@ -6,10 +6,13 @@ read as two fp16 lanes is the subnormal ``4^s code 2^-24`` of bytes 0 and 2 of `
 offset (the ``4^s`` is folded into the small operand, the ``2^-24`` undone on the fp32 product); the same on
 ``w >> 8`` gives bytes 1 and 3. bf16 (whose subnormal products underflow): ``lop3(w, mask_s, MAGIC_s)`` with
 ``0x4300, 0x4200, 0x4100`` gives ``128, 32, 8 + code`` for fields 0-2, and field 3 is field 0 of ``w >> 6``; the
-offsets fold into a per-page term of the small operand. The bytes a lane loads and the register order of the
-unpacked halves are chosen so that a reshape and a permute make the codes the ``DotOperandLayout(0, mma, 2)``
-fragment: ``convert_layout(..., assert_trivial=True)`` proves no data moves (``kernels/gluon_launch.py`` says which
-byte feeds which column; ``tests/test_gluon.py`` checks it on the layouts' bases).
+offsets' share is a tensor-core product with a constant operand (``kernels/_gluon_page.py``). The bytes a lane
+loads and the register order of the unpacked halves are chosen so that a reshape and a permute make the codes the
+``DotOperandLayout(0, mma, 2)`` fragment: ``convert_layout(..., assert_trivial=True)`` proves no data moves
+(``kernels/gluon_launch.py`` says which byte feeds which column; ``tests/test_gluon.py`` checks it).
+
+Also here: the orders of the small operands (``low_channel``, ``adjacent_channel``, ``zero_channel``, the page
+loop's ``token_perm``), the zero term's fragment, the one-hot of the high-plane gather and packed 16-bit products.
 """
 
 from __future__ import annotations
@@ -32,9 +35,9 @@ LOW_ASM_BF16 = gl.constexpr(
     "lop3.b32 $4, $8, 0x00300030, 0x41004100, 0xEA; lop3.b32 $5, h, 0x00300030, 0x41004100, 0xEA; "
     "lop3.b32 $6, a, 0x00030003, 0x43004300, 0xEA; lop3.b32 $7, b, 0x00030003, 0x43004300, 0xEA; }"
 )
-# the high plane, bf16: field 0 of a word the lane has already shifted to its field
-# fp16: the lane's field masked in place ($6: 0x00030003 << 2q), read as the subnormal 4^q code 2^-24
+# the high plane, fp16: the lane's field masked in place ($6: 0x00030003 << 2q), read as the subnormal 4^q code 2^-24
 HIGH_ASM_F16 = gl.constexpr("{ .reg .b32 h; shr.b32 h, $2, 8; and.b32 $0, $2, $6; and.b32 $1, h, $6; }")
+# bf16: field 0 of a word the lane has already shifted to its field
 HIGH_ASM_BF16 = gl.constexpr(
     "{ .reg .b32 h; shr.b32 h, $2, 8; lop3.b32 $0, $2, 0x00030003, 0x43004300, 0xEA; "
     "lop3.b32 $1, h, 0x00030003, 0x43004300, 0xEA; }"
