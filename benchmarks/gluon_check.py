@@ -40,13 +40,15 @@ EXTRA_CASES = [("kitty-pro", 8, 64, {}), ("kitty", 1, 128, {}), ("kitty-pro", 3,
 
 def check(results: dict, t0: float, budget_s: float) -> bool:
     """Every case in three passes, the most telling first (each pass compiles one kernel per case): full_qbuffer
-    with the two-part operand over 1, 3, 7 and 40 splits (40: the two-level merge), then the other qbuffer layout,
-    then the one-part operand. Cases past ``budget_s`` are recorded as skipped."""
+    with the two-part operand over 1, 3, 7 and 40 splits (40: the two-level merge) and with the full-precision
+    chunks on their own splits (8 splits of which 3 tail splits, 40 of which 4), then the other qbuffer layout,
+    then the one-part operand. Launches are ``(two_part, splits, tail_splits)``. Cases past ``budget_s`` are
+    recorded as skipped."""
     ok_all = True
     passes = [
-        (True, ((True, 3), (True, 1), (True, 7), (True, 40))),
-        (False, ((True, 3), (True, 40))),
-        (True, ((False, 3),)),
+        (True, ((True, 3, 0), (True, 1, 0), (True, 7, 0), (True, 40, 0), (True, 8, 3), (True, 40, 4))),
+        (False, ((True, 3, 0), (True, 40, 0), (True, 8, 3))),
+        (True, ((False, 3, 0),)),
     ]
     for (fq, launches), (preset, gqa, D, kw), dtype in itertools.product(
         passes, CHECK_CASES + EXTRA_CASES, (torch.float16, torch.bfloat16)
@@ -69,15 +71,14 @@ def check(results: dict, t0: float, budget_s: float) -> bool:
         ref = decode_attention_ref(q, state, cfg, upcast=True, full_qbuffer=fq).float()
         pt = decode_attention_ref(q, state, cfg, upcast=False, full_qbuffer=fq).float()
         tol = attention_tolerance(ref, pt, dtype)
-        for two, splits in launches:
-            name = f"two={int(two)} splits={splits}"
+        for two, splits, tail in launches:
+            name = f"two={int(two)} splits={splits}" + (f" tail={tail}" if tail else "")
+            launch = GluonLaunch(splits, two, tail_splits=tail)
             try:
                 ws = {}
-                out = decode_attention_gluon(
-                    q, state, cfg, full_qbuffer=fq, workspace=ws, launch=GluonLaunch(splits, two)
-                ).float()
+                out = decode_attention_gluon(q, state, cfg, full_qbuffer=fq, workspace=ws, launch=launch).float()
                 out2 = decode_attention_gluon(
-                    q, state, cfg, full_qbuffer=fq, workspace=ws, launch=GluonLaunch(splits, two)
+                    q, state, cfg, full_qbuffer=fq, workspace=ws, launch=launch
                 ).float()  # tickets were reset
                 err = (out - ref).abs().max().item() if torch.isfinite(out).all() else float("inf")
                 err = max(err, (out2 - ref).abs().max().item() if torch.isfinite(out2).all() else float("inf"))
@@ -156,11 +157,17 @@ def main() -> None:
             t = kb.bench([lambda i=i: decode_attention_triton(qs[i], states[i], cfg) for i in range(nrot)])
             row("tl default", t)
             ws = [{} for _ in range(nrot)]
-            for cps, two in ((8, True), (4, True), (16, True), (8, False)):
+            launches = [(cps, two, 2, 0, 255) for cps, two in ((8, True), (4, True), (16, True), (8, False))]
+            if B * HKV <= 16:  # small batch: one page per program, the full-precision chunks on programs of their own
+                launches += [(8, True, 1, 4, 255), (8, True, 1, 8, 255)]
+            else:  # lower register caps: 10 or 11 one-warp programs per SM instead of 8 (spill-free, CPU-compiled)
+                launches += [(10, True, 2, 0, 200), (11, True, 2, 0, 176)]
+            for cps, two, min_pages, tail, nreg in launches:
                 if time.time() - t0 > args.deadline_s or (time.time() - t0 > args.budget_s and (cps, two) != (8, True)):
                     continue
+                gl_launch = default_gluon_launch(B, HKV, units, torch.device("cuda"), cps, min_pages)
                 gl_launch = dataclasses.replace(
-                    default_gluon_launch(B, HKV, units, torch.device("cuda"), cps), key_two_part=two
+                    gl_launch, key_two_part=two, num_splits=gl_launch.num_splits + tail, tail_splits=tail, maxnreg=nreg
                 )
                 ws = [{} for _ in range(nrot)]
                 try:
@@ -173,7 +180,8 @@ def main() -> None:
                 except Exception as e:  # noqa: BLE001
                     kb.log(f"  {tag} gluon cps={cps} two={two}: failed {type(e).__name__}: {str(e)[:200]}")
                     continue
-                row("gluon", t, ctas_per_sm=cps, two_part=two, splits=gl_launch.num_splits)
+                splits = gl_launch.num_splits
+                row("gluon", t, ctas_per_sm=cps, two_part=two, splits=splits, tail_splits=tail, maxnreg=nreg)
             states = qs = None
             torch.cuda.empty_cache()
         kb.write(results)
@@ -195,7 +203,9 @@ def write_markdown(results: dict, out: str) -> None:
         if "vs_fp16" not in r:
             continue
         best = results["fastest_fp16"].get(f"{r['B']},{r['L']}", {})
-        extra = " ".join(f"{k}={r[k]}" for k in ("ctas_per_sm", "two_part", "splits") if k in r)
+        defaults = {"tail_splits": 0, "maxnreg": 255}  # not shown when at the default
+        keys = ("ctas_per_sm", "two_part", "splits", "tail_splits", "maxnreg")
+        extra = " ".join(f"{k}={r[k]}" for k in keys if k in r and r[k] != defaults.get(k))
         lines.append(
             f"| ({r['B']}, {r['L']}) | {best.get('name')} {best.get('us', 0):.1f} | {r['method']} {extra} | "
             f"{r['us']:.1f} | {r['vs_fp16']:.2f}x | {r['pct_copy']:.0f}% |"

@@ -4,7 +4,8 @@
         [--head-dim 128] [--one-part] [--json]
 
 Prints (or writes as JSON) registers, spill/local-memory instructions, shared-memory instructions, the hot loop's
-SASS count and SASS per cached element (a page is G tokens x D channels of keys and of values).
+SASS count and SASS per cached element (a page is G tokens x D channels of keys and of values), and its integer
+instructions per element (loop_int; loop_alu without IMAD, which issues to the FMA pipe).
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
-from benchmarks.sass import hot_loop, sass_text  # noqa: E402
+from benchmarks.sass import loops, sass_text  # noqa: E402
 from kitty.core.config import PRESETS  # noqa: E402
 from kitty.kernels import decode_gluon as dg  # noqa: E402
 from kitty.kernels.gluon_launch import GluonLaunch  # noqa: E402
 
 MAXNREG = int(os.environ.get("GLUON_MAXNREG", "0"))
+# integer and logic instructions (loop_int); loop_alu leaves out IMAD, which Hopper issues to the FMA pipe, not to
+# the half-rate ALU pipe that runs the rest (LOP3, SHF, IADD3, PRMT, LEA, ...)
+INT_OPS = ("LOP3", "SHF", "IADD3", "IMAD", "ISETP", "SEL", "PRMT", "LEA", "SHL", "IMNMX", "I2F", "F2I")
 PTR_TYPES = {
     "ws_m_ptr": "fp32",
     "ws_l_ptr": "fp32",
@@ -41,6 +45,12 @@ PTR_TYPES = {
     "k_idx_ptr": "u8",
     "v_codes_ptr": "u8",
 }
+
+
+def page_loop(sass: str) -> list[tuple[str, str]]:
+    """The page loop over quantized keys and values: the loop with the most tensor-core instructions (the kernel
+    runs its full-precision chunk loop first, which holds fewer)."""
+    return max(loops(sass), key=lambda body: sum("HMMA" in op for op, _ in body), default=[])
 
 
 def _regs(k) -> int | None:
@@ -87,7 +97,7 @@ def compile_gluon(
         src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, **({"maxnreg": MAXNREG} if MAXNREG else {})}
     )
     sass = sass_text(k.asm["cubin"])
-    loop = hot_loop(sass)
+    loop = page_loop(sass)
     ops = [op for op, _ in loop]
     elems = 2 * cfg.group_size * D
     return {
@@ -105,13 +115,8 @@ def compile_gluon(
         "loop_local": sum(op.startswith(("LDL", "STL")) for op in ops),
         "loop_shared": sum(op.startswith(("LDS", "STS")) for op in ops),
         "loop_shared_ops": sorted({t for op, t in loop if op.startswith(("LDS", "STS"))})[:8],
-        "loop_int": sum(
-            op.split(".")[0]
-            in ("LOP3", "SHF", "IADD3", "IMAD", "ISETP", "SEL", "PRMT", "LEA", "SHL", "IMNMX", "I2F", "F2I")
-            for op in ops
-        )
-        * 32
-        / elems,
+        "loop_int": sum(op.split(".")[0] in INT_OPS for op in ops) * 32 / elems,
+        "loop_alu": sum(op.split(".")[0] in INT_OPS and not op.startswith("IMAD") for op in ops) * 32 / elems,
         "loop_hmma": sum(op.startswith("HMMA") for op in ops),
         "ops": {o: ops.count(o) for o in sorted(set(ops), key=lambda o: -ops.count(o))[:25]},
         "_sass": sass,

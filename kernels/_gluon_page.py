@@ -1,6 +1,7 @@
 """The Gluon decode kernel's per-page math and its split merge (``kernels/decode_gluon.py`` launches them): the key
-operand from ``q * scale`` at the permuted channels, the high plane's one-hot gather, the quantized and
-full-precision scores, the full-precision values, and the workspace rows the last program of a group merges.
+operand from ``q * scale`` (packed 16-bit math), the high plane's one-hot gather, the per-page term (zeros and bf16
+offsets on the tensor cores, the scores' initial accumulator), the quantized and full-precision scores, the
+full-precision values, and the workspace rows the last program of a group merges.
 """
 
 from __future__ import annotations
@@ -10,52 +11,90 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from ._gluon_parts import (
+    adjacent_to_low,
     channel_vector,
     merge_parts,
+    mul16,
     one_hot,
     unpack_high,
     unpack_low,
+    zero_fragment,
+    zero_rows,
 )
 
 LOG2E = 1.4426950408889634
 
 
+# the key operand of one column pair: hi = rn(q4 * scale), then rn(q4 * scale + hi * m) with m = 0 (hi again) or,
+# in remainder columns, m = -1 (lo = the exact remainder of the exact product, one rounding): three packed ops
+OPERAND_ASM_F16 = gl.constexpr(
+    "{ .reg .b32 h, c; mul.rn.f16x2 h, $1, $2; mul.rn.f16x2 c, h, $3; fma.rn.f16x2 $0, $1, $2, c; }"
+)
+OPERAND_ASM_BF16 = gl.constexpr(
+    "{ .reg .b32 h, c; mul.rn.bf16x2 h, $1, $2; mul.rn.bf16x2 c, h, $3; fma.rn.bf16x2 $0, $1, $2, c; }"
+)
+
+
 @gluon.jit
 def _key_operand(
-    q_perm,
+    q4,
+    qz,
+    mneg,
     scale_ptr,
     zero_ptr,
     meta,
     kk,
-    part,
     D: gl.constexpr,
     D4: gl.constexpr,
+    NK: gl.constexpr,
     TWO: gl.constexpr,
     IS_BF16: gl.constexpr,
     DOT: gl.constexpr,
+    MMA: gl.constexpr,
+    DA: gl.constexpr,
 ):
-    """Per key page: ``B`` ``(D, N)`` (``q * scale`` at the permuted channels, two parts or hi and a zero column)
-    and its per-column term ``corr`` ``(N,)``: ``sum q zero`` (part 0), minus the bf16 offsets' share."""
+    """Per key page: ``B`` ``(D, N)``, ``q4 * scale`` at the permuted channels as its 16-bit rounding and
+    remainder, or the rounding and a zero column (packed 16-bit math, ``OPERAND_ASM_*``)."""
     OUT: gl.constexpr = kk.type.layout
-    sc = channel_vector(scale_ptr, meta, D4, OUT).to(gl.float32)
-    z = channel_vector(zero_ptr, meta, D4, OUT).to(gl.float32)
-    s = kk // D4
-    if IS_BF16:
-        off = gl.where(s == 1, 32.0, gl.where(s == 2, 8.0, 128.0))
-    else:
-        sc = sc * gl.exp2(-2.0 * s.to(gl.float32))  # the unit 4^s of field s
-    q_perm = q_perm.to(gl.float32)
-    x = q_perm * sc[:, None]
-    hi = x.to(DOT)
+    sc = channel_vector(scale_ptr, meta, D4, OUT, True)  # q4 is in adjacent_channel order too
+    scb, _ = gl.broadcast(sc[:, None], q4)
     if TWO:
-        lo = (x - hi.to(gl.float32)).to(DOT)
-        bop = gl.where(part[None, :] == 0, hi, lo)
+        if IS_BF16:
+            bop = gl.inline_asm_elementwise(
+                OPERAND_ASM_BF16, "=r,r,r,r", [q4, scb, mneg], dtype=gl.bfloat16, is_pure=True, pack=2
+            )
+        else:
+            bop = gl.inline_asm_elementwise(
+                OPERAND_ASM_F16, "=r,r,r,r", [q4, scb, mneg], dtype=gl.float16, is_pure=True, pack=2
+            )
     else:
-        bop = gl.where(part[None, :] == 0, hi, gl.zeros_like(hi))
-    corr = gl.sum(gl.where(part[None, :] == 0, q_perm, 0.0) * z[:, None], 0)
-    if IS_BF16:
-        corr = corr - gl.sum(bop.to(gl.float32) * off[:, None], 0)
-    return bop, corr
+        bop = mul16(q4, scb, IS_BF16)  # q4 is zero in the pad columns
+    return adjacent_to_low(bop, D4)
+
+
+@gluon.jit
+def _zero_term(zero_ptr, meta, qz, init, D4: gl.constexpr, NK: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr):
+    """``init + sum q zero`` per column, stacked to ``(32, N)`` in ``MMA`` (``init`` ``(16, N)``, rows equal): a
+    tensor-core product of the zeros (``zero_fragment``) with ``qz`` (``q`` at ``zero_channel``, zero in remainder
+    columns), ``init`` riding in its first column half."""
+    za = zero_fragment(zero_ptr, meta, D4, DA)
+    c = gl.permute(gl.reshape(gl.join(init, gl.zeros_like(init)), [16, NK, 2]), [0, 2, 1])
+    c = gl.convert_layout(gl.reshape(c, [16, 2 * NK]), MMA)
+    return zero_rows(mma_v2(za, qz, c), NK, MMA)
+
+
+@gluon.jit
+def _offset_share(op, K: gl.constexpr, D4: gl.constexpr, LOW: gl.constexpr, acc, DOT: gl.constexpr, DA: gl.constexpr):
+    """``acc - sum_k off_k op[k, :]`` ``(16, N)`` (every row), on the tensor cores with a constant A operand: the
+    bf16 unpack's offsets (``LOW``: 128, 32, 8, 128 for the low plane's fields; else 128, the high plane's)."""
+    k = gl.arange(0, K, gl.SliceLayout(0, DA))
+    if LOW:
+        s = k // D4
+        off = gl.where(s == 1, -32.0, gl.where(s == 2, -8.0, -128.0)).to(DOT)
+    else:
+        off = gl.full([K], -128.0, DOT, gl.SliceLayout(0, DA))
+    a, _ = gl.broadcast(off[None, :], gl.zeros([16, K], DOT, DA))
+    return mma_v2(a, op, acc)
 
 
 @gluon.jit
@@ -75,15 +114,21 @@ def _high_operand(
     DB: gl.constexpr,
 ):
     """The high plane's small operand ``4 B[channel of slot]`` ``(KH, N)``, gathered by a one-hot product (exact:
-    one nonzero power-of-two term per entry), and its bf16 offset term."""
-    oh = one_hot(idx_ptr, meta, KH, D4, NB, NB4, not IS_BF16, DOT, DA)
-    g = mma_v2(oh, bop, gl.zeros([KH, NK], gl.float32, MMA))
-    bh = gl.convert_layout(g.to(DOT), DB)
+    one nonzero power-of-two term per entry). The one-hot entries are ``0x3C00`` (fp16
+    1.0, bf16 2^-7): the unit goes into ``B`` (fp16 ``4^(s+1)``, undoing the low operand's ``4^-s``; bf16
+    ``4 * 2^7``), one packed product per pair."""
+    kk = gl.arange(0, bop.shape[0], gl.SliceLayout(1, bop.type.layout))
     if IS_BF16:
-        corr = -128.0 * gl.sum(bh.to(gl.float32), 0)
+        unit = gl.full([bop.shape[0]], 512.0, DOT, gl.SliceLayout(1, bop.type.layout))
     else:
-        corr = gl.zeros([NK], gl.float32, gl.SliceLayout(0, DB))
-    return bh, corr
+        unit = gl.exp2(2.0 * (kk // D4).to(gl.float32) + 2.0).to(DOT)
+    ub, _ = gl.broadcast(unit[:, None], bop)
+    oh = one_hot(idx_ptr, meta, KH, D4, NB, NB4, IS_BF16, DA)
+    g = mma_v2(oh, mul16(bop, ub, IS_BF16), gl.zeros([KH, NK], gl.float32, MMA))
+    if not IS_BF16:  # row r meets the fp16 high codes of field (r // 2) % 4, unpacked as 4^field code 2^-24
+        rr = gl.arange(0, KH, gl.SliceLayout(1, MMA))
+        g = g * gl.exp2(-2.0 * ((rr // 2) % 4).to(gl.float32))[:, None]
+    return gl.convert_layout(g.to(DOT), DB)
 
 
 @gluon.jit
@@ -93,9 +138,9 @@ def _quant_scores(
     kpage,
     bop,
     bh,
-    corr_m,
+    c0,
     qk_scale,
-    c: gl.constexpr,
+    c,
     G: gl.constexpr,
     D4: gl.constexpr,
     NB: gl.constexpr,
@@ -107,28 +152,29 @@ def _quant_scores(
     MMA: gl.constexpr,
     DA: gl.constexpr,
     LS: gl.constexpr,
+    TOKPERM: gl.constexpr,
 ):
-    """Base-2 logits ``(32, BH)`` of tokens ``32 c ..`` of a quantized key page."""
-    a = unpack_low(low_ptr, (kpage * G + 32 * c) * D4, 32, D4, IS_BF16, DA)
-    acc = mma_v2(a, bop, gl.zeros([32, NK], gl.float32, MMA))
+    """Base-2 logits ``(32, BH)`` of tokens ``32 c ..`` of a quantized key page (row ``r``: token ``token_perm(r)``
+    with ``TOKPERM``, else ``r``); ``c0`` ``(32, N)``: the page's per-column term, the product's initial
+    accumulator."""
+    a = unpack_low(low_ptr, (kpage * G + 32 * c) * D4, 32, D4, IS_BF16, DA, TOKPERM)
+    acc = mma_v2(a, bop, c0)  # c0: the page's per-column term (fp16: in the codes' 2^-24 units)
     if NB > 0:
-        ah = unpack_high(high_ptr, (kpage * G + 32 * c) * RW, 32, NWH, RW, IS_BF16, DA)
+        ah = unpack_high(high_ptr, (kpage * G + 32 * c) * RW, 32, NWH, RW, IS_BF16, DA, TOKPERM)
         acc = mma_v2(ah, bh, acc)
     if IS_BF16:
-        s = acc + corr_m[None, :]
+        s = merge_parts(acc, PK) * qk_scale
     else:
-        s = acc * 16777216.0 + corr_m[None, :]
-    return gl.convert_layout(merge_parts(s, PK) * qk_scale, LS)  # in the softmax's layout
+        s = merge_parts(acc, PK) * (qk_scale * 16777216.0)
+    return gl.convert_layout(s, LS)  # in the softmax's layout
 
 
 @gluon.jit
 def _fp_scores(
-    k_ptr,
-    rows,
+    krow,
     ok,
     q_nat,
     qk_scale,
-    T: gl.constexpr,
     D: gl.constexpr,
     NK: gl.constexpr,
     PK: gl.constexpr,
@@ -137,52 +183,60 @@ def _fp_scores(
     DA: gl.constexpr,
     LS: gl.constexpr,
 ):
-    """Base-2 logits ``(T, BH)`` of ``T`` full-precision key rows at ``k_ptr + rows * D`` (``-inf`` where not
-    ``ok``)."""
+    """Base-2 logits ``(32, BH)`` of 32 full-precision key rows starting at the pointers ``krow`` (``-inf`` where
+    not ``ok``)."""
     LK: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
-    rk = gl.convert_layout(rows, gl.SliceLayout(1, LK))
+    rk = gl.multiple_of(gl.convert_layout(krow, gl.SliceLayout(1, LK)), 16)  # rows 16-byte aligned: vector loads
     okk = gl.convert_layout(ok, gl.SliceLayout(1, LK))
     d = gl.arange(0, D, gl.SliceLayout(0, LK))
-    k = gl.load(k_ptr + rk[:, None] * D + d[None, :], mask=okk[:, None], other=0.0)
-    acc = mma_v2(gl.convert_layout(k.to(DOT), DA), q_nat, gl.zeros([T, NK], gl.float32, MMA))
+    k = gl.load(rk[:, None] + d[None, :], mask=okk[:, None], other=0.0)
+    acc = mma_v2(gl.convert_layout(k.to(DOT), DA), q_nat, gl.zeros([32, NK], gl.float32, MMA))
     s = gl.convert_layout(merge_parts(acc, PK) * qk_scale, LS)
     return gl.where(ok[:, None], s, float("-inf"))
 
 
 @gluon.jit
+def _fp_value_chunk(vr, ok, pb, acc, av, c: gl.constexpr, DOT: gl.constexpr, DA: gl.constexpr):
+    """``acc * av + V[:, 32 c .. 32 c + 31]^T p`` ``(32, NV)`` for 32 value rows at the pointers ``vr``."""
+    LV: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [1, 1], [0, 1])
+    d = gl.arange(0, 32, gl.SliceLayout(1, LV))
+    vT = gl.load(vr[None, :] + (32 * c + d)[:, None], mask=ok[None, :], other=0.0)
+    return mma_v2(gl.convert_layout(vT.to(DOT), DA), pb, acc * av[None, :])
+
+
+@gluon.jit
 def _fp_values(
-    v_ptr,
-    rows,
+    vrow,
     ok,
-    v2_ptr,
-    rows2,
-    ok2,
     p,
-    acc_n,
-    alpha_v,
-    T: gl.constexpr,
+    acc0,
+    acc1,
+    acc2,
+    acc3,
+    av,
     D: gl.constexpr,
+    NCH: gl.constexpr,
     PV: gl.constexpr,
     DOT: gl.constexpr,
     MMA: gl.constexpr,
     DA: gl.constexpr,
     DB: gl.constexpr,
 ):
-    """``acc_n * alpha_v + V^T p`` ``(D, NV)`` over ``T`` full-precision value rows: row ``rows`` of ``v_ptr`` where
-    ``ok``, else row ``rows2`` of ``v2_ptr`` where ``ok2``."""
-    LV: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 1], [0, 1])
-    r1 = gl.convert_layout(rows, gl.SliceLayout(0, LV))
-    o1 = gl.convert_layout(ok, gl.SliceLayout(0, LV))
-    r2 = gl.convert_layout(rows2, gl.SliceLayout(0, LV))
-    o2 = gl.convert_layout(ok2, gl.SliceLayout(0, LV))
-    d = gl.arange(0, D, gl.SliceLayout(1, LV))
-    vT = gl.load(v_ptr + r1[None, :] * D + d[:, None], mask=o1[None, :], other=0.0)
-    vT2 = gl.load(v2_ptr + r2[None, :] * D + d[:, None], mask=o2[None, :] & ~o1[None, :], other=0.0)
-    vT = gl.where(o1[None, :], vT, vT2)
+    """The four 32-channel accumulators ``acc_c * av + V_c^T p`` over 32 full-precision value rows at the pointers
+    ``vrow`` (masked by ``ok``), in natural token order (``p`` ``(32, BH)``)."""
+    LV: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [1, 1], [0, 1])
+    vr = gl.multiple_of(gl.convert_layout(vrow, gl.SliceLayout(0, LV)), 16)  # rows 16-byte aligned: vector loads
+    okv = gl.convert_layout(ok, gl.SliceLayout(0, LV))
     pp = p.to(DOT)
     if PV == 2:
-        pp = gl.reshape(gl.join(pp, gl.zeros_like(pp)), [T, 2 * p.shape[1]])
-    return mma_v2(gl.convert_layout(vT.to(DOT), DA), gl.convert_layout(pp, DB), acc_n * alpha_v[None, :])
+        pp = gl.reshape(gl.join(pp, gl.zeros_like(pp)), [32, 2 * p.shape[1]])
+    pb = gl.convert_layout(pp, DB)
+    acc0 = _fp_value_chunk(vr, okv, pb, acc0, av, 0, DOT, DA)
+    acc1 = _fp_value_chunk(vr, okv, pb, acc1, av, 1, DOT, DA)
+    if NCH > 2:
+        acc2 = _fp_value_chunk(vr, okv, pb, acc2, av, 2, DOT, DA)
+        acc3 = _fp_value_chunk(vr, okv, pb, acc3, av, 3, DOT, DA)
+    return acc0, acc1, acc2, acc3
 
 
 @gluon.jit
@@ -244,28 +298,65 @@ def _store_out(out_ptr, so_h, QH, M, L, O, BH: gl.constexpr, D: gl.constexpr):
 
 
 @gluon.jit
+def _key_page_terms(
+    q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, kpage, kk,
+    D: gl.constexpr, D4: gl.constexpr, KH: gl.constexpr, NK: gl.constexpr, NB: gl.constexpr,
+    NB4: gl.constexpr, TWO: gl.constexpr, IS_BF16: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr,
+    DA: gl.constexpr, DB: gl.constexpr,
+):  # fmt: skip
+    """A quantized key page's operands: the low plane's ``bop``, the high plane's ``bh`` (one-hot gather) and the
+    ``(32, N)`` initial accumulator holding the per-column term."""
+    bop = _key_operand(q4, qz, mneg, k_scale_ptr, k_zero_ptr, kpage * D, kk, D, D4, NK, TWO, IS_BF16, DOT, MMA,
+                       DA)  # fmt: skip
+    init = gl.zeros([16, NK], gl.float32, MMA)
+    if IS_BF16:
+        init = _offset_share(bop, D, D4, True, init, DOT, DA)
+    bh = bop
+    if NB > 0:
+        bh = _high_operand(bop, k_idx_ptr, kpage * D, D4, KH, NK, NB, NB4, IS_BF16, DOT, MMA, DA, DB)
+        if IS_BF16:
+            init = _offset_share(bh, KH, D4, False, init, DOT, DA)
+    c0 = _zero_term(k_zero_ptr, kpage * D, qz, init, D4, NK, MMA, DA)
+    if not IS_BF16:
+        c0 = c0 * 5.9604644775390625e-08  # the codes' unit 2^-24
+    return bop, bh, c0
+
+
+@gluon.jit
 def _key_page_scores(
-    q_perm, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, kk, part, qk_scale,
+    q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, kk, qk_scale,
     G: gl.constexpr, D: gl.constexpr, D4: gl.constexpr, KH: gl.constexpr, NK: gl.constexpr, NB: gl.constexpr,
     NB4: gl.constexpr, NWH: gl.constexpr, RW: gl.constexpr, PK: gl.constexpr, TWO: gl.constexpr,
     IS_BF16: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr,
     LS: gl.constexpr,
 ):  # fmt: skip
-    """One quantized key page's scores, four 32-token chunks in the softmax's layout ``LS``: the key operand of the
-    page (``q * scale`` at the permuted channels, the high plane's one-hot gather where channels are boosted), then
-    the low (and high) plane codes against it."""
-    bop, corr = _key_operand(q_perm, k_scale_ptr, k_zero_ptr, kpage * D, kk, part, D, D4, TWO, IS_BF16, DOT)
-    bh = bop
-    if NB > 0:
-        bh, ch = _high_operand(bop, k_idx_ptr, kpage * D, D4, KH, NK, NB, NB4, IS_BF16, DOT, MMA, DA, DB)
-        corr = corr + ch
-    corr_m = gl.convert_layout(corr, gl.SliceLayout(0, MMA))
-    s0 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 0, G, D4, NB, NWH, RW, NK, PK,
-                        IS_BF16, MMA, DA, LS)  # fmt: skip
-    s1 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 1, G, D4, NB, NWH, RW, NK, PK,
-                        IS_BF16, MMA, DA, LS)  # fmt: skip
-    s2 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 2, G, D4, NB, NWH, RW, NK, PK,
-                        IS_BF16, MMA, DA, LS)  # fmt: skip
-    s3 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, corr_m, qk_scale, 3, G, D4, NB, NWH, RW, NK, PK,
-                        IS_BF16, MMA, DA, LS)  # fmt: skip
+    """One quantized key page's scores, four 32-token chunks in the softmax's layout ``LS`` (row ``r`` of chunk
+    ``c``: token ``32 c + token_perm(r)``): the key operands of the page (``_key_page_terms``), then the low (and
+    high) plane codes against them."""
+    bop, bh, c0 = _key_page_terms(q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, kpage, kk, D, D4, KH, NK, NB,
+                                  NB4, TWO, IS_BF16, DOT, MMA, DA, DB)  # fmt: skip
+    s0 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, 0, G, D4, NB, NWH, RW, NK, PK,
+                        IS_BF16, MMA, DA, LS, True)  # fmt: skip
+    s1 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, 1, G, D4, NB, NWH, RW, NK, PK,
+                        IS_BF16, MMA, DA, LS, True)  # fmt: skip
+    s2 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, 2, G, D4, NB, NWH, RW, NK, PK,
+                        IS_BF16, MMA, DA, LS, True)  # fmt: skip
+    s3 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, 3, G, D4, NB, NWH, RW, NK, PK,
+                        IS_BF16, MMA, DA, LS, True)  # fmt: skip
     return s0, s1, s2, s3
+
+
+@gluon.jit
+def _key_chunk_scores(
+    q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, c, kk, qk_scale,
+    G: gl.constexpr, D: gl.constexpr, D4: gl.constexpr, KH: gl.constexpr, NK: gl.constexpr, NB: gl.constexpr,
+    NB4: gl.constexpr, NWH: gl.constexpr, RW: gl.constexpr, PK: gl.constexpr, TWO: gl.constexpr,
+    IS_BF16: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr,
+    LS: gl.constexpr,
+):  # fmt: skip
+    """Scores of the 32 tokens ``32 c ..`` of a quantized key page (a page whose values are still in full
+    precision): the page's key operands are built for this one chunk."""
+    bop, bh, c0 = _key_page_terms(q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, kpage, kk, D, D4, KH, NK, NB,
+                                  NB4, TWO, IS_BF16, DOT, MMA, DA, DB)  # fmt: skip
+    return _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, c, G, D4, NB, NWH, RW, NK, PK,
+                         IS_BF16, MMA, DA, LS, False)  # fmt: skip

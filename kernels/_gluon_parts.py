@@ -6,10 +6,13 @@ read as two fp16 lanes is the subnormal ``4^s code 2^-24`` of bytes 0 and 2 of `
 offset (the ``4^s`` is folded into the small operand, the ``2^-24`` undone on the fp32 product); the same on
 ``w >> 8`` gives bytes 1 and 3. bf16 (whose subnormal products underflow): ``lop3(w, mask_s, MAGIC_s)`` with
 ``0x4300, 0x4200, 0x4100`` gives ``128, 32, 8 + code`` for fields 0-2, and field 3 is field 0 of ``w >> 6``; the
-offsets fold into a per-page term of the small operand. The bytes a lane loads and the register order of the
-unpacked halves are chosen so that a reshape and a permute make the codes the ``DotOperandLayout(0, mma, 2)``
-fragment: ``convert_layout(..., assert_trivial=True)`` proves no data moves (``kernels/gluon_launch.py`` says which
-byte feeds which column; ``tests/test_gluon.py`` checks it on the layouts' bases).
+offsets' share is a tensor-core product with a constant operand (``kernels/_gluon_page.py``). The bytes a lane
+loads and the register order of the unpacked halves are chosen so that a reshape and a permute make the codes the
+``DotOperandLayout(0, mma, 2)`` fragment: ``convert_layout(..., assert_trivial=True)`` proves no data moves
+(``kernels/gluon_launch.py`` says which byte feeds which column; ``tests/test_gluon.py`` checks it).
+
+Also here: the orders of the small operands (``low_channel``, ``adjacent_channel``, ``zero_channel``, the page
+loop's ``token_perm``), the zero term's fragment, the one-hot of the high-plane gather and packed 16-bit products.
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ LOW_ASM_BF16 = gl.constexpr(
     "lop3.b32 $4, $8, 0x00300030, 0x41004100, 0xEA; lop3.b32 $5, h, 0x00300030, 0x41004100, 0xEA; "
     "lop3.b32 $6, a, 0x00030003, 0x43004300, 0xEA; lop3.b32 $7, b, 0x00030003, 0x43004300, 0xEA; }"
 )
-# the high plane: field 0 of a word the lane has already shifted to its field
-HIGH_ASM_F16 = gl.constexpr("{ .reg .b32 h; shr.b32 h, $2, 8; and.b32 $0, $2, 0x00030003; and.b32 $1, h, 0x00030003; }")
+# the high plane, fp16: the lane's field masked in place ($6: 0x00030003 << 2q), read as the subnormal 4^q code 2^-24
+HIGH_ASM_F16 = gl.constexpr("{ .reg .b32 h; shr.b32 h, $2, 8; and.b32 $0, $2, $6; and.b32 $1, h, $6; }")
+# bf16: field 0 of a word the lane has already shifted to its field
 HIGH_ASM_BF16 = gl.constexpr(
     "{ .reg .b32 h; shr.b32 h, $2, 8; lop3.b32 $0, $2, 0x00030003, 0x43004300, 0xEA; "
     "lop3.b32 $1, h, 0x00030003, 0x43004300, 0xEA; }"
@@ -43,22 +47,21 @@ F16_UNIT = 2.0**-24  # fp16: a code c of field s reads as 4^s c 2^-24
 
 
 @gluon.jit
-def unpack_low(ptr, row0, M: gl.constexpr, BPR: gl.constexpr, IS_BF16: gl.constexpr, DA: gl.constexpr):
+def unpack_low(
+    ptr, row0, M: gl.constexpr, BPR: gl.constexpr, IS_BF16: gl.constexpr, DA: gl.constexpr, TOKPERM: gl.constexpr
+):
     """Codes of ``M`` rows of ``BPR`` bytes at ``ptr + row0`` as the ``(M, 4 BPR)`` A fragment ``DA`` (column
-    ``k``: ``gluon_launch.low_plane_order``), fp16 ``4^s code 2^-24`` or bf16 ``OFF_s + code``."""
-    W: gl.constexpr = BPR // 16  # 32-bit words a lane loads per row
-    LP: gl.constexpr = gl.BlockedLayout([1, 1, W, 4], [8, 4, 1, 1], [1, 1, 1, 1], [3, 2, 1, 0])
-    t = gl.arange(0, M, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LP))))
-    q = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LP))))
-    w = gl.arange(0, W, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, LP))))
-    b = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LP))))
-    off = (
-        t[:, None, None, None] * BPR
-        + q[None, :, None, None] * (4 * W)
-        + w[None, None, :, None] * 4
-        + b[None, None, None, :]
-    )
-    x = gl.load(ptr + row0 + off)
+    ``k``: ``gluon_launch.low_plane_order``), fp16 ``4^s code 2^-24`` or bf16 ``OFF_s + code``. ``TOKPERM`` (32
+    rows): row ``r`` reads row ``token_perm(r)``, so the lane holding rows ``g + 8 i`` holds rows ``4 g + i``."""
+    W: gl.constexpr = BPR // 16  # 32-bit words a lane loads per row, one contiguous run
+    LP: gl.constexpr = gl.BlockedLayout([1, 1, 4 * W], [8, 4, 1], [1, 1, 1], [2, 1, 0])
+    t = gl.arange(0, M, gl.SliceLayout(1, gl.SliceLayout(2, LP)))
+    q = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(2, LP)))
+    j = gl.arange(0, 4 * W, gl.SliceLayout(0, gl.SliceLayout(1, LP)))
+    if TOKPERM:
+        t = token_perm(t)
+    off = t[:, None, None] * BPR + q[None, :, None] * (4 * W) + j[None, None, :]
+    x = gl.reshape(gl.load(ptr + row0 + off), [M, 4, W, 4])
     if IS_BF16:
         a0, a1, a2, a3 = gl.inline_asm_elementwise(
             LOW_ASM_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r", [x], dtype=(gl.bfloat16,) * 4, is_pure=True, pack=4
@@ -76,29 +79,75 @@ def unpack_low(ptr, row0, M: gl.constexpr, BPR: gl.constexpr, IS_BF16: gl.conste
 
 @gluon.jit
 def unpack_high(
-    ptr, row0, M: gl.constexpr, NWH: gl.constexpr, RW: gl.constexpr, IS_BF16: gl.constexpr, DA: gl.constexpr
+    ptr,
+    row0,
+    M: gl.constexpr,
+    NWH: gl.constexpr,
+    RW: gl.constexpr,
+    IS_BF16: gl.constexpr,
+    DA: gl.constexpr,
+    TOKPERM: gl.constexpr,
 ):
     """High-plane codes of ``M`` token rows as the ``(M, 16 NWH)`` A fragment ``DA`` (``gluon_launch.
-    high_plane_order``): ``ptr`` reads a row as ``RW`` elements of 8, 16 or 32 bits (``NWH`` words, zero-extended),
-    lane ``q`` unpacks field ``q``."""
-    LH: gl.constexpr = gl.BlockedLayout([1, 1, NWH, 4], [8, 4, 1, 1], [1, 1, 1, 1], [3, 2, 1, 0])
-    L3: gl.constexpr = gl.SliceLayout(3, LH)
-    t = gl.arange(0, M, gl.SliceLayout(1, gl.SliceLayout(2, L3)))
-    q = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(2, L3)))
-    w = gl.arange(0, NWH, gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-    off = t[:, None, None] * RW + w[None, None, :] + q[None, :, None] * 0
-    word = gl.load(ptr + row0 + off).to(gl.int32)
-    word = word >> (2 * q)[None, :, None]  # lane q's field to bits 0-1 of each byte
-    b = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LH))))
-    x = word[:, :, :, None] + (b * 0)[None, None, None, :]
-    if IS_BF16:
-        a = gl.inline_asm_elementwise(HIGH_ASM_BF16, "=r,=r,r,r,r,r", [x], dtype=gl.bfloat16, is_pure=True, pack=4)
+    high_plane_order``): ``ptr`` reads a row as ``RW`` elements of 8, 16 or 32 bits (``NWH`` words), lane ``q``
+    unpacks field ``q``: bf16 ``128 + code``, fp16 ``4^q code 2^-24`` (masked in place, no shift). ``TOKPERM``:
+    rows as ``unpack_low``."""
+    if TOKPERM and RW == NWH and M == 32:
+        # a lane's rows g + 8 i are the 4 adjacent tokens 4 g + i: one contiguous run of 4 NWH words
+        LH: gl.constexpr = gl.BlockedLayout([1, 1, 4 * NWH, 4], [8, 4, 1, 1], [1, 1, 1, 1], [3, 2, 1, 0])
+        L3: gl.constexpr = gl.SliceLayout(3, LH)
+        g = gl.arange(0, 8, gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        q = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+        j = gl.arange(0, 4 * NWH, gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+        off = g[:, None, None] * (4 * RW) + j[None, None, :] + q[None, :, None] * 0
     else:
-        a = gl.inline_asm_elementwise(HIGH_ASM_F16, "=r,=r,r,r,r,r", [x], dtype=gl.float16, is_pure=True, pack=4)
-    a = gl.reshape(a, [M, 4, NWH, 2, 2])
-    a = gl.permute(a, [0, 2, 3, 1, 4])  # (M, kt, h, q, e)
+        LH: gl.constexpr = gl.BlockedLayout([1, 1, NWH, 4], [8, 4, 1, 1], [1, 1, 1, 1], [3, 2, 1, 0])
+        L3: gl.constexpr = gl.SliceLayout(3, LH)
+        t = gl.arange(0, M, gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        q = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+        w = gl.arange(0, NWH, gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+        if TOKPERM:
+            t = token_perm(t)
+        off = t[:, None, None] * RW + w[None, None, :] + q[None, :, None] * 0
+    word = gl.load(ptr + row0 + off).to(gl.int32)
+    b = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LH))))
+    if IS_BF16:
+        word = word >> (2 * q)[None, :, None]  # lane q's field to bits 0-1 of each byte
+        x = word[:, :, :, None] + (b * 0)[None, None, None, :]
+        a = gl.inline_asm_elementwise(HIGH_ASM_BF16, "=r,=r,r,r,r,r", [x], dtype=gl.bfloat16, is_pure=True, pack=4)
+    else:  # field q masked in place: 4^q code 2^-24 (the caller's operand carries 4^-q)
+        x = word[:, :, :, None] + (b * 0)[None, None, None, :]
+        mask = (0x00030003 << (2 * q))[None, :, None, None] + (x * 0)
+        a = gl.inline_asm_elementwise(
+            HIGH_ASM_F16, "=r,=r,r,r,r,r,r,r,r,r", [x, mask], dtype=gl.float16, is_pure=True, pack=4
+        )
+    if TOKPERM and RW == NWH and M == 32:
+        a = gl.reshape(a, [8, 4, 4, NWH, 2, 2])  # (g, q, i, kt, h, e)
+        a = gl.permute(a, [2, 0, 3, 4, 1, 5])  # (i, g, kt, h, q, e): row 8 i + g
+    else:
+        a = gl.reshape(a, [M, 4, NWH, 2, 2])
+        a = gl.permute(a, [0, 2, 3, 1, 4])  # (M, kt, h, q, e)
     a = gl.reshape(a, [M, 16 * NWH])
     return gl.convert_layout(a, DA, assert_trivial=True)
+
+
+@gluon.jit
+def token_perm(r):
+    """Token of score row ``r`` of a 32-token chunk in the page loop: ``4 (r % 8) + r // 8``, so that the lane
+    holding rows ``g + 8 i`` (the accumulator layout) holds the 4 adjacent tokens ``4 g + i``."""
+    return 4 * (r % 8) + r // 8
+
+
+@gluon.jit
+def token_vector(ptr, base, OUT: gl.constexpr):
+    """``ptr[base + token_perm(r)]`` for the 32 rows ``r`` of a chunk, in ``OUT`` (the row slice of the scores'
+    layout, lane ``g`` holding rows ``g + 8 i``): each lane loads its 4 adjacent tokens as one run."""
+    L2: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0])
+    g = gl.arange(0, 8, gl.SliceLayout(1, L2))
+    i = gl.arange(0, 4, gl.SliceLayout(0, L2))
+    x = gl.load(ptr + base + 4 * g[:, None] + i[None, :])  # (g, i): token 4 g + i = token_perm(8 i + g)
+    x = gl.reshape(gl.permute(x, [1, 0]), [32])
+    return gl.convert_layout(x, OUT)
 
 
 @gluon.jit
@@ -111,14 +160,66 @@ def low_channel(k, D4: gl.constexpr):
 
 
 @gluon.jit
+def zero_channel(k, t, D4: gl.constexpr):
+    """Channel of row ``k`` of half ``t`` of the zero term's operands (``zero_fragment``): with ``u = k // 8``,
+    field ``u // W``, k-tile ``u % W``, lane ``(k // 2) % 4``, channel pair ``t``, ``k % 2`` the channel in it."""
+    W: gl.constexpr = D4 // 16
+    u = k // 8
+    return (u // W) * D4 + 4 * W * ((k // 2) % 4) + 4 * (u % W) + 2 * t + k % 2
+
+
+@gluon.jit
+def zero_fragment(ptr, base, D4: gl.constexpr, DA: gl.constexpr):
+    """The ``(16, 2 D4)`` A fragment whose row ``8 t + g`` holds ``ptr[base + zero_channel(k, t)]`` (the same for
+    every ``g``): each (field, lane) loads its ``4 W`` channels as one contiguous run, and each 4-register quad of
+    the fragment (rows ``g``, ``g + 8`` x columns ``2 q``, ``2 q + 8``) is 8 adjacent channels as loaded
+    (``assert_trivial``). So the zeros go to the tensor cores with no register moves; the other operand holds
+    the ``q`` of both channel pairs side by side (``2 N`` columns), and ``zero_rows`` adds the two halves."""
+    W: gl.constexpr = D4 // 16
+    LZ: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4 * W], [8, 1, 4, 1], [1, 1, 1, 1], [3, 2, 1, 0])
+    g = gl.arange(0, 8, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LZ))))
+    s = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LZ))))
+    q = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, LZ))))
+    j = gl.arange(0, 4 * W, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LZ))))
+    off = (
+        g[:, None, None, None] * 0
+        + s[None, :, None, None] * D4
+        + q[None, None, :, None] * (4 * W)
+        + j[None, None, None, :]
+    )
+    x = gl.load(ptr + base + off)
+    x = gl.reshape(x, [8, 4, 4, W, 2, 2])  # (g, s, q, kt, t, h): channel s D4 + 4 W q + 4 kt + 2 t + h
+    x = gl.permute(x, [4, 0, 1, 3, 2, 5])  # (t, g, s, kt, q, h): row 8 t + g, column 8 (s W + kt) + 2 q + h
+    x = gl.reshape(x, [16, 2 * D4])
+    return gl.convert_layout(x, DA, assert_trivial=True)
+
+
+@gluon.jit
+def zero_rows(c, NK: gl.constexpr, MMA: gl.constexpr):
+    """The zero term from ``zero_fragment``'s product ``c`` ``(16, 2 NK)`` (columns ``t NK + n``): the sum over
+    both halves is row half 0 of column half 0 plus row half 1 of column half 1; returned stacked to ``(32, NK)``
+    in ``MMA`` (every row the same), the layout of the scores' accumulator."""
+    c = gl.permute(gl.reshape(c, [2, 8, 2, NK]), [1, 3, 2, 0])  # (g, n, t, b): row 8 b + g, column t NK + n
+    upper, lower = gl.split(c)  # row halves b = 0, 1
+    top, _ = gl.split(upper)  # column half t = 0
+    _, bottom = gl.split(lower)  # t = 1
+    c8 = top + bottom
+    c8 = gl.join(c8, c8)
+    c8 = gl.join(c8, c8)  # (g, n, b, a)
+    c8 = gl.reshape(gl.permute(c8, [3, 2, 0, 1]), [32, NK])
+    return gl.convert_layout(c8, MMA)
+
+
+@gluon.jit
 def token_order(p, PV: gl.constexpr):
-    """``p`` ``(32, BH)`` of a token quarter (rows in token order) as the value product's ``(32, BH PV)`` K rows
-    in ``low_plane_order`` (BPR 32), head ``r`` in column ``r PV`` (zeros beside it when ``PV`` is 2)."""
+    """``p`` ``(32, BH)`` of a token quarter (row ``r``: token ``token_perm(r)``) as the value product's
+    ``(32, BH PV)`` K rows in ``low_plane_order`` (BPR 32), head ``r`` in column ``r PV`` (zeros beside it when
+    ``PV`` is 2)."""
     if PV == 2:
         p = gl.reshape(gl.join(p, gl.zeros_like(p)), [p.shape[0], 2 * p.shape[1]])
     N: gl.constexpr = p.shape[1]
-    p = gl.reshape(p, [4, 2, 2, 2, N])  # token 8 q + 4 kt + 2 e + h
-    p = gl.permute(p, [1, 3, 0, 2, 4])  # (kt, h, q, e)
+    p = gl.reshape(p, [2, 2, 4, 2, N])  # row 16 e + 8 h + 2 q + kt = token_perm^-1(token 8 q + 4 kt + 2 e + h)
+    p = gl.permute(p, [3, 1, 2, 0, 4])  # (kt, h, q, e)
     return gl.reshape(p, [32, N])
 
 
@@ -150,7 +251,7 @@ def merge_parts(s, PK: gl.constexpr):
 
 
 @gluon.jit
-def channel_vector(ptr, base, D4: gl.constexpr, OUT: gl.constexpr):
+def channel_vector(ptr, base, D4: gl.constexpr, OUT: gl.constexpr, ADJACENT: gl.constexpr = False):
     """``ptr[base + low_channel(k)]`` for ``k < 4 D4`` in the 1-D layout ``OUT`` (the K slice of an operand
     fragment), loaded as contiguous runs: in ``low_plane_order`` lane ``q`` holds channels ``4 W q .. 4 W q + 4 W - 1``
     of every field ``s``, so each (field, lane) is one vector load of ``4 W`` elements, broadcast over the lanes of
@@ -166,21 +267,57 @@ def channel_vector(ptr, base, D4: gl.constexpr, OUT: gl.constexpr):
     )
     x = gl.load(ptr + base + off)
     x = gl.reshape(x, [4, 4, W, 2, 2])  # (s, q, kt, e, h): channel 4 W q + 4 kt + 2 e + h
-    x = gl.permute(x, [0, 2, 4, 1, 3])  # (s, kt, h, q, e): column s D4 + 16 kt + 8 h + 2 q + e
+    if ADJACENT:  # column s D4 + 16 kt + 8 e + 2 q + h (adjacent_channel): the loaded pairs as they are
+        x = gl.permute(x, [0, 2, 3, 1, 4])
+    else:
+        x = gl.permute(x, [0, 2, 4, 1, 3])  # (s, kt, h, q, e): column s D4 + 16 kt + 8 h + 2 q + e
     x = gl.reshape(x, [4 * D4])
     return gl.convert_layout(x, OUT)
 
 
-# one-hot rows of the high-plane gather, two fp16/bf16 pairs per word of four boost_idx bytes: the byte pair
-# (0, 2) / (1, 3) xor the row's slot is zero exactly where the channel is the slot's; + 0x7FFF sets bit 15 of a
-# nonzero half, prmt replicates it over the half, and the unit survives where it is clear
-ONE_HOT_ASM = gl.constexpr(
-    "{ .reg .b32 p0, p1; shr.b32 p1, $2, 8; "
-    "lop3.b32 p0, $2, 0x00FF00FF, $3, 0x6A; lop3.b32 p1, p1, 0x00FF00FF, $3, 0x6A; "
-    "add.u32 p0, p0, 0x7FFF7FFF; add.u32 p1, p1, 0x7FFF7FFF; "
-    "prmt.b32 p0, p0, 0, 0xBB99; prmt.b32 p1, p1, 0, 0xBB99; "
-    "lop3.b32 $0, p0, $5, 0, 0x0C; lop3.b32 $1, p1, $5, 0, 0x0C; }"
+@gluon.jit
+def adjacent_channel(k, D4: gl.constexpr):
+    """``low_channel`` with the bits ``h`` and ``e`` swapped: a fragment register pair holds adjacent channels (the
+    order in which ``channel_vector(..., ADJACENT=True)`` loads with no register moves)."""
+    W: gl.constexpr = D4 // 16
+    s = k // D4
+    r = k % D4
+    return 4 * W * ((r // 2) % 4) + 4 * (r // 16) + 2 * ((r // 8) % 2) + r % 2 + s * D4
+
+
+@gluon.jit
+def adjacent_to_low(x, D4: gl.constexpr):
+    """A ``(4 D4, N)`` operand in ``adjacent_channel`` order as the same operand in ``low_channel`` order, in its
+    own layout (the h and e bits of K swapped: two PRMT per two registers)."""
+    OUT: gl.constexpr = x.type.layout
+    W: gl.constexpr = D4 // 16
+    N: gl.constexpr = x.shape[1]
+    x = gl.reshape(x, [4, W, 2, 4, 2, N])  # (s, kt, e, q, h)
+    x = gl.permute(x, [0, 1, 4, 3, 2, 5])  # (s, kt, h, q, e)
+    return gl.convert_layout(gl.reshape(x, [4 * D4, N]), OUT)
+
+
+# one-hot rows of the high-plane gather: the bytes (0, 2) / (1, 3) of a word of four boost_idx bytes as fp16
+# 1024 + byte (magic number), then one set.eq per pair and row against 1024 + the row's slot: 1.0 (0x3C00) where
+# the channel is the slot's, else 0
+IDX_F16_ASM = gl.constexpr(
+    "{ .reg .b32 h; shr.b32 h, $2, 8; lop3.b32 $0, $2, 0x00FF00FF, 0x64006400, 0xEA; "
+    "lop3.b32 $1, h, 0x00FF00FF, 0x64006400, 0xEA; }"
 )
+EQ_ASM = gl.constexpr("set.eq.f16x2.f16x2 $0, $1, $2;")
+# 16-bit packed product (the one-part key operand, the high operand's units)
+MUL_ASM_F16 = gl.constexpr("mul.rn.f16x2 $0, $1, $2;")
+MUL_ASM_BF16 = gl.constexpr("mul.rn.bf16x2 $0, $1, $2;")
+ONE_BITS = 0x3C00  # a one-hot entry: fp16 1.0, read as bf16 2^-7
+
+
+@gluon.jit
+def mul16(a, b, IS_BF16: gl.constexpr):
+    """``a * b`` of two 16-bit tensors, two lanes per instruction, rounded once (``mul.rn``)."""
+    if IS_BF16:
+        return gl.inline_asm_elementwise(MUL_ASM_BF16, "=r,r,r", [a, b], dtype=gl.bfloat16, is_pure=True, pack=2)
+    else:
+        return gl.inline_asm_elementwise(MUL_ASM_F16, "=r,r,r", [a, b], dtype=gl.float16, is_pure=True, pack=2)
 
 
 @gluon.jit
@@ -200,14 +337,14 @@ def one_hot(
     D4: gl.constexpr,
     NB: gl.constexpr,
     NB4: gl.constexpr,
-    UNIT_F16: gl.constexpr,
-    DOT: gl.constexpr,
+    IS_BF16: gl.constexpr,
     DA: gl.constexpr,
 ):
-    """The ``(KH, 4 D4)`` A fragment ``DA`` of ``unit[k] * (boost_idx[low_channel(k)] == slot[r])``: row ``r`` picks
-    the channel of slot ``high_slot(r)`` out of a ``(4 D4, N)`` operand in ``low_plane_order``. ``unit`` is ``4^s``
-    for field ``s`` (``UNIT_F16``: the fp16 low operand carries ``4^-s``), else 1; times the high codes' weight 4.
-    Each lane loads its channels' bytes once (contiguous runs, as ``channel_vector``), 9 integer ops per 4 entries."""
+    """The ``(KH, 4 D4)`` A fragment ``DA`` of ``(boost_idx[low_channel(k)] == slot[r])`` as the 16-bit pattern
+    ``0x3C00`` (fp16 1.0, bf16 2^-7; the caller folds the unit into the other operand): row ``r`` picks the channel
+    of slot ``high_slot(r)`` out of a ``(4 D4, N)`` operand in ``low_plane_order``. Each lane loads its channels'
+    bytes once (contiguous runs, as ``channel_vector``) and turns each word into fp16 ``1024 + byte`` once (3
+    integer ops per 4 bytes); each row then costs one ``set.eq`` per pair."""
     W: gl.constexpr = D4 // 16
     L5: gl.constexpr = gl.BlockedLayout([1, 1, 1, W, 4], [8, 1, 4, 1, 1], [1, 1, 1, 1, 1], [4, 3, 2, 1, 0])
     L4: gl.constexpr = gl.SliceLayout(0, L5)
@@ -217,28 +354,16 @@ def one_hot(
     b = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
     off = s[:, None, None, None] * D4 + q[None, :, None, None] * (4 * W) + kt[None, None, :, None] * 4
     idx = gl.load(idx_ptr + base + off + b[None, None, None, :])  # (s, q, kt, byte): channel 4 W q + 4 kt + byte
+    # element b of a word after the conversion: channel 4 kt + 2 (b % 2) + b // 2
+    cv = gl.inline_asm_elementwise(IDX_F16_ASM, "=r,=r,r", [idx], dtype=gl.float16, is_pure=True, pack=4)
     L1: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, L5))))
     r = gl.arange(0, KH, L1)
-    sl = high_slot(r, NB, NB4).to(gl.int16)
-    LS1: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, L5))))
-    su = gl.arange(0, 4, LS1)
-    if UNIT_F16:
-        unit = gl.exp2(2.0 * su.to(gl.float32) + 2.0).to(DOT)
+    sl = (high_slot(r, NB, NB4) + 1024).to(gl.float16)
+    cvb, slb = gl.broadcast(gl.expand_dims(cv, 0), sl[:, None, None, None, None])
+    if IS_BF16:
+        oh = gl.inline_asm_elementwise(EQ_ASM, "=r,r,r", [cvb, slb], dtype=gl.bfloat16, is_pure=True, pack=2)
     else:
-        unit = gl.full([4], 4.0, DOT, LS1)
-    zero_i = gl.zeros([KH, 4, 4, W, 4], gl.int16, L5)
-    x = gl.expand_dims(idx, 0) + zero_i.to(gl.uint8)
-    slt = sl[:, None, None, None, None] + zero_i
-    un = unit[None, :, None, None, None] + zero_i.to(DOT)
-    # element b of a word: channel 4 kt + 2 (b % 2) + b // 2
-    if UNIT_F16:
-        oh = gl.inline_asm_elementwise(
-            ONE_HOT_ASM, "=r,=r,r,r,r,r,r", [x, slt, un], dtype=gl.float16, is_pure=True, pack=4
-        )
-    else:
-        oh = gl.inline_asm_elementwise(
-            ONE_HOT_ASM, "=r,=r,r,r,r,r,r", [x, slt, un], dtype=gl.bfloat16, is_pure=True, pack=4
-        )
+        oh = gl.inline_asm_elementwise(EQ_ASM, "=r,r,r", [cvb, slb], dtype=gl.float16, is_pure=True, pack=2)
     oh = gl.reshape(oh, [KH, 4, 4, W, 2, 2])  # (r, s, q, kt, h, e)
     oh = gl.permute(oh, [0, 1, 3, 4, 2, 5])  # (r, s, kt, h, q, e)
     oh = gl.reshape(oh, [KH, 4 * D4])

@@ -5,15 +5,18 @@ The same contract as the ``tl`` kernel (``kernels/decode_attention.py``, the ref
 and value pages | qbuffers | local window, ``full_qbuffer`` mid-step, split-K partials merged inside the launch by
 the last program of each (row, KV head) (an int32 ticket that program resets, so a replayed graph starts clean).
 
-Program = (row, KV head, split), one warp streaming a contiguous run of pages with its own online softmax. Per page
-(128 tokens), swap-AB as the ``tl`` kernel: scores ``(32 tokens, N) = codes (32, D) @ (q * scale)^T (D, N)`` for four
-token chunks (key low plane, then the boosted channels' high plane, ``kernels/_gluon_parts.py`` ``unpack_low`` /
+Program = (row, KV head, split), one warp with its own online softmax: first its full-precision chunks of 32 tokens
+(the sink on split 0, then the tokens whose values are in the qbuffer or the local window), then a contiguous run
+of quantized pages (``GluonLaunch.tail_splits`` can give the chunks programs of their own). Per page (128 tokens),
+swap-AB as the ``tl`` kernel: scores ``(32 tokens, N) = codes (32, D) @ (q * scale)^T (D, N)`` for four token chunks
+(key low plane, then the boosted channels' high plane, ``kernels/_gluon_parts.py`` ``unpack_low`` /
 ``unpack_high``: the unpacked codes land in the A fragment with ``assert_trivial``), one softmax step, then
 ``(32 channels, N) += value codes (32, 128) @ (p * scale) (128, N)`` per channel chunk. ``N`` is the small side:
 the query heads of the KV head, padded to 4 or 8, twice with the two-part key operand. The permutation the unpack
 gives the reduction axis (``kernels/gluon_launch.py``) is applied to the small operands: key scales, zeros and
-boost slots are read at the permuted channels, ``p`` is permuted across lanes (a register shuffle, not codes).
-Zero points, bf16 offsets and the fp16 unit fold into per-page terms added to the fp32 products.
+boost slots are read at the permuted channels; the score rows are permuted (``token_perm``) and ``p`` goes to the
+value operand's K order through shared memory (not codes). Zero points, bf16 offsets and the fp16 unit fold into
+per-page terms: the scores' initial accumulator (a tensor-core product), and the value zero term per head.
 
 Which kernel runs is decided in ``kitty/cache/backend.py`` by ``gluon_launch.gluon_supports``; this file is imported
 only where triton 3.6's Gluon is available.
@@ -34,17 +37,21 @@ from kitty.core.storage import KittyLayerState, check_state
 from ._gluon_page import (
     _fp_scores,
     _fp_values,
+    _key_chunk_scores,
     _key_page_scores,
     _merge_rows,
+    _offset_share,
     _store_out,
     _store_row,
 )
 from ._gluon_parts import (
+    adjacent_channel,
     cat4,
-    low_channel,
     token_order,
+    token_vector,
     unpack_low,
     widen,
+    zero_channel,
 )
 from .gluon_launch import (
     GluonLaunch,
@@ -60,16 +67,24 @@ __all__ = ["decode_attention_gluon", "gluon_constants"]
 LOG2E = 1.4426950408889634
 
 
+@gluon.jit
+def _prefetch_l2(ptrs):
+    """``prefetch.global.L2`` of the lines at ``ptrs`` (valid addresses; nothing is read into registers)."""
+    gl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; mov.b32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32, is_pure=False, pack=1
+    )
+
+
 # NUM_SPLITS and MERGE_GROUP stay runtime values: Triton would turn a 1 into a constant, and triton 3.6's LLVM lowering
-# asserts (PassManager::run failed) on the kernel with both at 1 (a one-split launch).
-@gluon.jit(do_not_specialize=["NUM_SPLITS", "MERGE_GROUP"])
+# asserts (PassManager::run failed) on the kernel with both at 1 (a one-split launch). TAIL likewise.
+@gluon.jit(do_not_specialize=["NUM_SPLITS", "MERGE_GROUP", "TAIL"])
 def _decode_gluon_kernel(
     q_ptr, out_ptr, ws_m_ptr, ws_l_ptr, ws_z_ptr, ws_acc_ptr, ticket_ptr, len_ptr, sink_k_ptr, sink_v_ptr, k_qbuf_ptr,
     v_qbuf_ptr, v_local_ptr, k_pt_ptr, v_pt_ptr, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr,
-    v_scale_ptr, v_zero_ptr, Hkv, QH, NUM_SPLITS, MERGE_GROUP, qk_scale, sq_b, sq_h, so_b, so_h, ssk_b, ssk_h, ssv_b,
-    ssv_h, skq_b, skq_h, svq_b, svq_h, svl_b, svl_h, spk_b, spv_b, S: gl.constexpr, G: gl.constexpr, R: gl.constexpr, D:
-    gl.constexpr, NB: gl.constexpr, NB4: gl.constexpr, NWH: gl.constexpr, RW: gl.constexpr, BH: gl.constexpr, BLOCK_S:
-    gl.constexpr, TWO: gl.constexpr, IS_BF16: gl.constexpr, FULL_QBUF: gl.constexpr
+    v_scale_ptr, v_zero_ptr, Hkv, QH, NUM_SPLITS, MERGE_GROUP, TAIL, qk_scale, sq_b, sq_h, so_b, so_h, ssk_b, ssk_h,
+    ssv_b, ssv_h, skq_b, skq_h, svq_b, svq_h, svl_b, svl_h, spk_b, spv_b, S: gl.constexpr, G: gl.constexpr,
+    R: gl.constexpr, D: gl.constexpr, NB: gl.constexpr, NB4: gl.constexpr, NWH: gl.constexpr, RW: gl.constexpr,
+    BH: gl.constexpr, TWO: gl.constexpr, IS_BF16: gl.constexpr, FULL_QBUF: gl.constexpr
 ):
     gl.static_assert(G == 128, "pages of 128 tokens: four chunks of 32")
     D4: gl.constexpr = D // 4
@@ -104,9 +119,27 @@ def _decode_gluon_kernel(
         kp = m // G
         vp = mv // G
     slots = gl.cdiv(m, G)
-    per = gl.cdiv(slots, NUM_SPLITS)
-    start = split * per
-    end = gl.minimum(start + per, slots)
+    nck = gl.cdiv(m, 32)  # 32-token chunks holding tokens
+    if TAIL > 0:  # the last TAIL splits share the full-precision chunks, the others the quantized pages
+        nps = NUM_SPLITS - TAIL
+        per = gl.cdiv(vp, nps)
+        if split < nps:
+            start = split * per
+            end = gl.minimum(start + per, vp)
+            c_lo = 0
+            c_hi = 0
+        else:
+            start = 0
+            end = 0
+            tper = gl.cdiv(gl.maximum(nck - vp * 4, 0), TAIL)
+            c_lo = vp * 4 + (split - nps) * tper
+            c_hi = gl.maximum(gl.minimum(c_lo + tper, nck), c_lo)
+    else:  # each split: a run of page slots, then the full-precision chunks among them
+        per = gl.cdiv(slots, NUM_SPLITS)
+        start = split * per
+        end = gl.minimum(start + per, slots)
+        c_lo = gl.maximum(start, vp) * 4
+        c_hi = gl.maximum(gl.minimum(end * 4, nck), c_lo)
 
     # ---- the small key operand's loop-invariant part: q at the permuted channels, column r * PK + part
     kk = gl.arange(0, D, gl.SliceLayout(1, DB))
@@ -114,9 +147,30 @@ def _decode_gluon_kernel(
     part = nn % PK
     head = nn // PK
     q_off = b64 * sq_b + h * QH * sq_h
-    q_perm = gl.load(
-        q_ptr + q_off + head[None, :] * sq_h + low_channel(kk, D4)[:, None], mask=(head < QH)[None, :], other=0.0
-    )  # kept in q's own 16-bit dtype (exact): half the registers of the loop-invariant operand
+    q_perm = gl.load(  # at adjacent_channel: the order the page's scales load in, before bop goes to low_channel
+        q_ptr + q_off + head[None, :] * sq_h + adjacent_channel(kk, D4)[:, None], mask=(head < QH)[None, :], other=0.0
+    )
+    if IS_BF16:
+        q4 = q_perm
+    else:  # the unit 4^-s of field s folded into q (exact unless q4 is subnormal)
+        q4 = (q_perm.to(gl.float32) * gl.exp2(-2.0 * (kk // D4).to(gl.float32))[:, None]).to(DOT)
+    if not TWO:
+        q4 = gl.where(part[None, :] == 0, q4, 0.0).to(DOT)
+    mneg, _ = gl.broadcast(gl.where(part == 1, -1.0, 0.0).to(DOT)[None, :], q4)  # -1 in remainder columns
+    # the zero term's operand: q at zero_channel, column t * NK + n (half t of the channels), zero in part-1 columns
+    kz = gl.arange(0, D // 2, gl.SliceLayout(1, DB))
+    nz = gl.arange(0, 2 * NK, gl.SliceLayout(0, DB))
+    hz = (nz % NK) // PK
+    qz = gl.load(
+        q_ptr + q_off + hz[None, :] * sq_h + zero_channel(kz[:, None], (nz // NK)[None, :], D4),
+        mask=((hz < QH) & ((nz % NK) % PK == 0))[None, :],
+        other=0.0,
+    )
+    # the loop-invariant operands wait in shared memory (read back per page: 8 ldmatrix), not in ~48 registers
+    # through both loops
+    QL: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [0, 1])
+    q4buf = gl.allocate_shared_memory(DOT, [D, NK], QL, q4)
+    qzbuf = gl.allocate_shared_memory(DOT, [D // 2, 2 * NK], QL, qz)
     tt = gl.arange(0, 32, gl.SliceLayout(1, LS))
     m_i = gl.full([BH], float("-inf"), gl.float32, LH)
     l_i = gl.zeros([BH], gl.float32, LH)
@@ -125,13 +179,82 @@ def _decode_gluon_kernel(
     acc1 = gl.zeros([32, NV], gl.float32, MMA)
     acc2 = gl.zeros([32, NV], gl.float32, MMA)
     acc3 = gl.zeros([32, NV], gl.float32, MMA)
+    # ---- first the full-precision values, 32 tokens per step, before the page loop so that their buffers, the
+    # natural-order q and the per-chunk pointers are dead while the page loop runs: the sink (split 0), then this
+    # split's tokens whose values are in the qbuffer or the local window (keys quantized below kp, else in the
+    # qbuffer). They accumulate into the page loop's accumulators, in natural units until the loop starts.
+    NSC: gl.constexpr = (S + 31) // 32
+    ns = gl.where((split == 0) & (n > 0), NSC, 0)
+    qnbuf = gl.allocate_shared_memory(
+        DOT,
+        [D, NK],
+        QL,
+        gl.load(
+            q_ptr + q_off + head[None, :] * sq_h + kk[:, None], mask=((head < QH) & (part == 0))[None, :], other=0.0
+        ).to(DOT),
+    )
+    sk_ptr = sink_k_ptr + b64 * ssk_b + h * ssk_h
+    sv_ptr = sink_v_ptr + b64 * ssv_b + h * ssv_h
+    kq_ptr = k_qbuf_ptr + b64 * skq_b + h * skq_h
+    vq_ptr = v_qbuf_ptr + b64 * svq_b + h * svq_h
+    vl_ptr = v_local_ptr + b64 * svl_b + h * svl_h
+    Rm = gl.maximum(R, 1)
+    # warm L2 with this split's full-precision key and value rows (2 lines of 128 B each), so that the chunk loop's
+    # dependent steps wait on L2 rather than DRAM: at small batch these chunks are a program's critical path
+    LR: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    tr = gl.arange(0, 32, LR)
+    for i in range(c_lo, c_hi):
+        rr = i * 32 + tr
+        kr = kq_ptr + (rr % G) * D
+        vr = gl.where((rr < mv) | (rr >= m), vq_ptr + (rr % G) * D, vl_ptr + (rr % Rm) * D)  # always a real row
+        for line in gl.static_range(0, D * 2 // 128):
+            _prefetch_l2(kr + line * (128 // 2))
+            _prefetch_l2(vr + line * (128 // 2))
+    for i in range(c_lo - ns, c_hi):
+        rel = i * 32 + tt  # token after the sink (tail chunks)
+        if i < c_lo:  # sink chunk
+            r = (i - c_lo + ns) * 32 + tt
+            ok = r < gl.minimum(n, S)
+            krow = sk_ptr + r * D
+            vrow = sv_ptr + r * D
+        else:
+            ok = rel < m
+            krow = kq_ptr + (rel % G) * D
+            vrow = gl.where(rel < mv, vq_ptr + (rel % G) * D, vl_ptr + (rel % Rm) * D)
+        if (i >= c_lo) & (i // 4 < kp):
+            kpage = gl.load(k_pt_ptr + b64 * spk_b + i // 4).to(gl.int64) * Hkv + h
+            s = _key_chunk_scores(
+                q4buf.load(DB), qzbuf.load(DB), mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage,
+                i % 4, kk, qk_scale, G, D, D4, KH, NK, NB, NB4, NWH, RW, PK, TWO, IS_BF16, DOT, MMA, DA, DB, LS
+            )
+        else:
+            s = _fp_scores(krow, ok, qnbuf.load(DB), qk_scale, D, NK, PK, DOT, MMA, DA, LS)
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        m_safe = gl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[None, :])
+        m_i = m_new
+        l_i = l_i * alpha + gl.sum(p, 0)  # az is still 0: no quantized values yet
+        acc0, acc1, acc2, acc3 = _fp_values(
+            vrow, ok, p, acc0, acc1, acc2, acc3, gl.convert_layout(widen(alpha, PV), gl.SliceLayout(0, MMA)), D,
+            NCH, PV, DOT, MMA, DA, DB
+        )
+    if not IS_BF16:  # the page loop's units: its fp16 codes read as code 2^-24
+        acc0 = acc0 * 5.9604644775390625e-08
+        acc1 = acc1 * 5.9604644775390625e-08
+        acc2 = acc2 * 5.9604644775390625e-08
+        acc3 = acc3 * 5.9604644775390625e-08
     # ---- pages with quantized keys and values
+    # p * scale's trip to the value operand (tokens on rows, heads on lanes -> the B fragment): through shared
+    # memory, K-contiguous, 16 four-byte stores and 4 ldmatrix a page (convert_layout chose ~50 shuffles and selects)
+    pbuf = gl.allocate_shared_memory(DOT, [4 * 32, NV], gl.SwizzledSharedLayout(8, 1, 8, [0, 1]))
+    azo = gl.zeros([16, NV], gl.float32, MMA)  # bf16: the value offsets' share, every row the same
     for j in range(start, gl.minimum(end, vp)):
         kpage = gl.load(k_pt_ptr + b64 * spk_b + j).to(gl.int64) * Hkv + h
         vpage = gl.load(v_pt_ptr + b64 * spv_b + j).to(gl.int64) * Hkv + h
         s0, s1, s2, s3 = _key_page_scores(
-            q_perm, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, kk, part, qk_scale, G, D, D4, KH,
-            NK, NB, NB4, NWH, RW, PK, TWO, IS_BF16, DOT, MMA, DA, DB, LS
+            q4buf.load(DB), qzbuf.load(DB), mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, kk,
+            qk_scale, G, D, D4, KH, NK, NB, NB4, NWH, RW, PK, TWO, IS_BF16, DOT, MMA, DA, DB, LS
         )
         m_new = gl.maximum(m_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), 0))
         alpha = gl.exp2(m_i - m_new)
@@ -142,22 +265,23 @@ def _decode_gluon_kernel(
         m_i = m_new
         l_i = l_i * alpha + gl.sum((p0 + p1) + (p2 + p3), 0)
         # value operand: p * scale per token (fp16: times 4^-u, the unit of token quarter u)
+        # (rows in token_perm order, as the scores: each lane loads 4 adjacent tokens' scale and zero at once)
         vb = vpage * G
-        vs0 = gl.load(v_scale_ptr + vb + tt).to(gl.float32)
-        vs1 = gl.load(v_scale_ptr + vb + 32 + tt).to(gl.float32)
-        vs2 = gl.load(v_scale_ptr + vb + 64 + tt).to(gl.float32)
-        vs3 = gl.load(v_scale_ptr + vb + 96 + tt).to(gl.float32)
-        vz0 = gl.load(v_zero_ptr + vb + tt).to(gl.float32)
-        vz1 = gl.load(v_zero_ptr + vb + 32 + tt).to(gl.float32)
-        vz2 = gl.load(v_zero_ptr + vb + 64 + tt).to(gl.float32)
-        vz3 = gl.load(v_zero_ptr + vb + 96 + tt).to(gl.float32)
+        TV: gl.constexpr = gl.SliceLayout(1, LS)
+        vs0 = token_vector(v_scale_ptr, vb, TV).to(gl.float32)
+        vs1 = token_vector(v_scale_ptr, vb + 32, TV).to(gl.float32)
+        vs2 = token_vector(v_scale_ptr, vb + 64, TV).to(gl.float32)
+        vs3 = token_vector(v_scale_ptr, vb + 96, TV).to(gl.float32)
+        vz0 = token_vector(v_zero_ptr, vb, TV).to(gl.float32)
+        vz1 = token_vector(v_zero_ptr, vb + 32, TV).to(gl.float32)
+        vz2 = token_vector(v_zero_ptr, vb + 64, TV).to(gl.float32)
+        vz3 = token_vector(v_zero_ptr, vb + 96, TV).to(gl.float32)
         if IS_BF16:
             w0 = (p0 * vs0[:, None]).to(DOT)
             w1 = (p1 * vs1[:, None]).to(DOT)
             w2 = (p2 * vs2[:, None]).to(DOT)
             w3 = (p3 * vs3[:, None]).to(DOT)
-            zt = (p0 * vz0[:, None] - w0.to(gl.float32) * 128.0) + (p1 * vz1[:, None] - w1.to(gl.float32) * 32.0)
-            zt += (p2 * vz2[:, None] - w2.to(gl.float32) * 8.0) + (p3 * vz3[:, None] - w3.to(gl.float32) * 128.0)
+            zt = (p0 * vz0[:, None] + p1 * vz1[:, None]) + (p2 * vz2[:, None] + p3 * vz3[:, None])
         else:
             w0 = (p0 * vs0[:, None]).to(DOT)
             w1 = (p1 * (vs1 * 0.25)[:, None]).to(DOT)
@@ -165,17 +289,18 @@ def _decode_gluon_kernel(
             w3 = (p3 * (vs3 * 0.015625)[:, None]).to(DOT)
             zt = (p0 * vz0[:, None] + p1 * vz1[:, None]) + (p2 * vz2[:, None] + p3 * vz3[:, None])
         az = az * alpha + gl.sum(zt, 0)
-        pb = gl.convert_layout(
-            cat4(token_order(w0, PV), token_order(w1, PV), token_order(w2, PV), token_order(w3, PV)), DB
-        )
+        pbuf.store(cat4(token_order(w0, PV), token_order(w1, PV), token_order(w2, PV), token_order(w3, PV)))
+        pb = pbuf.load(DB)
         av = gl.convert_layout(widen(alpha, PV), gl.SliceLayout(0, MMA))
         vrow = vpage * (D * 32)
-        acc0 = mma_v2(unpack_low(v_codes_ptr, vrow, 32, 32, IS_BF16, DA), pb, acc0 * av[None, :])
-        acc1 = mma_v2(unpack_low(v_codes_ptr, vrow + 32 * 32, 32, 32, IS_BF16, DA), pb, acc1 * av[None, :])
+        if IS_BF16:  # the value codes' offsets' share, -sum_t off(t) w_t per column, on the tensor cores
+            azo = _offset_share(pb, 4 * 32, 32, True, azo * av[None, :], DOT, DA)
+        acc0 = mma_v2(unpack_low(v_codes_ptr, vrow, 32, 32, IS_BF16, DA, False), pb, acc0 * av[None, :])
+        acc1 = mma_v2(unpack_low(v_codes_ptr, vrow + 32 * 32, 32, 32, IS_BF16, DA, False), pb, acc1 * av[None, :])
         if NCH > 2:
-            acc2 = mma_v2(unpack_low(v_codes_ptr, vrow + 64 * 32, 32, 32, IS_BF16, DA), pb, acc2 * av[None, :])
-            acc3 = mma_v2(unpack_low(v_codes_ptr, vrow + 96 * 32, 32, 32, IS_BF16, DA), pb, acc3 * av[None, :])
-    # ---- the quantized values' product as one (D, NV) tile in output units
+            acc2 = mma_v2(unpack_low(v_codes_ptr, vrow + 64 * 32, 32, 32, IS_BF16, DA, False), pb, acc2 * av[None, :])
+            acc3 = mma_v2(unpack_low(v_codes_ptr, vrow + 96 * 32, 32, 32, IS_BF16, DA, False), pb, acc3 * av[None, :])
+    # ---- the split's product as one (D, NV) tile in output units
     if NCH > 2:
         acc_q = cat4(acc0, acc1, acc2, acc3)
     else:
@@ -183,96 +308,9 @@ def _decode_gluon_kernel(
     if not IS_BF16:
         acc_q = acc_q * 16777216.0
     LO: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, 1], [0, 1])
-    acc_q = gl.convert_layout(acc_q, LO)
-    # ---- full-precision tail: pages whose values are in the qbuffer / local window, the key qbuffer page, the sink
-    q_nat = gl.load(
-        q_ptr + q_off + head[None, :] * sq_h + kk[:, None], mask=((head < QH) & (part == 0))[None, :], other=0.0
-    ).to(DOT)
-    acc_n = gl.zeros([D, NV], gl.float32, MMA)
-    kq_ptr = k_qbuf_ptr + b64 * skq_b + h * skq_h
-    vq_ptr = v_qbuf_ptr + b64 * svq_b + h * svq_h
-    vl_ptr = v_local_ptr + b64 * svl_b + h * svl_h
-    for j in range(gl.maximum(start, vp), end):
-        rel0 = j * G
-        if j < kp:
-            kpage = gl.load(k_pt_ptr + b64 * spk_b + j).to(gl.int64) * Hkv + h
-            s0, s1, s2, s3 = _key_page_scores(
-                q_perm, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, kk, part, qk_scale, G, D, D4,
-                KH, NK, NB, NB4, NWH, RW, PK, TWO, IS_BF16, DOT, MMA, DA, DB, LS
-            )
-        else:
-            s0 = _fp_scores(kq_ptr, tt, rel0 + tt < m, q_nat, qk_scale, 32, D, NK, PK, DOT, MMA, DA, LS)
-            s1 = _fp_scores(kq_ptr, 32 + tt, rel0 + 32 + tt < m, q_nat, qk_scale, 32, D, NK, PK, DOT, MMA, DA, LS)
-            s2 = _fp_scores(kq_ptr, 64 + tt, rel0 + 64 + tt < m, q_nat, qk_scale, 32, D, NK, PK, DOT, MMA, DA, LS)
-            s3 = _fp_scores(kq_ptr, 96 + tt, rel0 + 96 + tt < m, q_nat, qk_scale, 32, D, NK, PK, DOT, MMA, DA, LS)
-        m_new = gl.maximum(m_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), 0))
-        m_safe = gl.where(m_new > float("-inf"), m_new, 0.0)
-        alpha = gl.exp2(m_i - m_safe)
-        p0 = gl.exp2(s0 - m_safe[None, :])
-        p1 = gl.exp2(s1 - m_safe[None, :])
-        p2 = gl.exp2(s2 - m_safe[None, :])
-        p3 = gl.exp2(s3 - m_safe[None, :])
-        m_i = m_new
-        l_i = l_i * alpha + gl.sum((p0 + p1) + (p2 + p3), 0)
-        az = az * alpha
-        av = widen(alpha, PV)
-        acc_q = acc_q * gl.convert_layout(av, gl.SliceLayout(0, LO))[None, :]
-        avm = gl.convert_layout(av, gl.SliceLayout(0, MMA))
-        one = gl.full([NV], 1.0, gl.float32, gl.SliceLayout(0, MMA))
-        Rm = gl.maximum(R, 1)
-        r0 = rel0 + tt
-        acc_n = _fp_values(
-            vq_ptr, r0 % G, r0 < mv, vl_ptr, r0 % Rm, (r0 >= mv) & (r0 < m), p0, acc_n, avm, 32, D, PV, DOT, MMA, DA, DB
-        )
-        r0 = rel0 + 32 + tt
-        acc_n = _fp_values(
-            vq_ptr, r0 % G, r0 < mv, vl_ptr, r0 % Rm, (r0 >= mv) & (r0 < m), p1, acc_n, one, 32, D, PV, DOT, MMA, DA, DB
-        )
-        r0 = rel0 + 64 + tt
-        acc_n = _fp_values(
-            vq_ptr, r0 % G, r0 < mv, vl_ptr, r0 % Rm, (r0 >= mv) & (r0 < m), p2, acc_n, one, 32, D, PV, DOT, MMA, DA, DB
-        )
-        r0 = rel0 + 96 + tt
-        acc_n = _fp_values(
-            vq_ptr, r0 % G, r0 < mv, vl_ptr, r0 % Rm, (r0 >= mv) & (r0 < m), p3, acc_n, one, 32, D, PV, DOT, MMA, DA, DB
-        )
-    if S > 0:
-        if (split == 0) & (n > 0):
-            ps = gl.arange(0, BLOCK_S, gl.SliceLayout(1, LS))
-            okp = (ps < S) & (ps < n)
-            s = _fp_scores(
-                sink_k_ptr + b64 * ssk_b + h * ssk_h, ps, okp, q_nat, qk_scale, BLOCK_S, D, NK, PK, DOT, MMA, DA, LS
-            )
-            m_new = gl.maximum(m_i, gl.max(s, 0))
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(s - m_new[None, :])
-            m_i = m_new
-            l_i = l_i * alpha + gl.sum(p, 0)
-            az = az * alpha
-            av = widen(alpha, PV)
-            acc_q = acc_q * gl.convert_layout(av, gl.SliceLayout(0, LO))[None, :]
-            sv = sink_v_ptr + b64 * ssv_b + h * ssv_h
-            acc_n = _fp_values(
-                sv,
-                ps,
-                okp,
-                sv,
-                ps,
-                okp & False,
-                p,
-                acc_n,
-                gl.convert_layout(av, gl.SliceLayout(0, MMA)),
-                BLOCK_S,
-                D,
-                PV,
-                DOT,
-                MMA,
-                DA,
-                DB,
-            )
     # ---- the split's partial: (m, l, zero term) per head, (BH, D) product; merged in two levels: the last program
     # of each group of MERGE_GROUP splits merges the group into the group's first row, the last group merges the rows
-    res = acc_q + gl.convert_layout(acc_n, LO)
+    res = acc_q
     if PV == 2:
         res, _ = gl.split(gl.reshape(res, [D, BH, 2]))  # the zero columns beside each head dropped
     res = gl.convert_layout(res, LO)
@@ -280,6 +318,11 @@ def _decode_gluon_kernel(
     row = pid_bh * NUM_SPLITS + split
     gl.store(ws_m_ptr + row * BH + hv, m_i)
     gl.store(ws_l_ptr + row * BH + hv, l_i)
+    if IS_BF16:  # one row of the value offsets' share, its head columns, added to the zero term
+        azh = gl.max(azo, 0)  # every row holds the same sums
+        if PV == 2:
+            azh, _ = gl.split(gl.reshape(azh, [BH, 2]))
+        az = az + gl.convert_layout(azh, LH)
     gl.store(ws_z_ptr + row * BH + hv, az)
     dd = gl.arange(0, D, gl.SliceLayout(1, LO))
     hd = gl.arange(0, BH, gl.SliceLayout(0, LO))
@@ -340,6 +383,8 @@ def decode_attention_gluon(
     scaling = 1.0 / math.sqrt(D) if scaling is None else float(scaling)
     max_pages = state.k_page_table.shape[1] + 1
     launch = launch or default_gluon_launch(B, Hkv, max_pages, q.device)
+    if not 0 <= launch.tail_splits < launch.num_splits:
+        raise ValueError(f"tail_splits={launch.tail_splits} must leave a page split of num_splits={launch.num_splits}")
     consts = gluon_constants(cfg, D, QH, q.dtype, launch, full_qbuffer)
     BH, splits = consts["BH"], launch.num_splits
     dev, f32 = q.device, torch.float32
@@ -364,6 +409,10 @@ def decode_attention_gluon(
     if q.stride(-1) != 1:
         q = q.contiguous()
     st = state
+    for name in ("sink_k", "sink_v", "k_qbuf", "v_qbuf", "v_local"):  # their rows are read as 16-byte vectors
+        t = getattr(st, name)
+        if t.numel() and (t.data_ptr() % 16 or t.stride(-1) != 1 or t.stride(-2) != D):
+            raise ValueError(f"the Gluon kernel reads {name} as 16-byte aligned rows of {D} contiguous elements")
     high = high_plane_view(st.k_high, consts["NB4"]) if consts["NB"] else st.k_low
     _decode_gluon_kernel[(B * Hkv, splits)](
         q,
@@ -393,6 +442,7 @@ def decode_attention_gluon(
         QH,
         splits,
         group,
+        launch.tail_splits,
         scaling * LOG2E,
         q.stride(0),
         q.stride(1),
@@ -412,6 +462,6 @@ def decode_attention_gluon(
         st.v_page_table.stride(0),
         **consts,
         num_warps=1,
-        maxnreg=255,
+        maxnreg=launch.maxnreg,
     )
     return out

@@ -28,11 +28,18 @@ class GluonLaunch:
     contiguous run of pages with its own softmax state; ``key_two_part``: ``q * scale`` carried as its fp16/bf16
     rounding and remainder (twice the key product's columns, as accurate as dequantizing first); ``merge_group``:
     splits per first-level merge (0: :func:`merge_group` picks ~sqrt(num_splits)), so that no program merges more
-    than ~2 sqrt(num_splits) partials one after another."""
+    than ~2 sqrt(num_splits) partials one after another; ``tail_splits``: the last ``tail_splits`` of the
+    ``num_splits`` programs of a (row, KV head) share its full-precision chunks (qbuffers, local window: up to ~12
+    chunks of 32 tokens) in equal parts and the others its quantized pages, so that at small batch no program runs
+    the whole tail after its pages (0: each split runs the tail of its own page range); ``maxnreg``: the register
+    cap per thread (255: ~8 one-warp programs per SM fit; <= 200 gives 10, <= 176 gives 11, <= 168 gives 12;
+    CPU-compiled, kitty and kitty-pro are spill-free at 200 and 176)."""
 
     num_splits: int
     key_two_part: bool = True
     merge_group: int = 0
+    tail_splits: int = 0
+    maxnreg: int = 255
 
 
 MERGE_STEP = 4  # partials a merge reads per step for 4 heads per KV head (16 // heads)
@@ -62,6 +69,36 @@ def default_gluon_launch(
     splits = max(1, min(want, max(max_blocks // min_pages, 1), 512))
     per = -(-max_blocks // splits)
     return GluonLaunch(num_splits=max(1, -(-max_blocks // per)))
+
+
+def split_work(
+    n: int, S: int, G: int, R: int, full_qbuffer: bool, num_splits: int, tail_splits: int, split: int
+) -> tuple[range, range, bool]:
+    """What program ``split`` of a row of ``n`` tokens runs, as ``_decode_gluon_kernel`` computes it: the quantized
+    pages (key and value) of its page loop, its full-precision chunks of 32 tokens (after the sink; chunk ``c`` is
+    tokens ``32 c ..``), and whether it runs the sink chunks."""
+    m = max(n - S, 0)
+    mv = max(m - R, 0)
+    if full_qbuffer:
+        vp = max(-(-mv // G) - 1, 0)
+    else:
+        vp = mv // G
+    slots, nck = -(-m // G), -(-m // 32)
+    if tail_splits > 0:
+        nps = num_splits - tail_splits
+        per = -(-vp // nps)
+        if split < nps:
+            start, end, c_lo, c_hi = split * per, min(split * per + per, vp), 0, 0
+        else:
+            tper = -(-max(nck - vp * 4, 0) // tail_splits)
+            c_lo = vp * 4 + (split - nps) * tper
+            start, end, c_hi = 0, 0, max(min(c_lo + tper, nck), c_lo)
+    else:
+        per = -(-slots // num_splits)
+        start, end = split * per, min(split * per + per, slots)
+        c_lo = max(start, vp) * 4
+        c_hi = max(min(end * 4, nck), c_lo)
+    return range(start, min(end, vp)), range(c_lo, c_hi), split == 0 and n > 0
 
 
 def gluon_available() -> bool:
@@ -155,7 +192,6 @@ def gluon_constants(
         NWH=max(1, nb4 // 4),
         RW=nb4 // 4 if nb4 % 4 == 0 else 1,
         BH=max(4, next_power_of_2(group)),
-        BLOCK_S=max(16, next_power_of_2(max(cfg.sink_tokens, 1))),
         TWO=bool(launch.key_two_part),
         IS_BF16=dtype == torch.bfloat16,
         FULL_QBUF=bool(full_qbuffer),

@@ -5,13 +5,17 @@
   the A operand holds the code ``kitty.core.quant.pack_bits`` stored for the channel (or token) the small operand is read
   at. Runs in plain CPU CI.
 - Compile gates in the side environment with the device's triton (``make test-gluon`` installs it): the kernel
-  compiles for sm_90 (so every ``assert_trivial`` conversion holds), the page loop has no STS/LDS of codes, and the
-  SASS/register budgets, which are not met yet (strict xfail, so meeting one is noticed).
+  compiles for sm_90 (so every ``assert_trivial`` conversion holds), the page loop has no STS/LDS of codes, no
+  variant spills (at the wrapper's cap of 255, and at a cap of 176: <= 180 registers), and kitty fp16's page loop
+  is within 1.5 SASS per element and 0.7 on the ALU pipe.
+- The page-math model: the kernel's operands bit by bit (unpack, two-part key operand, one-hot gather, units and
+  offsets, zero term, token order) against kitty's dequantized pages.
 - ``backend="auto"`` never picks the Gluon kernel on the CPU.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -70,6 +74,90 @@ def test_high_plane_order_covers_every_slot(nb):
     assert slots == list(range(nb))
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_zero_term_fragment_and_sum(D):
+    """The zero term's operands (``_gluon_parts.zero_fragment`` / ``zero_channel`` / ``zero_rows``): the loaded
+    runs, reshaped and permuted as the kernel does, put channel ``zero_channel(k, t)`` in row ``8 t + g``, column
+    ``k``; both halves cover every channel once; and the product's diagonal blocks add up to ``q . zero``."""
+    parts = pytest.importorskip("kitty.kernels._gluon_parts")
+    D4, W = D // 4, D // 64
+    g, s, q, j = np.meshgrid(np.arange(8), np.arange(4), np.arange(4), np.arange(4 * W), indexing="ij")
+    off = s * D4 + q * 4 * W + j  # what zero_fragment loads, as (g, s, q, j)
+    frag = off.reshape(8, 4, 4, W, 2, 2).transpose(4, 0, 1, 3, 2, 5).reshape(16, 2 * D4)
+    k = np.arange(2 * D4)
+    chan = [np.asarray(parts.zero_channel.fn(k, t, D4)) for t in (0, 1)]
+    for t in (0, 1):
+        assert (frag[8 * t : 8 * t + 8] == chan[t][None, :]).all()
+    assert sorted(np.concatenate(chan).tolist()) == list(range(D))
+    NK = 8
+    rng = np.random.default_rng(D)
+    z, qv = rng.normal(size=D), rng.normal(size=(D, NK))
+    za = z[frag]  # (16, D / 2)
+    qz = np.concatenate([qv[chan[0]], qv[chan[1]]], axis=1)  # (D / 2, 2 NK): column t NK + n
+    c = (za @ qz).reshape(2, 8, 2, NK).transpose(1, 3, 2, 0)  # (g, n, t, b) as zero_rows
+    c8 = c[..., 0, 0] + c[..., 1, 1]
+    assert np.allclose(c8, (z @ qv)[None, :])
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_channel_orders(D):
+    """``channel_vector``'s runs, reshaped and permuted as the kernel does, hold ``low_channel`` (or, with
+    ``ADJACENT``, ``adjacent_channel``) at each column; ``adjacent_to_low`` turns the second order into the first
+    (the key operand is built in adjacent order, where the scales load with no register moves)."""
+    parts = pytest.importorskip("kitty.kernels._gluon_parts")
+    D4, W = D // 4, D // 64
+    s, q, j = np.meshgrid(np.arange(4), np.arange(4), np.arange(4 * W), indexing="ij")
+    loaded = (s * D4 + q * 4 * W + j).reshape(4, 4, W, 2, 2)  # what channel_vector loads, as (s, q, kt, e, h)
+    k = np.arange(D)
+    low, adj = np.asarray(parts.low_channel.fn(k, D4)), np.asarray(parts.adjacent_channel.fn(k, D4))
+    assert (loaded.transpose(0, 2, 4, 1, 3).reshape(D) == low).all()
+    assert (loaded.transpose(0, 2, 3, 1, 4).reshape(D) == adj).all()
+    assert (adj.reshape(4, W, 2, 4, 2).transpose(0, 1, 4, 3, 2).reshape(D) == low).all()
+    assert [b + f * D4 for b, f in low_plane_order(D4)] == low.tolist()
+
+
+def test_page_loop_token_order():
+    """The page loop's score rows are permuted (``_gluon_parts.token_perm``: row ``r`` of a chunk is token
+    ``4 (r % 8) + r // 8``, so a lane's rows ``g + 8 i`` are 4 adjacent tokens); ``token_vector`` loads the value
+    scales and zeros in that row order, and ``token_order`` maps the rows to the value operand's K order
+    (``low_plane_order(32)``: row ``k`` of the B operand multiplies the codes of token ``byte(k)``)."""
+    parts = pytest.importorskip("kitty.kernels._gluon_parts")
+    r = np.arange(32)
+    perm = np.asarray(parts.token_perm.fn(r))
+    assert sorted(perm.tolist()) == r.tolist()
+    for g in range(8):
+        assert perm[g + 8 * np.arange(4)].tolist() == [4 * g + i for i in range(4)]
+    g, i = np.meshgrid(np.arange(8), np.arange(4), indexing="ij")
+    loaded = (4 * g + i).T.reshape(32)  # token_vector: (g, i) permuted to (i, g)
+    assert (loaded == perm).all()
+    rows = perm.reshape(2, 2, 4, 2).transpose(3, 1, 2, 0).reshape(32)  # token_order on the row tokens
+    assert rows.tolist() == [b for b, _ in low_plane_order(32)[:32]]
+
+
+@pytest.mark.parametrize("full_qbuffer", [False, True])
+def test_splits_cover_every_page_and_chunk_once(full_qbuffer):
+    """The kernel's work split (``gluon_launch.split_work``, with and without tail splits): over the programs of a
+    row, every quantized page and every full-precision 32-token chunk holding tokens runs exactly once, and the
+    sink once."""
+    from kitty.kernels.gluon_launch import split_work
+
+    S, G, R = 32, 128, 128
+    for n in (0, 1, 31, 32, 33, S + G, S + G + 1, S + R + G - 1, S + R + 2 * G, S + 9 * G + 5, 4096, 4097):
+        m = max(n - S, 0)
+        mv = max(m - R, 0)
+        vp = max(-(-mv // G) - 1, 0) if full_qbuffer else mv // G
+        for splits, tail in ((1, 0), (3, 0), (7, 0), (40, 0), (2, 1), (8, 3), (40, 4), (5, 4)):
+            pages, chunks, sinks = [], [], 0
+            for sp in range(splits):
+                pg, ch, sink = split_work(n, S, G, R, full_qbuffer, splits, tail, sp)
+                pages += list(pg)
+                chunks += list(ch)
+                sinks += sink
+            assert sorted(pages) == list(range(vp)), (n, splits, tail)
+            assert sorted(chunks) == list(range(4 * vp, -(-m // 32))), (n, splits, tail)
+            assert sinks == (n > 0)
+
+
 def test_pages_supported_and_cpu_never():
     cfg = PRESETS["kitty"]
     assert pages_supported(cfg, 128, torch.float16, 4)
@@ -84,9 +172,12 @@ def test_auto_never_picks_gluon_on_cpu():
     assert resolve_backend("gluon", torch.device("cpu"), PRESETS["kitty"], 128) == "gluon"
 
 
-def _compile(preset: str, dtype: str, gqa: int = 4, D: int = 128, *extra: str) -> dict:
+@functools.lru_cache(maxsize=None)
+def _compile(preset: str, dtype: str, gqa: int = 4, D: int = 128, *extra: str, maxnreg: int = 255) -> dict:
+    """``benchmarks/gluon_sass.py`` in the side environment, at the register cap ``maxnreg`` (the wrapper's default
+    is 255)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile for sm_90, not interpret
-    env.update(PYTHONPATH=str(SIDE_ENV), GLUON_MAXNREG="255", OMP_NUM_THREADS="1")
+    env.update(PYTHONPATH=str(SIDE_ENV), GLUON_MAXNREG=str(maxnreg), OMP_NUM_THREADS="1")
     cmd = [
         sys.executable,
         str(ROOT / "benchmarks" / "gluon_sass.py"),
@@ -106,7 +197,7 @@ def _compile(preset: str, dtype: str, gqa: int = 4, D: int = 128, *extra: str) -
 
 
 side_env = pytest.mark.skipif(not (SIDE_ENV / "triton").is_dir(), reason="no triton 3.6 side env (make test-gluon)")
-VARIANTS = [("kitty", "float16", 4, 128), ("kitty-pro", "bfloat16", 8, 64)]
+VARIANTS = [("kitty", "float16", 4, 128), ("kitty", "bfloat16", 4, 128), ("kitty-pro", "bfloat16", 8, 64)]
 
 
 @side_env
@@ -114,8 +205,18 @@ VARIANTS = [("kitty", "float16", 4, 128), ("kitty-pro", "bfloat16", 8, 64)]
 def test_compiles_with_trivial_conversions_and_no_shared_codes(variant):
     r = _compile(*variant)
     assert r["loop_hmma"] > 0
-    # the only shared memory in the page loop is p's trip to the value operand: 2 STS + 4 LDSM per page
-    assert r["loop_shared"] <= 8, r["loop_shared_ops"]
+    # the only shared memory in the page loop: p * scale's trip to the value operand (16 four-byte STS and 4 LDSM a
+    # page) and the loop-invariant key operands read back (8 LDSM); the codes never go through shared memory
+    assert r["loop_shared"] <= 28, r["loop_shared_ops"]
+
+
+@side_env
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_no_local_memory(variant):
+    """No spills anywhere in the kernel at the wrapper's register cap: the full-precision chunks run before the page
+    loop, so their live values never meet the loop's, and the loop-invariant operands wait in shared memory."""
+    r = _compile(*variant)
+    assert r["loop_local"] == 0 and r["local_all"] == 0, (r["loop_local"], r["local_all"])
 
 
 @side_env
@@ -126,12 +227,24 @@ def test_one_split_launch_compiles():
 
 
 @side_env
-@pytest.mark.xfail(
-    strict=True, reason="budgets not met yet: 1.71 SASS/element, 255 registers, 4 LDL/STL in the loop (kitty fp16)"
-)
 def test_page_loop_budget():
+    """kitty fp16 (GQA 4, D 128): the page loop within 1.5 SASS instructions per cached element (1.32 now) and 0.7
+    on the half-rate ALU pipe (0.694 now; IMAD, which Hopper issues to the FMA pipe, not counted: with it 0.74)."""
     r = _compile("kitty", "float16")
-    assert r["sass_per_element"] <= 1.5 and r["loop_local"] == 0 and r["regs"] <= 180
+    assert r["sass_per_element"] <= 1.5, r["sass_per_element"]
+    assert r["loop_alu"] <= 0.7, r["loop_alu"]
+
+
+@side_env
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fits_180_registers(variant):
+    """At a register cap of 176 (11 one-warp programs per SM) every variant compiles with no LDL/STL, and kitty fp16's
+    page loop stays within the SASS budget (1.35 there). The wrapper's default cap stays 255 until the GPU has
+    timed both (``GluonLaunch.maxnreg``)."""
+    r = _compile(*variant, maxnreg=176)
+    assert r["regs"] <= 180 and r["loop_local"] == 0 and r["local_all"] == 0, (r["regs"], r["local_all"])
+    if variant[:2] == ("kitty", "float16"):
+        assert r["sass_per_element"] <= 1.5, r["sass_per_element"]
 
 
 # ------------------------------------------------------------------ the page math in the kernel's fragment order
@@ -182,20 +295,24 @@ def low_operand_model(row_bytes: np.ndarray, bf16: bool) -> np.ndarray:
 
 
 def high_operand_model(row_bytes: np.ndarray, kh: int, bf16: bool) -> np.ndarray:
-    """The high plane's A operand values ``unpack_high`` gives for one token row (HIGH_ASM_*), column ``k``."""
+    """The high plane's A operand values ``unpack_high`` gives for one token row (HIGH_ASM_*), column ``k``: bf16
+    ``128 + code``, fp16 ``4^q code 2^-24`` for lane ``q = (k // 2) % 4``."""
     words = _words(row_bytes)
     out = np.zeros(kh)
     for k in range(kh):
         kt, h, q, e = k // 16, (k // 8) % 2, (k // 2) % 4, k % 2
-        w = (int(words[kt]) >> (2 * q)) >> (8 * h)
-        reg = (w & 0x00030003) | (0x43004300 if bf16 else 0)
+        if bf16:  # shifted to the lane's field, then the magic number
+            reg = (((int(words[kt]) >> (2 * q)) >> (8 * h)) & 0x00030003) | 0x43004300
+        else:  # masked in place: 4^q code 2^-24
+            reg = (int(words[kt]) >> (8 * h)) & (0x00030003 << (2 * q))
         out[k] = _half_value(reg >> (16 * e), bf16)
     return out
 
 
 def one_hot_model(boost_idx: np.ndarray, kh: int, nb: int, nb4: int, bf16: bool) -> np.ndarray:
-    """``one_hot``'s ``(KH, D)`` entries, ONE_HOT_ASM bit by bit (xor, + 0x7FFF7FFF, prmt sign replication, and-not
-    with the unit pair), per row slot ``high_slot``."""
+    """``one_hot``'s ``(KH, D)`` entries bit by bit: IDX_F16_ASM (bytes (0, 2) / (1, 3) of a word as fp16
+    ``1024 + byte``), then ``set.eq.f16x2`` against ``1024 + high_slot(r)``: ``0x3C00`` where equal, else 0, read as
+    fp16 (1.0) or bf16 (2^-7)."""
     d = boost_idx.shape[0]
     d4 = d // 4
     W = d4 // 16
@@ -204,25 +321,28 @@ def one_hot_model(boost_idx: np.ndarray, kh: int, nb: int, nb4: int, bf16: bool)
         byte = 4 * (r // 16) + 2 * (r % 2) + (r // 8) % 2
         sl = byte + ((r // 2) % 4) * nb4
         sl = sl if (byte < nb4 and sl < nb) else 256
+        slot_f16 = float(np.float16(1024 + sl))
         for k in range(d):
             s, rr = divmod(k, d4)
             kt, h, q, e = rr // 16, (rr // 8) % 2, (rr // 2) % 4, rr % 2
             c0 = s * d4 + 4 * W * q + 4 * kt
             word = int.from_bytes(bytes(boost_idx[c0 : c0 + 4].astype(np.uint8)), "little")
-            unit = 4.0 if bf16 else 4.0 ** (s + 1)
-            ubits = int(torch.tensor(unit, dtype=torch.bfloat16 if bf16 else torch.float16).view(torch.int16)) & 0xFFFF
-            p = ((word >> (8 * h)) & 0x00FF00FF) ^ (sl | sl << 16)
-            t = (p + 0x7FFF7FFF) & 0xFFFFFFFF
-            m = (0xFFFF if t & 0x8000 else 0) | (0xFFFF0000 if t & 0x80000000 else 0)
-            res = ~m & (ubits | ubits << 16)
-            out[r, k] = _half_value(res >> (16 * e), bf16)
+            pair = ((word >> (8 * h)) & 0x00FF00FF) | 0x64006400
+            bits = 0x3C00 if _half_value(pair >> (16 * e), False) == slot_f16 else 0
+            out[r, k] = _half_value(bits, bf16)
     return out
+
+
+def high_unit_model(s: np.ndarray, bf16: bool) -> np.ndarray:
+    """The factor ``_high_operand`` puts on the low operand before the one-hot product, per channel field ``s``:
+    the high codes' weight 4, over the one-hot entry (bf16 2^-7), times the fp16 low operand's ``4^s``."""
+    return np.full(s.shape, 512.0) if bf16 else 4.0 ** (s + 1.0)
 
 
 def key_scores_model(page, q: np.ndarray, bf16: bool, two_part: bool = True) -> np.ndarray:
     """``q . k`` for every token of a key page as the kernel computes it: the A fragments of the low and high
-    planes (bit models above), the small operand ``q * scale`` (fp16: times ``4^-s``) as its 16-bit rounding and
-    remainder, the one-hot gather of the high operand, the per-page terms (``sum q zero``, bf16 offsets), fp16's
+    planes (bit models above), the small operand ``q4 * scale`` (fp16: ``q4`` is ``q 4^-s`` rounded to fp16) as
+    its 16-bit rounding and remainder, the one-hot gather of the high operand, the per-page terms (``sum q zero``, bf16 offsets), fp16's
     ``2^24``. ``q``: ``(D,)`` values of the 16-bit dtype."""
     low = page.low.numpy()
     G, bpr = low.shape
@@ -232,9 +352,10 @@ def key_scores_model(page, q: np.ndarray, bf16: bool, two_part: bool = True) -> 
     sc = page.scale.double().numpy()[ch]
     z = page.zero.double().numpy()[ch]
     qp = q[ch]
-    x = (qp * sc * (1.0 if bf16 else 4.0**-s)).astype(np.float32).astype(np.float64)
-    hi = _round(x, bf16)
-    lo = _round(x - hi, bf16) if two_part else np.zeros_like(hi)
+    q4 = qp if bf16 else _round(qp * 4.0**-s, bf16)  # fp16: the unit 4^-s folded into q, rounded to fp16
+    x = q4 * sc  # exact: a product of two 16-bit values
+    hi = _round(x, bf16)  # mul.rn
+    lo = _round(x - hi, bf16) if two_part else np.zeros_like(hi)  # fma.rn(q4, scale, -hi): one rounding
     corr = float(np.sum(qp * z))
     if bf16:
         off = np.array([F16_MAGIC_OFF[int(v)] for v in s])
@@ -245,7 +366,11 @@ def key_scores_model(page, q: np.ndarray, bf16: bool, two_part: bool = True) -> 
     out = np.zeros(G)
     if nb:
         oh = one_hot_model(page.boost_idx.numpy(), kh, nb, nb4, bf16)  # columns in k order
-        bh_hi, bh_lo = _round(oh @ hi, bf16), _round(oh @ lo, bf16)
+        unit = high_unit_model(s, bf16)
+        # fp16: row r of the gathered operand times 4^-q, q = (r // 2) % 4 (the high codes' in-place unit)
+        rows = np.ones(kh) if bf16 else 4.0 ** -((np.arange(kh) // 2) % 4)
+        bh_hi = _round(rows * (oh @ _round(hi * unit, bf16)), bf16)
+        bh_lo = _round(rows * (oh @ _round(lo * unit, bf16)), bf16)
         if bf16:
             corr -= 128.0 * float(np.sum(bh_hi + bh_lo))
     for t in range(G):
@@ -306,7 +431,8 @@ def test_page_math_model_matches_dequantized_keys_and_values(preset, D, dtype):
 
 
 def test_page_math_model_catches_a_wrong_high_unit():
-    """The fp16 high-plane operand with the low plane's ``4^-s`` left in (the bug the H200 found) is far off."""
+    """The fp16 high-plane operand with the low plane's ``4^-s`` left in (a fixed unit 4, the bug the H200 found)
+    is far off."""
     from kitty.core.quant import dequantize_key_page, quantize_key_page
 
     cfg = PRESETS["kitty"]
@@ -316,15 +442,10 @@ def test_page_math_model_catches_a_wrong_high_unit():
     kp = quantize_key_page(k, cfg)
     ref = dequantize_key_page(kp).double().numpy() @ q
     good = key_scores_model(kp, q, False)
-    orig = one_hot_model
-
-    def wrong(boost_idx, kh, nb, nb4, bf16):
-        d4 = boost_idx.shape[0] // 4
-        return orig(boost_idx, kh, nb, nb4, bf16) / 4.0 ** (np.arange(boost_idx.shape[0]) // d4 + 1) * 4.0
-
-    globals()["one_hot_model"] = wrong
+    orig = high_unit_model
+    globals()["high_unit_model"] = lambda s, bf16: np.full(s.shape, 4.0)
     try:
         bad = key_scores_model(kp, q, False)
     finally:
-        globals()["one_hot_model"] = orig
+        globals()["high_unit_model"] = orig
     assert np.max(np.abs(good - ref)) < 0.1 * np.max(np.abs(bad - ref))
