@@ -103,3 +103,33 @@ def default_launch(B: int, Hkv: int, max_blocks: int, device: torch.device | int
         block_h=4,
         operand_parts=1,
     )
+
+
+# Programs per page: a key page's statistics pass reads the whole page in each of its programs, so key splits pay
+# for themselves only while the launch has fewer busy programs than the GPU has room for; a value page's programs
+# share nothing. A program keeps at least MIN_TOKENS tokens. Split launches (few pages, latency-bound) run 8 warps
+# per program, unsplit ones 4 (fewer instructions per page, more programs per SM) unless D > 128 (8: fewer spills);
+# a register tile is about PACK_TILE elements.
+MIN_TOKENS = 16
+BUSY_PROGRAMS = 2 * H200_SMS  # busy programs per side that fill the GPU (2 per SM), no more splitting
+PACK_TILE = 4096
+
+
+def pack_warps(splits: tuple[int, int], D: int = 128) -> int:
+    """Warps per program for a launch with ``splits`` programs per page of head dimension ``D``."""
+    return 8 if max(splits) > 1 or D > 128 else 4
+
+
+def pack_splits(pages: int, G: int, value_bits: int, busy: int = BUSY_PROGRAMS) -> tuple[int, int]:
+    """``(key programs per page, value programs per page)`` for a launch over ``pages`` (row, KV head) pages a side:
+    powers of two, as many as keep the side's busy programs within ``busy``, each program keeping at least
+    ``MIN_TOKENS`` of the page's ``G`` tokens (a value program: whole bytes of a channel's row)."""
+
+    def fit(limit: int) -> int:
+        n = 1
+        while 2 * n <= limit and 2 * n * max(pages, 1) <= busy:
+            n *= 2
+        return n
+
+    per = 8 // value_bits  # value tokens per byte
+    return fit(G // MIN_TOKENS), fit(min(G // per, G // max(MIN_TOKENS, per)))

@@ -40,8 +40,8 @@ from kitty.kernels import (  # noqa: E402
     pack_pages,
     pack_pages_ref,
 )
+from kitty.kernels._pack_math import _div, _reciprocal  # noqa: E402
 from kitty.kernels.launch import Launch, default_launch  # noqa: E402
-from kitty.kernels.pack import _div, _reciprocal  # noqa: E402
 from kitty.kernels.testing import attention_tolerance, make_state, planted_kv  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
