@@ -187,6 +187,13 @@ def start_generation(cache, columns: int | None = None) -> None:
         )
 
 
+@torch.compiler.disable
+def _eager_update(cache, key_states, value_states, layer_idx: int, *args, **kwargs):
+    """:meth:`KittyCache.update` outside the graph of a compiled forward pass (a prompt, a growing or window layer):
+    its host bookkeeping and first allocations run eagerly, so that no compiled graph (or CUDA graph) owns them."""
+    return cache._update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
 class KittyCache(StaticCacheSizes, Cache):
     """A transformers ``Cache`` holding every layer's keys and values in Kitty's paged 2-bit format.
 
@@ -296,7 +303,21 @@ class KittyCache(StaticCacheSizes, Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Layer ``layer_idx``'s pending keys/values (see :meth:`KittyLayer.update`); a bad input here also rolls
-        back the layers this forward pass already changed."""
+        back the layers this forward pass already changed.
+
+        While ``torch.compile`` traces the forward pass, a static layer's decode step takes
+        :meth:`StaticKittyLayer.traced_update` (no lock, no pass bookkeeping, no host counter: none of it could be
+        traced, and a Python integer read would be guarded and change at every step); anything else (a prompt, a
+        growing or window layer) runs this method eagerly, outside the graph (``torch.compiler.disable``)."""
+        if torch.compiler.is_compiling():
+            layer = self.layers[layer_idx]
+            if isinstance(layer, StaticKittyLayer) and layer.is_initialized and key_states.shape[2] == 1:
+                kattention.kitty_forward(True)
+                return layer.traced_update(key_states, value_states)
+            return _eager_update(self, key_states, value_states, layer_idx, *args, **kwargs)
+        return self._update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         with self._pass_lock:  # layers of two threads interleaved in one cache would give garbage: refuse them
             me = threading.get_ident()
             if self._pass_thread not in (None, me):
@@ -405,7 +426,8 @@ class KittyCache(StaticCacheSizes, Cache):
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         sizes = super().get_mask_sizes(query_length, layer_idx)
         kattention.kitty_forward(True)  # transformers picks the mask function right after: the "kitty" one
-        kattention.mask_owner(self)
+        if not torch.compiler.is_compiling():  # a compiled step checks no mask (it would read the host)
+            kattention.mask_owner(self)
         return sizes
 
     def check_decode_mask(self, mask: kattention.KittyMask) -> None:
@@ -438,6 +460,8 @@ class KittyCache(StaticCacheSizes, Cache):
         """``layer``'s step succeeded: Kitty attention is switched off until the next layer's :meth:`update`, and
         after the last layer the whole pass is kept (the undo records of every layer are dropped)."""
         kattention.kitty_forward(False)
+        if torch.compiler.is_compiling():  # a traced step keeps no record: nothing to drop
+            return
         if layer.layer_idx == self.num_layers - 1:
             for other in self.layers:
                 other.end_step()
