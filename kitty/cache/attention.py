@@ -286,7 +286,7 @@ def kitty_attention_forward(
     B, Hq, T, D = query.shape
     scale = D**-0.5 if scaling is None else scaling
     if torch.compiler.is_compiling():
-        if T == 1 and layer.is_compileable:  # a static decode step: device work only, no record, no mask read
+        if T == 1 and getattr(layer, "traceable", False):  # a static decode step: device work, no record or mask
             out = layer.attend_and_append(query, key.key_states, key.value_states, None, scale)
             kitty_forward(False)  # the step is over (KittyCache.end_step's part that a traced step has)
             return out.transpose(1, 2).contiguous(), None

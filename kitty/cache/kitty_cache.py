@@ -218,6 +218,15 @@ class KittyCache(StaticCacheSizes, Cache):
     input, a full pool, a failing kernel in any layer) leaves every layer as it was before that forward pass.
     Keys and values must be float16, bfloat16 or float32 (a float64 model is refused at its first forward pass).
 
+    A static cache works under ``torch.compile``: ``model.generate`` compiles its decode steps itself on CUDA
+    (``generation_config.compile_config``), and a user may compile ``model.forward`` (``mode="reduce-overhead"``
+    included) or a gpt-fast style one-token step. Run the prompt eagerly where you can (``generate`` does; a compiled
+    forward that gets the prompt runs Kitty's part of it outside the graph). A compiled decode step is one graph with
+    no host work: it takes no lock, keeps no rollback record and checks no room (size ``max_cache_len`` for the whole
+    generation), and the host counters (``get_seq_length``, :attr:`lengths`) are read back from the device when next
+    asked (``docs/ARCHITECTURE.md``, "What happens under torch.compile"). Only the fused (Triton) backend's decode step
+    traces without a graph break.
+
     One cache serves one generation at a time: a forward pass entering it from a second thread while another
     thread's pass is still open raises ``RuntimeError`` (use one cache per thread, e.g. ``kitty.make_cache`` per
     request). Successive steps may come from different threads (a streaming server's worker pool), but a prompt
@@ -311,7 +320,7 @@ class KittyCache(StaticCacheSizes, Cache):
         growing or window layer) runs this method eagerly, outside the graph (``torch.compiler.disable``)."""
         if torch.compiler.is_compiling():
             layer = self.layers[layer_idx]
-            if isinstance(layer, StaticKittyLayer) and layer.is_initialized and key_states.shape[2] == 1:
+            if isinstance(layer, StaticKittyLayer) and layer.traceable and key_states.shape[2] == 1:
                 kattention.kitty_forward(True)
                 return layer.traced_update(key_states, value_states)
             return _eager_update(self, key_states, value_states, layer_idx, *args, **kwargs)
@@ -433,11 +442,18 @@ class KittyCache(StaticCacheSizes, Cache):
     def check_decode_mask(self, mask: kattention.KittyMask) -> None:
         """A static cache stores every row's token in a one-token step: ``ValueError`` (from
         :meth:`KittyMask.check_decode_column`) when ``mask`` marks that token as padding in some row. Called by the
-        mask function, before any layer of the forward pass changes."""
+        mask function, before any layer of the forward pass changes. Also ``ValueError`` when the cache has no room
+        for the token: a compiled step (whose mask ``generate`` builds eagerly) checks none itself."""
         layer = self._paged_layer()
         if self.max_cache_len is None or layer is None or not layer.is_initialized:
             return
-        mask.check_decode_column(layer.seen_tokens)
+        fed = layer.seen_tokens
+        if fed + 1 > self.max_cache_len:
+            raise ValueError(
+                f"{fed} columns cached + 1 new exceed max_cache_len={self.max_cache_len}; build the cache with a "
+                "larger max_cache_len (prompt columns, padding included, plus new tokens)"
+            )
+        mask.check_decode_column(fed)
 
     def begin_step(self, layer) -> None:
         """Open ``layer``'s step within the current forward pass."""

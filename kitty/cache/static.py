@@ -207,11 +207,26 @@ class StaticKittyLayer(PagedLayer):
                 "the cache with a larger max_cache_len"
             )
 
+    def _append_tokens(self, key_states: torch.Tensor, value_states: torch.Tensor, valid: torch.Tensor) -> None:
+        """Several tokens per row (the shared insertion), then the device copy of row 0's padding columns that
+        :meth:`get_seq_length` reads while traced."""
+        old = self._column_offset.clone()
+        super()._append_tokens(key_states, value_states, valid)
+        self.on_undo(lambda: self._column_offset.copy_(old))
+        self._column_offset.fill_(self.seen_tokens - self._n0[0])
+
+    @property
+    def traceable(self) -> bool:
+        """Whether a decode step can run inside a compiled graph: the fused backend (the torch path reads the host),
+        and a prompt that allocated everything (the layer's tensors, the kernel workspace, the flattened op
+        arguments). Otherwise the step runs eagerly, outside the graph."""
+        return self.is_initialized and self.ops.fused_decode and self._op_args is not None
+
     def traced_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[PendingKV, PendingKV]:
         """:meth:`update` of a decode step while ``torch.compile`` traces it: checks on fixed shapes only (no host
         counter is read; the prompt, run eagerly, allocated everything)."""
         B, H, T, D = key_states.shape
-        if T != 1 or not self.is_initialized or (B, H, D) != (len(self._n0), self.num_kv_heads, self.head_dim):
+        if T != 1 or not self.traceable or (B, H, D) != (len(self._n0), self.num_kv_heads, self.head_dim):
             raise ValueError(
                 f"a compiled step of a static KittyCache takes one token per row of the {len(self._n0)} rows the "
                 f"prompt started (run the prompt eagerly), got key_states of shape {tuple(key_states.shape)}"
@@ -269,7 +284,6 @@ class StaticKittyLayer(PagedLayer):
         if valid is not None:  # a prompt: host bookkeeping allowed
             self.check_append(valid)
             out = self._attend_tokens(query, key_states, value_states, valid, scale)
-            self._column_offset.fill_(self.seen_tokens - self._n0[0])
             self.prepare_workspace(query.shape[1])
             return out
         if key_states.shape[0] != len(self._n0):
@@ -312,11 +326,7 @@ class StaticKittyLayer(PagedLayer):
     def attend_fused(self, q: torch.Tensor, scale: float) -> torch.Tensor:
         """Stage 2 with the fused backend: the kernel over the whole storage with the preallocated workspace and
         launch (``kitty::decode_attention`` while compiling)."""
-        if compiling():
-            if self._op_args is None:
-                raise ValueError(
-                    "a compiled decode step needs the prompt run eagerly first (it prepares the workspace)"
-                )
+        if compiling():  # a traceable step: the prompt prepared the workspace and the flat arguments
             a = self._op_args
             return custom_ops.decode_attention_flat(q, a.state, a.cfg, scale, True, self._op_workspace, a.launch)
         if self.workspace is None:  # no prompt prepared it (a step built by hand): allocate here, outside capture
@@ -329,12 +339,8 @@ class StaticKittyLayer(PagedLayer):
         (:meth:`write_token_slots`) and ``lengths += 1``; both in place, no host read."""
         k, v = key_states[:, :, 0], value_states[:, :, 0]
         buffers = (self.lengths, self.sink_k, self.sink_v, self.k_qbuf, self.v_qbuf, self.v_local)
-        if compiling():  # no host work: the counters are derived from lengths when next read
-            if not self.ops.fused_decode:
-                self.write_token_slots(k, v, self._rows)
-                self.lengths.add_(1)
-            else:
-                custom_ops.insert_token(k, v, *buffers)
+        if compiling():  # a traceable step (fused backend): no host work, the counters are derived when next read
+            custom_ops.insert_token(k, v, *buffers)
             self._behind = True
             return
         self.check_room(1)
@@ -367,7 +373,7 @@ class StaticKittyLayer(PagedLayer):
         """Stage 3 of a decode step: pack the qbuffers that filled, every row predicated on the device."""
         if self.key_width == 0:  # no row can ever complete a page
             return
-        if compiling() and self._op_args is not None:
+        if compiling():  # a traceable step (the torch path's pack below is only reached eagerly)
             a = self._op_args
             custom_ops.pack_completed_flat(a.cfg, self.lengths, self.k_qbuf, self.v_qbuf, a.pools, self.k_page_table,
                                            self.v_page_table, self.layer_idx, self.query_scale())  # fmt: skip
@@ -384,10 +390,7 @@ class StaticKittyLayer(PagedLayer):
             self.layer_idx,
             self.query_scale(),
         )
-        if compiling():
-            custom_ops.pack_completed(self.cfg, *args)
-        else:
-            self.ops.pack_completed(*args)
+        self.ops.pack_completed(*args)
 
     def _unpoint_completed(self) -> None:
         """Undo of :meth:`pack_filled` (``lengths`` still count the step's token): the completed pages' table
