@@ -52,9 +52,9 @@ def _inputs():
     return ids, mask
 
 
-def _cache(model, preset: str) -> KittyCache:
+def _cache(model, preset: str, backend: str = "triton") -> KittyCache:
     cfg = PRESETS[preset].with_(**SMALL)
-    return KittyCache(model.config, cfg, backend="triton", max_batch_size=B, max_cache_len=T + NEW)
+    return KittyCache(model.config, cfg, backend=backend, max_batch_size=B, max_cache_len=T + NEW)
 
 
 class _Compiles(LogitsProcessor):
@@ -103,9 +103,7 @@ def _same_counters(cache: KittyCache, want: KittyCache) -> None:
     assert cache.token_counts(per_row=True) == want.token_counts(per_row=True)
 
 
-@pytest.mark.parametrize(
-    "preset,backend", [("kitty", "eager"), ("kitty-pro", "aot_eager"), ("kitty", "inductor")]
-)
+@pytest.mark.parametrize("preset,backend", [("kitty", "eager"), ("kitty-pro", "aot_eager"), ("kitty", "inductor")])
 def test_generate_compile_config_matches_eager_static(model, preset, backend):
     want, eager_cache = _eager(model, preset)
     torch._dynamo.reset()
@@ -151,8 +149,10 @@ def test_compiled_decode_step_after_an_eager_prompt(model):
     full = torch.cat([mask, torch.ones(B, NEW, dtype=mask.dtype, device=DEVICE)], 1)  # [B, max_cache_len]
 
     def decode(cache, compiled: bool) -> torch.Tensor:
+        kw = cache_kwargs(cache)
+
         def step(token):
-            return model(token, attention_mask=full, **cache_kwargs(cache)).logits[:, -1].argmax(-1, keepdim=True)
+            return model(token, attention_mask=full, **kw).logits[:, -1].argmax(-1, keepdim=True)
 
         run = torch.compile(step, backend="aot_eager", fullgraph=True) if compiled else step
         tokens = [model(ids, attention_mask=mask, **cache_kwargs(cache)).logits[:, -1].argmax(-1, keepdim=True)]
@@ -169,3 +169,19 @@ def test_compiled_decode_step_after_an_eager_prompt(model):
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     assert cache.get_seq_length() == eager.get_seq_length() == T + NEW - 1
     assert cache.token_counts(per_row=True) == eager.token_counts(per_row=True)
+
+
+def test_torch_backend_steps_run_outside_the_graph(model):
+    """The torch backend's decode step reads the host (``attend_torch``), so a compiled forward runs Kitty's part of
+    it eagerly, outside the graph (graph breaks there), with the eager step's bookkeeping: the same tokens and
+    counters as the eager static decode."""
+    ids, mask = _inputs()
+    want_cache = _cache(model, "kitty", backend="torch")
+    want = generate_static(model, ids, mask, want_cache, NEW, capture=False)
+    torch._dynamo.reset()
+    cache = _cache(model, "kitty", backend="torch")
+    config = CompileConfig(backend="eager", fullgraph=False)
+    config._compile_all_devices = True
+    got, _ = _generate(model, cache, compile_config=config)
+    assert torch.equal(got, want)
+    _same_counters(cache, want_cache)
