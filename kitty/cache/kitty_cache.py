@@ -225,7 +225,7 @@ class KittyCache(StaticCacheSizes, Cache):
     no host work: it takes no lock, keeps no rollback record and checks no room (size ``max_cache_len`` for the whole
     generation), and the host counters (``get_seq_length``, :attr:`lengths`) are read back from the device when next
     asked (``docs/ARCHITECTURE.md``, "What happens under torch.compile"). Only the fused (Triton) backend's decode step
-    traces without a graph break.
+    is traced; the torch backend's, a prompt's and a window layer's run eagerly outside the graph.
 
     One cache serves one generation at a time: a forward pass entering it from a second thread while another
     thread's pass is still open raises ``RuntimeError`` (use one cache per thread, e.g. ``kitty.make_cache`` per
