@@ -415,13 +415,14 @@ def test_compiled_static_decode_matches_eager(form):
             runner.model = runner.compiled
         got = generate_static(runner, ids, mask, cache, new, capture=False)
         record()
-        before = seen[-1]
-        cache.reset()
-        again = generate_static(runner, ids, mask, cache, new, capture=False)  # graphs reused: nothing compiles
-        record()
-        assert torch.equal(again, want)
-        assert seen[-1] == before, seen
-        assert form != "decode_reduce_overhead" or before[0] == 0, dict(counters["graph_break"])
+        for _ in range(2):  # later generations reuse the graphs (a prompt through the compiled forward compiles
+            cache.reset()  # once more: its frames are guarded on the layers being allocated already)
+            again = generate_static(runner, ids, mask, cache, new, capture=False)
+            record()
+            assert torch.equal(again, want)
+        assert seen[2] == seen[1], seen
+        if form == "decode_reduce_overhead":
+            assert seen[0][0] == 0 and seen[1] == seen[0], (seen, dict(counters["graph_break"]))
     assert torch.equal(got, want)
     assert cache.get_seq_length() == ref_cache.get_seq_length()
     assert cache.token_counts(per_row=True) == ref_cache.token_counts(per_row=True)
