@@ -476,8 +476,6 @@ class KittyCache(StaticCacheSizes, Cache):
         """``layer``'s step succeeded: Kitty attention is switched off until the next layer's :meth:`update`, and
         after the last layer the whole pass is kept (the undo records of every layer are dropped)."""
         kattention.kitty_forward(False)
-        if torch.compiler.is_compiling():  # a traced step keeps no record: nothing to drop
-            return
         if layer.layer_idx == self.num_layers - 1:
             for other in self.layers:
                 other.end_step()
