@@ -169,6 +169,16 @@ def test_compiled_decode_step_after_an_eager_prompt(model):
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     assert cache.get_seq_length() == eager.get_seq_length() == T + NEW - 1
     assert cache.token_counts(per_row=True) == eager.token_counts(per_row=True)
+    # eager steps go on from the compiled ones: a refused step changes nothing, the next one matches the eager cache's
+    # to the bit, and the cache then refuses a step past max_cache_len
+    last = want[:, -1:]
+    with pytest.raises(ValueError, match="rows"):
+        model(torch.cat([last, last[:1]]), attention_mask=torch.cat([full, full[:1]]), **cache_kwargs(cache))
+    assert cache.get_seq_length() == T + NEW - 1
+    logits = [model(last, attention_mask=full, **cache_kwargs(c)).logits for c in (cache, eager)]
+    assert torch.equal(*logits) and cache.lengths == eager.lengths and cache.get_seq_length() == T + NEW
+    with pytest.raises(ValueError, match="max_cache_len"):
+        model(last, attention_mask=torch.cat([full, full[:, :1]], 1), **cache_kwargs(cache))
 
 
 def test_torch_backend_steps_run_outside_the_graph(model):
