@@ -3,28 +3,25 @@
 user's ``torch.compile(model.forward)`` give the tokens of the eager static decode, with no graph break in a decode
 step and no recompilation from one step to the next; the host counters are right after compiled steps.
 
-Under ``TRITON_INTERPRET=1`` (set by conftest without a GPU) the Triton kernels run on the CPU;
+Without a GPU, conftest sets ``TRITON_INTERPRET=1`` (this module leaves it alone, so that on a GPU the kernels are
+compiled for every test module) and the Triton kernels run on the CPU;
 ``CompileConfig._compile_all_devices`` makes ``generate`` compile on the CPU. The ragged prompt (row 1 left-padded)
 crosses key and value page boundaries during the decode steps.
 """
 
 from __future__ import annotations
 
-import os
+import pytest
+import torch
+from fixtures import tiny_model
+from torch._dynamo.utils import counters
+from transformers import LogitsProcessor, LogitsProcessorList
+from transformers.generation.configuration_utils import CompileConfig
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / kernels are imported
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from fixtures import tiny_model  # noqa: E402
-from torch._dynamo.utils import counters  # noqa: E402
-from transformers import LogitsProcessor, LogitsProcessorList  # noqa: E402
-from transformers.generation.configuration_utils import CompileConfig  # noqa: E402
-
-from kitty import PRESETS, KittyCache  # noqa: E402
-from kitty.hf.compat import cache_kwargs  # noqa: E402
-from kitty.hf.generate import generate_static  # noqa: E402
-from kitty.kernels import interpreting  # noqa: E402
+from kitty import PRESETS, KittyCache
+from kitty.hf.compat import cache_kwargs
+from kitty.hf.generate import generate_static
+from kitty.kernels import interpreting
 
 pytestmark = pytest.mark.skipif(
     not interpreting() and not torch.cuda.is_available(), reason="needs TRITON_INTERPRET=1 or a GPU"
