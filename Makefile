@@ -44,14 +44,16 @@ test-fast:
 # holding only transformers and the hub client it accepts (pip --no-deps --target; everything else comes from the
 # main environment), put first on PYTHONPATH. 5.17: the lower bound, the GPU image's release; 5.23: the last release
 # before `cache=` (kitty/hf/compat.py lists the differences). A lean selection: the compat, cache, static, generate, hybrid
-# CLI, hostile-input and property tests on the lower bound (test_cuda.py too: it must collect there, and runs where a GPU is), fewer on 5.23.
+# CLI, hostile-input and property tests on the lower bound (test_cuda.py too: it must collect there, and runs where a GPU is;
+# test_compile.py: the GPU image's release compiles the static decode step), fewer on 5.23.
 COMPAT_ENVS := .ci/envs
 # 5.17 needs huggingface_hub<2; 5.23 accepts this one as well
 COMPAT_HUB := huggingface_hub==1.33.0
 COMPAT_LOWER := 5.17.0
 COMPAT_MIDDLE := 5.23.0
 COMPAT_TESTS_LOWER := tests/test_compat.py tests/test_generate.py tests/test_hybrid.py tests/test_cli.py \
-	tests/test_cache.py tests/test_static.py tests/test_cuda.py tests/test_hostile.py tests/test_properties.py \
+	tests/test_cache.py tests/test_static.py tests/test_compile.py tests/test_cuda.py tests/test_hostile.py \
+	tests/test_properties.py \
 	--deselect tests/test_cache.py::test_nll_direction_kitty_closer_to_fp16_than_kivi \
 	--deselect "tests/test_cache.py::test_padded_batch_rows_equal_prompts_alone[kitty]" \
 	--deselect "tests/test_cache.py::test_padded_batch_rows_equal_prompts_alone[kivi-k2v2]"

@@ -7,8 +7,9 @@
     kitty and kitty-pro presets on a left-padded ragged batch (equal required), the same against transformers'
     generate with the growing KittyCache (reported), no host synchronization inside an eager static decode step
     and a replayed one (``torch.cuda.set_sync_debug_mode("error")``), and whether transformers' compile path
-    (``model.generate`` with the static cache, which compiles itself on CUDA, and ``torch.compile(mode=
-    "reduce-overhead")``) runs and gives the same tokens (reported with the error if not).
+    (``model.generate`` with the static cache, which compiles itself on CUDA, and ``torch.compile(model.forward,
+    mode="reduce-overhead")`` with the prompt run eagerly, the supported form, and with the prompt through it too)
+    runs and gives the same tokens (reported with the error if not).
 (b) throughput (``benchmarks/throughput.run_static``): Qwen3-8B shape, random bf16 weights, 20 GiB KV budget,
     8K and 32K contexts, equal and ragged lengths; FP16 StaticCache captured (batch 1, 16, largest), eager static
     and dynamic at the largest batch, kitty/kitty-pro static captured at their largest batch (kitty also at 1 and
@@ -127,9 +128,11 @@ def correctness(out: Path) -> dict:
         r["error"] = traceback.format_exc()[-2000:]
     res["no_sync"] = r
     print("no_sync", r, flush=True)
-    # transformers' compile path
+    # transformers' compile path: generate compiling its decode steps; a user's reduce-overhead forward in the
+    # supported form (the prompt eager, the decode steps compiled); the same forward getting the prompt too
     r = {}
-    for preset, how in itertools.product(("fp16", "kitty"), ("generate_auto_compile", "torch_compile_reduce_overhead")):
+    hows = ("generate_auto_compile", "torch_compile_reduce_overhead", "torch_compile_reduce_overhead_prompt_compiled")
+    for preset, how in itertools.product(("fp16", "kitty"), hows):
         how = f"{preset}:{how}"
         try:
             t = time.time()
@@ -146,12 +149,14 @@ def correctness(out: Path) -> dict:
                     do_sample=False,
                 )[:, ids.shape[1] :]
             else:
-                fwd = model.forward
-                model.forward = torch.compile(fwd, mode="reduce-overhead")
-                try:
-                    got = generate_static(model, ids, mask, cache, 40, capture=False)
-                finally:
-                    model.forward = fwd
+                compiled = torch.compile(model.forward, mode="reduce-overhead")
+                prompt_compiled = how.endswith("prompt_compiled")
+
+                def forward(x, **kw):
+                    return (compiled if prompt_compiled or x.shape[1] == 1 else model)(x, **kw)
+
+                runner = type("Runner", (), {"device": model.device, "__call__": staticmethod(forward)})()
+                got = generate_static(runner, ids, mask, cache, 40, capture=False)
             r[how] = dict(ran=True, same_tokens=bool(torch.equal(got, ref)), seconds=time.time() - t)
         except Exception as e:  # noqa: BLE001
             r[how] = dict(ran=False, error=f"{type(e).__name__}: {str(e)[:1500]}")

@@ -352,3 +352,77 @@ def test_app_columns_take_the_captured_path_on_cuda(schedule, monkeypatch):
         assert captured.status == eager.status == "done (max tokens)"
         assert captured.ids == eager.ids and len(captured.ids) == n
         assert captured.readout.report == eager.readout.report
+
+
+# ------------------------------------------------------------------------- a static cache under torch.compile
+
+
+class _DecodeCompiled:
+    """``model`` for :func:`kitty.hf.generate.generate_static` with the supported compiled form: the prompt runs
+    eagerly (it allocates the cache), every one-token step through ``torch.compile(model.forward, mode=
+    "reduce-overhead")`` (gpt-fast's ``decode_one_token``)."""
+
+    def __init__(self, model):
+        self.model, self.device = model, model.device
+        self.compiled = torch.compile(model.forward, mode="reduce-overhead")
+
+    def __call__(self, ids, **kwargs):
+        return (self.compiled if ids.shape[1] == 1 else self.model)(ids, **kwargs)
+
+
+@pytest.mark.parametrize("form", ["generate_compile_config", "decode_reduce_overhead", "forward_reduce_overhead"])
+def test_compiled_static_decode_matches_eager(form):
+    """transformers' compile path on a static cache gives the eager static decode's tokens on the ragged batch, with
+    no graph break in a decode step and no recompilation after the first ones: ``generate`` compiling its decode
+    steps itself (``CompileConfig()``: inductor, ``mode="reduce-overhead"``), the supported user form (prompt eager,
+    decode steps through a reduce-overhead compiled forward) and a compiled forward that the prompt goes through too
+    (the prompt's Kitty work then runs outside the graph)."""
+    from torch._dynamo.utils import counters
+
+    from kitty.hf.generate import generate_static
+
+    model = tiny_model("llama")
+    ids, mask = ragged_prompts()
+    new = 40
+    ref_cache = KittyCache(model.config, "kitty", max_batch_size=3, max_cache_len=ids.shape[1] + new)
+    want = generate_static(model, ids, mask, ref_cache, new, capture=False)
+    cache = KittyCache(model.config, "kitty", max_batch_size=3, max_cache_len=ids.shape[1] + new)
+    torch._dynamo.reset()
+    counters.clear()
+    seen = []
+
+    def record(*_):
+        seen.append((sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]))
+
+    if form == "generate_compile_config":
+        from transformers import LogitsProcessor, LogitsProcessorList
+
+        class Record(LogitsProcessor):
+            def __call__(self, input_ids, scores):
+                record()
+                return scores
+
+        got = model.generate(
+            ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+            logits_processor=LogitsProcessorList([Record()]), **cache_kwargs(cache),
+        )[:, ids.shape[1]:]  # fmt: skip
+        breaks, graphs = zip(*seen)  # after the prompt, then after each decode step
+        assert breaks[-1] == 0, dict(counters["graph_break"])
+        assert graphs[2:] == (graphs[2],) * (new - 2), seen
+    else:
+        runner = _DecodeCompiled(model)
+        if form == "forward_reduce_overhead":
+            runner.model = runner.compiled
+        got = generate_static(runner, ids, mask, cache, new, capture=False)
+        record()
+        for _ in range(2):  # later generations reuse the graphs (a prompt through the compiled forward compiles
+            cache.reset()  # once more: its frames are guarded on the layers being allocated already)
+            again = generate_static(runner, ids, mask, cache, new, capture=False)
+            record()
+            assert torch.equal(again, want)
+        assert seen[2] == seen[1], seen
+        if form == "decode_reduce_overhead":
+            assert seen[0][0] == 0 and seen[1] == seen[0], (seen, dict(counters["graph_break"]))
+    assert torch.equal(got, want)
+    assert cache.get_seq_length() == ref_cache.get_seq_length()
+    assert cache.token_counts(per_row=True) == ref_cache.token_counts(per_row=True)

@@ -198,7 +198,7 @@ def kitty_mask(
     **kwargs,
 ) -> KittyMask:
     """Mask function registered as ``"kitty"``: keep the 2-D padding mask (bool ``[B, kv_length]`` or ``None``)."""
-    owner = _take_mask_owner()
+    owner = None if torch.compiler.is_compiling() else _take_mask_owner()  # a compiled step checks no mask
     if isinstance(attention_mask, KittyMask):  # built already (generate prepares masks for a static cache)
         return attention_mask
     sdpa_kwargs = dict(
@@ -285,6 +285,12 @@ def kitty_attention_forward(
     layer = key.layer
     B, Hq, T, D = query.shape
     scale = D**-0.5 if scaling is None else scaling
+    if torch.compiler.is_compiling():
+        if T == 1 and getattr(layer, "traceable", False):  # a static decode step: device work, no record or mask
+            out = layer.attend_and_append(query, key.key_states, key.value_states, None, scale)
+            kitty_forward(False)  # the step is over (KittyCache.end_step's part that a traced step has)
+            return out.transpose(1, 2).contiguous(), None
+        return _eager_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     valid = layer.new_tokens(attention_mask, B, T)  # (B, T) on the CPU (bookkeeping only), or None: a decode step
     cache = layer.cache
     with cache.layer_step(layer) if cache is not None else layer.atomic():  # a failure undoes the forward pass
@@ -294,6 +300,13 @@ def kitty_attention_forward(
             attention_mask.check_decode_column(layer.seen_tokens)
         out = layer.attend_and_append(query, key.key_states, key.value_states, valid, scale)
     return out.transpose(1, 2).contiguous(), None  # (B, T, Hq, D)
+
+
+@torch.compiler.disable
+def _eager_attention(*args, **kwargs):
+    """:func:`kitty_attention_forward` outside the graph of a compiled forward pass (a prompt, a growing layer): its
+    host bookkeeping runs eagerly."""
+    return kitty_attention_forward(*args, **kwargs)
 
 
 def _user_attention(module: torch.nn.Module | None):

@@ -20,6 +20,10 @@ a ``Launch``) and flatten them into what an op schema holds:
 - the attention workspace as a list of preallocated tensors (:func:`attention_workspace`; ``[]``: allocate per call),
   which the op writes (declared mutated); its output is a fresh tensor (an op may not return an alias of an input).
 
+A static layer flattens its arguments once, eagerly at the prompt (:func:`flat_args`), and its compiled decode step
+calls :func:`decode_attention_flat` and :func:`pack_completed_flat` with them, so that traced code builds none of
+those objects (and no frozen dataclass is live in it).
+
 Each op runs the Triton kernel for CUDA tensors or under ``TRITON_INTERPRET=1``, else its torch reference
 (``kernels/reference.py``), as the layer's ops objects (``kitty/cache/backend.py``) choose.
 """
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -38,11 +43,15 @@ from ..kernels.launch import Launch, default_launch
 
 __all__ = [
     "STATE_FIELDS",
+    "FlatArgs",
     "attention_workspace",
     "config_key",
     "decode_attention",
+    "decode_attention_flat",
+    "flat_args",
     "insert_token",
     "pack_completed",
+    "pack_completed_flat",
 ]
 
 STATE_FIELDS = tuple(f.name for f in dataclasses.fields(KittyLayerState))  # the order a state travels in
@@ -88,6 +97,32 @@ def _launch_of(ints: Sequence[int]) -> Launch | None:
         return None
     splits, warps, stages, cap, block_h, parts, merge = (int(x) for x in ints)
     return Launch(splits, warps, stages, None if cap < 0 else cap, block_h, parts, bool(merge))
+
+
+class FlatArgs(NamedTuple):
+    """A static layer's op arguments in schema form (:func:`flat_args`): a plain tuple of a string, lists of tensors
+    and integers, which traced code reads without building anything."""
+
+    cfg: str  # config_key(cfg)
+    state: list  # the KittyLayerState's tensors in STATE_FIELDS order (None for absent fields)
+    launch: list[int]  # _launch_ints(launch)
+    pools: list  # key then value pool tensors in KEY_POOL_FIELDS + VALUE_POOL_FIELDS order (None for absent fields)
+
+
+def flat_args(
+    state: KittyLayerState,
+    cfg: KVQuantConfig,
+    launch: Launch | None,
+    key_pool: dict[str, torch.Tensor],
+    value_pool: dict[str, torch.Tensor],
+) -> FlatArgs:
+    """Flatten a static layer's fixed op arguments once (eagerly): the tensors keep their identity, so the flat form
+    stays valid for as long as the layer keeps its tensors."""
+    unknown = set(key_pool) - set(KEY_POOL_FIELDS) | set(value_pool) - set(VALUE_POOL_FIELDS)
+    if unknown:
+        raise ValueError(f"key_pool / value_pool hold fields no pool has: {sorted(unknown)}")
+    pools = [key_pool.get(n) for n in KEY_POOL_FIELDS] + [value_pool.get(n) for n in VALUE_POOL_FIELDS]
+    return FlatArgs(config_key(cfg), [getattr(state, n) for n in STATE_FIELDS], _launch_ints(launch), pools)
 
 
 # ------------------------------------------------------------------------------------------------ stage 1: insert
@@ -197,6 +232,19 @@ def decode_attention(
     )
 
 
+def decode_attention_flat(
+    q: torch.Tensor,
+    state: list,
+    cfg: str,
+    scaling: float,
+    full_qbuffer: bool,
+    workspace: list[torch.Tensor],
+    launch: list[int],
+) -> torch.Tensor:
+    """``kitty::decode_attention`` on arguments already flattened (:func:`flat_args`)."""
+    return torch.ops.kitty.decode_attention(q, state, cfg, float(scaling), bool(full_qbuffer), workspace, launch)
+
+
 # ------------------------------------------------------------------------------------------------ stage 3: pack
 
 
@@ -257,6 +305,21 @@ def pack_completed(
     if unknown:
         raise ValueError(f"key_pool / value_pool hold fields no pool has: {sorted(unknown)}")
     pools = [key_pool.get(n) for n in KEY_POOL_FIELDS] + [value_pool.get(n) for n in VALUE_POOL_FIELDS]
+    pack_completed_flat(config_key(cfg), lengths, k_qbuf, v_qbuf, pools, k_page_table, v_page_table, salt, query_scale)
+
+
+def pack_completed_flat(
+    cfg: str,
+    lengths: torch.Tensor,
+    k_qbuf: torch.Tensor,
+    v_qbuf: torch.Tensor,
+    pools: list,
+    k_page_table: torch.Tensor,
+    v_page_table: torch.Tensor,
+    salt: int = 0,
+    query_scale: torch.Tensor | None = None,
+) -> None:
+    """``kitty::pack_completed`` on a config key and pool tensors already flattened (:func:`flat_args`)."""
     torch.ops.kitty.pack_completed(
-        config_key(cfg), lengths, k_qbuf, v_qbuf, *pools, k_page_table, v_page_table, int(salt), query_scale
+        cfg, lengths, k_qbuf, v_qbuf, *pools, k_page_table, v_page_table, int(salt), query_scale
     )

@@ -187,6 +187,13 @@ def start_generation(cache, columns: int | None = None) -> None:
         )
 
 
+@torch.compiler.disable
+def _eager_update(cache, key_states, value_states, layer_idx: int, *args, **kwargs):
+    """:meth:`KittyCache.update` outside the graph of a compiled forward pass (a prompt, a growing or window layer):
+    its host bookkeeping and first allocations run eagerly, so that no compiled graph (or CUDA graph) owns them."""
+    return cache._update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
 class KittyCache(StaticCacheSizes, Cache):
     """A transformers ``Cache`` holding every layer's keys and values in Kitty's paged 2-bit format.
 
@@ -210,6 +217,15 @@ class KittyCache(StaticCacheSizes, Cache):
     work; beam search raises ``NotImplementedError``. A step that raises inside the cache or its attention (bad
     input, a full pool, a failing kernel in any layer) leaves every layer as it was before that forward pass.
     Keys and values must be float16, bfloat16 or float32 (a float64 model is refused at its first forward pass).
+
+    A static cache works under ``torch.compile``: ``model.generate`` compiles its decode steps itself on CUDA
+    (``generation_config.compile_config``), and a user may compile ``model.forward`` (``mode="reduce-overhead"``
+    included) or a gpt-fast style one-token step. Run the prompt eagerly where you can (``generate`` does; a compiled
+    forward that gets the prompt runs Kitty's part of it outside the graph). A compiled decode step is one graph with
+    no host work: it takes no lock, keeps no rollback record and checks no room (size ``max_cache_len`` for the whole
+    generation), and the host counters (``get_seq_length``, :attr:`lengths`) are read back from the device when next
+    asked (``docs/ARCHITECTURE.md``, "What happens under torch.compile"). Only the fused (Triton) backend's decode step
+    is traced; the torch backend's, a prompt's and a window layer's run eagerly outside the graph.
 
     One cache serves one generation at a time: a forward pass entering it from a second thread while another
     thread's pass is still open raises ``RuntimeError`` (use one cache per thread, e.g. ``kitty.make_cache`` per
@@ -296,7 +312,21 @@ class KittyCache(StaticCacheSizes, Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Layer ``layer_idx``'s pending keys/values (see :meth:`KittyLayer.update`); a bad input here also rolls
-        back the layers this forward pass already changed."""
+        back the layers this forward pass already changed.
+
+        While ``torch.compile`` traces the forward pass, a static layer's decode step takes
+        :meth:`StaticKittyLayer.traced_update` (no lock, no pass bookkeeping, no host counter: none of it could be
+        traced, and a Python integer read would be guarded and change at every step); anything else (a prompt, a
+        growing or window layer) runs this method eagerly, outside the graph (``torch.compiler.disable``)."""
+        if torch.compiler.is_compiling():
+            layer = self.layers[layer_idx]
+            if isinstance(layer, StaticKittyLayer) and layer.traceable and key_states.shape[2] == 1:
+                kattention.kitty_forward(True)
+                return layer.traced_update(key_states, value_states)
+            return _eager_update(self, key_states, value_states, layer_idx, *args, **kwargs)
+        return self._update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         with self._pass_lock:  # layers of two threads interleaved in one cache would give garbage: refuse them
             me = threading.get_ident()
             if self._pass_thread not in (None, me):
@@ -405,17 +435,25 @@ class KittyCache(StaticCacheSizes, Cache):
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         sizes = super().get_mask_sizes(query_length, layer_idx)
         kattention.kitty_forward(True)  # transformers picks the mask function right after: the "kitty" one
-        kattention.mask_owner(self)
+        if not torch.compiler.is_compiling():  # a compiled step checks no mask (it would read the host)
+            kattention.mask_owner(self)
         return sizes
 
     def check_decode_mask(self, mask: kattention.KittyMask) -> None:
         """A static cache stores every row's token in a one-token step: ``ValueError`` (from
         :meth:`KittyMask.check_decode_column`) when ``mask`` marks that token as padding in some row. Called by the
-        mask function, before any layer of the forward pass changes."""
+        mask function, before any layer of the forward pass changes. Also ``ValueError`` when the cache has no room
+        for the token: a compiled step (whose mask ``generate`` builds eagerly) checks none itself."""
         layer = self._paged_layer()
         if self.max_cache_len is None or layer is None or not layer.is_initialized:
             return
-        mask.check_decode_column(layer.seen_tokens)
+        fed = layer.seen_tokens
+        if fed + 1 > self.max_cache_len:
+            raise ValueError(
+                f"{fed} columns cached + 1 new exceed max_cache_len={self.max_cache_len}; build the cache with a "
+                "larger max_cache_len (prompt columns, padding included, plus new tokens)"
+            )
+        mask.check_decode_column(fed)
 
     def begin_step(self, layer) -> None:
         """Open ``layer``'s step within the current forward pass."""

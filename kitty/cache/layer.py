@@ -245,17 +245,17 @@ class PagedLayer(LayerSteps, CacheLayerMixin):
         self.observe_queries(query, self._all_valid)
         if self.ops.fused_decode:
             filled = self.insert_decode(key_states, value_states)
-            out = self.attend_fused(query[:, :, 0], self.storage(), scale)[:, :, None]  # (B, Hq, 1, D)
+            out = self.attend_fused(query[:, :, 0], scale)[:, :, None]  # (B, Hq, 1, D)
         else:
             out = self._read_back(query, key_states, value_states, self._all_valid, scale)
             filled = self.insert_decode(key_states, value_states)
         self.pack_filled(filled)
         return out
 
-    def attend_fused(self, q: torch.Tensor, state: KittyLayerState, scale: float) -> torch.Tensor:
-        """Stage 2 of a decode step with the fused backend: ``q`` ``[B, Hq, D]`` over ``state`` (the qbuffers this
-        step filled in full precision) -> ``[B, Hq, D]``."""
-        return self.ops.attend(q, state, scale, full_qbuffer=True, workspace=self.workspace)
+    def attend_fused(self, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """Stage 2 of a decode step with the fused backend: ``q`` ``[B, Hq, D]`` over :meth:`storage` (the qbuffers
+        this step filled in full precision) -> ``[B, Hq, D]``."""
+        return self.ops.attend(q, self.storage(), scale, full_qbuffer=True, workspace=self.workspace)
 
     def _read_back(self, query, key_states, value_states, valid: torch.Tensor, scale: float) -> torch.Tensor:
         """The torch path (``kitty.cache.attention.attend_torch``) over this layer's storage and the new tokens."""

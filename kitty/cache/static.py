@@ -29,11 +29,17 @@ A decode step (one new token in every row) runs only device operations in a fixe
    and keeps the completed ones with ``torch.where``.
 
 While ``torch.compile`` traces the step, the three stages are the ``kitty::`` custom ops of
-``kitty.cache.custom_ops`` (opaque to the compiler, their mutations declared).
+``kitty.cache.custom_ops`` (opaque to the compiler, their mutations declared), called with arguments flattened once
+at the prompt (no config, state or launch object is built in the traced code), and nothing host-side is traced: no
+step record, no capacity check, no host counter (a Python integer read there would be guarded, and change at every
+step). The layer's tensors are marked as static addresses (``torch._dynamo.mark_static_address``, as transformers'
+``StaticLayer`` does) so that ``mode="reduce-overhead"`` captures the step in place.
 
 Host counters (columns fed, steps since the prompt) are plain Python integers, advanced by the step's Python code or,
-for a replayed CUDA graph (where no Python runs), by :meth:`StaticKittyLayer.advance`. Capacity is checked on them
-before anything changes: more than ``max_cache_len`` columns or ``max_batch_size`` rows raise ``ValueError``.
+for a replayed CUDA graph (where no Python runs), by :meth:`StaticKittyLayer.advance`. A compiled step leaves them
+behind (it only marks them so); the next host read derives them from the device (``lengths[0]`` less the prompt's
+length of row 0: every decode step adds one to every row), one synchronization. Capacity is checked on them before
+anything changes: more than ``max_cache_len`` columns or ``max_batch_size`` rows raise ``ValueError``.
 
 A decode step stores the new token of every row without reading the attention mask (reading it would synchronize):
 ``generate`` and :func:`kitty.hf.generate.generate_static` always feed real tokens after the prompt. Prompts (several
@@ -51,7 +57,7 @@ from .. import kernels
 from ..core.config import KVQuantConfig, is_int
 from ..core.memory import token_layout
 from ..core.pages import FixedPages, filled_pages
-from ..core.storage import ROW_FIELDS, KittyLayerState
+from ..core.storage import ROW_FIELDS, KittyLayerState, PendingKV
 from ..kernels.launch import default_launch
 from . import custom_ops
 from .backend import check_triton
@@ -115,14 +121,70 @@ class StaticKittyLayer(PagedLayer):
     ):
         self.key_width, self.value_width = page_widths(cfg, max_cache_len)
         page_ids = FixedPages(self.key_width, self.value_width)
+        self._behind = False  # compiled steps ran since the host counters were last exact
+        self._seen, self._steps_done = 0, 0
         super().__init__(cfg, num_kv_heads, head_dim, layer_idx, backend, model_kv_heads, page_ids)
         self.max_cache_len, self.max_batch_size = max_cache_len, max_batch_size
+
+    # ---------------------------------------------------------------------------------- host counters
+
+    def _catch_up(self) -> None:
+        """Bring the host counters up to date after compiled steps (which run no host code): every decode step adds
+        one token to every row, so the steps since the last prompt are row 0's device length less its host length
+        then (one synchronization)."""
+        if not self._behind:
+            return
+        self._behind = False
+        steps = int(self.lengths[0]) - self._n0[0]
+        self._seen += steps - self._steps_done
+        self._steps_done = steps
+
+    @property
+    def seen_tokens(self) -> int:
+        """Columns fed so far, padding included (exact on the host, also after compiled steps)."""
+        self._catch_up()
+        return self._seen
+
+    @seen_tokens.setter
+    def seen_tokens(self, value: int) -> None:
+        self._catch_up()
+        self._seen = value
+
+    @property
+    def _steps(self) -> int:
+        """Decode steps since the last insertion of several tokens."""
+        self._catch_up()
+        return self._steps_done
+
+    @_steps.setter
+    def _steps(self, value: int) -> None:
+        self._catch_up()
+        self._steps_done = value
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate everything for ``B = key_states.shape[0]`` rows and ``max_cache_len`` columns; the kernel
         workspace is allocated by the prompt (:meth:`prepare_workspace`: the query heads are known there)."""
+        self._behind = False
         super().lazy_initialization(key_states, value_states)
-        self.workspace, self.launch, self._op_workspace = None, None, []
+        self.workspace, self.launch, self._op_workspace, self._op_args = None, None, [], None
+        # columns fed less row 0's length (the prompt's padding of row 0): get_seq_length on the device while traced
+        self._column_offset = torch.zeros((), dtype=torch.int32, device=self.device)
+        if not compiling():  # fixed data pointers: a reduce-overhead graph reads and writes them in place
+            for t in self._tensors():
+                torch._dynamo.mark_static_address(t)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        """Every tensor a decode step reads or writes (fixed for the layer's life, until a new batch)."""
+        named = [getattr(self, name) for name in ROW_FIELDS] + [self.k_page_table, self.v_page_table]
+        named += [self.q_stat_sum, self.q_count, self._rows, self._all_valid, self._column_offset]
+        return named + list(self.key_pool.tensors.values()) + list(self.value_pool.tensors.values())
+
+    def reset(self) -> None:
+        """Drop every cached token (tensors kept, zeroed in place; the host counters need no catching up)."""
+        self._behind = False
+        super().reset()
+        if self.is_initialized:
+            self._column_offset.zero_()
 
     def check_capacity(self, batch_size: int, new_columns: int) -> None:
         """At most ``max_batch_size`` rows and ``max_cache_len`` columns (``ValueError`` before anything changes)."""
@@ -144,6 +206,43 @@ class StaticKittyLayer(PagedLayer):
                 f"{self.seen_tokens} columns cached + {steps} new exceed max_cache_len={self.max_cache_len}; build "
                 "the cache with a larger max_cache_len"
             )
+
+    def _append_tokens(self, key_states: torch.Tensor, value_states: torch.Tensor, valid: torch.Tensor) -> None:
+        """Several tokens per row (the shared insertion), then the device copy of row 0's padding columns that
+        :meth:`get_seq_length` reads while traced."""
+        old = self._column_offset.clone()
+        super()._append_tokens(key_states, value_states, valid)
+        self.on_undo(lambda: self._column_offset.copy_(old))
+        self._column_offset.fill_(self.seen_tokens - self._n0[0])
+
+    @property
+    def traceable(self) -> bool:
+        """Whether a decode step can run inside a compiled graph: the fused backend (the torch path reads the host),
+        and a prompt that allocated everything (the layer's tensors, the kernel workspace, the flattened op
+        arguments). Otherwise the step runs eagerly, outside the graph."""
+        return self.is_initialized and self.ops.fused_decode and self._op_args is not None
+
+    def traced_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[PendingKV, PendingKV]:
+        """:meth:`update` of a decode step while ``torch.compile`` traces it: checks on fixed shapes only (no host
+        counter is read; the prompt, run eagerly, allocated everything)."""
+        B, H, T, D = key_states.shape
+        if T != 1 or not self.traceable or (B, H, D) != (len(self._n0), self.num_kv_heads, self.head_dim):
+            raise ValueError(
+                f"a compiled step of a static KittyCache takes one token per row of the {len(self._n0)} rows the "
+                f"prompt started (run the prompt eagerly), got key_states of shape {tuple(key_states.shape)}"
+            )
+        pending = PendingKV(self, key_states, value_states)
+        return pending, pending
+
+    def get_seq_length(self):
+        """Columns fed so far, padding included; while ``torch.compile`` traces, a 0-d device tensor (row 0's length
+        plus the prompt's padding columns of row 0), so that no host counter is read (transformers' ``StaticLayer``
+        returns a tensor too)."""
+        if not self.is_initialized:
+            return 0
+        if compiling():
+            return self.lengths[0] + self._column_offset
+        return self.seen_tokens
 
     def advance(self, steps: int = 1) -> None:
         """Count ``steps`` decode steps that ran without this layer's Python code (a replayed CUDA graph)."""
@@ -207,6 +306,12 @@ class StaticKittyLayer(PagedLayer):
         self._op_workspace = ws  # m, l, acc, tickets: what kitty::decode_attention writes
         self.workspace = dict(zip(("m", "l", "acc", "tickets"), ws), out=q)
         self.ops.launch = self.launch
+        # the custom ops' arguments, flattened here once: traced code then builds no config, state or launch object
+        self._op_args = custom_ops.flat_args(self.storage(), self.cfg, self.launch, self.key_pool.tensors,
+                                             self.value_pool.tensors)  # fmt: skip
+        if not compiling():
+            for t in [*ws, q]:
+                torch._dynamo.mark_static_address(t)
 
     def storage(self) -> KittyLayerState:
         """Every tensor of this layer, whole (fixed shapes; no host counter is read)."""
@@ -218,27 +323,30 @@ class StaticKittyLayer(PagedLayer):
             **self.value_pool.tensors,
         )
 
-    def attend_fused(self, q: torch.Tensor, state: KittyLayerState, scale: float) -> torch.Tensor:
-        """Stage 2 with the fused backend: the kernel over ``state`` with the preallocated workspace and launch
-        (``kitty::decode_attention`` while compiling)."""
+    def attend_fused(self, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """Stage 2 with the fused backend: the kernel over the whole storage with the preallocated workspace and
+        launch (``kitty::decode_attention`` while compiling)."""
+        if compiling():  # a traceable step: the prompt prepared the workspace and the flat arguments
+            a = self._op_args
+            return custom_ops.decode_attention_flat(q, a.state, a.cfg, scale, True, self._op_workspace, a.launch)
         if self.workspace is None:  # no prompt prepared it (a step built by hand): allocate here, outside capture
             self.prepare_workspace(q.shape[1])
-        if compiling():
-            return custom_ops.decode_attention(
-                q, state, self.cfg, scale, full_qbuffer=True, workspace=self._op_workspace, launch=self.launch
-            )
-        return self.ops.attend(q, state, scale, full_qbuffer=True, workspace=self.workspace)
+        return self.ops.attend(q, self.storage(), scale, full_qbuffer=True, workspace=self.workspace)
 
     def insert_decode(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Stage 1 of a decode step for every row: with the fused backend one launch of ``kitty.kernels.insert_token``
         (``kitty::insert_token`` while compiling), else device writes at slots from ``lengths``
         (:meth:`write_token_slots`) and ``lengths += 1``; both in place, no host read."""
-        self.check_room(1)
         k, v = key_states[:, :, 0], value_states[:, :, 0]
+        buffers = (self.lengths, self.sink_k, self.sink_v, self.k_qbuf, self.v_qbuf, self.v_local)
+        if compiling():  # a traceable step (fused backend): no host work, the counters are derived when next read
+            custom_ops.insert_token(k, v, *buffers)
+            self._behind = True
+            return
+        self.check_room(1)
         if self.ops.fused_decode:
             check_triton(None, None, key_states.device)
-            buffers = (self.lengths, self.sink_k, self.sink_v, self.k_qbuf, self.v_qbuf, self.v_local)
-            (custom_ops.insert_token if compiling() else kernels.insert_token)(k, v, *buffers)
+            kernels.insert_token(k, v, *buffers)
             self.on_undo(self._undo_insert)
         else:
             self.write_token_slots(k, v, self._rows)
@@ -265,6 +373,11 @@ class StaticKittyLayer(PagedLayer):
         """Stage 3 of a decode step: pack the qbuffers that filled, every row predicated on the device."""
         if self.key_width == 0:  # no row can ever complete a page
             return
+        if compiling():  # a traceable step (the torch path's pack below is only reached eagerly)
+            a = self._op_args
+            custom_ops.pack_completed_flat(a.cfg, self.lengths, self.k_qbuf, self.v_qbuf, a.pools, self.k_page_table,
+                                           self.v_page_table, self.layer_idx, self.query_scale())  # fmt: skip
+            return
         self.on_undo(self._unpoint_completed)  # a packed page lies past the row's old pages: only tables change
         args = (
             self.lengths,
@@ -277,10 +390,7 @@ class StaticKittyLayer(PagedLayer):
             self.layer_idx,
             self.query_scale(),
         )
-        if compiling():
-            custom_ops.pack_completed(self.cfg, *args)
-        else:
-            self.ops.pack_completed(*args)
+        self.ops.pack_completed(*args)
 
     def _unpoint_completed(self) -> None:
         """Undo of :meth:`pack_filled` (``lengths`` still count the step's token): the completed pages' table
