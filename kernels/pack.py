@@ -292,7 +292,7 @@ def _pack_kernel(
         h = page_prog % Hkv
         if PREDICATED:  # programs (row i, head h, part) of every row: only a row whose key qbuffer just filled packs
             done, j = _filled_page(len_ptr, i, S, G)
-            if done == 0:
+            if (done == 0) | (j >= k_width):  # past the row's last page (past max_cache_len): write nothing
                 return
             row = i.to(tl.int64)
             page = (i * k_width + j).to(tl.int64)
@@ -313,7 +313,7 @@ def _pack_kernel(
         vh = vprog % Hkv
         if PREDICATED:  # likewise for a value qbuffer (filled once R more tokens came)
             vdone, vj = _filled_page(len_ptr, vi, S + R, G)
-            if vdone == 0:
+            if (vdone == 0) | (vj >= v_width):
                 return
             vrow = vi.to(tl.int64)
             vpage = (vi * v_width + vj).to(tl.int64)

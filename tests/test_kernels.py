@@ -224,6 +224,29 @@ def test_pack_completed_matches_its_reference(preset, R):
     assert (tables[0][3:] == -1).all() and (tables[1][3:] == -1).all()  # rows that filled nothing
 
 
+def test_pack_completed_never_writes_past_a_rows_last_page():
+    """A row whose token completes a page past its table's width (a step past max_cache_len, which only a
+    user's own compiled or captured loop can take) writes nothing: no pool byte and no table entry of any row."""
+    cfg = small("kitty", group_size=16, local_window=16, sink_tokens=4)
+    S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
+    B, Hkv, D, W = 2, 2, 64, 2
+    # both sides of both rows complete a page j >= W (R = G: a row fills its key and value qbuffers at once)
+    lengths = torch.tensor([S + R + (W + 1) * G, S + R + (W + 2) * G], dtype=torch.int32, device=DEVICE)
+    k_qbuf, v_qbuf = planted_kv(B, Hkv, G, D, torch.float16, DEVICE, seed=5)
+    key_spec, value_spec = pool_fields(cfg, Hkv, D, torch.float16)
+    pools = [
+        {n: torch.full((B * W, *shape), 7, dtype=dt, device=DEVICE) for n, (shape, dt) in spec.items()}
+        for spec in (key_spec, value_spec)
+    ]
+    tables = [torch.full((B, W), -1, dtype=torch.int32, device=DEVICE) for _ in range(2)]
+    before = [{n: t.clone() for n, t in pool.items()} for pool in pools]
+    kernels.pack_completed(cfg, lengths, k_qbuf, v_qbuf, *pools, *tables)
+    for got, ref in zip(pools, before):
+        for name in got:
+            assert torch.equal(got[name], ref[name]), name
+    assert all((t == -1).all() for t in tables)
+
+
 PACK_SPLIT_CASES = [  # (preset, dtype, D, R, splits): R = G fills both qbuffers of a row at once, R = G / 2 never
     ("kitty", torch.float16, 64, 32, (1, 1)),
     ("kitty-pro", torch.bfloat16, 128, 16, (4, 2)),
