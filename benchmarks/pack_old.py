@@ -13,27 +13,10 @@ import triton
 import triton.language as tl
 
 from kitty.core.config import KVQuantConfig
+from kitty.kernels._pack_math import _range_scale, _roundup_to  # unchanged by the rewrite
 from kitty.kernels._tiles import TLTYPE
 
 # fmt: off
-
-
-@triton.jit
-def _roundup_to(scale, DTYPE: tl.constexpr, ITYPE: tl.constexpr):
-    """fp32 ``scale`` -> ``DTYPE`` rounded to nearest, then bumped one ulp up where that rounded down."""
-    s_q = scale.to(DTYPE)
-    bump = (s_q.to(tl.float32) < scale).to(ITYPE)
-    return (s_q.to(ITYPE, bitcast=True) + bump).to(DTYPE, bitcast=True)
-
-
-@triton.jit
-def _range_scale(mx, mn, levels):
-    """``(mx - mn) / levels`` in fp32; where the range overflows fp32 (finite inputs near the fp32/bf16 limits),
-    ``mx / levels - mn / levels`` bumped up two ulps instead, as ``kitty.core.quant.minmax_params`` does."""
-    scale = tl.div_rn(mx - mn, levels)
-    split = tl.div_rn(mx, levels) - tl.div_rn(mn, levels)  # > 0 wherever the range overflowed
-    split_up = (split.to(tl.int32, bitcast=True) + 2).to(tl.float32, bitcast=True)  # nextafter twice, towards +inf
-    return tl.where(scale == float("inf"), split_up, scale)
 
 
 @triton.jit

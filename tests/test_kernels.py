@@ -196,6 +196,30 @@ def test_make_state_triton_pack_matches_torch_pack(preset):
         assert torch.equal(t.nan_to_num(), got[name].nan_to_num()), name
 
 
+def _pools(cfg, Hkv: int, D: int, dtype, pages: int, fill) -> list[dict[str, torch.Tensor]]:
+    """Key and value pools of ``pages`` pages whose every byte comes from ``fill(shape, dtype)``."""
+    return [
+        {n: fill((pages, *shape), dt).to(DEVICE) for n, (shape, dt) in spec.items()}
+        for spec in pool_fields(cfg, Hkv, D, dtype)
+    ]
+
+
+def _pack_completed_vs_ref(cfg, lengths, k, v, pools, W: int, salt: int = 0, **launch) -> list[torch.Tensor]:
+    """``pack_completed`` (with ``launch`` keywords) and ``pack_completed_ref`` from the same pools and empty page
+    tables of ``W`` columns; asserts every pool field and table equal and returns the kernel's tables."""
+    tables = [torch.full((len(lengths), W), -1, dtype=torch.int32, device=DEVICE) for _ in range(2)]
+    ref_pools = [{n: t.clone() for n, t in pool.items()} for pool in pools]
+    ref_tables = [t.clone() for t in tables]
+    kernels.pack_completed(cfg, lengths, k, v, *pools, *tables, salt=salt, **launch)
+    kernels.pack_completed_ref(cfg, lengths, k, v, *ref_pools, *ref_tables, salt=salt)
+    for got, ref in zip(pools, ref_pools):
+        for name in got:
+            assert torch.equal(got[name], ref[name]), name
+    for got, ref in zip(tables, ref_tables):
+        assert torch.equal(got, ref)
+    return tables
+
+
 @pytest.mark.parametrize("preset,R", [("kitty", 16), ("kivi-k4v2-sink", 24)])  # R = G: both sides fill at once
 def test_pack_completed_matches_its_reference(preset, R):
     """The predicated pack kernel (a static layer's stage 3) against pack_completed_ref on random qbuffers: rows whose
@@ -205,21 +229,8 @@ def test_pack_completed_matches_its_reference(preset, R):
     B, Hkv, D, W = 5, 2, 64, 4
     lengths = torch.tensor([S + 2 * G, S + R + G, S + 2 * G + R, S + G + 3, S], dtype=torch.int32, device=DEVICE)
     k_qbuf, v_qbuf = planted_kv(B, Hkv, G, D, torch.float16, DEVICE, seed=17)
-    key_spec, value_spec = pool_fields(cfg, Hkv, D, torch.float16)
-    pools = [
-        {n: torch.zeros(B * W, *shape, dtype=dt, device=DEVICE) for n, (shape, dt) in spec.items()}
-        for spec in (key_spec, value_spec)
-    ]
-    tables = [torch.full((B, W), -1, dtype=torch.int32, device=DEVICE) for _ in range(2)]
-    ref_pools = [{n: t.clone() for n, t in pool.items()} for pool in pools]
-    ref_tables = [t.clone() for t in tables]
-    kernels.pack_completed(cfg, lengths, k_qbuf, v_qbuf, *pools, *tables, salt=1)
-    kernels.pack_completed_ref(cfg, lengths, k_qbuf, v_qbuf, *ref_pools, *ref_tables, salt=1)
-    for got, ref in zip(pools, ref_pools):
-        for name in got:
-            assert torch.equal(got[name], ref[name]), name
-    for got, ref in zip(tables, ref_tables):
-        assert torch.equal(got, ref)
+    pools = _pools(cfg, Hkv, D, torch.float16, B * W, lambda shape, dt: torch.zeros(shape, dtype=dt))
+    tables = _pack_completed_vs_ref(cfg, lengths, k_qbuf, v_qbuf, pools, W, salt=1)
     assert tables[0][0, 1] == 0 * W + 1 and tables[1][1, 0] == 1 * W + 0  # row b's page j is pool id b * W + j
     assert (tables[0][3:] == -1).all() and (tables[1][3:] == -1).all()  # rows that filled nothing
 
@@ -233,15 +244,10 @@ def test_pack_completed_never_writes_past_a_rows_last_page():
     # both sides of both rows complete a page j >= W (R = G: a row fills its key and value qbuffers at once)
     lengths = torch.tensor([S + R + (W + 1) * G, S + R + (W + 2) * G], dtype=torch.int32, device=DEVICE)
     k_qbuf, v_qbuf = planted_kv(B, Hkv, G, D, torch.float16, DEVICE, seed=5)
-    key_spec, value_spec = pool_fields(cfg, Hkv, D, torch.float16)
-    pools = [
-        {n: torch.full((B * W, *shape), 7, dtype=dt, device=DEVICE) for n, (shape, dt) in spec.items()}
-        for spec in (key_spec, value_spec)
-    ]
-    tables = [torch.full((B, W), -1, dtype=torch.int32, device=DEVICE) for _ in range(2)]
+    pools = _pools(cfg, Hkv, D, torch.float16, B * W, lambda shape, dt: torch.full(shape, 7, dtype=dt))
     before = [{n: t.clone() for n, t in pool.items()} for pool in pools]
-    kernels.pack_completed(cfg, lengths, k_qbuf, v_qbuf, *pools, *tables)
-    for got, ref in zip(pools, before):
+    tables = _pack_completed_vs_ref(cfg, lengths, k_qbuf, v_qbuf, pools, W)  # the reference clamps j, ...
+    for got, ref in zip(pools, before):  # ... so it must leave the pools as they were too
         for name in got:
             assert torch.equal(got[name], ref[name]), name
     assert all((t == -1).all() for t in tables)
@@ -274,21 +280,8 @@ def test_pack_completed_split_pages_bit_identical(preset, dtype, D, R, splits):
     if dtype == torch.bfloat16:  # ranges below 2**-80: IEEE division (fp16 has no such nonzero range)
         k[3], v[3] = k[3] * 1e-30, v[3] * 1e-30
     k, v = k.to(dtype).to(DEVICE), v.to(dtype).to(DEVICE)
-    key_spec, value_spec = pool_fields(cfg, Hkv, D, dtype)
-    pools = [
-        {n: torch.randint(1, 200, (B * W, *s), generator=g).to(dt).to(DEVICE) for n, (s, dt) in spec.items()}
-        for spec in (key_spec, value_spec)
-    ]
-    tables = [torch.full((B, W), -1, dtype=torch.int32, device=DEVICE) for _ in range(2)]
-    ref_pools = [{n: t.clone() for n, t in pool.items()} for pool in pools]
-    ref_tables = [t.clone() for t in tables]
-    kernels.pack_completed(cfg, lengths, k, v, *pools, *tables, splits=splits)
-    kernels.pack_completed_ref(cfg, lengths, k, v, *ref_pools, *ref_tables)
-    for got, ref in zip(pools, ref_pools):
-        for name in got:
-            assert torch.equal(got[name], ref[name]), name
-    for got, ref in zip(tables, ref_tables):
-        assert torch.equal(got, ref)
+    pools = _pools(cfg, Hkv, D, dtype, B * W, lambda shape, dt: torch.randint(1, 200, shape, generator=g).to(dt))
+    tables = _pack_completed_vs_ref(cfg, lengths, k, v, pools, W, splits=splits)
     done = (tables[0] >= 0).sum(1).tolist(), (tables[1] >= 0).sum(1).tolist()
     assert done == (([1, 1, 0, 1, 0], [1, 0, 0, 1, 0]) if R == G else ([1, 1, 0, 0, 0], [0, 0, 0, 1, 0]))
 
@@ -309,20 +302,8 @@ def test_pack_completed_production_shape_bit_identical(splits):
     S, G, B, Hkv, D, W = cfg.sink_tokens, cfg.group_size, 2, 2, 128, 3
     k, v = planted_kv(B, Hkv, G, D, torch.bfloat16, DEVICE, seed=11)
     lengths = torch.tensor([S + 2 * G, S + G], dtype=torch.int32, device=DEVICE)
-    key_spec, value_spec = pool_fields(cfg, Hkv, D, torch.bfloat16)
-    pools = [
-        {n: torch.full((B * W, *s), 7, dtype=dt, device=DEVICE) for n, (s, dt) in spec.items()}
-        for spec in (key_spec, value_spec)
-    ]
-    tables = [torch.full((B, W), -1, dtype=torch.int32, device=DEVICE) for _ in range(2)]
-    ref_pools = [{n: t.clone() for n, t in pool.items()} for pool in pools]
-    ref_tables = [t.clone() for t in tables]
-    kernels.pack_completed(cfg, lengths, k, v, *pools, *tables, splits=splits)
-    kernels.pack_completed_ref(cfg, lengths, k, v, *ref_pools, *ref_tables)
-    for got, ref in zip(pools, ref_pools):
-        for name in got:
-            assert torch.equal(got[name], ref[name]), name
-    assert all(torch.equal(a, b) for a, b in zip(tables, ref_tables))
+    pools = _pools(cfg, Hkv, D, torch.bfloat16, B * W, lambda shape, dt: torch.full(shape, 7, dtype=dt))
+    tables = _pack_completed_vs_ref(cfg, lengths, k, v, pools, W, splits=splits)
     assert tables[0].tolist() == [[-1, 1, -1], [3, -1, -1]] and tables[1].tolist() == [[0, -1, -1], [-1, -1, -1]]
 
 

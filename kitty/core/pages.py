@@ -35,10 +35,12 @@ def filled_page(n: int, start: int, group_size: int) -> int | None:
 def filled_pages(lengths: torch.Tensor, start: int, group_size: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Device form of :func:`filled_page` for every row at once (no host read): ``(done, j)``, bool and int64 ``[B]``
     from ``lengths`` ``[B]`` (counting the new token); ``j`` is clamped into ``[0, width)`` so that it indexes a page
-    table of ``width`` columns whatever ``done`` says."""
+    table of ``width`` columns whatever ``done`` says, and ``done`` is False for a page past the table (a step past
+    ``max_cache_len``: nothing is written there)."""
     m = lengths.long() - start
-    done = (m > 0) & (m % group_size == 0)
-    return done, (m // group_size - 1).clamp(0, max(width - 1, 0))
+    j = m // group_size - 1
+    done = (m > 0) & (m % group_size == 0) & (j < width)
+    return done, j.clamp(0, max(width - 1, 0))
 
 
 def pages_completed(cfg: KVQuantConfig, n0: list[int], n1: list[int]) -> tuple[list[int], list[int]]:
