@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import random
+import time
 from pathlib import Path
 
 import torch
@@ -61,8 +62,9 @@ def run_ppl(a, model, tokenizer, out: Path) -> None:
         if m in store:
             continue
         cfg = get_preset(m)
-        nll = [decode_nll(model, w, cfg, a.prefill) for _, w in tqdm(named, desc=m, leave=False)]
-        store[m] = {"nll": nll, "bits": cache_bits(model, named[0][1], m)}
+        start = time.perf_counter()
+        nll = [decode_nll(model, w, cfg, a.prefill) for _, w in tqdm(named, desc=m)]
+        store[m] = {"nll": nll, "bits": cache_bits(model, named[0][1], m), "seconds": time.perf_counter() - start}
         torch.save(store, path)  # after every method: an interrupted run keeps what it measured
 
 
@@ -77,10 +79,11 @@ def run_passkey(a, model, tokenizer, out: Path) -> None:
         if m in store:
             continue
         cfg = get_preset(m)
-        store[m] = [
-            str(c[2]) in passkey_answer(model, tokenizer, passkey_prompt(tokenizer, *c), cfg)
-            for c in tqdm(cases, desc=m, leave=False)
-        ]
+        start = time.perf_counter()
+        answers = [passkey_answer(model, tokenizer, passkey_prompt(tokenizer, *c), cfg) for c in tqdm(cases, desc=m)]
+        store[m] = [str(c[2]) in a for c, a in zip(cases, answers)]
+        store[f"_answers/{m}"] = answers  # the raw greedy answers, to tell a near miss from a failed retrieval
+        store[f"_seconds/{m}"] = time.perf_counter() - start
         path.write_text(json.dumps(store))
 
 
@@ -127,6 +130,7 @@ def main() -> None:
     p.add_argument("part", choices=("ppl", "passkey", "table"))
     p.add_argument("--methods", required=True, help="comma-separated presets (+field=value overrides allowed)")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--model", default=None, help="as for load_model: a packaged model's name, a folder or a hub id")
     p.add_argument("--prefill", type=int, default=1024)
     p.add_argument("--scored", type=int, default=256)
     p.add_argument("--windows-per-text", type=int, default=2)
@@ -144,7 +148,7 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     if a.part != "table":
         torch.set_num_threads(1)
-        model, tokenizer = load_model()
+        model, tokenizer = load_model(a.model)
         (run_ppl if a.part == "ppl" else run_passkey)(a, model, tokenizer, a.out)
     print(table(a, a.out))
 
