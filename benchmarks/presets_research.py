@@ -125,6 +125,24 @@ def table(a, out: Path) -> str:
     return "\n".join(lines)
 
 
+def write_rows(a, out: Path, csv_path: Path) -> None:
+    """One CSV row per (method, passkey prompt): its answer and whether it holds the key; and one per (method,
+    perplexity window): its mean NLL and tokens. ``--model`` names the model in every row."""
+    import csv
+
+    store = torch.load(out / "nll.pt") if (out / "nll.pt").exists() else {}
+    pk = json.loads((out / "passkey.json").read_text()) if (out / "passkey.json").exists() else {}
+    model = a.model or "SmolLM2-135M-Instruct"
+    with csv_path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["model", "method", "part", "length", "depth", "key", "answer", "solved", "text", "window", "nll"])
+        for m in ["fp16"] + a.methods:
+            for c, ok, ans in zip(pk.get("_cases", []), pk.get(m, []), pk.get(f"_answers/{m}", [])):
+                w.writerow([model, m, "passkey", c[0], c[1], c[2], ans, int(ok), "", "", ""])
+            for i, (text, nll) in enumerate(zip(store.get("_texts", []), store.get(m, {}).get("nll", []))):
+                w.writerow([model, m, "ppl", "", "", "", "", "", text, i, f"{nll.double().mean().item():.6f}"])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("part", choices=("ppl", "passkey", "table"))
@@ -137,6 +155,7 @@ def main() -> None:
     p.add_argument("--passkey-lengths", default="1024,2048,4096")
     p.add_argument("--passkey-trials", type=int, default=2)
     p.add_argument("--pairs", default="", help="table: candidate:reference,... compared at (asserted) equal bits")
+    p.add_argument("--csv", type=Path, default=None, help="table: also write the per-prompt and per-window rows here")
     a = p.parse_args()
     a.order = [m for m in a.methods.split(",") if m]
     a.methods = [m for m in a.order if m != "fp16"]
@@ -151,6 +170,8 @@ def main() -> None:
         model, tokenizer = load_model(a.model)
         (run_ppl if a.part == "ppl" else run_passkey)(a, model, tokenizer, a.out)
     print(table(a, a.out))
+    if a.part == "table" and a.csv is not None:
+        write_rows(a, a.out, a.csv)
 
 
 if __name__ == "__main__":
