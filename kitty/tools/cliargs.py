@@ -31,8 +31,13 @@ SAMPLE_TEMPERATURE = 1.0  # --sample without --temperature: the model's own dist
 
 
 def add_model(p: argparse.ArgumentParser) -> None:
-    """``--model``: a hub id or a local folder."""
-    p.add_argument("--model", default=None, help="hub id or local path (default: the embedded SmolLM2-135M-Instruct)")
+    """``--model``: a hub id, a local folder or a packaged model's name."""
+    p.add_argument(
+        "--model",
+        default=None,
+        help="hub id, local path, or a packaged model (gemma-3-270m, qwen2.5-coder-0.5b-instruct: their chunk "
+        "packages installed) (default: the embedded SmolLM2-135M-Instruct)",
+    )
 
 
 def add_tp(p: argparse.ArgumentParser) -> None:
