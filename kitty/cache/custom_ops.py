@@ -118,11 +118,21 @@ def flat_args(
 ) -> FlatArgs:
     """Flatten a static layer's fixed op arguments once (eagerly): the tensors keep their identity, so the flat form
     stays valid for as long as the layer keeps its tensors."""
+    return FlatArgs(
+        config_key(cfg),
+        [getattr(state, n) for n in STATE_FIELDS],
+        _launch_ints(launch),
+        _flat_pools(key_pool, value_pool),
+    )
+
+
+def _flat_pools(key_pool: dict[str, torch.Tensor], value_pool: dict[str, torch.Tensor]) -> list:
+    """Key then value pool tensors in ``KEY_POOL_FIELDS + VALUE_POOL_FIELDS`` order (``None`` for absent fields);
+    ``ValueError`` for a field no pool has."""
     unknown = set(key_pool) - set(KEY_POOL_FIELDS) | set(value_pool) - set(VALUE_POOL_FIELDS)
     if unknown:
         raise ValueError(f"key_pool / value_pool hold fields no pool has: {sorted(unknown)}")
-    pools = [key_pool.get(n) for n in KEY_POOL_FIELDS] + [value_pool.get(n) for n in VALUE_POOL_FIELDS]
-    return FlatArgs(config_key(cfg), [getattr(state, n) for n in STATE_FIELDS], _launch_ints(launch), pools)
+    return [key_pool.get(n) for n in KEY_POOL_FIELDS] + [value_pool.get(n) for n in VALUE_POOL_FIELDS]
 
 
 # ------------------------------------------------------------------------------------------------ stage 1: insert
@@ -301,10 +311,7 @@ def pack_completed(
 ) -> None:
     """``kitty::pack_completed``: stage 3 of a static decode step, predicated on the device (the layer's ops object's
     ``pack_completed``: the Triton kernel for the sides it packs bit-identically, the torch reference for the rest)."""
-    unknown = set(key_pool) - set(KEY_POOL_FIELDS) | set(value_pool) - set(VALUE_POOL_FIELDS)
-    if unknown:
-        raise ValueError(f"key_pool / value_pool hold fields no pool has: {sorted(unknown)}")
-    pools = [key_pool.get(n) for n in KEY_POOL_FIELDS] + [value_pool.get(n) for n in VALUE_POOL_FIELDS]
+    pools = _flat_pools(key_pool, value_pool)
     pack_completed_flat(config_key(cfg), lengths, k_qbuf, v_qbuf, pools, k_page_table, v_page_table, salt, query_scale)
 
 

@@ -447,13 +447,8 @@ class KittyCache(StaticCacheSizes, Cache):
         layer = self._paged_layer()
         if self.max_cache_len is None or layer is None or not layer.is_initialized:
             return
-        fed = layer.seen_tokens
-        if fed + 1 > self.max_cache_len:
-            raise ValueError(
-                f"{fed} columns cached + 1 new exceed max_cache_len={self.max_cache_len}; build the cache with a "
-                "larger max_cache_len (prompt columns, padding included, plus new tokens)"
-            )
-        mask.check_decode_column(fed)
+        layer.check_room(1)
+        mask.check_decode_column(layer.seen_tokens)
 
     def begin_step(self, layer) -> None:
         """Open ``layer``'s step within the current forward pass."""
