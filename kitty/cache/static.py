@@ -245,9 +245,11 @@ class StaticKittyLayer(PagedLayer):
         return self.seen_tokens
 
     def advance(self, steps: int = 1) -> None:
-        """Count ``steps`` decode steps that ran without this layer's Python code (a replayed CUDA graph)."""
-        self.seen_tokens += steps
-        self._steps += steps
+        """Count ``steps`` decode steps that ran without this layer's Python code (a replayed CUDA graph): one
+        catch-up check, then the plain counters (called per layer at every replay of the product's loop)."""
+        self._catch_up()
+        self._seen += steps
+        self._steps_done += steps
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """Static sizes ``(max_cache_len, 0)``, as transformers' ``StaticLayer``."""
