@@ -22,6 +22,7 @@ from kitty.cache.attention import (
     attend_torch,
     kitty_attention_forward,
     resolve_backend,
+    user_implementation,
 )
 from kitty.core.pages import filled_page
 from kitty.hf.compat import cache_kwargs
@@ -65,6 +66,24 @@ def test_registered_under_kitty():
     model = LlamaForCausalLM(config())
     KittyCache(model.config, "kitty")
     assert model.config._attn_implementation == "sdpa"  # the user's choice: "kitty" only during a KittyCache pass
+
+
+def test_config_read_by_dynamo_while_tracing_reads_kitty_for_good():
+    """Some dynamo releases (torch 2.11) evaluate a config's ``_attn_implementation`` as a real call while tracing and
+    guard on the value, so the thread flag set inside the same trace is not seen: such a read (a tracing context is
+    active, the code is not traced symbolically) makes that config read "kitty" from then on, in the guard checks and
+    eager calls that follow. Other configs of the class, and reads with no trace under way, are untouched."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model, other = LlamaForCausalLM(config()), LlamaForCausalLM(config())
+    KittyCache(model.config, "kitty")
+    assert model.config._attn_implementation == "sdpa"
+    with tracing(TracingContext(FakeTensorMode())):
+        assert model.config._attn_implementation == ATTN_NAME
+    assert model.config._attn_implementation == ATTN_NAME  # the guard's read, after the trace
+    assert other.config._attn_implementation == "sdpa"
+    assert user_implementation(model.config) == "sdpa"  # the user's choice, for the functions that hand layers on
 
 
 def test_plain_tensors_fall_back_to_sdpa_exactly():

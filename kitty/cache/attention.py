@@ -101,11 +101,38 @@ def use_kitty_attention(config) -> None:
     if not getattr(own.fget, "_kitty", False):  # a base class may be wrapped already
 
         def read(self):
-            return ATTN_NAME if in_kitty_forward() else own.fget(self)
+            return ATTN_NAME if in_kitty_forward() or _read_by_dynamo(self) else own.fget(self)
 
         read._kitty = True
         cls._attn_implementation = property(read, own.fset, own.fdel, own.__doc__)
     _PATCHED.add(cls)
+
+
+_DYNAMO_READ: dict[int, weakref.ref] = {}  # configs whose property dynamo evaluated for real while tracing
+
+
+def _read_by_dynamo(config) -> bool:
+    """Whether ``config`` reads ``"kitty"`` outside a KittyCache forward pass: once some ``torch.compile`` trace has
+    evaluated its ``_attn_implementation`` as a real call, from then on.
+
+    Some dynamo releases (torch 2.11) do not trace this property: they call it while tracing and guard on the value
+    it returned, so the thread flag (set by ``get_mask_sizes`` inside the same trace) is not seen, and a guard
+    checked before each compiled call must see the same name as the trace did. Such a config therefore reads
+    ``"kitty"`` for good: the ``"kitty"`` mask and attention functions hand layers of other caches to the user's
+    implementation (:func:`_user_attention`, :meth:`KittyMask.sdpa`), so those passes are unchanged. Releases
+    whose dynamo traces the property (torch 2.13) never get here while compiling.
+    """
+    ref = _DYNAMO_READ.get(id(config))
+    if ref is not None and ref() is config:
+        return True
+    if torch.compiler.is_compiling():  # traced symbolically: the thread flag is seen as set
+        return False
+    from torch._guards import TracingContext
+
+    if TracingContext.try_get() is None:  # an eager read
+        return False
+    _DYNAMO_READ[id(config)] = weakref.ref(config, lambda _, key=id(config): _DYNAMO_READ.pop(key, None))
+    return True
 
 
 def user_implementation(config) -> str:
