@@ -166,8 +166,9 @@ def main() -> None:
                 if time.time() - t0 > args.deadline_s or (time.time() - t0 > args.budget_s and (cps, two) != (8, True)):
                     continue
                 gl_launch = default_gluon_launch(B, HKV, units, torch.device("cuda"), cps, min_pages)
+                pages_splits = gl_launch.num_splits - gl_launch.tail_splits  # the default's own tail replaced
                 gl_launch = dataclasses.replace(
-                    gl_launch, key_two_part=two, num_splits=gl_launch.num_splits + tail, tail_splits=tail, maxnreg=nreg
+                    gl_launch, key_two_part=two, num_splits=pages_splits + tail, tail_splits=tail, maxnreg=nreg
                 )
                 ws = [{} for _ in range(nrot)]
                 try:

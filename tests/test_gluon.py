@@ -158,6 +158,27 @@ def test_splits_cover_every_page_and_chunk_once(full_qbuffer):
             assert sinks == (n > 0)
 
 
+def test_default_launch_gives_the_tail_its_own_programs_at_small_batch(monkeypatch):
+    """At most 16 (row, KV head) pairs, the default launch runs one page per program plus 4 programs for the
+    full-precision chunks (measured faster at (1, 4K)); above, two pages per program and no tail programs. Each
+    leaves at least one program for pages and gives every page split the same page count."""
+    from kitty.kernels import gluon_launch as gl
+
+    monkeypatch.setattr(gl, "num_sms", lambda device: 132)
+    for B, Hkv, blocks in ((1, 8, 32), (1, 8, 256), (2, 8, 64), (1, 2, 1), (16, 8, 64), (64, 8, 64), (3, 1, 5)):
+        launch = gl.default_gluon_launch(B, Hkv, blocks, "cuda")
+        small = B * Hkv <= gl.SMALL_PAIRS
+        assert launch.tail_splits == (gl.SMALL_TAIL_SPLITS if small else 0), (B, Hkv, blocks)
+        page_splits = launch.num_splits - launch.tail_splits
+        assert page_splits >= 1
+        per = -(-blocks // page_splits)
+        assert -(-blocks // per) == page_splits  # no empty page split
+        if small:
+            assert per == 1 or blocks > -(-8 * 132 // (B * Hkv))  # one page each, unless that is > 8 programs per SM
+    old = gl.default_gluon_launch(1, 8, 32, "cuda", min_pages=2)
+    assert (old.num_splits, old.tail_splits) == (16, 0)
+
+
 def test_pages_supported_and_cpu_never():
     cfg = PRESETS["kitty"]
     assert pages_supported(cfg, 128, torch.float16, 4)
