@@ -1,0 +1,89 @@
+"""Diagnose a reduce-overhead compiled forward that a prompt goes through too (CUDA): the tokens of three
+generations on one static KittyCache (reset between them) against the eager static decode, under variants of the
+compile mode and of where cudagraph trees start a new step.
+
+    python -m benchmarks.compile_diag
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [str(_HERE.parent), str(_HERE.parent / "tests")] + [
+    p for p in sys.path if Path(p or ".").resolve() != _HERE
+]
+
+import torch  # noqa: E402
+
+from kitty import KittyCache  # noqa: E402
+from kitty.hf.generate import generate_static  # noqa: E402
+
+
+def tiny():
+    from fixtures import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config("llama", vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+                      initializer_range=0.1)  # fmt: skip
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float16).cuda().eval()
+
+
+class Runner:
+    def __init__(self, model, mode, prompt_compiled, mark_step):
+        self.model, self.device = model, model.device
+        self.compiled = torch.compile(model.forward, mode=mode)
+        self.prompt_compiled, self.mark_step = prompt_compiled, mark_step
+
+    def __call__(self, ids, **kw):
+        if self.mark_step:
+            torch.compiler.cudagraph_mark_step_begin()
+        fn = self.compiled if (ids.shape[1] == 1 or self.prompt_compiled) else self.model
+        return fn(ids, **kw)
+
+
+def main() -> None:
+    model = tiny()
+    g = torch.Generator().manual_seed(0)
+    B, T, new = 3, 150, 40
+    ids = torch.randint(0, 512, (B, T), generator=g).cuda()
+    mask = torch.ones(B, T, dtype=torch.long, device="cuda")
+    for b in range(1, B):
+        mask[b, : 40 * b] = 0
+    want = generate_static(model, ids, mask, KittyCache(model.config, "kitty", max_batch_size=B, max_cache_len=T + new),
+                           new, capture=False)  # fmt: skip
+    out = {}
+    for name, mode, prompt_compiled, mark in [
+        ("decode_reduce_overhead", "reduce-overhead", False, False),
+        ("forward_reduce_overhead", "reduce-overhead", True, False),
+        ("forward_reduce_overhead_mark_step", "reduce-overhead", True, True),
+        ("forward_default", "default", True, False),
+        ("forward_max_autotune_no_cudagraphs", "max-autotune-no-cudagraphs", True, False),
+    ]:
+        torch._dynamo.reset()
+        t0 = time.time()
+        try:
+            cache = KittyCache(model.config, "kitty", max_batch_size=B, max_cache_len=T + new)
+            r = Runner(model, mode, prompt_compiled, mark)
+            res = []
+            for i in range(3):
+                if i:
+                    cache.reset()
+                got = generate_static(r, ids, mask, cache, new, capture=False)
+                diff = (got != want).any(0).nonzero().flatten().tolist()
+                res.append({"equal": bool(torch.equal(got, want)), "first_diff_step": diff[0] if diff else None})
+            out[name] = {"generations": res, "seconds": round(time.time() - t0, 1)}
+        except Exception as e:  # noqa: BLE001
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}", "seconds": round(time.time() - t0, 1)}
+        print(name, json.dumps(out[name]), flush=True)
+    dest = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
+    (dest / "compile_diag.json").write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
