@@ -224,6 +224,12 @@ def main() -> None:
         print(
             f"    pipelined (the product's loop) {own:8.0f} tok/s"
             + (f", {own / same:.2f}x the best fp16-captured of the same batch" if same else "")
+            + (
+                f"; host per synchronized step: replay {r['host_replay_us']:.0f} us, "
+                f"counters {r['host_advance_us']:.0f} us"
+                if "host_replay_us" in r
+                else ""
+            )
         )
     for n in notes:
         print("-", n)

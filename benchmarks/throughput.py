@@ -432,18 +432,25 @@ def static_decode(
             step()
         _advance(cache, -1)
 
-    def run():
+    host = {"replay": [], "advance": []}  # host seconds per synchronized step: graph.replay(), then the counters
+
+    def run(timed: bool = False):
         if graph is None:
             step()
-        else:
-            graph.replay()
-            _advance(cache, 1)
+            return
+        t0 = time.perf_counter()
+        graph.replay()
+        t1 = time.perf_counter()
+        _advance(cache, 1)
+        if timed:
+            host["replay"].append(t1 - t0)
+            host["advance"].append(time.perf_counter() - t1)
 
     times = []
     for _ in range(steps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        run()
+        run(timed=True)
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
@@ -458,6 +465,8 @@ def static_decode(
     b.synchronize()
     pipelined = a.elapsed_time(b) / 1e3 / steps
     busy = {"pipelined_ms": pipelined * 1e3}
+    if host["replay"]:  # medians: where a synchronized step's time goes on the host, beside the GPU's
+        busy |= {f"host_{k}_us": sorted(v)[len(v) // 2] * 1e6 for k, v in host.items()}
     if profile_steps:
         from torch.profiler import ProfilerActivity, profile
 
