@@ -118,6 +118,42 @@ def test_quantized_logits_within_tolerance(kind, preset):
     assert agree >= 0.97
 
 
+def needs_gluon():
+    """Skip unless the Gluon kernel runs here (sm_90 and the triton release it was written for)."""
+    from kitty.kernels.gluon_launch import gluon_supports
+
+    if not gluon_supports(PRESETS["kitty"], 64, torch.float16, torch.device("cuda"), 4):
+        pytest.skip("the Gluon kernel needs sm_90 and its triton release")
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("preset", ["kitty", "kitty-pro"])
+def test_gluon_logits_within_tolerance(kind, preset):
+    """backend="gluon" on real decode steps (prompt, pages packed on the way): teacher-forced logits against the
+    torch backend within the same tolerance as the tl kernel's."""
+    needs_gluon()
+    model = tiny_model(kind)
+    ids = torch.randint(0, 512, (2, 420), generator=torch.Generator().manual_seed(2)).cuda()
+    logits = {
+        name: teacher_forced_logits(model, KittyCache(model.config, preset, backend=b), ids, None, 150)
+        for name, b in (("torch", "torch"), ("triton", "gluon"))
+    }
+    first, diff, scale, agree = compare(logits)
+    print(
+        f"gluon {kind} {preset}: first-step max |logit diff| {first:.4f}, over all steps {diff:.4f}, agree {agree:.4f}"
+    )
+    assert first <= LOGIT_RTOL * scale
+    assert agree >= 0.97
+
+
+def test_gluon_captured_decode_matches_eager():
+    """The captured static step with backend="gluon" gives its eager step's tokens on the ragged batch (rows fill
+    pages at different steps), and pages were packed inside the steps."""
+    needs_gluon()
+    toks, _ = eager_and_captured("kitty", backend="gluon")
+    assert torch.equal(toks[0], toks[1])
+
+
 def test_cache_uses_the_fused_kernel_on_cuda(monkeypatch):
     import kitty.kernels as kernels
 
@@ -184,7 +220,7 @@ def test_captured_decode_matches_eager(preset):
     assert torch.equal(toks[0], toks[1])
 
 
-def eager_and_captured(cfg, new: int = 140):
+def eager_and_captured(cfg, new: int = 140, backend: str = "auto"):
     """``generate_static``'s tokens on the ragged batch, eager and then captured, and the two caches (each of which
     packed pages inside its decode steps)."""
     from kitty.hf.generate import generate_static
@@ -193,7 +229,7 @@ def eager_and_captured(cfg, new: int = 140):
     ids, mask = ragged_prompts()
     toks, caches = [], []
     for capture in (False, True):
-        cache = KittyCache(model.config, cfg, max_batch_size=3, max_cache_len=ids.shape[1] + new)
+        cache = KittyCache(model.config, cfg, max_batch_size=3, max_cache_len=ids.shape[1] + new, backend=backend)
         toks.append(generate_static(model, ids, mask, cache, new, capture=capture))
         assert cache.token_counts()["key_pages"] > 0  # pages were packed inside the steps
         caches.append(cache)
