@@ -100,7 +100,9 @@ def _same_counters(cache: KittyCache, want: KittyCache) -> None:
     assert cache.token_counts(per_row=True) == want.token_counts(per_row=True)
 
 
-@pytest.mark.parametrize("preset,backend", [("kitty", "eager"), ("kitty-pro", "aot_eager"), ("kitty", "inductor")])
+@pytest.mark.parametrize(
+    "preset,backend", [("kitty", "eager"), ("kitty-pro", "aot_eager"), ("kitty", "inductor"), ("fp16", "aot_eager")]
+)
 def test_generate_compile_config_matches_eager_static(model, preset, backend):
     want, eager_cache = _eager(model, preset)
     torch._dynamo.reset()
