@@ -45,6 +45,7 @@ RESULTS = {
     "small_4k": "benchmarks/results/h200-2026-12-04/gluon_check.json",  # the tl kernel's default launch at (1, 4K)
     "small_32k": "benchmarks/results/h200-2026-12-04/gluon_check-2.json",  # and at (1, 32K), beside the Gluon kernel
     "throughput": "benchmarks/results/h200-2026-11-29/throughput.json",
+    "static_step": "benchmarks/results/h200-2026-12-05/static_throughput.json",  # the captured decode step
     "boost_speed": "benchmarks/results/h200-2026-11-29/boost_profile_h200.json",
     "paper_kernels": "benchmarks/summarize.py",  # OFFICIAL_KITTY_MS: the paper's own kernels, timed once
     "kernel_history": "docs/BENCHMARKS.md",  # the "What changed, step by step" table
@@ -163,6 +164,47 @@ def headline_cost() -> str:
         f"closes {closed:.0%} of the gap between 2-bit and 4-bit keys (both with sinks) for {extra:.3f} more bits "
         f"per element than 2-bit KIVI. Passkeys found: `kitty` {solved('kitty')}, `kitty-pro` {solved('kitty-pro')}, "
         f"2-bit KIVI {solved('kivi-k2v2')}, fp16 {solved('fp16') if 'fp16' in pk else 'all of them'}."
+    )
+
+
+def headline_speed() -> str:
+    rows_ = load_json("static_step")["rows"]
+    fp16, kitty = {}, {}
+    for r in rows_:
+        if r["ragged"]:
+            continue
+        point = (r["context"], r["batch"])
+        if r["method"].startswith("fp16-static-captured"):
+            fp16[point] = max(fp16.get(point, 0), r["tokens_per_s"])
+        elif r["method"] in ("kitty-captured", "kitty/gluon-captured"):
+            kitty[(r["method"].startswith("kitty/gluon"), *point)] = r["tokens_per_s"]
+
+    def vs(gluon: bool, context: int, batch: int, fp16_batch: int | None = None) -> str:
+        return f"{kitty[(gluon, context, batch)] / fp16[(context, fp16_batch or batch)]:.2f}x"
+
+    def largest(context: int) -> tuple[int, int]:  # kitty's largest batch, FP16's fastest batch at that context
+        ours = max(b for g, c, b in kitty if c == context)
+        theirs = max((b for c, b in fp16 if c == context), key=lambda b: fp16[(context, b)])
+        return ours, theirs
+
+    (b8, f8), (b32, f32) = largest(8192), largest(32768)
+    fits = {}  # FP16's largest batch under the budget, from the run's notes
+    for note in load_json("static_step").get("notes", []):
+        if m := re.match(r"context (\d+): largest static batch under .*'fp16': (\d+)", note):
+            fits[int(m.group(1))] = int(m.group(2))
+    than = lambda c, f: f"{f}" + (f", though it fits {fits[c]}" if fits.get(c, f) != f else "")  # noqa: E731
+    return wrap(
+        "**How fast, on a GPU.** One decode step of a Qwen3-8B-shaped model on an H200 with 20 GiB of KV cache, "
+        "captured in a CUDA graph, against the captured FP16 step with unmasked cuDNN attention of the same run "
+        f"(`benchmarks/static_h200.py`): the largest batch that fits gives {vs(False, 8192, b8, f8)} FP16's "
+        f"tokens/s at 8K context ({b8} rows against FP16's fastest, {than(8192, f8)}) and "
+        f"{vs(False, 32768, b32, f32)} at 32K ({b32} against {than(32768, f32)}) with the default kernel, "
+        f"{vs(True, 8192, b8, f8)} and {vs(True, 32768, b32, f32)} with the "
+        f'opt-in Gluon kernel (`backend="gluon"`, Hopper only); at the same batch of 16 rows, '
+        f"{vs(False, 8192, 16)} (Gluon {vs(True, 8192, 16)}); a single row runs at {vs(False, 8192, 1)} (8K) and "
+        f"{vs(False, 32768, 1)} (32K) of FP16's speed when the host waits for every step (Gluon "
+        f"{vs(True, 32768, 1)} at 32K). `python -m kitty`, the demo and `kitty.eval` take this captured step on "
+        "CUDA (docs/GPU.md)."
     )
 
 
@@ -427,6 +469,7 @@ def gpu_throughput() -> str:
 BLOCKS: dict[str, Callable[[], str]] = {
     "headline_size": headline_size,
     "headline_cost": headline_cost,
+    "headline_speed": headline_speed,
     "accuracy_ppl": accuracy_ppl,
     "accuracy_agreement": accuracy_agreement,
     "accuracy_passkey": accuracy_passkey,
