@@ -180,6 +180,28 @@ def test_compiled_decode_step_after_an_eager_prompt(model):
         model(last, attention_mask=torch.cat([full, full[:, :1]], 1), **cache_kwargs(cache))
 
 
+def test_compiled_steps_past_max_cache_len_are_reported(model):
+    """A compiled decode step checks no room (it reads nothing on the host): steps past ``max_cache_len`` store no
+    token, and the first host read of the cache's counters after them raises ``ValueError`` naming
+    ``max_cache_len`` rather than counting tokens that were not kept."""
+    ids, mask = _inputs()
+    full = torch.cat([mask, torch.ones(B, NEW, dtype=mask.dtype, device=DEVICE)], 1)
+    cache = _cache(model, "kitty")
+    kw = cache_kwargs(cache)
+    step = torch.compile(
+        lambda token: model(token, attention_mask=full, **kw).logits[:, -1].argmax(-1, keepdim=True),
+        backend="aot_eager",
+        fullgraph=True,
+    )
+    token = model(ids, attention_mask=mask, **kw).logits[:, -1].argmax(-1, keepdim=True)
+    for _ in range(NEW + 2):  # room for NEW columns after the prompt: two steps too many
+        token = step(token)
+    with pytest.raises(ValueError, match="2 column.*max_cache_len"):
+        cache.get_seq_length()
+    cache.reset()
+    assert cache.get_seq_length() == 0
+
+
 def test_torch_backend_steps_run_outside_the_graph(model):
     """The torch backend's decode step reads the host (``attend_torch``), so a compiled forward runs Kitty's part of
     it eagerly, outside the graph (graph breaks there), with the eager step's bookkeeping: the same tokens and

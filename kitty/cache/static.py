@@ -138,6 +138,12 @@ class StaticKittyLayer(PagedLayer):
         steps = int(self.lengths[0]) - self._n0[0]
         self._seen += steps - self._steps_done
         self._steps_done = steps
+        if self._seen > self.max_cache_len:  # a compiled step checks no room: say so at the first host read
+            raise ValueError(
+                f"compiled decode steps went {self._seen - self.max_cache_len} column(s) past max_cache_len="
+                f"{self.max_cache_len}; the tokens past it were not stored. Call cache.reset() and build the cache "
+                "with a larger max_cache_len (prompt columns, padding included, plus new tokens)"
+            )
 
     @property
     def seen_tokens(self) -> int:
