@@ -44,6 +44,8 @@ RESULTS = {
     "layout_sweep": "benchmarks/results/h200-2026-12-02/layout_sweep.json",
     "small_4k": "benchmarks/results/h200-2026-12-04/gluon_check.json",  # the tl kernel's default launch at (1, 4K)
     "small_32k": "benchmarks/results/h200-2026-12-04/gluon_check-2.json",  # and at (1, 32K), beside the Gluon kernel
+    "gluon_check": "benchmarks/results/h200-2026-12-05/gluon_check.json",  # the Gluon kernel: checks and timings
+    "gluon_step": "benchmarks/results/h200-2026-12-05/static_throughput.json",  # the captured step, tl and Gluon
     "throughput": "benchmarks/results/h200-2026-11-29/throughput.json",
     "static_step": "benchmarks/results/h200-2026-12-05/static_throughput.json",  # the captured decode step
     "boost_speed": "benchmarks/results/h200-2026-11-29/boost_profile_h200.json",
@@ -391,6 +393,71 @@ def gpu_layout_speed() -> str:
     return table(header, body, "lrrrrr") + "\n\n" + note
 
 
+def gpu_gluon() -> str:
+    """The Gluon kernel's run: per shape the fastest FP16 SDPA, the ``tl`` kernel's default launch and the fastest
+    Gluon launch of each variant (all timed in the same run), then its correctness counts."""
+    d = load_json("gluon_check")
+    best: dict[tuple[int, int, str], dict] = {}
+    for r in d["timing"]:
+        parts = r["method"].split()
+        if len(parts) >= 3 and parts[2] in ("gluon", "tl") and r.get("two_part", True):  # the default operand
+            key = (r["B"], r["L"], " ".join(parts[:2]) + " " + parts[2])
+            if key not in best or r["us"] < best[key]["us"]:
+                best[key] = r
+    variants = ["kitty float16", "kitty bfloat16", "kitty-pro float16", "kitty-pro bfloat16"]
+    body = []
+    for key, f in d["fastest_fp16"].items():
+        B, L = map(int, key.split(","))
+        cell = lambda v, k: (  # noqa: E731
+            f"{best[(B, L, v + ' ' + k)]['us']:.1f} ({best[(B, L, v + ' ' + k)]['vs_fp16']:.2f}x)"
+            if (B, L, v + " " + k) in best
+            else "not timed"
+        )
+        tl = cell("kitty float16", "tl")
+        pct_copy = best.get((B, L, "kitty float16 gluon"), {}).get("pct_copy")
+        gl16 = cell("kitty float16", "gluon") + (f", {pct_copy:.0f}% of copy" if pct_copy is not None else "")
+        body.append([f"({B}, {L // 1024}K)", f"{f['us']:.1f} ({f['name']})", tl, gl16,
+                     *(cell(v, "gluon") for v in variants[1:])])  # fmt: skip
+    header = ["(batch, context)", "fastest FP16 SDPA, µs", "`tl` `kitty` fp16, µs", "Gluon `kitty` fp16, µs",
+              "Gluon `kitty` bf16", "Gluon `kitty-pro` fp16", "Gluon `kitty-pro` bf16"]  # fmt: skip
+    chk = d["check"].values()
+    ran = [v for v in chk if "ok" in v]
+    skipped = sum("skipped" in v for v in chk)
+    unsupported = sum("supported" in v for v in chk)
+    note = wrap(
+        f"`{RESULTS['gluon_check']}` ({d['env']['gpu']}, triton {d['env']['triton']}, {d['env']['date']}): the "
+        f"Gluon kernel passed the tolerance rule in {sum(bool(v['ok']) for v in ran)} of the {len(ran)} cases it "
+        f"ran ({skipped} more were cut by the call's time budget; {unsupported} are configs it does not handle, "
+        "which run the `tl` kernel). Each Gluon cell is the fastest launch timed at that shape with the default "
+        "two-part `q · scale`; at batch 1 that is one page per program plus 4 programs for the full-precision "
+        "chunks, the small-batch default since (`gluon_launch.default_gluon_launch`)."
+    )
+    return table(header, body, "lrrrrrr") + "\n\n" + note
+
+
+def gpu_gluon_step() -> str:
+    """The captured decode step with the ``tl`` and the Gluon kernel against the captured FP16 step, tokens/s."""
+    rows_ = load_json("gluon_step")["rows"]
+    fp16 = {(r["context"], r["batch"]): r for r in rows_ if r["method"].startswith("fp16")}
+    runs = {(r["method"], r["context"], r["batch"]): r for r in rows_}
+    body = []
+    for ctx in sorted({c for c, _ in fp16}):
+        largest_fp16 = max(b for c, b in fp16 if c == ctx)
+        batches = sorted({r["batch"] for r in rows_ if r["context"] == ctx and not r["method"].startswith("fp16")})
+        for b in batches:
+            base = fp16.get((ctx, b)) or (fp16[(ctx, largest_fp16)] if b == batches[-1] else None)
+            if base is None:
+                continue
+            cells = []
+            for m in ("kitty-captured", "kitty/gluon-captured"):
+                r = runs.get((m, ctx, b))
+                cells.append(f"{r['tokens_per_s']:.0f} ({r['tokens_per_s'] / base['tokens_per_s']:.2f}x)" if r else "-")
+            point = f"batch {b}" if base["batch"] == b else f"{b} rows (FP16: {base['batch']}, its largest)"
+            body.append([f"{ctx // 1024}K", point, f"{base['tokens_per_s']:.0f}", *cells])
+    header = ["context", "batch", "captured FP16 step, tokens/s", "`kitty`, `tl` kernel", "`kitty`, Gluon kernel"]
+    return table(header, body, "llrrr")
+
+
 def kernel_summary() -> dict[str, tuple[float, float]]:
     """Ranges over the shapes of the kernel benchmark, computed as notebook 05's summary computes them.
 
@@ -480,6 +547,8 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "research_boost_speed": research_boost_speed,
     "gpu_speed": gpu_speed,
     "gpu_layout_speed": gpu_layout_speed,
+    "gpu_gluon": gpu_gluon,
+    "gpu_gluon_step": gpu_gluon_step,
     "gpu_bandwidth": gpu_bandwidth,
     "gpu_history": gpu_history,
     "notebook05": notebook05,

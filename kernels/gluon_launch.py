@@ -177,6 +177,26 @@ def low_plane_order(bytes_per_row: int) -> list[tuple[int, int]]:
     return out
 
 
+def unpack_low_bits(word, field: int, bf16: bool) -> list:
+    """The four 16-bit patterns ``unpack_low`` (``kernels/_gluon_parts.py``: ``LOW_ASM_F16`` / ``LOW_ASM_BF16``)
+    makes of field ``field`` of a little-endian 32-bit ``word``, in register order: bytes 0 and 2 (one register,
+    low and high half), then bytes 1 and 3 (the word shifted right by 8). fp16: the field masked in place, read as
+    the subnormal ``4^field code 2^-24`` (exact, no offset); bf16: ``lop3`` with the magic numbers ``0x4300``,
+    ``0x4200``, ``0x4100`` (128, 32, 8, whose last mantissa bit is 1, 1/4, 1/16) gives ``OFF + code`` for fields
+    0-2, and field 3 is field 0 of the word shifted right by 6 (offset 128). ``word``: a Python int or an integer
+    tensor or array (elementwise)."""
+    out = []
+    for src in (word, word >> 8):
+        if not bf16:
+            reg = src & (0x00030003 << (2 * field))
+        elif field < 3:
+            reg = (src & (0x00030003 << (2 * field))) | (0x43004300 - 0x01000100 * field)
+        else:
+            reg = ((src >> 6) & 0x00030003) | 0x43004300
+        out += [reg & 0xFFFF, (reg >> 16) & 0xFFFF]
+    return out
+
+
 def high_plane_order(nb4: int) -> list[tuple[int, int]]:
     """``(byte, field)`` of a high-plane row (``nb4`` bytes) feeding logical column ``k`` of the high operand
     (``16 * ceil(nb4 / 4)`` columns): lane ``q`` takes field ``q`` of word ``kt``, bytes ordered as in

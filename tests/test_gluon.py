@@ -28,7 +28,13 @@ import torch
 
 from kitty.core.config import PRESETS
 from kitty.core.quant import high_plane_bytes, pack_bits
-from kitty.kernels.gluon_launch import gluon_supports, high_plane_order, low_plane_order, pages_supported
+from kitty.kernels.gluon_launch import (
+    gluon_supports,
+    high_plane_order,
+    low_plane_order,
+    pages_supported,
+    unpack_low_bits,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SIDE_ENV = ROOT / ".ci" / "envs" / "triton-3.6"
@@ -36,10 +42,41 @@ SIDE_ENV = ROOT / ".ci" / "envs" / "triton-3.6"
 
 def unpack_model(word: int, field: int) -> list[int]:
     """The fp16 unpack of one 32-bit word, field ``field``: four codes in register order (bytes 0, 2, 1, 3)."""
-    lo, hi = word, word >> 8
-    mask = 0x00030003 << (2 * field)
-    r0, r1 = lo & mask, hi & mask
-    return [((r >> sh) & 0xFFFF) >> (2 * field) for r in (r0, r1) for sh in (0, 16)]
+    return [bits >> (2 * field) for bits in unpack_low_bits(word, field, bf16=False)]
+
+
+def test_unpack_model_is_the_kernels_ptx():
+    """``gluon_launch.unpack_low_bits`` (the model both this file and notebook 05 use) gives the bits the kernel's
+    own ``LOW_ASM_F16`` / ``LOW_ASM_BF16`` strings compute, run by a small PTX interpreter on random words."""
+    parts = pytest.importorskip("kitty.kernels._gluon_parts")
+
+    def run(asm: str, word: int) -> list[int]:
+        regs = {"$8": word}
+        val = lambda x: regs[x] if x in regs else int(x, 0)  # noqa: E731
+        for stmt in [t.strip() for t in asm.strip("{} ").split(";") if t.strip()]:
+            op, args = stmt.split(None, 1)
+            if op == ".reg":
+                continue
+            d, *src = [x.strip() for x in args.split(",")]
+            a = [val(x) for x in src]
+            if op == "shr.b32":
+                regs[d] = a[0] >> a[1]
+            elif op == "and.b32":
+                regs[d] = a[0] & a[1]
+            elif op == "lop3.b32" and a[3] == 0xEA:  # (a & b) | c
+                regs[d] = (a[0] & a[1]) | a[2]
+            else:
+                raise NotImplementedError(stmt)
+        return [regs[f"${i}"] for i in range(8)]
+
+    rng = np.random.default_rng(0)
+    for bf16, asm in ((False, parts.LOW_ASM_F16.value), (True, parts.LOW_ASM_BF16.value)):
+        for word in rng.integers(0, 2**32, size=64).tolist():
+            out = run(asm, word)
+            for field in range(4):
+                lo, hi = out[2 * field], out[2 * field + 1]  # bytes (0, 2), then (1, 3)
+                halves = [lo & 0xFFFF, lo >> 16, hi & 0xFFFF, hi >> 16]
+                assert halves == unpack_low_bits(word, field, bf16), (bf16, hex(word), field)
 
 
 @pytest.mark.parametrize("bpr", [16, 32])
@@ -303,15 +340,7 @@ def low_operand_model(row_bytes: np.ndarray, bf16: bool) -> np.ndarray:
         s, r = divmod(k, bpr)
         kt, h, q, e = r // 16, (r // 8) % 2, (r // 2) % 4, r % 2
         w = int(words[W * q + kt])
-        src = w >> (8 * h)
-        if bf16:
-            if s < 3:
-                reg = (src & (0x00030003 << (2 * s))) | (0x43004300 - 0x01000100 * s)
-            else:
-                reg = ((src >> 6) & 0x00030003) | 0x43004300
-        else:
-            reg = src & (0x00030003 << (2 * s))
-        out[k] = _half_value(reg >> (16 * e), bf16)
+        out[k] = _half_value(unpack_low_bits(w, s, bf16)[2 * h + e], bf16)
     return out
 
 
