@@ -85,14 +85,17 @@ def test_rotation_spreads_an_outlier_channel():
 # ------------------------------------------------------------------------------------------- dense-and-sparse
 
 
+@pytest.mark.parametrize("rule", ["zscore", "absolute"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_outliers_are_the_largest_channel_deviations_kept_exactly(dtype):
+def test_outliers_are_the_largest_channel_deviations_kept_exactly(dtype, rule):
     k = random_keys(2, 3, 128, 64, dtype=dtype)
     n = 32
-    dense, val, tok, ch = split_key_outliers(k, n)
+    dense, val, tok, ch = split_key_outliers(k, n, rule)
     assert val.shape == tok.shape == ch.shape == (2, 3, n) and tok.dtype == ch.dtype == torch.uint8
     x = k.float()
-    z = (x - x.mean(-2, keepdim=True)).abs() / x.std(-2, correction=0, keepdim=True)
+    z = (x - x.mean(-2, keepdim=True)).abs()
+    if rule == "zscore":
+        z = z / x.std(-2, correction=0, keepdim=True)
     flat = tok.long() * 64 + ch.long()
     assert torch.equal(val, k.flatten(-2).gather(-1, flat))  # the exact values at (tok, ch)
     chosen = z.flatten(-2).gather(-1, flat)
@@ -176,6 +179,7 @@ def test_outliers_in_place_of_boosted_channels_cost_kittys_bits(D):
         ({"key_outlier_fraction": True}, "key_outlier_fraction"),
         ({"key_outlier_fraction": 0.01, "key_bits": 16, "boost_fraction": 0.0}, "key_outlier_fraction"),
         ({"key_outlier_fraction": 0.01, "group_size": 512}, "key_outlier_fraction"),
+        ({"key_outlier_rule": "largest"}, "key_outlier_rule"),
     ],
 )
 def test_invalid_key_options_raise_naming_the_field(kwargs, field):

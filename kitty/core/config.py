@@ -22,6 +22,9 @@ RANGE_FITS = ("minmax", "fit", "fit-peak")  # a group's [lo, hi]: min-max, a cli
 # "hadamard" the normalized Walsh-Hadamard matrix of size head_dim, "hadamard-signs" the same after a fixed random
 # sign flip per channel (QuaRot's randomized Hadamard), drawn from ``seed``
 KEY_ROTATIONS = ("none", "hadamard", "hadamard-signs")
+# key_outlier_rule: how a page's outliers are ranked, by deviation from their channel's mean over the page's tokens:
+# "zscore" in units of that channel's std, "absolute" as is (favours the widest channels)
+KEY_OUTLIER_RULES = ("zscore", "absolute")
 MAX_OUTLIER_GROUP = 256  # key outliers store their token index in a uint8: pages of at most this many tokens
 MAX_HEAD_DIM = 256  # boost_idx is uint8: one slot per channel
 # sink, qbuffers and local window are allocated per row and layer up front: sizes beyond this are typing mistakes
@@ -84,7 +87,8 @@ class KVQuantConfig:
       quantization error changes); needs a power-of-two ``head_dim``. Channel selection, ranges and boost then act
       on the rotated channels.
     - ``key_outlier_fraction``: per page and head, the ``round(fraction * G * D)`` key entries of largest deviation
-      from their channel (``|k - mean| / std`` over the page's tokens) are stored exactly (a value in the model dtype
+      from their channel (``key_outlier_rule``: ``|k - mean| / std`` over the page's tokens, or ``|k - mean|``) are
+      stored exactly (a value in the model dtype
       plus a uint8 token and a uint8 channel index, 4 bytes at 16 bits) and the rest is quantized with ranges over
       the remaining entries. The outliers are counted by ``memory_report()``: at equal bits they must be paid for,
       e.g. by a smaller ``boost_fraction`` (4 bytes an outlier against 2 bits x G tokens a boosted channel).
@@ -104,6 +108,7 @@ class KVQuantConfig:
     value_range: str = "minmax"  # "fit": the same per token for values
     key_rotation: str = "none"  # see KEY_ROTATIONS: a fixed orthogonal rotation of key channels, torch path only
     key_outlier_fraction: float = 0.0  # share of a key page's entries (per head) kept exactly; torch path only
+    key_outlier_rule: str = "zscore"  # see KEY_OUTLIER_RULES: which entries are the outliers
     boost_profile: tuple[float, ...] | None = None  # per-layer boost fractions (mean = boost_fraction), or uniform
     name: str = field(default="custom", compare=False)
     description: str = field(default="", compare=False)
@@ -151,6 +156,8 @@ class KVQuantConfig:
             raise ValueError(f"key_outlier_fraction must be a number in [0, 1), got {f!r}")
         if f > 0 and not self.quantizes_keys:
             raise ValueError(f"key_outlier_fraction > 0 needs quantized keys (key_bits 2 or 4), got {f!r} with 16")
+        if self.key_outlier_rule not in KEY_OUTLIER_RULES:
+            raise ValueError(f"key_outlier_rule must be one of {KEY_OUTLIER_RULES}, got {self.key_outlier_rule!r}")
         if f > 0 and self.group_size > MAX_OUTLIER_GROUP:
             raise ValueError(
                 f"key_outlier_fraction > 0 needs group_size <= {MAX_OUTLIER_GROUP} (uint8 token index), "

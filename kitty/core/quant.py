@@ -369,11 +369,14 @@ def rotate_keys(k: torch.Tensor, kind: str, seed: int = 0, inverse: bool = False
     return (k.float() @ (r.T if inverse else r)).to(k.dtype)
 
 
-def split_key_outliers(k: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_key_outliers(
+    k: torch.Tensor, count: int, rule: str = "zscore"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The dense-and-sparse split of keys ``[..., G, D]`` (``cfg.key_outlier_fraction``): ``(dense, val, tok, ch)``.
 
-    Per row (a page of one head) the ``count`` entries of largest deviation from their channel, ``|k - mean| / std``
-    over the ``G`` tokens (population std; a constant channel deviates nowhere), are the outliers: ``val`` their exact
+    Per row (a page of one head) the ``count`` entries of largest deviation from their channel's mean over the ``G``
+    tokens are the outliers, the deviation measured by ``rule`` (``cfg.key_outlier_rule``): ``"zscore"`` ``|k - mean|
+    / std`` (population std; a constant channel deviates nowhere), ``"absolute"`` ``|k - mean|``. ``val`` their exact
     values ``[..., count]`` in ``k.dtype``, ``tok`` / ``ch`` their token and channel (uint8). ``dense`` is ``k`` with
     each outlier replaced by the mean of its channel's other entries, a value inside their range, so that any range
     rule (min-max included) then spans the remaining entries only. No host read, fixed shapes (``torch.topk``)."""
@@ -381,7 +384,11 @@ def split_key_outliers(k: torch.Tensor, count: int) -> tuple[torch.Tensor, torch
     x = k.float()
     mean = x.mean(-2, keepdim=True)
     std = x.std(-2, correction=0, keepdim=True)
-    dev = torch.where(std > 0, (x - mean).abs() / torch.where(std > 0, std, 1.0), 0.0)
+    if rule not in ("zscore", "absolute"):
+        raise ValueError(f"key_outlier_rule must be 'zscore' or 'absolute', got {rule!r}")
+    dev = (x - mean).abs()
+    if rule == "zscore":
+        dev = torch.where(std > 0, dev / torch.where(std > 0, std, 1.0), 0.0)
     idx = dev.flatten(-2).topk(count, dim=-1).indices  # [..., count], flat index t * D + c
     val = k.flatten(-2).gather(-1, idx)
     mask = torch.zeros(*lead, G * D, dtype=torch.bool, device=k.device).scatter_(-1, idx, True).view(*lead, G, D)
@@ -520,7 +527,7 @@ def quantize_key_page(
             raise ValueError(f"k overflows {k.dtype} after key_rotation={cfg.key_rotation!r} (|k| too large)")
     n_out = int(round(cfg.key_outlier_fraction * G * D))
     if n_out:  # dense-and-sparse: the outliers kept exactly, the rest quantized as usual
-        k, *outliers = split_key_outliers(k, n_out)
+        k, *outliers = split_key_outliers(k, n_out, cfg.key_outlier_rule)
         extra.update(zip(("out_val", "out_tok", "out_ch"), outliers))
     nb = cfg.num_boosted(D)
     x = k.transpose(-1, -2)  # (..., D, G): one row per channel
