@@ -17,7 +17,8 @@ BACKENDS = (
     "triton",
     "gluon",
 )  # KittyCache(backend=): kitty/cache/backend.py resolves it once per layer
-RANGE_FITS = ("minmax", "fit", "fit-peak")  # a group's [lo, hi]: min-max, a clipping search, or one sparing the peak
+# a group's [lo, hi]: min-max, a clipping search, one sparing the peak, or one keeping every value within min-max's bound
+RANGE_FITS = ("minmax", "fit", "fit-peak", "fit-bounded")
 # key_rotation: each key head's channels multiplied by a fixed orthogonal matrix before quantization (and back after):
 # "hadamard" the normalized Walsh-Hadamard matrix of size head_dim, "hadamard-signs" the same after a fixed random
 # sign flip per channel (QuaRot's randomized Hadamard), drawn from ``seed``
@@ -104,7 +105,8 @@ class KVQuantConfig:
     channel_selection: str = "magnitude"  # how boosted channels are chosen: see CHANNEL_SELECTIONS
     seed: int = 0  # for channel_selection="random"
     key_range: str = "minmax"  # "fit": per-channel clipping search minimizing reconstruction error at pack time;
-    # "fit-peak": the same search, never clipping a channel's largest-|k| token (quant.fitted_params keep_peak)
+    # "fit-peak": the same search, never clipping a channel's largest-|k| token (quant.fitted_params keep_peak);
+    # "fit-bounded": the same search, every token within half a min-max step (quant.fitted_params bounded)
     value_range: str = "minmax"  # "fit": the same per token for values
     key_rotation: str = "none"  # see KEY_ROTATIONS: a fixed orthogonal rotation of key channels, torch path only
     key_outlier_fraction: float = 0.0  # share of a key page's entries (per head) kept exactly; torch path only

@@ -163,6 +163,7 @@ def fitted_params(
     refine: int = REFINE_STEPS,
     keep_peak: bool = False,
     sync_free: bool = False,
+    bounded: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped asymmetric parameters over the last dim: a ``(scale, zero)`` with small squared error.
 
@@ -180,6 +181,12 @@ def fitted_params(
     moves that channel's logit most, e.g. the one a retrieval head looks for). Only the opposite tail is cut
     (``len(grid) - 1`` candidates), and a refit is kept only where the peak still reconstructs within half a step.
 
+    ``bounded``: a candidate (grid point or refit) is kept only where **every** value of the group still
+    reconstructs within half a min-max step (:func:`minmax_params`' bound, the same fp32 tolerance as ``keep_peak``):
+    no value is worse off than min-max guarantees, while the step may shrink (by up to a third at 2 bits, the
+    extremes then sitting up to half a min-max step from the nearest level) or the grid shift, which lowers the error
+    of the bulk.
+
     ``sync_free``: no host read (module docstring), the same result.
     """
     xf = x.float()
@@ -187,6 +194,8 @@ def fitted_params(
     lv = levels[..., None] if levels.dim() else levels
     best_scale, best_zero = minmax_params(x, levels, -1, dtype, sync_free)
     best_err = _sq_error(xf, best_scale, best_zero, levels, sync_free)
+    # bounded: half the min-max step, the largest error min-max allows any value (fp32 tolerance as for the peak)
+    limit = 0.5 * best_scale.float() * (1 + 2**-10) + 2**-20 * xf.abs().amax(-1)
     lo0, hi0 = xf.amin(-1), xf.amax(-1)
     span = hi0 - lo0
     peak_on_top = hi0.abs() >= lo0.abs()  # [...]: which tail holds the largest |x|
@@ -195,8 +204,14 @@ def fitted_params(
     def keep(scale: torch.Tensor, zero: torch.Tensor) -> None:
         nonlocal best_err, best_scale, best_zero
         scale, zero = scale.to(dtype), zero.to(dtype)
-        err = _sq_error(xf, scale, zero, levels, sync_free)
-        better = err < best_err
+        if bounded:  # the squared error and the largest error of the group, from one dequantization
+            codes = quantize_codes(xf, scale[..., None], zero[..., None], lv)
+            diff = dequantize_codes(codes, scale[..., None], zero[..., None], torch.float32, sync_free) - xf
+            err = diff.square().sum(-1)
+            better = (err < best_err) & (diff.abs().amax(-1) <= limit)
+        else:
+            err = _sq_error(xf, scale, zero, levels, sync_free)
+            better = err < best_err
         if keep_peak:  # the peak's own error stays within half a step (the min-max guarantee), up to fp32 rounding
             s = scale.float()
             code = quantize_codes(peak, s, zero, levels)
@@ -241,8 +256,9 @@ def _sq_error(
 def range_params(
     x: torch.Tensor, levels: torch.Tensor | int, dtype: torch.dtype, method: str, sync_free: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(scale, zero)`` over the last dim by ``method``: ``"minmax"``, ``"fit"`` (:func:`fitted_params`) or
-    ``"fit-peak"`` (the same search, never clipping the group's largest-``|x|`` value: ``keep_peak=True``).
+    """``(scale, zero)`` over the last dim by ``method``: ``"minmax"``, ``"fit"`` (:func:`fitted_params`),
+    ``"fit-peak"`` (the same search, never clipping the group's largest-``|x|`` value: ``keep_peak=True``) or
+    ``"fit-bounded"`` (the same search, every value within half a min-max step: ``bounded=True``).
     ``sync_free``: no host read (module docstring), the same result."""
     if method == "minmax":
         return minmax_params(x, levels, -1, dtype, sync_free)
@@ -250,7 +266,9 @@ def range_params(
         return fitted_params(x, levels, dtype, sync_free=sync_free)
     if method == "fit-peak":
         return fitted_params(x, levels, dtype, keep_peak=True, sync_free=sync_free)
-    raise ValueError(f"range method must be 'minmax', 'fit' or 'fit-peak', got {method!r}")
+    if method == "fit-bounded":
+        return fitted_params(x, levels, dtype, sync_free=sync_free, bounded=True)
+    raise ValueError(f"range method must be 'minmax', 'fit', 'fit-peak' or 'fit-bounded', got {method!r}")
 
 
 def quantize_codes(
