@@ -480,6 +480,34 @@ def test_fit_peak_is_a_range_option_at_equal_bytes():
         range_params(k, 3, k.dtype, "peak")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fit_bounded_keeps_every_value_within_half_a_minmax_step(dtype, seed):
+    """``fit-bounded``: no value of a row reconstructs worse than min-max's bound (half its step), the squared error
+    is at most min-max's, and on Gaussian rows the bulk's error falls well below it; 2-bit and 4-bit rows mixed."""
+    from kitty.core.quant import _sq_error, dequantize_codes, minmax_params, quantize_codes, range_params
+
+    x = _peaked_rows(dtype, seed)
+    levels = torch.where(torch.arange(x.shape[0]) % 3 == 0, 15, 3)
+    xf = x.float()
+    mm_scale, mm_zero = minmax_params(x, levels, -1, dtype)
+    scale, zero = range_params(x, levels, dtype, "fit-bounded")
+    back = dequantize_codes(quantize_codes(xf, scale[:, None], zero[:, None], levels[:, None]), scale[:, None],
+                            zero[:, None], torch.float32)  # fmt: skip
+    bound = 0.5 * mm_scale.float() * (1 + 2**-10) + 2**-20 * xf.abs().amax(-1)
+    assert ((back - xf).abs().amax(-1) <= bound).all()
+    e_bounded = _sq_error(xf, scale, zero, levels)
+    e_mm = _sq_error(xf, mm_scale, mm_zero, levels)
+    assert (e_bounded <= e_mm * (1 + 1e-6)).all()
+    gauss = torch.randn(200, 128, generator=torch.Generator().manual_seed(seed)).to(dtype)  # no outlier: a real gain
+    e_b = _sq_error(gauss.float(), *range_params(gauss, 3, dtype, "fit-bounded"), 3)
+    e_m = _sq_error(gauss.float(), *minmax_params(gauss, 3, -1, dtype), 3)
+    assert e_b.sum() < 0.8 * e_m.sum()
+    assert get_preset("kitty-fit+key_range=fit-bounded").key_range == "fit-bounded"
+    with pytest.raises(ValueError, match="fit-bounded"):
+        range_params(x, 3, dtype, "bounded")
+
+
 def test_boost_profile_validation_and_layers():
     prof = (0.25, 0.0, 0.125, 0.125)  # mean 0.125
     cfg = KITTY.with_(boost_profile=prof)

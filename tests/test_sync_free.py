@@ -29,7 +29,14 @@ from kitty.kernels.reference import pack_completed_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # every preset, and overrides that fit one side of a preset whose other side the kernel packs
-NAMES = (*PRESETS, "kitty+key_range=fit", "kitty+value_range=fit", "kitty-pro+key_range=fit-peak")
+NAMES = (
+    *PRESETS,
+    "kitty+key_range=fit",
+    "kitty+value_range=fit",
+    "kitty-pro+key_range=fit-peak",
+    "kitty+key_range=fit-bounded",
+    "kitty+key_rotation=hadamard-signs+key_outlier_fraction=0.00390625",
+)
 # aten operations that read a tensor back to the host, give a shape that depends on tensor data, or make a tensor
 # from host data (a host-to-device copy on CUDA)
 HOST_OPS = {

@@ -68,6 +68,8 @@ def check_triton(cfg: KVQuantConfig | None, head_dim: int | None, device: torch.
         refuse("needs a CUDA GPU, and torch sees none (CPU runs need TRITON_INTERPRET=1 set before triton is imported)")
     if device is not None and device.type != "cuda" and not interpreting():
         refuse(f"runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1), got tensors on {device}")
+    if cfg is not None and cfg.torch_only:
+        refuse("cannot run key_rotation or key_outlier_fraction (read by the torch quantizer only)")
     if cfg is not None and not kernels.triton_supports(cfg, head_dim):
         refuse(
             f"cannot run group_size={cfg.group_size}, head_dim={head_dim}, value_bits={cfg.value_bits} "
@@ -86,7 +88,7 @@ def resolve_backend(
     choice = requested_backend(requested)
     if choice != "auto":
         return choice
-    if device.type != "cuda":
+    if device.type != "cuda" or (cfg is not None and cfg.torch_only):  # torch_only: options the kernels do not read
         return "torch"
     if not kernels.HAS_TRITON:
         warnings.warn("Triton is not installed: KittyCache(backend='auto') uses the torch backend", stacklevel=3)

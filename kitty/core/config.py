@@ -17,7 +17,16 @@ BACKENDS = (
     "triton",
     "gluon",
 )  # KittyCache(backend=): kitty/cache/backend.py resolves it once per layer
-RANGE_FITS = ("minmax", "fit", "fit-peak")  # a group's [lo, hi]: min-max, a clipping search, or one sparing the peak
+# a group's [lo, hi]: min-max, a clipping search, one sparing the peak, or one keeping every value within min-max's bound
+RANGE_FITS = ("minmax", "fit", "fit-peak", "fit-bounded")
+# key_rotation: each key head's channels multiplied by a fixed orthogonal matrix before quantization (and back after):
+# "hadamard" the normalized Walsh-Hadamard matrix of size head_dim, "hadamard-signs" the same after a fixed random
+# sign flip per channel (QuaRot's randomized Hadamard), drawn from ``seed``
+KEY_ROTATIONS = ("none", "hadamard", "hadamard-signs")
+# key_outlier_rule: how a page's outliers are ranked, by deviation from their channel's mean over the page's tokens:
+# "zscore" in units of that channel's std, "absolute" as is (favours the widest channels)
+KEY_OUTLIER_RULES = ("zscore", "absolute")
+MAX_OUTLIER_GROUP = 256  # key outliers store their token index in a uint8: pages of at most this many tokens
 MAX_HEAD_DIM = 256  # boost_idx is uint8: one slot per channel
 # sink, qbuffers and local window are allocated per row and layer up front: sizes beyond this are typing mistakes
 # (the paper uses S = 32, G = R = 128), refused before they allocate gigabytes
@@ -69,6 +78,21 @@ class KVQuantConfig:
     ``round(boost_fraction * head_dim)`` channels by mean |K| get ``boost_bits``, the rest ``key_bits``.
     Values are quantized per token. The first ``sink_tokens`` tokens and the newest ``local_window`` values stay
     in full precision.
+
+    Two key-side options beyond the paper, read by the torch quantizer (``kitty.core.quant``) only; the Triton pack
+    and the fused kernel do not read them, so a config that sets either runs on the torch backend
+    (:attr:`torch_only`):
+
+    - ``key_rotation`` (``KEY_ROTATIONS``): each page's keys ``[G, D]`` are multiplied by a fixed orthogonal ``D x D``
+      matrix before quantization and by its transpose after dequantization (exact in full precision, so only the
+      quantization error changes); needs a power-of-two ``head_dim``. Channel selection, ranges and boost then act
+      on the rotated channels.
+    - ``key_outlier_fraction``: per page and head, the ``round(fraction * G * D)`` key entries of largest deviation
+      from their channel (``key_outlier_rule``: ``|k - mean| / std`` over the page's tokens, or ``|k - mean|``) are
+      stored exactly (a value in the model dtype
+      plus a uint8 token and a uint8 channel index, 4 bytes at 16 bits) and the rest is quantized with ranges over
+      the remaining entries. The outliers are counted by ``memory_report()``: at equal bits they must be paid for,
+      e.g. by a smaller ``boost_fraction`` (4 bytes an outlier against 2 bits x G tokens a boosted channel).
     """
 
     key_bits: int = 2  # 2 or 4, or 16 for unquantized keys
@@ -81,8 +105,12 @@ class KVQuantConfig:
     channel_selection: str = "magnitude"  # how boosted channels are chosen: see CHANNEL_SELECTIONS
     seed: int = 0  # for channel_selection="random"
     key_range: str = "minmax"  # "fit": per-channel clipping search minimizing reconstruction error at pack time;
-    # "fit-peak": the same search, never clipping a channel's largest-|k| token (quant.fitted_params keep_peak)
+    # "fit-peak": the same search, never clipping a channel's largest-|k| token (quant.fitted_params keep_peak);
+    # "fit-bounded": the same search, every token within half a min-max step (quant.fitted_params bounded)
     value_range: str = "minmax"  # "fit": the same per token for values
+    key_rotation: str = "none"  # see KEY_ROTATIONS: a fixed orthogonal rotation of key channels, torch path only
+    key_outlier_fraction: float = 0.0  # share of a key page's entries (per head) kept exactly; torch path only
+    key_outlier_rule: str = "zscore"  # see KEY_OUTLIER_RULES: which entries are the outliers
     boost_profile: tuple[float, ...] | None = None  # per-layer boost fractions (mean = boost_fraction), or uniform
     name: str = field(default="custom", compare=False)
     description: str = field(default="", compare=False)
@@ -115,6 +143,28 @@ class KVQuantConfig:
         for f in ("key_range", "value_range"):
             if getattr(self, f) not in RANGE_FITS:
                 raise ValueError(f"{f} must be one of {RANGE_FITS}, got {getattr(self, f)!r}")
+        if self.key_rotation not in KEY_ROTATIONS:
+            raise ValueError(f"key_rotation must be one of {KEY_ROTATIONS}, got {self.key_rotation!r}")
+        if self.key_rotation != "none" and not self.quantizes_keys:
+            raise ValueError(f"key_rotation={self.key_rotation!r} needs quantized keys (key_bits 2 or 4), got 16")
+        if self.key_rotation != "none" and self.channel_selection in QUERY_SELECTIONS:
+            # query statistics are kept per unrotated channel; ranking rotated channels by them would be wrong
+            raise ValueError(
+                f"key_rotation={self.key_rotation!r} needs a channel_selection that reads only the keys "
+                f"(magnitude, random, range), got {self.channel_selection!r}"
+            )
+        f = self.key_outlier_fraction
+        if not is_number(f) or not 0.0 <= f < 1.0:
+            raise ValueError(f"key_outlier_fraction must be a number in [0, 1), got {f!r}")
+        if f > 0 and not self.quantizes_keys:
+            raise ValueError(f"key_outlier_fraction > 0 needs quantized keys (key_bits 2 or 4), got {f!r} with 16")
+        if self.key_outlier_rule not in KEY_OUTLIER_RULES:
+            raise ValueError(f"key_outlier_rule must be one of {KEY_OUTLIER_RULES}, got {self.key_outlier_rule!r}")
+        if f > 0 and self.group_size > MAX_OUTLIER_GROUP:
+            raise ValueError(
+                f"key_outlier_fraction > 0 needs group_size <= {MAX_OUTLIER_GROUP} (uint8 token index), "
+                f"got group_size={self.group_size}"
+            )
         if self.boost_profile is not None:
             prof = self.boost_profile
             if not isinstance(prof, tuple) or not prof or not all(is_number(f) and 0.0 <= f <= 1.0 for f in prof):
@@ -136,6 +186,19 @@ class KVQuantConfig:
     @property
     def quantizes_values(self) -> bool:
         return self.value_bits != 16
+
+    @property
+    def torch_only(self) -> bool:
+        """Whether only the torch quantizer reads this config's key options (``key_rotation``,
+        ``key_outlier_fraction``): the Triton pack and the fused kernel would ignore them, so such a config runs on the
+        torch backend (``kitty.cache.backend``)."""
+        return self.key_rotation != "none" or self.key_outlier_fraction > 0
+
+    def num_key_outliers(self, head_dim: int) -> int:
+        """Key entries kept exactly per page and head: ``round(key_outlier_fraction * group_size * head_dim)``."""
+        if not self.quantizes_keys:
+            return 0
+        return int(round(self.key_outlier_fraction * self.group_size * head_dim))
 
     def num_boosted(self, head_dim: int) -> int:
         """Channels per key page stored with 4 bits: all of them for 4-bit keys, else ``round(fraction * D)``."""
@@ -161,6 +224,11 @@ class KVQuantConfig:
             )
         if self.quantizes_keys and head_dim % 4:
             raise ValueError(f"head_dim must be a multiple of 4 to pack 2-bit key codes along channels, got {head_dim}")
+        if self.key_rotation != "none" and head_dim & (head_dim - 1):
+            raise ValueError(
+                f"head_dim must be a power of two for key_rotation={self.key_rotation!r} (a Hadamard matrix of "
+                f"size head_dim), got {head_dim}"
+            )
 
     def for_layer(self, layer_idx: int, num_layers: int | None = None) -> "KVQuantConfig":
         """The config layer ``layer_idx`` uses: its ``boost_profile`` entry as ``boost_fraction`` (else ``self``).

@@ -198,6 +198,7 @@ def asymptotic_bits(cfg: KVQuantConfig, head_dim: int, dtype_bytes: int = 2) -> 
         "key_boost_idx": bits("k_boost_idx"),
         "key_scale_zero": bits("k_scale", "k_zero"),
         "key_raw": bits("k_raw"),
+        "key_outliers": bits("k_out_val", "k_out_tok", "k_out_ch"),  # cfg.key_outlier_fraction: value + 2 indices
         "value_codes": bits("v_codes", "v_raw"),
         "value_scale_zero": bits("v_scale", "v_zero"),
     }

@@ -163,6 +163,7 @@ def fitted_params(
     refine: int = REFINE_STEPS,
     keep_peak: bool = False,
     sync_free: bool = False,
+    bounded: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped asymmetric parameters over the last dim: a ``(scale, zero)`` with small squared error.
 
@@ -180,6 +181,12 @@ def fitted_params(
     moves that channel's logit most, e.g. the one a retrieval head looks for). Only the opposite tail is cut
     (``len(grid) - 1`` candidates), and a refit is kept only where the peak still reconstructs within half a step.
 
+    ``bounded``: a candidate (grid point or refit) is kept only where **every** value of the group still
+    reconstructs within half a min-max step (:func:`minmax_params`' bound, the same fp32 tolerance as ``keep_peak``):
+    no value is worse off than min-max guarantees, while the step may shrink (by up to a third at 2 bits, the
+    extremes then sitting up to half a min-max step from the nearest level) or the grid shift, which lowers the error
+    of the bulk.
+
     ``sync_free``: no host read (module docstring), the same result.
     """
     xf = x.float()
@@ -187,6 +194,8 @@ def fitted_params(
     lv = levels[..., None] if levels.dim() else levels
     best_scale, best_zero = minmax_params(x, levels, -1, dtype, sync_free)
     best_err = _sq_error(xf, best_scale, best_zero, levels, sync_free)
+    # bounded: half the min-max step, the largest error min-max allows any value (fp32 tolerance as for the peak)
+    limit = 0.5 * best_scale.float() * (1 + 2**-10) + 2**-20 * xf.abs().amax(-1)
     lo0, hi0 = xf.amin(-1), xf.amax(-1)
     span = hi0 - lo0
     peak_on_top = hi0.abs() >= lo0.abs()  # [...]: which tail holds the largest |x|
@@ -195,8 +204,14 @@ def fitted_params(
     def keep(scale: torch.Tensor, zero: torch.Tensor) -> None:
         nonlocal best_err, best_scale, best_zero
         scale, zero = scale.to(dtype), zero.to(dtype)
-        err = _sq_error(xf, scale, zero, levels, sync_free)
-        better = err < best_err
+        if bounded:  # the squared error and the largest error of the group, from one dequantization
+            codes = quantize_codes(xf, scale[..., None], zero[..., None], lv)
+            diff = dequantize_codes(codes, scale[..., None], zero[..., None], torch.float32, sync_free) - xf
+            err = diff.square().sum(-1)
+            better = (err < best_err) & (diff.abs().amax(-1) <= limit)
+        else:
+            err = _sq_error(xf, scale, zero, levels, sync_free)
+            better = err < best_err
         if keep_peak:  # the peak's own error stays within half a step (the min-max guarantee), up to fp32 rounding
             s = scale.float()
             code = quantize_codes(peak, s, zero, levels)
@@ -241,8 +256,9 @@ def _sq_error(
 def range_params(
     x: torch.Tensor, levels: torch.Tensor | int, dtype: torch.dtype, method: str, sync_free: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(scale, zero)`` over the last dim by ``method``: ``"minmax"``, ``"fit"`` (:func:`fitted_params`) or
-    ``"fit-peak"`` (the same search, never clipping the group's largest-``|x|`` value: ``keep_peak=True``).
+    """``(scale, zero)`` over the last dim by ``method``: ``"minmax"``, ``"fit"`` (:func:`fitted_params`),
+    ``"fit-peak"`` (the same search, never clipping the group's largest-``|x|`` value: ``keep_peak=True``) or
+    ``"fit-bounded"`` (the same search, every value within half a min-max step: ``bounded=True``).
     ``sync_free``: no host read (module docstring), the same result."""
     if method == "minmax":
         return minmax_params(x, levels, -1, dtype, sync_free)
@@ -250,7 +266,9 @@ def range_params(
         return fitted_params(x, levels, dtype, sync_free=sync_free)
     if method == "fit-peak":
         return fitted_params(x, levels, dtype, keep_peak=True, sync_free=sync_free)
-    raise ValueError(f"range method must be 'minmax', 'fit' or 'fit-peak', got {method!r}")
+    if method == "fit-bounded":
+        return fitted_params(x, levels, dtype, sync_free=sync_free, bounded=True)
+    raise ValueError(f"range method must be 'minmax', 'fit', 'fit-peak' or 'fit-bounded', got {method!r}")
 
 
 def quantize_codes(
@@ -312,14 +330,90 @@ class KeyPage(_Page):
     raw: torch.Tensor  # [..., G, D] for key_bits=16, else empty
     dtype: torch.dtype  # dtype dequantization returns
     num_boosted: int  # nb: boosted channels per page (the high plane's bytes hold ceil(nb/4) * 4 slots)
+    # cfg.key_outlier_fraction > 0: n entries per page kept exactly (in the rotated basis if key_rotation is set)
+    out_val: torch.Tensor | None = None  # [..., n] in dtype
+    out_tok: torch.Tensor | None = None  # uint8 [..., n] token of each outlier
+    out_ch: torch.Tensor | None = None  # uint8 [..., n] channel of each outlier
+    rotation: str = "none"  # cfg.key_rotation the codes were made in (a fixed matrix: nothing stored)
+    rotation_seed: int = 0  # cfg.seed, for the sign flips of "hadamard-signs"
 
     @property
     def payload_nbytes(self) -> int:
-        return self.low.nbytes + self.high.nbytes + self.raw.nbytes
+        out = self.out_val.nbytes if self.out_val is not None else 0
+        return self.low.nbytes + self.high.nbytes + self.raw.nbytes + out
 
     @property
     def metadata_nbytes(self) -> int:
-        return self.boost_idx.nbytes + self.scale.nbytes + self.zero.nbytes
+        out = sum(t.nbytes for t in (self.out_tok, self.out_ch) if t is not None)
+        return self.boost_idx.nbytes + self.scale.nbytes + self.zero.nbytes + out
+
+
+def _hadamard(n: int) -> torch.Tensor:
+    """The ``n x n`` Walsh-Hadamard matrix of +-1 (Sylvester's construction), fp32; ``n`` a power of two."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+@lru_cache(maxsize=64)
+def rotation_matrix(kind: str, head_dim: int, seed: int, device: torch.device) -> torch.Tensor:
+    """The orthogonal ``[D, D]`` fp32 matrix ``R`` of ``key_rotation=kind``: keys (row vectors) are stored as
+    ``k @ R`` and read back as ``k_hat @ R.T``.
+
+    ``"hadamard"``: ``H / sqrt(D)`` (``H`` the Walsh-Hadamard matrix, symmetric, ``H @ H = D I``);
+    ``"hadamard-signs"``: ``diag(s) @ H / sqrt(D)`` with ``s`` fixed random signs from a host generator seeded with
+    ``seed`` (QuaRot's randomized Hadamard). Built on the host and copied once per device, then kept (read only), as
+    ``_random_scores`` is: a copy inside a captured CUDA graph would fail the capture."""
+    if kind not in ("hadamard", "hadamard-signs"):
+        raise ValueError(f"key_rotation must be 'hadamard' or 'hadamard-signs' to build a matrix, got {kind!r}")
+    if head_dim <= 0 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two for key_rotation={kind!r}, got {head_dim}")
+    r = _hadamard(head_dim) / head_dim**0.5
+    if kind == "hadamard-signs":
+        gen = torch.Generator().manual_seed(seed)
+        signs = torch.randint(0, 2, (head_dim,), generator=gen).float() * 2 - 1
+        r = signs[:, None] * r
+    with torch.inference_mode(False):  # a kept tensor must be usable outside an inference-mode region as well
+        return r.to(device)
+
+
+def rotate_keys(k: torch.Tensor, kind: str, seed: int = 0, inverse: bool = False) -> torch.Tensor:
+    """Keys ``[..., D]`` times the ``key_rotation`` matrix (``inverse``: its transpose), computed in fp32 and
+    returned in ``k.dtype``; ``kind="none"`` returns ``k`` itself."""
+    if kind == "none":
+        return k
+    r = rotation_matrix(kind, k.shape[-1], seed, k.device)
+    return (k.float() @ (r.T if inverse else r)).to(k.dtype)
+
+
+def split_key_outliers(
+    k: torch.Tensor, count: int, rule: str = "zscore"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The dense-and-sparse split of keys ``[..., G, D]`` (``cfg.key_outlier_fraction``): ``(dense, val, tok, ch)``.
+
+    Per row (a page of one head) the ``count`` entries of largest deviation from their channel's mean over the ``G``
+    tokens are the outliers, the deviation measured by ``rule`` (``cfg.key_outlier_rule``): ``"zscore"`` ``|k - mean|
+    / std`` (population std; a constant channel deviates nowhere), ``"absolute"`` ``|k - mean|``. ``val`` their exact
+    values ``[..., count]`` in ``k.dtype``, ``tok`` / ``ch`` their token and channel (uint8). ``dense`` is ``k`` with
+    each outlier replaced by the mean of its channel's other entries, a value inside their range, so that any range
+    rule (min-max included) then spans the remaining entries only. No host read, fixed shapes (``torch.topk``)."""
+    *lead, G, D = k.shape
+    x = k.float()
+    mean = x.mean(-2, keepdim=True)
+    std = x.std(-2, correction=0, keepdim=True)
+    if rule not in ("zscore", "absolute"):
+        raise ValueError(f"key_outlier_rule must be 'zscore' or 'absolute', got {rule!r}")
+    dev = (x - mean).abs()
+    if rule == "zscore":
+        dev = torch.where(std > 0, dev / torch.where(std > 0, std, 1.0), 0.0)
+    idx = dev.flatten(-2).topk(count, dim=-1).indices  # [..., count], flat index t * D + c
+    val = k.flatten(-2).gather(-1, idx)
+    mask = torch.zeros(*lead, G * D, dtype=torch.bool, device=k.device).scatter_(-1, idx, True).view(*lead, G, D)
+    rest = (~mask).float()
+    rest_mean = (x * rest).sum(-2, keepdim=True) / rest.sum(-2, keepdim=True).clamp_min(1)
+    dense = torch.where(mask, rest_mean, x).to(k.dtype)
+    return dense, val, (idx // D).to(torch.uint8), (idx % D).to(torch.uint8)
 
 
 def channel_importance(
@@ -444,6 +538,15 @@ def quantize_key_page(
     if not cfg.quantizes_keys:
         u8 = torch.empty(0, dtype=torch.uint8, device=k.device)
         return KeyPage(u8, u8, u8, empty, empty, k.clone(), k.dtype, 0)
+    extra = {"rotation": cfg.key_rotation, "rotation_seed": cfg.seed}
+    if cfg.key_rotation != "none":  # quantize the rotated channels; dequantize_key_page rotates back
+        k = rotate_keys(k, cfg.key_rotation, cfg.seed)
+        if not sync_free and not torch.isfinite(k).all():
+            raise ValueError(f"k overflows {k.dtype} after key_rotation={cfg.key_rotation!r} (|k| too large)")
+    n_out = int(round(cfg.key_outlier_fraction * G * D))
+    if n_out:  # dense-and-sparse: the outliers kept exactly, the rest quantized as usual
+        k, *outliers = split_key_outliers(k, n_out, cfg.key_outlier_rule)
+        extra.update(zip(("out_val", "out_tok", "out_ch"), outliers))
     nb = cfg.num_boosted(D)
     x = k.transpose(-1, -2)  # (..., D, G): one row per channel
     both = None  # oracle selection fits both precisions of every channel: reuse them rather than fit again
@@ -470,7 +573,7 @@ def quantize_key_page(
     high_codes = torch.gather(codes >> 2, -2, boosted_channels[..., None].expand(*lead, nb, G))  # (..., nb, G)
     high_codes = torch.nn.functional.pad(high_codes, (0, 0, 0, 4 * high_plane_bytes(nb) - nb))  # padding slots: 0
     high = pack_2bit(high_codes.transpose(-1, -2)).contiguous()  # (..., G, ceil(nb/4))
-    return KeyPage(low, high, boost_slots(boost_mask), scale, zero, empty, k.dtype, nb)
+    return KeyPage(low, high, boost_slots(boost_mask), scale, zero, empty, k.dtype, nb, **extra)
 
 
 def key_page_codes(page: KeyPage) -> torch.Tensor:
@@ -490,7 +593,12 @@ def dequantize_key_page(page: KeyPage) -> torch.Tensor:
     if page.raw.numel():
         return page.raw
     x = dequantize_codes(key_page_codes(page), page.scale[..., None], page.zero[..., None], page.dtype)
-    return x.transpose(-1, -2)
+    x = x.transpose(-1, -2)
+    if page.out_val is not None and page.out_val.shape[-1]:  # the outliers overwrite their (meaningless) codes
+        *lead, G, D = x.shape
+        flat = page.out_tok.long() * D + page.out_ch.long()
+        x = x.reshape(*lead, G * D).scatter(-1, flat, page.out_val.to(x.dtype)).view(*lead, G, D)
+    return rotate_keys(x, page.rotation, page.rotation_seed, inverse=True)
 
 
 # ---------------------------------------------------------------------------------------------- value pages

@@ -30,7 +30,8 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FieldSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (shape of one page, dtype)
 ROW_FIELDS = ("lengths", "sink_k", "sink_v", "k_qbuf", "v_qbuf", "v_local")  # per-row tensors, [B, ...]
 BUFFER_FIELDS = ROW_FIELDS[1:]  # the full-precision per-row buffers of row_fields
-PAYLOAD_FIELDS = ("k_low", "k_high", "k_raw", "v_codes", "v_raw")  # codes (or raw pages); the rest is metadata
+# codes (or raw pages) and exact key outliers; the rest is metadata
+PAYLOAD_FIELDS = ("k_low", "k_high", "k_raw", "k_out_val", "v_codes", "v_raw")
 
 
 def pool_fields(
@@ -49,6 +50,11 @@ def pool_fields(
             "k_scale": ((H, D), dtype),
             "k_zero": ((H, D), dtype),
         }
+        n_out = cfg.num_key_outliers(D)
+        if n_out:  # cfg.key_outlier_fraction: the exact entries of a page, torch path only (KVQuantConfig.torch_only)
+            key.update(
+                k_out_val=((H, n_out), dtype), k_out_tok=((H, n_out), torch.uint8), k_out_ch=((H, n_out), torch.uint8)
+            )
     else:
         key = {"k_raw": ((H, G, D), dtype)}
     if cfg.quantizes_values or quantized:
@@ -121,6 +127,9 @@ class KittyLayerState(Mapping):
     v_zero: torch.Tensor | None = None  # [P, Hkv, G] dtype
     k_raw: torch.Tensor | None = None  # [P, Hkv, G, D] only for key_bits=16
     v_raw: torch.Tensor | None = None  # [P, Hkv, G, D] only for value_bits=16
+    k_out_val: torch.Tensor | None = None  # [P, Hkv, n] only for key_outlier_fraction > 0 (torch path)
+    k_out_tok: torch.Tensor | None = None  # uint8 [P, Hkv, n]
+    k_out_ch: torch.Tensor | None = None  # uint8 [P, Hkv, n]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The fields that are not ``None``, as a dict."""
@@ -197,12 +206,16 @@ def check_state(q: torch.Tensor, state: KittyLayerState, cfg: KVQuantConfig) -> 
 def _key_fields(page: KeyPage) -> dict[str, torch.Tensor]:
     if page.raw.numel():
         return {"k_raw": page.raw}
+    out = {}
+    if page.out_val is not None:
+        out = {"k_out_val": page.out_val, "k_out_tok": page.out_tok, "k_out_ch": page.out_ch}
     return {
         "k_low": page.low,
         "k_high": page.high,
         "k_boost_idx": page.boost_idx,
         "k_scale": page.scale,
         "k_zero": page.zero,
+        **out,
     }
 
 
@@ -227,7 +240,10 @@ def key_page_from_storage(
         return KeyPage(u8, u8, u8, u8.to(dtype), u8.to(dtype), get("k_raw"), dtype, 0)
     idx = get("k_boost_idx")
     nb = cfg.num_boosted(idx.shape[-1])
-    return KeyPage(get("k_low"), get("k_high"), idx, get("k_scale"), get("k_zero"), u8.to(dtype), dtype, nb)
+    extra = {"rotation": cfg.key_rotation, "rotation_seed": cfg.seed}
+    if cfg.num_key_outliers(idx.shape[-1]):
+        extra.update(out_val=get("k_out_val"), out_tok=get("k_out_tok"), out_ch=get("k_out_ch"))
+    return KeyPage(get("k_low"), get("k_high"), idx, get("k_scale"), get("k_zero"), u8.to(dtype), dtype, nb, **extra)
 
 
 def value_page_from_storage(

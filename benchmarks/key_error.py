@@ -1,0 +1,92 @@
+"""Key reconstruction error of real keys under several configs: a fast screen before perplexity and passkeys.
+
+One text window (the eval's first, 1280 tokens of ``kitty/texts/essay.txt``) goes through the model with a
+full-precision ``DynamicCache``; the keys of every full-attention layer (Gemma 3: the 3 global layers; sliding layers
+hold no Kitty pages) are cut into the 9 pages a Kitty cache would quantize (after the 32 sink tokens), and each config
+quantizes and dequantizes them with ``kitty.core.quant``. Printed per config: the relative squared error
+``sum |k - k_hat|^2 / sum |k|^2`` averaged over pages and heads, and the largest absolute error of any entry.
+Query-aware selections get ``query_scale = 1`` (so ``oracle`` ranks by squared key error alone, not the cache's
+running query statistics).
+
+``--exact-extremes``: also how low the error can go while every 2-bit channel keeps its min and max as exact levels
+(what min-max ranges do): ``kitty``'s boosted channels as they are, the others quantized to 4 levels ``{min, a, b,
+max}`` with ``a, b`` either the uniform ones (``kitty`` itself), moved symmetrically toward the middle (``beta``: the
+interior levels at ``1.5 -+ beta`` steps), or fitted per channel by Lloyd iterations (free levels that the page
+layout has no room for: a bound, not a quantizer).
+
+    python benchmarks/key_error.py --model gemma-3-270m --methods kitty,kitty+key_range=fit-peak
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from transformers import DynamicCache
+
+from kitty.core.config import QUERY_SELECTIONS, get_preset
+from kitty.core.quant import channel_importance, dequantize_key_page, quantize_key_page, select_boosted
+from kitty.hf.models import load_model
+from kitty.tools.eval import TEXTS, text_windows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="as for load_model: a packaged model's name, a folder or a hub id")
+    p.add_argument("--methods", required=True, help="comma-separated presets (+field=value overrides allowed)")
+    p.add_argument("--exact-extremes", action="store_true", help="also the bound of 4 levels with exact min and max")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    model, tok = load_model(a.model)
+    window = text_windows(tok, TEXTS, 1024, 256, 1, with_names=True)[0][1]
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(window[None, :1280], past_key_values=cache, use_cache=True)
+    text = model.config.get_text_config()
+    types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    keys = [cache.layers[i].keys[0] for i, t in enumerate(types) if t == "full_attention"]  # [H, T, D] each
+    S, G, n = 32, 128, 9
+    pages = torch.stack([k[:, S : S + n * G].reshape(k.shape[0], n, G, -1).transpose(0, 1) for k in keys])
+    print(f"{len(keys)} full-attention layers, pages {tuple(pages.shape)} (layer, page, head, G, D), {pages.dtype}")
+    ref = pages.float()
+    for m in a.methods.split(","):
+        cfg = get_preset(m)
+        qs = torch.ones(pages.shape[:-2] + pages.shape[-1:]) if cfg.channel_selection in QUERY_SELECTIONS else None
+        err = dequantize_key_page(quantize_key_page(pages, cfg, query_scale=qs)).float() - ref
+        rel = err.square().sum((-1, -2)) / ref.square().sum((-1, -2))
+        print(f"| {m} | {rel.mean():.4f} | {err.abs().amax():.2f} |")
+    if a.exact_extremes:
+        exact_extremes(pages)
+
+
+def exact_extremes(pages: torch.Tensor) -> None:
+    """Relative error of ``kitty`` pages whose unboosted channels use 4 levels with exact min and max (module doc)."""
+    cfg = get_preset("kitty")
+    ref = pages.float()
+    kitty = dequantize_key_page(quantize_key_page(pages, cfg)).float().transpose(-1, -2)  # [..., D, G]
+    boosted = select_boosted(channel_importance(pages, cfg), cfg.num_boosted(pages.shape[-1]))[..., None]
+    x = ref.transpose(-1, -2)  # one row per channel
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+
+    def rel(levels: torch.Tensor) -> float:  # levels [..., D, 4]: each value to its nearest level
+        near = levels.gather(-1, (x[..., None] - levels[..., None, :]).abs().argmin(-1))
+        full = torch.where(boosted, kitty, near)
+        return float(((full - x).square().sum((-1, -2)) / x.square().sum((-1, -2))).mean())
+
+    span = hi - lo
+    for beta in (0.5, 0.4, 0.3, 0.2):  # 0.5: the uniform levels of min-max
+        inner = (1.5 - beta) / 3 * span
+        error = rel(torch.cat([lo, lo + inner, hi - inner, hi], -1))
+        print(f"| exact min/max, interior at 1.5 -+ {beta} steps | {error:.4f} |")
+    levels = torch.cat([lo, lo + span / 3, hi - span / 3, hi], -1)
+    for _ in range(20):  # Lloyd iterations on the two interior levels, the extremes fixed
+        nearest = (x[..., None] - levels[..., None, :]).abs().argmin(-1)
+        for j in (1, 2):
+            member = (nearest == j).float()
+            count = member.sum(-1)
+            levels[..., j] = torch.where(count > 0, (x * member).sum(-1) / count.clamp_min(1), levels[..., j])
+    print(f"| exact min/max, interior fitted per channel (bound) | {rel(levels):.4f} |")
+
+
+if __name__ == "__main__":
+    main()
