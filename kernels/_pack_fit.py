@@ -93,8 +93,7 @@ def _add_rows(acc, v, N: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _terms(kbase, t0, skq_t, scale, zero, levels, cmean, xmean, N: tl.constexpr, D: tl.constexpr,
-           MODE: tl.constexpr):
+def _terms(kbase, t0, skq_t, scale, zero, levels, cmean, xmean, N: tl.constexpr, D: tl.constexpr, MODE: tl.constexpr):
     """Per-element terms of the ``N`` tokens from ``t0``, two ``(N, D)`` tiles by ``MODE``: 0: the squared error of
     ``(scale, zero)`` (twice); 1: the codes and ``x``; 2: ``(code - cmean)**2`` and ``(code - cmean) * (x - xmean)``."""
     t = t0 + tl.arange(0, N)
@@ -116,8 +115,7 @@ def _terms(kbase, t0, skq_t, scale, zero, levels, cmean, xmean, N: tl.constexpr,
 
 
 @triton.jit
-def _sum_tokens(kbase, skq_t, scale, zero, levels, cmean, xmean, G: tl.constexpr, D: tl.constexpr,
-                MODE: tl.constexpr):
+def _sum_tokens(kbase, skq_t, scale, zero, levels, cmean, xmean, G: tl.constexpr, D: tl.constexpr, MODE: tl.constexpr):
     """Two per-channel sums over the page's ``G`` tokens of the terms of ``_terms``, in torch's order (module
     docstring): chunks of 16 tokens in order, chunk sums in order, every 256 tokens into a second level (``MODE``
     0: the second sum is not computed, 0)."""
@@ -160,8 +158,21 @@ def _round(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _keep(kbase, skq_t, scale, zero, levels, best_err, best_s, best_z, peak, G: tl.constexpr, D: tl.constexpr,
-          KEEP_PEAK: tl.constexpr, DTYPE: tl.constexpr):
+def _keep(
+    kbase,
+    skq_t,
+    scale,
+    zero,
+    levels,
+    best_err,
+    best_s,
+    best_z,
+    peak,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    KEEP_PEAK: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
     """``fitted_params``'s ``keep``: the fp32 candidate ``(scale, zero)`` rounded to ``DTYPE``, taken per channel
     where its squared error is lower than the best so far (and with ``KEEP_PEAK``, where the peak reconstructs
     within half a step up to fp32 rounding)."""
@@ -178,8 +189,22 @@ def _keep(kbase, skq_t, scale, zero, levels, best_err, best_s, best_z, peak, G: 
 
 
 @triton.jit
-def _fit(kbase, skq_t, mn, mx, levels, scale_q, zero_q, G: tl.constexpr, D: tl.constexpr, KEEP_PEAK: tl.constexpr,
-         NGRID: tl.constexpr, CUT: tl.constexpr, REFINE: tl.constexpr, DTYPE: tl.constexpr):
+def _fit(
+    kbase,
+    skq_t,
+    mn,
+    mx,
+    levels,
+    scale_q,
+    zero_q,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    KEEP_PEAK: tl.constexpr,
+    NGRID: tl.constexpr,
+    CUT: tl.constexpr,
+    REFINE: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
     """``kitty.core.quant.fitted_params`` of every channel (``mn``, ``mx``: its min and max over the ``G`` tokens;
     ``scale_q``, ``zero_q``: its min-max parameters in ``DTYPE``): the fitted ``(scale, zero)`` in ``DTYPE``. The
     grid is ``i / 16`` for ``i < NGRID``; a cut of ``k / 16`` of the range is tried only for ``k < CUT`` (torch's
@@ -198,16 +223,42 @@ def _fit(kbase, skq_t, mn, mx, levels, scale_q, zero_q, G: tl.constexpr, D: tl.c
                 cut = (ai * 0.0625) * span
                 lo = tl.where(top, mn + cut, mn)
                 hi = tl.where(top, mx, mx - cut)
-                best_err, best_s, best_z = _keep(kbase, skq_t, tl.div_rn(hi - lo, levels), lo, levels, best_err,
-                                                 best_s, best_z, peak, G, D, KEEP_PEAK, DTYPE)
+                best_err, best_s, best_z = _keep(
+                    kbase,
+                    skq_t,
+                    tl.div_rn(hi - lo, levels),
+                    lo,
+                    levels,
+                    best_err,
+                    best_s,
+                    best_z,
+                    peak,
+                    G,
+                    D,
+                    KEEP_PEAK,
+                    DTYPE,
+                )
     else:
         for ai in range(0, NGRID):
             for bi in range(0, NGRID):
                 if (ai + bi > 0) & (ai + bi < CUT):
                     lo = mn + (ai * 0.0625) * span
                     hi = mx - (bi * 0.0625) * span
-                    best_err, best_s, best_z = _keep(kbase, skq_t, tl.div_rn(hi - lo, levels), lo, levels, best_err,
-                                                     best_s, best_z, peak, G, D, KEEP_PEAK, DTYPE)
+                    best_err, best_s, best_z = _keep(
+                        kbase,
+                        skq_t,
+                        tl.div_rn(hi - lo, levels),
+                        lo,
+                        levels,
+                        best_err,
+                        best_s,
+                        best_z,
+                        peak,
+                        G,
+                        D,
+                        KEEP_PEAK,
+                        DTYPE,
+                    )
     for _ in range(REFINE):
         s = best_s.to(tl.float32)
         z = best_z.to(tl.float32)
@@ -216,6 +267,7 @@ def _fit(kbase, skq_t, mn, mx, levels, scale_q, zero_q, G: tl.constexpr, D: tl.c
         xmean = tl.div_rn(xsum, G * 1.0)
         var, cov = _sum_tokens(kbase, skq_t, s, z, levels, cmean, xmean, G, D, 2)
         scale = tl.maximum(tl.where(var > 0, tl.div_rn(cov, tl.maximum(var, 1e-30)), s), 0.0)
-        best_err, best_s, best_z = _keep(kbase, skq_t, scale, xmean - scale * cmean, levels, best_err, best_s,
-                                         best_z, peak, G, D, KEEP_PEAK, DTYPE)
+        best_err, best_s, best_z = _keep(
+            kbase, skq_t, scale, xmean - scale * cmean, levels, best_err, best_s, best_z, peak, G, D, KEEP_PEAK, DTYPE
+        )
     return best_s, best_z
