@@ -385,6 +385,13 @@ def _default_splits(pages: int, G: int, value_bits: int, fit: dict) -> tuple[int
     return (1 if fit["FIT"] else ks), vs
 
 
+def _warps(fit: dict, splits: tuple[int, int], D: int) -> int:
+    """:func:`pack_warps`, or 8 where the key range is fitted: the search's program, built for sm_90 at G = D = 128,
+    needs 246 registers per thread and no local memory with 8 warps, but spills with 4 (255 registers, 88 local
+    loads/stores for "fit", 147 for "fit-peak")."""
+    return 8 if fit["FIT"] else pack_warps(splits, D)
+
+
 def _high_tile(nb: int) -> int:
     """Width of the kernel's high-plane byte tile: ``ceil(nb / 4)`` bytes per token, rounded up to a power of two."""
     return triton.next_power_of_2(max(high_plane_bytes(nb), 1))
@@ -527,7 +534,7 @@ def pack_pages(
         kq.stride(0), kq.stride(1), kq.stride(2), vq.stride(0), vq.stride(1), vq.stride(2),
         G=G, D=D, NB=nb, NBQP=_high_tile(nb), KEY_LEVELS=(1 << cfg.key_bits) - 1, VBITS=cfg.value_bits, USE_MASK=use_mask,
         DTYPE=TLTYPE[dtype], ITYPE=_ITYPE[dtype], ROUND_UP=dtype != torch.float32, **_steps(G, D, cfg.value_bits, ks, vs, tile),
-        **fit, num_warps=num_warps or pack_warps((ks, vs), D), **opts,
+        **fit, num_warps=num_warps or _warps(fit, (ks, vs), D), **opts,
     )
     if pool is not None:
         return None
@@ -631,7 +638,7 @@ def pack_completed(
         G=G, D=D, NB=nb, NBQP=_high_tile(nb), KEY_LEVELS=(1 << cfg.key_bits) - 1, VBITS=cfg.value_bits, USE_MASK=use_mask,
         DTYPE=TLTYPE[k_qbuf.dtype], ITYPE=_ITYPE[k_qbuf.dtype], ROUND_UP=k_qbuf.dtype != torch.float32,
         PREDICATED=True, S=cfg.sink_tokens, R=cfg.local_window, **_steps(G, D, cfg.value_bits, ks, vs, tile),
-        **fit, num_warps=num_warps or pack_warps((ks, vs), D), **opts,
+        **fit, num_warps=num_warps or _warps(fit, (ks, vs), D), **opts,
     )
 
 

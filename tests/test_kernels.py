@@ -196,11 +196,12 @@ def test_pack_completed_fitted_keys_split_pages_bit_identical(preset, dtype, D, 
 
 
 # Plain random keys (not on the 2**-8 grid): the kernel follows torch's fp32 operations and its order of summation
-# over tokens (kernels/_pack_fit.py), so every page came out identical when measured under the interpreter (136 of
-# 136 pages: 4 presets x fp16/bf16, G = 32 / D = 64 and G = 128 / D = 128). Where an fp32 sum could still differ by
-# an ulp (another torch build or a GPU compile that contracted an operation), two candidates whose errors are that
-# close may be chosen differently: the documented tolerance is that most pages are identical and every page's
-# reconstruction error is within 1e-3 (relative) of torch's.
+# over tokens (kernels/_pack_fit.py), so every page came out identical when measured under the interpreter: 576 of
+# 576 pages (random keys of per-channel scales with an outlier channel, the 4 fitted configurations x fp16/bf16, 512
+# pages at G = 32 / D = 64 and 64 at G = 128 / D = 128), reconstruction errors equal. Where an fp32 operation could
+# still differ (another torch build, a compiler that contracted an operation), two candidates whose errors are an
+# ulp apart may be chosen differently: the documented tolerance is at least 90% of pages identical and every page's
+# reconstruction error within 1e-3 (relative) of torch's.
 FIT_RANDOM_SHARE, FIT_RANDOM_ERR = 0.9, 1e-3
 
 
