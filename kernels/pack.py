@@ -43,9 +43,21 @@ other programs keep ``tl.div_rn``).
 Selection other than ``"magnitude"`` (``"random"``, ``"range"``, ``"query"``, ``"oracle"``, the last two with the
 rows' ``query_scale``) is computed by the torch reference's ``channel_importance`` and passed in as a ready boost mask,
 so that it is the reference's choice by construction (the oracle's scores sum squared errors over tokens in torch's
-order); the rest runs here. Fitted ranges (``key_range``/``value_range`` ``"fit"``, ``"fit-peak"``: a clipping search
-and least-squares refits whose fp32 sums would have to follow torch's order) are not packed here; a side with a
-min-max range is packed whatever the other side's range.
+order); the rest runs here.
+
+Fitted key ranges (``key_range`` ``"fit"``, ``"fit-peak"``, constexpr ``FIT``): after the min-max statistics, the key
+program replaces each channel's min-max (scale, zero) by ``kitty.core.quant.fitted_params``' search over the page's
+``G`` tokens (``kernels/_pack_fit.py``: the clipping grid, two-sided or one-sided opposite the channel's peak with the
+peak guard, then ``REFINE_STEPS`` least-squares refits; each candidate rounded to the storage dtype, kept where its
+squared error is lower), and quantizes with the IEEE quotient and a clamp (a clipped range's codes clamp). It runs
+torch's fp32 operations one by one (compiled without FMA contraction) and sums over tokens in torch's CPU order
+(chunks of 16), so the pages are ``kitty.core.quant``'s bytes: bit-identical in the tests on keys whose sums are
+exact (multiples of 2**-8, as ``benchmarks/pack_speed.py`` builds them) and, measured under the interpreter on plain
+random keys, 576 of 576 pages identical (4 fitted configurations x fp16/bf16, G = 32 / D = 64 and G = 128 / D =
+128); the tests' documented tolerance for such keys is >= 90% identical pages and every page's reconstruction error
+within 1e-3 of torch's. A fitted page packs in one key program (every program would repeat the search) of 8 warps
+(sm_90, G = D = 128: 246 registers, no spills; 4 warps spill). Fitted value ranges are not packed here; a side with
+a min-max range is packed whatever the other side's range.
 Ties: ``torch.topk`` does not document which of equal scores it keeps; the kernel keeps the lower channel index.
 Random float data has no ties; the tests plant distinct outlier channels. Near ties: the scores are fp32 sums, and
 the kernel, torch (and the previous kernel) sum in different orders, so two channels whose sums differ by about an
@@ -572,7 +584,7 @@ def pack_completed(
     without a host read: ``kitty.core.quant``'s ``sync_free``).
 
     ``query_scale`` ``[B, Hkv, D]``: for ``channel_selection="query"`` / ``"oracle"``. ``keys`` / ``values``: which
-    sides this launch packs (a side that ``kitty.core.quant`` must pack, e.g. fitted key ranges, is left to the caller;
+    sides this launch packs (a side that ``kitty.core.quant`` must pack, e.g. fitted value ranges, is left to the caller;
     its pool and page table are not touched).
 
     ``lengths`` int32 ``[B]`` (counting that token); ``k_qbuf``/``v_qbuf`` ``[B, Hkv, G, D]``; pools as in
