@@ -87,7 +87,7 @@ from kitty.core.storage import allocate_pool, pool_fields
 from ._pack_fit import _fit
 from ._pack_math import RCP3, RCP15, _exact_range, _params, _quantize
 from ._tiles import TLTYPE, check_power_of_two, is_power_of_two
-from .launch import PACK_TILE, pack_splits, pack_warps
+from .launch import PACK_KEY_RANGES, PACK_TILE, pack_splits, pack_warps
 
 __all__ = ["pack_completed", "pack_pages"]
 
@@ -495,6 +495,8 @@ def pack_pages(
     check_power_of_two({"group_size": G, "head_dim": D}, 4, "Triton pack kernel")
     if v_qbuf is not None and cfg.value_range != "minmax":
         raise ValueError(f"pack_pages packs min-max value ranges; fitted ones (value_range={cfg.value_range!r}) pack with kitty.core.quant")
+    if k_qbuf is not None and cfg.key_range not in PACK_KEY_RANGES:
+        raise ValueError(f"pack_pages packs key ranges {PACK_KEY_RANGES}; key_range={cfg.key_range!r} packs with kitty.core.quant")
     if k_qbuf is not None and cfg.key_range != "minmax" and G > 4096:
         raise ValueError(f"pack_pages fits key ranges over at most 4096 tokens, got group_size={G}")
     if cfg.boost_profile is not None:

@@ -222,6 +222,18 @@ def test_pack_fitted_key_ranges_random_keys_within_tolerance(preset, dtype):
     assert ((err - ref).abs() <= FIT_RANDOM_ERR * ref).all()
 
 
+def test_pack_refuses_fitted_value_ranges():
+    """Fitted value ranges pack with kitty.core.quant: the kernel refuses them, and packs the keys of such a config."""
+    cfg = small("kitty", group_size=32, value_range="fit")
+    k, v = planted_kv(2, 2, 32, 64, torch.float16, DEVICE, seed=4)
+    with pytest.raises(ValueError, match="value_range='fit'"):
+        pack_pages(cfg, k, v)
+    kp, _ = pack_pages(cfg, k)
+    rk, _ = pack_pages_ref(cfg, k)
+    for f in KEY_FIELDS:
+        assert torch.equal(getattr(kp, f), getattr(rk, f)), f"key {f} differs"
+
+
 def test_pack_range_past_fp32_stays_finite_and_bit_identical():
     """A key channel and a value token spanning more than fp32 can hold (finite bf16 near its limits) pack to finite
     scales, exactly as kitty.core.quant does (its overflow-safe range), never to inf/NaN."""

@@ -242,9 +242,10 @@ def test_triton_ops_pack_completed_side_by_side(preset):
 
 def test_triton_backend_packs_every_min_max_side():
     """Which presets the Triton backend packs with the kernel on a GPU: every quantized side (any channel selection,
-    min-max or fitted key ranges, the layer's own nb under a boost profile); only fitted value ranges would stay on
-    kitty.core.quant, and no preset has them."""
+    min-max, "fit" and "fit-peak" key ranges, the layer's own nb under a boost profile); other key ranges and fitted
+    value ranges would stay on kitty.core.quant, and no preset has fitted value ranges."""
     from kitty.cache.backend import TritonOps
+    from kitty.kernels.launch import PACK_KEY_RANGES
 
     cuda = torch.device("cuda")  # only read for its type: nothing is allocated
     on_torch = {}
@@ -262,5 +263,7 @@ def test_triton_backend_packs_every_min_max_side():
         assert ops.packs_keys == ops.completes_keys and ops.packs_values == ops.completes_values
         if sides:
             on_torch[name] = sides
-    fitted = [n for n in PRESETS if PRESETS[n].key_range != "minmax"]
-    assert fitted and all(PRESETS[n].value_range == "minmax" for n in PRESETS) and on_torch == {}
+    fitted = [n for n in PRESETS if PRESETS[n].key_range in ("fit", "fit-peak")]
+    other = [n for n in PRESETS if PRESETS[n].key_range not in PACK_KEY_RANGES and PRESETS[n].quantizes_keys]
+    assert fitted and all(PRESETS[n].value_range == "minmax" for n in PRESETS)
+    assert on_torch == {n: ["keys"] for n in other}  # key ranges the kernel does not fit (none today)

@@ -29,7 +29,7 @@ from ..core.config import BACKENDS, KVQuantConfig
 from ..core.pages import PagePool
 from ..core.quant import quantize_key_page, quantize_value_page
 from ..core.storage import KittyLayerState, page_fields
-from ..kernels.launch import Launch
+from ..kernels.launch import PACK_KEY_RANGES, Launch
 from ..kernels.reference import decode_attention_ref, pack_completed_ref
 
 BACKEND_ENV = "KITTY_BACKEND"
@@ -192,13 +192,16 @@ class TritonOps(TorchOps):
     def __init__(self, cfg: KVQuantConfig, device: torch.device):
         super().__init__(cfg, device)
         self.pack_scratch: dict = {}  # kitty.kernels.pack_completed's per-layer constants (allocated on its first call)
-        # the kernel gives kitty.core.quant's bytes for quantized keys with any range (min-max, or fitted: the kernel
-        # runs fitted_params' search, kernels/_pack_fit.py) and any channel selection (the non-magnitude ones pass it
-        # torch's boost mask, computed without host reads), and for quantized values with min-max ranges; fitted
-        # value ranges stay on kitty.core.quant. A layer's cfg is already its own (KVQuantConfig.for_layer), so a
-        # boost profile's per-layer nb needs nothing here.
+        # the kernel gives kitty.core.quant's bytes for quantized keys with the ranges of PACK_KEY_RANGES (min-max, or
+        # fitted: the kernel runs fitted_params' search, kernels/_pack_fit.py) and any channel selection (the
+        # non-magnitude ones pass it torch's boost mask, computed without host reads), and for quantized values with
+        # min-max ranges; other ranges stay on kitty.core.quant. A layer's cfg is already its own
+        # (KVQuantConfig.for_layer), so a boost profile's per-layer nb needs nothing here.
         kernel_keys = (
-            cfg.quantizes_keys and cfg.boost_profile is None and (cfg.key_range == "minmax" or cfg.group_size <= 4096)
+            cfg.quantizes_keys
+            and cfg.boost_profile is None
+            and cfg.key_range in PACK_KEY_RANGES
+            and (cfg.key_range == "minmax" or cfg.group_size <= 4096)
         )
         kernel_values = cfg.quantizes_values and cfg.value_range == "minmax"
         self.packs_keys = device.type == "cuda" and kernel_keys
