@@ -41,7 +41,7 @@ sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resol
 
 import torch  # noqa: E402
 
-from kitty.core.config import PRESETS  # noqa: E402
+from kitty.core.config import get_preset  # noqa: E402
 from kitty.core.storage import pool_fields  # noqa: E402
 
 TARGET_US = {1: 26.0, 100: 89.0}  # the issue's budget per layer for a page-completing step
@@ -157,7 +157,7 @@ def bench(args) -> dict:
     Hkv, D = (2, 32) if smoke else (8, 128)
     rows, failures = [], []
     for preset in args.presets.split(","):
-        cfg = PRESETS[preset]
+        cfg = get_preset(preset)
         if smoke:
             cfg = cfg.with_(group_size=16, local_window=16, sink_tokens=4)
         for B in [int(b) for b in args.batches.split(",")]:
@@ -209,9 +209,10 @@ def table(rows: list[dict]) -> str:
 # ---------------------------------------------------------------------------------------------- sm_90 build (--sass)
 
 
-def compile_sass(fn, cfg, dtype, D: int, num_warps: int, extra: dict) -> dict:
-    """Build ``fn`` (a ``_pack_kernel``) for sm_90 as ``pack_completed`` launches it; registers, local-memory
-    instructions and SASS per branch (the instructions before / after the key-or-value branch)."""
+def compile_sass(fn, cfg, dtype, D: int, num_warps: int, extra: dict, options: dict | None = None) -> dict:
+    """Build ``fn`` (a ``_pack_kernel``) for sm_90 as ``pack_completed`` launches it (``options``: further compile
+    options, e.g. a fitted key range's); registers, local-memory instructions and SASS per branch (the instructions
+    before / after the key-or-value branch)."""
     import re
     import subprocess
     import tempfile
@@ -246,7 +247,7 @@ def compile_sass(fn, cfg, dtype, D: int, num_warps: int, extra: dict) -> dict:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, **(options or {})})
     sass = sass_text(k.asm["cubin"])
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -300,14 +301,18 @@ def sass_report(args) -> dict:
     fast = fast_path_kernel()
     rows = []
     for preset in args.presets.split(","):
-        cfg = PRESETS[preset]
-        row = dict(preset=preset, kernel="old", splits=None, warps=4, tile=None)
-        rows.append({**row, **compile_sass(old._pack_kernel, cfg, torch.bfloat16, 128, 4, {})})
+        cfg = get_preset(preset)
+        fit, options = new._fit_args(cfg, True)  # fitted key ranges: the search's meta-parameters, no FMA contraction
+        if not fit["FIT"]:  # the old kernel packs min-max ranges only
+            row = dict(preset=preset, kernel="old", splits=None, warps=4, tile=None)
+            rows.append({**row, **compile_sass(old._pack_kernel, cfg, torch.bfloat16, 128, 4, {})})
         for splits, warps, tile in GRID:
-            steps = new._steps(cfg.group_size, 128, cfg.value_bits, *splits, tile)
+            if fit["FIT"] and splits[0] != 1:  # a fitted page packs in one key program (pack.py _default_splits)
+                continue
+            steps = {**new._steps(cfg.group_size, 128, cfg.value_bits, *splits, tile), **fit}
             row = dict(preset=preset, kernel="new", splits=list(splits), warps=warps, tile=tile)
-            built = compile_sass(new._pack_kernel, cfg, torch.bfloat16, 128, warps, steps)
-            path = compile_sass(fast, cfg, torch.bfloat16, 128, warps, steps)
+            built = compile_sass(new._pack_kernel, cfg, torch.bfloat16, 128, warps, steps, options)
+            path = compile_sass(fast, cfg, torch.bfloat16, 128, warps, steps, options)
             rows.append({**row, **built, "fast_key_sass": path["key_sass"], "fast_value_sass": path["value_sass"]})
     for r in rows:
         threads = 32 * r["warps"]

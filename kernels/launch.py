@@ -115,6 +115,10 @@ BUSY_PROGRAMS = 2 * H200_SMS  # busy programs per side that fill the GPU (2 per 
 PACK_TILE = 4096
 
 
+# key ranges (KVQuantConfig.key_range) the pack kernel packs (kernels/pack.py; fitted ones: kernels/_pack_fit.py)
+PACK_KEY_RANGES = ("minmax", "fit", "fit-peak")
+
+
 def pack_warps(splits: tuple[int, int], D: int = 128) -> int:
     """Warps per program for a launch with ``splits`` programs per page of head dimension ``D``."""
     return 8 if max(splits) > 1 or D > 128 else 4

@@ -43,9 +43,21 @@ other programs keep ``tl.div_rn``).
 Selection other than ``"magnitude"`` (``"random"``, ``"range"``, ``"query"``, ``"oracle"``, the last two with the
 rows' ``query_scale``) is computed by the torch reference's ``channel_importance`` and passed in as a ready boost mask,
 so that it is the reference's choice by construction (the oracle's scores sum squared errors over tokens in torch's
-order); the rest runs here. Fitted ranges (``key_range``/``value_range`` ``"fit"``, ``"fit-peak"``: a clipping search
-and least-squares refits whose fp32 sums would have to follow torch's order) are not packed here; a side with a
-min-max range is packed whatever the other side's range.
+order); the rest runs here.
+
+Fitted key ranges (``key_range`` ``"fit"``, ``"fit-peak"``, constexpr ``FIT``): after the min-max statistics, the key
+program replaces each channel's min-max (scale, zero) by ``kitty.core.quant.fitted_params``' search over the page's
+``G`` tokens (``kernels/_pack_fit.py``: the clipping grid, two-sided or one-sided opposite the channel's peak with the
+peak guard, then ``REFINE_STEPS`` least-squares refits; each candidate rounded to the storage dtype, kept where its
+squared error is lower), and quantizes with the IEEE quotient and a clamp (a clipped range's codes clamp). It runs
+torch's fp32 operations one by one (compiled without FMA contraction) and sums over tokens in torch's CPU order
+(chunks of 16), so the pages are ``kitty.core.quant``'s bytes: bit-identical in the tests on keys whose sums are
+exact (multiples of 2**-8, as ``benchmarks/pack_speed.py`` builds them) and, measured under the interpreter on plain
+random keys, 576 of 576 pages identical (4 fitted configurations x fp16/bf16, G = 32 / D = 64 and G = 128 / D =
+128); the tests' documented tolerance for such keys is >= 90% identical pages and every page's reconstruction error
+within 1e-3 of torch's. A fitted page packs in one key program (every program would repeat the search) of 8 warps
+(sm_90, G = D = 128: 246 registers, no spills; 4 warps spill). Fitted value ranges are not packed here; a side with
+a min-max range is packed whatever the other side's range.
 Ties: ``torch.topk`` does not document which of equal scores it keeps; the kernel keeps the lower channel index.
 Random float data has no ties; the tests plant distinct outlier channels. Near ties: the scores are fp32 sums, and
 the kernel, torch (and the previous kernel) sum in different orders, so two channels whose sums differ by about an
@@ -62,6 +74,8 @@ import triton.language as tl
 from kitty.core.config import KVQuantConfig
 from kitty.core.quant import (
     BOOST_SENTINEL,
+    CLIP_GRID,
+    REFINE_STEPS,
     KeyPage,
     ValuePage,
     channel_importance,
@@ -70,9 +84,10 @@ from kitty.core.quant import (
 )
 from kitty.core.storage import allocate_pool, pool_fields
 
+from ._pack_fit import _fit
 from ._pack_math import RCP3, RCP15, _exact_range, _params, _quantize
 from ._tiles import TLTYPE, check_power_of_two, is_power_of_two
-from .launch import PACK_TILE, pack_splits, pack_warps
+from .launch import PACK_KEY_RANGES, PACK_TILE, pack_splits, pack_warps
 
 __all__ = ["pack_completed", "pack_pages"]
 
@@ -92,7 +107,8 @@ def _key_program(
     row, page, i, h, part, Hkv, skq_b, skq_h, skq_t,
     G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, NBQP: tl.constexpr, KEY_LEVELS: tl.constexpr,
     KEY_RLEVELS: tl.constexpr, USE_MASK: tl.constexpr, DTYPE: tl.constexpr, ITYPE: tl.constexpr, ROUND_UP: tl.constexpr,
-    KSPLIT: tl.constexpr, TS: tl.constexpr, TQ: tl.constexpr,
+    KSPLIT: tl.constexpr, TS: tl.constexpr, TQ: tl.constexpr, FIT: tl.constexpr, NGRID: tl.constexpr,
+    CUT: tl.constexpr, REFINE: tl.constexpr,
 ):
     """Program ``part`` of ``KSPLIT`` of key page (row, head): the page's per-channel statistics over all ``G``
     tokens (every program of the page computes the same ones), then the low and high plane rows of its ``G / KSPLIT``
@@ -136,6 +152,12 @@ def _key_program(
     rlevels = tl.where(boost, RCP15, KEY_RLEVELS)
     fast = tl.min(_exact_range(mx, mn).to(tl.int32), axis=0) != 0  # every channel divides by its reciprocal
     scale_q, zero_q, scale_f, zero_f, rcp = _params(mx, mn, levels, rlevels, fast, DTYPE, ITYPE, ROUND_UP)
+    if FIT != 0:  # fitted ranges (kernels/_pack_fit.py): clipped codes clamp, so quantize by the literal formula
+        scale_q, zero_q = _fit(kbase, skq_t, mn, mx, levels, scale_q, zero_q, G, D, FIT == 2, NGRID, CUT, REFINE,
+                               DTYPE)
+        scale_f = scale_q.to(tl.float32)
+        zero_f = zero_q.to(tl.float32)
+        fast = fast & False
     pbase = page * Hkv + h
     if part == 0:
         tl.store(k_idx_ptr + pbase * D + c, tl.where(boost, slot, 255).to(tl.uint8))
@@ -282,6 +304,8 @@ def _pack_kernel(
     # row per step of a value program (_steps)
     KSPLIT: tl.constexpr = 1, VSPLIT: tl.constexpr = 1, TS: tl.constexpr = 1, TQ: tl.constexpr = 1,
     IC: tl.constexpr = 1,
+    # key ranges: 0 min-max, 1 "fit", 2 "fit-peak" (kernels/_pack_fit.py: grid size, cut limit, refits)
+    FIT: tl.constexpr = 0, NGRID: tl.constexpr = 0, CUT: tl.constexpr = 0, REFINE: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     if pid < n_key_progs:
@@ -304,7 +328,7 @@ def _pack_kernel(
         _key_program(kq_ptr, k_mask_ptr, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr,
                      row, page, i, h, part, Hkv, skq_b, skq_h, skq_t,
                      G, D, NB, NBQP, KEY_LEVELS, RCP15 if KEY_LEVELS == 15 else RCP3, USE_MASK, DTYPE, ITYPE,
-                     ROUND_UP, KSPLIT, TS, TQ)
+                     ROUND_UP, KSPLIT, TS, TQ, FIT, NGRID, CUT, REFINE)
     else:
         # ================================================================= value page: per token
         vprog = (pid - n_key_progs) // VSPLIT
@@ -341,6 +365,43 @@ def _boost_mask(cfg: KVQuantConfig, k: torch.Tensor | None, nb: int, salt: int, 
         query_scale = query_scale.to(k.device)
     scores = channel_importance(k, cfg, salt, query_scale, sync_free=sync_free)
     return select_boosted(scores, nb).to(torch.uint8).contiguous()
+
+
+_FITS = {"minmax": 0, "fit": 1, "fit-peak": 2}
+
+
+def _grid_steps() -> tuple[int, int]:
+    """``CLIP_GRID`` as the kernel takes it: its length ``n`` (the grid must be ``i / 16`` for ``i < n``), and the
+    least ``k`` whose cut ``k / 16`` reaches torch's limit ``a + b < 0.9`` (cuts of ``k`` or more are skipped)."""
+    n = len(CLIP_GRID)
+    if CLIP_GRID != tuple(i / 16 for i in range(n)):
+        raise ValueError(f"the pack kernel's fitted ranges take a grid of i / 16, got CLIP_GRID={CLIP_GRID}")
+    return n, next(k for k in range(64) if k / 16 >= 0.9)
+
+
+def _fit_args(cfg: KVQuantConfig, keys: bool) -> tuple[dict, dict]:
+    """The kernel's fitted-range meta-parameters for ``cfg.key_range`` (min-max where ``keys`` is false), and its
+    compile options: a fitted range is compiled without FMA contraction, so that every product and sum is rounded
+    on its own, as in torch on the CPU (``kernels/_pack_fit.py``)."""
+    fit = _FITS[cfg.key_range] if keys else 0
+    if not fit:
+        return dict(FIT=0), {}
+    n, cut = _grid_steps()
+    return dict(FIT=fit, NGRID=n, CUT=cut, REFINE=REFINE_STEPS), dict(enable_fp_fusion=False)
+
+
+def _default_splits(pages: int, G: int, value_bits: int, fit: dict) -> tuple[int, int]:
+    """:func:`pack_splits`, with one program per key page where the key range is fitted: every program of a page
+    would repeat the whole search, which costs far more than packing its tokens."""
+    ks, vs = pack_splits(pages, G, value_bits)
+    return (1 if fit["FIT"] else ks), vs
+
+
+def _warps(fit: dict, splits: tuple[int, int], D: int) -> int:
+    """:func:`pack_warps`, or 8 where the key range is fitted: the search's program, built for sm_90 at G = D = 128,
+    needs 246 registers per thread and no local memory with 8 warps, but spills with 4 (255 registers, 88 local
+    loads/stores for "fit", 147 for "fit-peak")."""
+    return 8 if fit["FIT"] else pack_warps(splits, D)
 
 
 def _high_tile(nb: int) -> int:
@@ -432,9 +493,12 @@ def pack_pages(
     if G != cfg.group_size:
         raise ValueError(f"qbuffer holds {G} tokens but cfg.group_size is {cfg.group_size}")
     check_power_of_two({"group_size": G, "head_dim": D}, 4, "Triton pack kernel")
-    for side, x, method in (("key", k_qbuf, cfg.key_range), ("value", v_qbuf, cfg.value_range)):
-        if x is not None and method != "minmax":
-            raise ValueError(f"pack_pages implements min-max ranges; fitted {side} ranges ({side}_range={method!r}) pack with kitty.core.quant")
+    if v_qbuf is not None and cfg.value_range != "minmax":
+        raise ValueError(f"pack_pages packs min-max value ranges; fitted ones (value_range={cfg.value_range!r}) pack with kitty.core.quant")
+    if k_qbuf is not None and cfg.key_range not in PACK_KEY_RANGES:
+        raise ValueError(f"pack_pages packs key ranges {PACK_KEY_RANGES}; key_range={cfg.key_range!r} packs with kitty.core.quant")
+    if k_qbuf is not None and cfg.key_range != "minmax" and G > 4096:
+        raise ValueError(f"pack_pages fits key ranges over at most 4096 tokens, got group_size={G}")
     if cfg.boost_profile is not None:
         raise ValueError("cfg has a per-layer boost_profile: pass the layer's config, cfg.for_layer(layer_idx)")
     if k_qbuf is not None and cfg.key_bits not in (2, 4):
@@ -469,7 +533,8 @@ def pack_pages(
     dummy = torch.empty(1, dtype=dtype, device=device)
     kq = k_qbuf if k_qbuf is not None else dummy.view(1, 1, 1, 1)
     vq = v_qbuf if v_qbuf is not None else dummy.view(1, 1, 1, 1)
-    ks, vs = _check_splits(splits or pack_splits(max(nk, nv) * Hkv, G, cfg.value_bits), G, cfg.value_bits)
+    fit, opts = _fit_args(cfg, nk > 0)
+    ks, vs = _check_splits(splits or _default_splits(max(nk, nv) * Hkv, G, cfg.value_bits, fit), G, cfg.value_bits)
     grid = ((nk * ks + nv * vs) * Hkv,)
     if grid[0] == 0:
         return None if pool is not None else (None, None)
@@ -483,7 +548,7 @@ def pack_pages(
         kq.stride(0), kq.stride(1), kq.stride(2), vq.stride(0), vq.stride(1), vq.stride(2),
         G=G, D=D, NB=nb, NBQP=_high_tile(nb), KEY_LEVELS=(1 << cfg.key_bits) - 1, VBITS=cfg.value_bits, USE_MASK=use_mask,
         DTYPE=TLTYPE[dtype], ITYPE=_ITYPE[dtype], ROUND_UP=dtype != torch.float32, **_steps(G, D, cfg.value_bits, ks, vs, tile),
-        num_warps=num_warps or pack_warps((ks, vs), D),
+        **fit, num_warps=num_warps or _warps(fit, (ks, vs), D), **opts,
     )
     if pool is not None:
         return None
@@ -521,7 +586,7 @@ def pack_completed(
     without a host read: ``kitty.core.quant``'s ``sync_free``).
 
     ``query_scale`` ``[B, Hkv, D]``: for ``channel_selection="query"`` / ``"oracle"``. ``keys`` / ``values``: which
-    sides this launch packs (a side that ``kitty.core.quant`` must pack, e.g. fitted key ranges, is left to the caller;
+    sides this launch packs (a side that ``kitty.core.quant`` must pack, e.g. fitted value ranges, is left to the caller;
     its pool and page table are not touched).
 
     ``lengths`` int32 ``[B]`` (counting that token); ``k_qbuf``/``v_qbuf`` ``[B, Hkv, G, D]``; pools as in
@@ -573,7 +638,8 @@ def pack_completed(
         return
     kpool = key_pool if keys else {}
     vpool = value_pool if values else {}
-    ks, vs = _check_splits(splits or pack_splits(B * Hkv, G, cfg.value_bits), G, cfg.value_bits)
+    fit, opts = _fit_args(cfg, keys)
+    ks, vs = _check_splits(splits or _default_splits(B * Hkv, G, cfg.value_bits, fit), G, cfg.value_bits)
     _pack_kernel[((nk * ks + nv * vs) * Hkv,)](
         k_qbuf, lengths, lengths, k_mask,
         kpool.get("k_low", dummy), kpool.get("k_high", dummy) if nb else dummy, kpool.get("k_boost_idx", dummy),
@@ -586,7 +652,7 @@ def pack_completed(
         G=G, D=D, NB=nb, NBQP=_high_tile(nb), KEY_LEVELS=(1 << cfg.key_bits) - 1, VBITS=cfg.value_bits, USE_MASK=use_mask,
         DTYPE=TLTYPE[k_qbuf.dtype], ITYPE=_ITYPE[k_qbuf.dtype], ROUND_UP=k_qbuf.dtype != torch.float32,
         PREDICATED=True, S=cfg.sink_tokens, R=cfg.local_window, **_steps(G, D, cfg.value_bits, ks, vs, tile),
-        num_warps=num_warps or pack_warps((ks, vs), D),
+        **fit, num_warps=num_warps or _warps(fit, (ks, vs), D), **opts,
     )
 
 

@@ -20,7 +20,7 @@ import triton.language as tl  # noqa: E402
 
 import kitty.kernels as kernels  # noqa: E402
 from kitty.cache.backend import backend_ops  # noqa: E402
-from kitty.core.config import PRESETS  # noqa: E402
+from kitty.core.config import PRESETS, get_preset  # noqa: E402
 from kitty.core.memory import token_layout  # noqa: E402
 from kitty.core.quant import (  # noqa: E402
     dequantize_key_page,
@@ -129,16 +129,109 @@ def test_pack_query_aware_selection_bit_identical(preset, D, dtype, kw):
             pack_pages(cfg, k, k_rows=rows)
 
 
-def test_pack_fitted_ranges_pack_the_min_max_side_only():
-    """kitty-fit fits key ranges (kitty.core.quant packs its keys) but its values are min-max: the kernel packs them."""
-    cfg = small("kitty-fit", group_size=32)
-    k, v = planted_kv(2, 2, 32, 64, torch.float16, DEVICE, seed=4)
-    _, vp = pack_pages(cfg, None, v)
-    _, rv = pack_pages_ref(cfg, None, v)
+FIT_PRESETS = ("kitty-fit", "kitty-pro-fit", "kitty-pro-fit-peak", "kitty+key_range=fit-peak")
+
+
+def _grid_keys(B: int, Hkv: int, G: int, D: int, dtype, seed: int) -> torch.Tensor:
+    """Keys as ``benchmarks/pack_speed.py``'s ``layer()`` builds them: random, each channel of a head scaled by its own
+    factor, multiples of 2**-8 below 2**5 without zeros (fp16 and bf16 keep them), so that the channel sums of
+    ``|k|`` are exact in fp32 whatever the order."""
+    g = torch.Generator().manual_seed(seed)
+    factor = torch.stack([torch.linspace(0.5, 3.0, D)[torch.randperm(D, generator=g)] for _ in range(Hkv)])
+    k = (torch.randn(B, Hkv, G, D, generator=g) * factor[None, :, None, :] * 256).round().clamp(-8191, 8191) / 256
+    return torch.where(k == 0, 2.0**-8, k).to(dtype).to(DEVICE)
+
+
+def _query_scale(n: int, Hkv: int, D: int, seed: int = 3) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(n, Hkv, D, generator=g) * 2 + 0.1).to(DEVICE)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("preset", FIT_PRESETS)
+def test_pack_fitted_key_ranges_bit_identical(preset, dtype, D):
+    """Fitted key ranges ("fit", "fit-peak": kernels/_pack_fit.py) pack in the kernel to kitty.core.quant's bytes, on
+    a subset of rows out of order with several KV heads; the min-max values of the same launch too."""
+    cfg = get_preset(preset).with_(group_size=32)
+    k = _grid_keys(4, 3, 32, D, dtype, seed=D + len(preset))
+    _, v = planted_kv(4, 3, 32, D, dtype, DEVICE, seed=D)
+    rows = [3, 0, 2]
+    qs = _query_scale(len(rows), 3, D)
+    kp, vp = pack_pages(cfg, k, v, k_rows=rows, v_rows=rows[:2], salt=2, query_scale=qs)
+    rk, rv = pack_pages_ref(cfg, k, v, k_rows=rows, v_rows=rows[:2], salt=2, query_scale=qs)
+    for f in KEY_FIELDS:
+        assert torch.equal(getattr(kp, f), getattr(rk, f)), f"key {f} differs"
     for f in VALUE_FIELDS:
         assert torch.equal(getattr(vp, f), getattr(rv, f)), f"value {f} differs"
-    with pytest.raises(ValueError, match="fitted key ranges"):
-        pack_pages(cfg, k, v, query_scale=torch.ones(2, 2, 64, device=DEVICE))
+    assert not torch.equal(
+        kp.scale, pack_pages_ref(cfg.with_(key_range="minmax"), k, k_rows=rows, salt=2, query_scale=qs)[0].scale
+    )  # the fit moved some ranges
+
+
+@pytest.mark.parametrize(
+    "preset,dtype,D,splits",
+    [
+        ("kitty-fit", torch.float16, 64, (1, 1)),
+        ("kitty-pro-fit", torch.bfloat16, 128, (2, 2)),
+        ("kitty-pro-fit-peak", torch.float16, 128, (4, 1)),
+        ("kitty+key_range=fit-peak", torch.bfloat16, 64, None),  # one key program per page (_default_splits)
+    ],
+)
+def test_pack_completed_fitted_keys_split_pages_bit_identical(preset, dtype, D, splits):
+    """The predicated pack of fitted keys, each page over several programs (each repeats the page's search): ragged
+    rows that complete a key page, a value page, both or neither, over pools of other bytes, equal
+    pack_completed_ref's."""
+    cfg = get_preset(preset).with_(group_size=32, local_window=32, sink_tokens=4)
+    S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
+    B, Hkv, W = 4, 2, 3
+    lengths = torch.tensor([S + 2 * G, S + G, S + G + 7, S + R + 2 * G], dtype=torch.int32, device=DEVICE)
+    k = _grid_keys(B, Hkv, G, D, dtype, seed=D)
+    _, v = planted_kv(B, Hkv, G, D, dtype, DEVICE, seed=D + 1)
+    g = torch.Generator().manual_seed(5)
+    pools = _pools(cfg, Hkv, D, dtype, B * W, lambda shape, dt: torch.randint(1, 200, shape, generator=g).to(dt))
+    qs = _query_scale(B, Hkv, D)
+    tables = _pack_completed_vs_ref(cfg, lengths, k, v, pools, W, salt=1, query_scale=qs, splits=splits)
+    assert (tables[0] >= 0).sum(1).tolist() == [1, 1, 0, 1]
+
+
+# Plain random keys (not on the 2**-8 grid): the kernel follows torch's fp32 operations and its order of summation
+# over tokens (kernels/_pack_fit.py), so every page came out identical when measured under the interpreter: 576 of
+# 576 pages (random keys of per-channel scales with an outlier channel, the 4 fitted configurations x fp16/bf16, 512
+# pages at G = 32 / D = 64 and 64 at G = 128 / D = 128), reconstruction errors equal. Where an fp32 operation could
+# still differ (another torch build, a compiler that contracted an operation), two candidates whose errors are an
+# ulp apart may be chosen differently: the documented tolerance is at least 90% of pages identical and every page's
+# reconstruction error within 1e-3 (relative) of torch's.
+FIT_RANDOM_SHARE, FIT_RANDOM_ERR = 0.9, 1e-3
+
+
+@pytest.mark.parametrize("preset,dtype", [("kitty-pro-fit", torch.float16), ("kitty-pro-fit-peak", torch.bfloat16)])
+def test_pack_fitted_key_ranges_random_keys_within_tolerance(preset, dtype):
+    cfg = get_preset(preset).with_(group_size=32)
+    g = torch.Generator().manual_seed(11)
+    N, Hkv, D = 4, 2, 64
+    k = (torch.randn(N, Hkv, 32, D, generator=g) * torch.rand(D, generator=g) * 3).to(dtype).to(DEVICE)
+    qs = _query_scale(N, Hkv, D)
+    kp, _ = pack_pages(cfg, k, query_scale=qs)
+    rk, _ = pack_pages_ref(cfg, k, query_scale=qs)
+    same = torch.ones(N, Hkv, dtype=torch.bool, device=DEVICE)
+    for f in KEY_FIELDS:
+        same &= (getattr(kp, f) == getattr(rk, f)).reshape(N, Hkv, -1).all(-1)
+    assert same.float().mean() >= FIT_RANDOM_SHARE
+    err, ref = ((dequantize_key_page(p).float() - k.float()).square().sum((-1, -2)) for p in (kp, rk))
+    assert ((err - ref).abs() <= FIT_RANDOM_ERR * ref).all()
+
+
+def test_pack_refuses_fitted_value_ranges():
+    """Fitted value ranges pack with kitty.core.quant: the kernel refuses them, and packs the keys of such a config."""
+    cfg = small("kitty", group_size=32, value_range="fit")
+    k, v = planted_kv(2, 2, 32, 64, torch.float16, DEVICE, seed=4)
+    with pytest.raises(ValueError, match="value_range='fit'"):
+        pack_pages(cfg, k, v)
+    kp, _ = pack_pages(cfg, k)
+    rk, _ = pack_pages_ref(cfg, k)
+    for f in KEY_FIELDS:
+        assert torch.equal(getattr(kp, f), getattr(rk, f)), f"key {f} differs"
 
 
 def test_pack_range_past_fp32_stays_finite_and_bit_identical():
@@ -204,14 +297,16 @@ def _pools(cfg, Hkv: int, D: int, dtype, pages: int, fill) -> list[dict[str, tor
     ]
 
 
-def _pack_completed_vs_ref(cfg, lengths, k, v, pools, W: int, salt: int = 0, **launch) -> list[torch.Tensor]:
+def _pack_completed_vs_ref(
+    cfg, lengths, k, v, pools, W: int, salt: int = 0, query_scale=None, **launch
+) -> list[torch.Tensor]:
     """``pack_completed`` (with ``launch`` keywords) and ``pack_completed_ref`` from the same pools and empty page
     tables of ``W`` columns; asserts every pool field and table equal and returns the kernel's tables."""
     tables = [torch.full((len(lengths), W), -1, dtype=torch.int32, device=DEVICE) for _ in range(2)]
     ref_pools = [{n: t.clone() for n, t in pool.items()} for pool in pools]
     ref_tables = [t.clone() for t in tables]
-    kernels.pack_completed(cfg, lengths, k, v, *pools, *tables, salt=salt, **launch)
-    kernels.pack_completed_ref(cfg, lengths, k, v, *ref_pools, *ref_tables, salt=salt)
+    kernels.pack_completed(cfg, lengths, k, v, *pools, *tables, salt=salt, query_scale=query_scale, **launch)
+    kernels.pack_completed_ref(cfg, lengths, k, v, *ref_pools, *ref_tables, salt=salt, query_scale=query_scale)
     for got, ref in zip(pools, ref_pools):
         for name in got:
             assert torch.equal(got[name], ref[name]), name

@@ -212,15 +212,14 @@ def test_pack_completed_kernel_matches_reference(preset):
 @pytest.mark.parametrize("preset", ["kitty-query", "kitty-oracle", "kitty-fit", "kivi-k4v2-sink", "kivi-k2v4-sink"])
 def test_triton_ops_pack_completed_side_by_side(preset):
     """The Triton backend's stage 3 packs each side the kernel packs bit-identically (query-aware selections with the
-    rows' query_scale; 4-bit keys or values) and leaves a fitted key side to the torch reference: the pools and
-    tables equal pack_completed_ref's."""
+    rows' query_scale; fitted key ranges; 4-bit keys or values): the pools and tables equal pack_completed_ref's."""
     from kitty.cache.backend import TritonOps
     from kitty.core.storage import pool_fields
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = PRESETS[preset].with_(sink_tokens=4, group_size=16, local_window=16)
     ops = TritonOps(cfg, torch.device(device))
-    assert ops.completes_keys == (cfg.key_range == "minmax") and ops.completes_values
+    assert ops.completes_keys and ops.completes_values
     Bq, H, D, Wk, Wv = 4, 2, 32, 3, 2
     g = torch.Generator().manual_seed(1)
     k_qbuf = (torch.randn(Bq, H, 16, D, generator=g) * torch.linspace(0.5, 3.0, D)).half().to(device)
@@ -242,9 +241,11 @@ def test_triton_ops_pack_completed_side_by_side(preset):
 
 
 def test_triton_backend_packs_every_min_max_side():
-    """Which presets the Triton backend packs with the kernel on a GPU: every quantized side with a min-max range
-    (any channel selection, the layer's own nb under a boost profile); fitted key ranges stay on kitty.core.quant."""
+    """Which presets the Triton backend packs with the kernel on a GPU: every quantized side (any channel selection,
+    min-max, "fit" and "fit-peak" key ranges, the layer's own nb under a boost profile); other key ranges and fitted
+    value ranges would stay on kitty.core.quant, and no preset has fitted value ranges."""
     from kitty.cache.backend import TritonOps
+    from kitty.kernels.launch import PACK_KEY_RANGES
 
     cuda = torch.device("cuda")  # only read for its type: nothing is allocated
     on_torch = {}
@@ -262,5 +263,7 @@ def test_triton_backend_packs_every_min_max_side():
         assert ops.packs_keys == ops.completes_keys and ops.packs_values == ops.completes_values
         if sides:
             on_torch[name] = sides
-    fitted = [n for n in PRESETS if PRESETS[n].key_range != "minmax"]
-    assert fitted and on_torch == {n: ["keys"] for n in fitted}
+    fitted = [n for n in PRESETS if PRESETS[n].key_range in ("fit", "fit-peak")]
+    other = [n for n in PRESETS if PRESETS[n].key_range not in PACK_KEY_RANGES and PRESETS[n].quantizes_keys]
+    assert fitted and all(PRESETS[n].value_range == "minmax" for n in PRESETS)
+    assert on_torch == {n: ["keys"] for n in other}  # key ranges the kernel does not fit (none today)

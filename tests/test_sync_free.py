@@ -1,7 +1,7 @@
 """Stage 3 of a static decode step reads nothing back to the host, for every preset (capturable in a CUDA graph).
 
 ``pack_completed_ref(..., skip_idle=False)`` (what a static layer on CUDA runs for the sides the pack kernel does not
-pack: fitted ranges, and every side on the torch backend) and the torch-side work of ``kitty.kernels.pack_completed``
+pack: fitted value ranges, and every side on the torch backend) and the torch-side work of ``kitty.kernels.pack_completed``
 (the boost masks torch ranks: random, range, query, oracle) must make no host read, build no shape from tensor data
 and copy no host data to the device: on CUDA each of these synchronizes, and a synchronization during a CUDA-graph
 capture fails the capture. A ``TorchDispatchMode`` sees every such operation, on the CPU as on CUDA (paused inside

@@ -7,10 +7,11 @@ only in what their ops object does; the cache and the attention function call th
   (``kernels/reference.py``, also what the torch path of ``kitty.cache.attention`` reads);
 - :class:`TritonOps`: decode steps attend with the fused kernel (``kitty.kernels.decode_attention_triton``); full
   qbuffers of CUDA layers are packed by ``kitty.kernels.pack_pages`` where it packs bit-identically to
-  ``kitty.core.quant`` (2/4 bits and a min-max range on that side, any channel selection), else as :class:`TorchOps`
-  packs them; a static layer's completed qbuffers (``kitty.cache.static``) by ``kitty.kernels.pack_completed`` under the
-  same conditions, side by side with ``pack_completed_ref`` for the other sides (both free of host reads on CUDA,
-  so that the decode step can be captured in a CUDA graph whatever the config).
+  ``kitty.core.quant`` (2/4 bits, any channel selection, any key range, min-max value ranges), else as
+  :class:`TorchOps` packs them; a static layer's completed qbuffers (``kitty.cache.static``) by
+  ``kitty.kernels.pack_completed`` under the same conditions, side by side with ``pack_completed_ref`` for the other
+  sides (both free of host reads on CUDA, so that the decode step can be captured in a CUDA graph whatever the
+  config).
 
 ``backend="auto"`` is Triton for CUDA tensors when Triton is installed and the fused kernel handles the config
 (``kitty.kernels.triton_supports``), else torch. :func:`check_triton` is the one refusal of ``backend="triton"``.
@@ -28,7 +29,7 @@ from ..core.config import BACKENDS, KVQuantConfig
 from ..core.pages import PagePool
 from ..core.quant import quantize_key_page, quantize_value_page
 from ..core.storage import KittyLayerState, page_fields
-from ..kernels.launch import Launch
+from ..kernels.launch import PACK_KEY_RANGES, Launch
 from ..kernels.reference import decode_attention_ref, pack_completed_ref
 
 BACKEND_ENV = "KITTY_BACKEND"
@@ -193,11 +194,17 @@ class TritonOps(TorchOps):
     def __init__(self, cfg: KVQuantConfig, device: torch.device):
         super().__init__(cfg, device)
         self.pack_scratch: dict = {}  # kitty.kernels.pack_completed's per-layer constants (allocated on its first call)
-        # the kernel gives kitty.core.quant's bytes for a quantized side with min-max ranges (any channel selection: the
-        # non-magnitude ones pass it torch's boost mask, computed without host reads); fitted ranges stay on
-        # kitty.core.quant. A layer's cfg is already its own (KVQuantConfig.for_layer), so a boost profile's per-layer
-        # nb needs nothing here.
-        kernel_keys = cfg.quantizes_keys and cfg.key_range == "minmax" and cfg.boost_profile is None
+        # the kernel gives kitty.core.quant's bytes for quantized keys with the ranges of PACK_KEY_RANGES (min-max, or
+        # fitted: the kernel runs fitted_params' search, kernels/_pack_fit.py) and any channel selection (the
+        # non-magnitude ones pass it torch's boost mask, computed without host reads), and for quantized values with
+        # min-max ranges; other ranges stay on kitty.core.quant. A layer's cfg is already its own
+        # (KVQuantConfig.for_layer), so a boost profile's per-layer nb needs nothing here.
+        kernel_keys = (
+            cfg.quantizes_keys
+            and cfg.boost_profile is None
+            and cfg.key_range in PACK_KEY_RANGES
+            and (cfg.key_range == "minmax" or cfg.group_size <= 4096)
+        )
         kernel_values = cfg.quantizes_values and cfg.value_range == "minmax"
         self.packs_keys = device.type == "cuda" and kernel_keys
         self.packs_values = device.type == "cuda" and kernel_values
