@@ -217,48 +217,21 @@ def _fit(
     span = mx - mn
     top = tl.abs(mx) >= tl.abs(mn)  # the peak (largest |x|) is the max
     peak = tl.where(top, mx, mn)
-    if KEEP_PEAK:
-        for ai in range(1, NGRID):
-            if ai < CUT:
-                cut = (ai * 0.0625) * span
-                lo = tl.where(top, mn + cut, mn)
-                hi = tl.where(top, mx, mx - cut)
-                best_err, best_s, best_z = _keep(
-                    kbase,
-                    skq_t,
-                    tl.div_rn(hi - lo, levels),
-                    lo,
-                    levels,
-                    best_err,
-                    best_s,
-                    best_z,
-                    peak,
-                    G,
-                    D,
-                    KEEP_PEAK,
-                    DTYPE,
-                )
-    else:
-        for ai in range(0, NGRID):
-            for bi in range(0, NGRID):
-                if (ai + bi > 0) & (ai + bi < CUT):
+    # fit-peak: one-sided cuts a / 16 of the tail opposite the peak (b stays 0); fit: both tails, a then b
+    for ai in range(0, NGRID):
+        for bi in range(0, 1 if KEEP_PEAK else NGRID):
+            if (ai + bi > 0) & (ai + bi < CUT):
+                if KEEP_PEAK:
+                    cut = (ai * 0.0625) * span
+                    lo = tl.where(top, mn + cut, mn)
+                    hi = tl.where(top, mx, mx - cut)
+                else:
                     lo = mn + (ai * 0.0625) * span
                     hi = mx - (bi * 0.0625) * span
-                    best_err, best_s, best_z = _keep(
-                        kbase,
-                        skq_t,
-                        tl.div_rn(hi - lo, levels),
-                        lo,
-                        levels,
-                        best_err,
-                        best_s,
-                        best_z,
-                        peak,
-                        G,
-                        D,
-                        KEEP_PEAK,
-                        DTYPE,
-                    )
+                best_err, best_s, best_z = _keep(
+                    kbase, skq_t, tl.div_rn(hi - lo, levels), lo, levels, best_err, best_s, best_z, peak, G, D,
+                    KEEP_PEAK, DTYPE,
+                )  # fmt: skip
     for _ in range(REFINE):
         s = best_s.to(tl.float32)
         z = best_z.to(tl.float32)
