@@ -117,6 +117,12 @@ PACK_TILE = 4096
 
 # key ranges (KVQuantConfig.key_range) the pack kernel packs (kernels/pack.py; fitted ones: kernels/_pack_fit.py)
 PACK_KEY_RANGES = ("minmax", "fit", "fit-peak")
+MAX_FIT_GROUP = 4096  # tokens per page the kernel fits a key range over (its sums follow torch's order up to here)
+
+
+def kernel_packs_key_range(key_range: str, group_size: int) -> bool:
+    """Whether the pack kernel packs key pages of ``key_range`` and ``group_size`` tokens (else kitty.core.quant)."""
+    return key_range in PACK_KEY_RANGES and (key_range == "minmax" or group_size <= MAX_FIT_GROUP)
 
 
 def pack_warps(splits: tuple[int, int], D: int = 128) -> int:

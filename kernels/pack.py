@@ -87,7 +87,7 @@ from kitty.core.storage import allocate_pool, pool_fields
 from ._pack_fit import _fit
 from ._pack_math import RCP3, RCP15, _exact_range, _params, _quantize
 from ._tiles import TLTYPE, check_power_of_two, is_power_of_two
-from .launch import PACK_KEY_RANGES, PACK_TILE, pack_splits, pack_warps
+from .launch import MAX_FIT_GROUP, PACK_KEY_RANGES, PACK_TILE, kernel_packs_key_range, pack_splits, pack_warps
 
 __all__ = ["pack_completed", "pack_pages"]
 
@@ -497,8 +497,8 @@ def pack_pages(
         raise ValueError(f"pack_pages packs min-max value ranges; fitted ones (value_range={cfg.value_range!r}) pack with kitty.core.quant")
     if k_qbuf is not None and cfg.key_range not in PACK_KEY_RANGES:
         raise ValueError(f"pack_pages packs key ranges {PACK_KEY_RANGES}; key_range={cfg.key_range!r} packs with kitty.core.quant")
-    if k_qbuf is not None and cfg.key_range != "minmax" and G > 4096:
-        raise ValueError(f"pack_pages fits key ranges over at most 4096 tokens, got group_size={G}")
+    if k_qbuf is not None and not kernel_packs_key_range(cfg.key_range, G):
+        raise ValueError(f"pack_pages fits key ranges over at most {MAX_FIT_GROUP} tokens, got group_size={G}")
     if cfg.boost_profile is not None:
         raise ValueError("cfg has a per-layer boost_profile: pass the layer's config, cfg.for_layer(layer_idx)")
     if k_qbuf is not None and cfg.key_bits not in (2, 4):

@@ -29,7 +29,7 @@ from ..core.config import BACKENDS, KVQuantConfig
 from ..core.pages import PagePool
 from ..core.quant import quantize_key_page, quantize_value_page
 from ..core.storage import KittyLayerState, page_fields
-from ..kernels.launch import PACK_KEY_RANGES, Launch
+from ..kernels.launch import Launch, kernel_packs_key_range
 from ..kernels.reference import decode_attention_ref, pack_completed_ref
 
 BACKEND_ENV = "KITTY_BACKEND"
@@ -200,10 +200,7 @@ class TritonOps(TorchOps):
         # min-max ranges; other ranges stay on kitty.core.quant. A layer's cfg is already its own
         # (KVQuantConfig.for_layer), so a boost profile's per-layer nb needs nothing here.
         kernel_keys = (
-            cfg.quantizes_keys
-            and cfg.boost_profile is None
-            and cfg.key_range in PACK_KEY_RANGES
-            and (cfg.key_range == "minmax" or cfg.group_size <= 4096)
+            cfg.quantizes_keys and cfg.boost_profile is None and kernel_packs_key_range(cfg.key_range, cfg.group_size)
         )
         kernel_values = cfg.quantizes_values and cfg.value_range == "minmax"
         self.packs_keys = device.type == "cuda" and kernel_keys

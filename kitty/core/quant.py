@@ -194,8 +194,8 @@ def fitted_params(
     lv = levels[..., None] if levels.dim() else levels
     best_scale, best_zero = minmax_params(x, levels, -1, dtype, sync_free)
     best_err = _sq_error(xf, best_scale, best_zero, levels, sync_free)
-    # bounded: half the min-max step, the largest error min-max allows any value (fp32 tolerance as for the peak)
-    limit = 0.5 * best_scale.float() * (1 + 2**-10) + 2**-20 * xf.abs().amax(-1)
+    if bounded:  # half the min-max step, the largest error min-max allows any value (fp32 tolerance as for the peak)
+        limit = 0.5 * best_scale.float() * (1 + 2**-10) + 2**-20 * xf.abs().amax(-1)
     lo0, hi0 = xf.amin(-1), xf.amax(-1)
     span = hi0 - lo0
     peak_on_top = hi0.abs() >= lo0.abs()  # [...]: which tail holds the largest |x|
@@ -205,8 +205,7 @@ def fitted_params(
         nonlocal best_err, best_scale, best_zero
         scale, zero = scale.to(dtype), zero.to(dtype)
         if bounded:  # the squared error and the largest error of the group, from one dequantization
-            codes = quantize_codes(xf, scale[..., None], zero[..., None], lv)
-            diff = dequantize_codes(codes, scale[..., None], zero[..., None], torch.float32, sync_free) - xf
+            diff = _dequant_error(xf, scale, zero, levels, sync_free)
             err = diff.square().sum(-1)
             better = (err < best_err) & (diff.abs().amax(-1) <= limit)
         else:
@@ -243,14 +242,20 @@ def fitted_params(
     return best_scale, best_zero
 
 
+def _dequant_error(
+    xf: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: torch.Tensor | int, sync_free: bool = False
+) -> torch.Tensor:
+    """Reconstruction error ``[..., n]`` (dequantized minus ``xf``, fp32) for per-row ``scale``/``zero`` ``[...]``."""
+    lv = _levels_on(levels, xf.device)
+    codes = quantize_codes(xf, scale[..., None], zero[..., None], lv[..., None] if lv.dim() else lv)
+    return dequantize_codes(codes, scale[..., None], zero[..., None], torch.float32, sync_free) - xf
+
+
 def _sq_error(
     xf: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: torch.Tensor | int, sync_free: bool = False
 ) -> torch.Tensor:
     """Squared reconstruction error summed over the last dim, for per-row ``scale``/``zero`` ``[...]``."""
-    lv = _levels_on(levels, xf.device)
-    codes = quantize_codes(xf, scale[..., None], zero[..., None], lv[..., None] if lv.dim() else lv)
-    deq = dequantize_codes(codes, scale[..., None], zero[..., None], torch.float32, sync_free)
-    return (deq - xf).square().sum(-1)
+    return _dequant_error(xf, scale, zero, levels, sync_free).square().sum(-1)
 
 
 def range_params(
@@ -543,7 +548,7 @@ def quantize_key_page(
         k = rotate_keys(k, cfg.key_rotation, cfg.seed)
         if not sync_free and not torch.isfinite(k).all():
             raise ValueError(f"k overflows {k.dtype} after key_rotation={cfg.key_rotation!r} (|k| too large)")
-    n_out = int(round(cfg.key_outlier_fraction * G * D))
+    n_out = cfg.num_key_outliers(D)
     if n_out:  # dense-and-sparse: the outliers kept exactly, the rest quantized as usual
         k, *outliers = split_key_outliers(k, n_out, cfg.key_outlier_rule)
         extra.update(zip(("out_val", "out_tok", "out_ch"), outliers))
