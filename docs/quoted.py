@@ -45,9 +45,8 @@ RESULTS = {
     "small_4k": "benchmarks/results/h200-2026-12-04/gluon_check.json",  # the tl kernel's default launch at (1, 4K)
     "small_32k": "benchmarks/results/h200-2026-12-04/gluon_check-2.json",  # and at (1, 32K), beside the Gluon kernel
     "gluon_check": "benchmarks/results/h200-2026-12-05/gluon_check.json",  # the Gluon kernel: checks and timings
-    "gluon_step": "benchmarks/results/h200-2026-12-05/static_throughput.json",  # the captured step, tl and Gluon
     "throughput": "benchmarks/results/h200-2026-11-29/throughput.json",
-    "static_step": "benchmarks/results/h200-2026-12-05/static_throughput.json",  # the captured decode step
+    "static_step": "benchmarks/results/h200-2026-12-05/static_throughput.json",  # the captured step, tl and Gluon
     "boost_speed": "benchmarks/results/h200-2026-11-29/boost_profile_h200.json",
     "paper_kernels": "benchmarks/summarize.py",  # OFFICIAL_KITTY_MS: the paper's own kernels, timed once
     "kernel_history": "docs/BENCHMARKS.md",  # the "What changed, step by step" table
@@ -169,10 +168,11 @@ def headline_cost() -> str:
     )
 
 
-def headline_speed() -> str:
-    rows_ = load_json("static_step")["rows"]
+def captured_steps() -> tuple[dict, dict]:
+    """Tokens/s of the captured decode step (``static_step``, equal lengths): FP16 by ``(context, batch)`` (the
+    fastest FP16 variant there), and Kitty by ``(gluon, context, batch)`` for the ``tl`` and the Gluon kernel."""
     fp16, kitty = {}, {}
-    for r in rows_:
+    for r in load_json("static_step")["rows"]:
         if r["ragged"]:
             continue
         point = (r["context"], r["batch"])
@@ -180,14 +180,22 @@ def headline_speed() -> str:
             fp16[point] = max(fp16.get(point, 0), r["tokens_per_s"])
         elif r["method"] in ("kitty-captured", "kitty/gluon-captured"):
             kitty[(r["method"].startswith("kitty/gluon"), *point)] = r["tokens_per_s"]
+    return fp16, kitty
+
+
+def fastest_fp16_batch(fp16: dict, context: int) -> int:
+    """The batch of the fastest captured FP16 step at ``context``: the baseline of Kitty's largest batch."""
+    return max((b for c, b in fp16 if c == context), key=lambda b: fp16[(context, b)])
+
+
+def headline_speed() -> str:
+    fp16, kitty = captured_steps()
 
     def vs(gluon: bool, context: int, batch: int, fp16_batch: int | None = None) -> str:
         return f"{kitty[(gluon, context, batch)] / fp16[(context, fp16_batch or batch)]:.2f}x"
 
     def largest(context: int) -> tuple[int, int]:  # kitty's largest batch, FP16's fastest batch at that context
-        ours = max(b for g, c, b in kitty if c == context)
-        theirs = max((b for c, b in fp16 if c == context), key=lambda b: fp16[(context, b)])
-        return ours, theirs
+        return max(b for g, c, b in kitty if c == context), fastest_fp16_batch(fp16, context)
 
     (b8, f8), (b32, f32) = largest(8192), largest(32768)
     fits = {}  # FP16's largest batch under the budget, from the run's notes
@@ -436,24 +444,23 @@ def gpu_gluon() -> str:
 
 
 def gpu_gluon_step() -> str:
-    """The captured decode step with the ``tl`` and the Gluon kernel against the captured FP16 step, tokens/s."""
-    rows_ = load_json("gluon_step")["rows"]
-    fp16 = {(r["context"], r["batch"]): r for r in rows_ if r["method"].startswith("fp16")}
-    runs = {(r["method"], r["context"], r["batch"]): r for r in rows_}
+    """The captured decode step with the ``tl`` and the Gluon kernel against the captured FP16 step, tokens/s: at
+    the same batch where FP16 ran it, Kitty's largest batch against FP16's fastest."""
+    fp16, kitty = captured_steps()
     body = []
     for ctx in sorted({c for c, _ in fp16}):
-        largest_fp16 = max(b for c, b in fp16 if c == ctx)
-        batches = sorted({r["batch"] for r in rows_ if r["context"] == ctx and not r["method"].startswith("fp16")})
+        batches = sorted({b for _, c, b in kitty if c == ctx})
         for b in batches:
-            base = fp16.get((ctx, b)) or (fp16[(ctx, largest_fp16)] if b == batches[-1] else None)
+            base = b if (ctx, b) in fp16 else fastest_fp16_batch(fp16, ctx) if b == batches[-1] else None
             if base is None:
                 continue
-            cells = []
-            for m in ("kitty-captured", "kitty/gluon-captured"):
-                r = runs.get((m, ctx, b))
-                cells.append(f"{r['tokens_per_s']:.0f} ({r['tokens_per_s'] / base['tokens_per_s']:.2f}x)" if r else "-")
-            point = f"batch {b}" if base["batch"] == b else f"{b} rows (FP16: {base['batch']}, its largest)"
-            body.append([f"{ctx // 1024}K", point, f"{base['tokens_per_s']:.0f}", *cells])
+            cells = [
+                f"{kitty[(g, ctx, b)]:.0f} ({kitty[(g, ctx, b)] / fp16[(ctx, base)]:.2f}x)" if (g, ctx, b) in kitty
+                else "-"
+                for g in (False, True)
+            ]  # fmt: skip
+            point = f"batch {b}" if base == b else f"{b} rows (FP16: {base}, its fastest)"
+            body.append([f"{ctx // 1024}K", point, f"{fp16[(ctx, base)]:.0f}", *cells])
     header = ["context", "batch", "captured FP16 step, tokens/s", "`kitty`, `tl` kernel", "`kitty`, Gluon kernel"]
     return table(header, body, "llrrr")
 
