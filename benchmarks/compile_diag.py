@@ -23,17 +23,6 @@ from kitty import KittyCache  # noqa: E402
 from kitty.hf.generate import generate_static  # noqa: E402
 
 
-def tiny():
-    from fixtures import tiny_config
-    from transformers import AutoModelForCausalLM
-
-    cfg = tiny_config("llama", vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
-                      initializer_range=0.1)  # fmt: skip
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float16).cuda().eval()
-
-
 class Runner:
     def __init__(self, model, mode, prompt_compiled, mark_step):
         self.model, self.device = model, model.device
@@ -48,13 +37,11 @@ class Runner:
 
 
 def main() -> None:
-    model = tiny()
-    g = torch.Generator().manual_seed(0)
-    B, T, new = 3, 150, 40
-    ids = torch.randint(0, 512, (B, T), generator=g).cuda()
-    mask = torch.ones(B, T, dtype=torch.long, device="cuda")
-    for b in range(1, B):
-        mask[b, : 40 * b] = 0
+    from test_cuda import ragged_prompts, tiny_model  # the CUDA tests' model and ragged batch
+
+    model = tiny_model("llama")
+    ids, mask = ragged_prompts()
+    B, T, new = ids.shape[0], ids.shape[1], 40
     want = generate_static(model, ids, mask, KittyCache(model.config, "kitty", max_batch_size=B, max_cache_len=T + new),
                            new, capture=False)  # fmt: skip
     out = {}
