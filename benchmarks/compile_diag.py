@@ -37,6 +37,8 @@ class Runner:
 
 
 def main() -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU (reduce-overhead compiles CUDA graphs)")
     from test_cuda import ragged_prompts, tiny_model  # the CUDA tests' model and ragged batch
 
     model = tiny_model("llama")
