@@ -126,3 +126,58 @@ def make_state(
                 pool[name][v_ids] = t
     lens = torch.tensor(lengths, dtype=torch.int32, device=dev)
     return KittyLayerState(lens, sink_k, sink_v, k_qbuf, v_qbuf, v_local, k_pt, v_pt, **pool)
+
+
+def _prmt(a, b, sel: int):
+    """PTX ``prmt.b32`` (default mode): result byte ``i`` is byte ``(sel >> 4i) & 7`` of the 8 bytes ``{b:a}``."""
+    both = (b << 32) | a
+    return sum(((both >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+
+
+def _lop3(a, b, c, lut: int):
+    """PTX ``lop3.b32``: bit ``i`` of each result bit's truth table ``lut`` indexed by ``(a, b, c)`` bits as ``4a +
+    2b + c``."""
+    out = 0
+    for i in range(8):
+        if lut >> i & 1:
+            out = out | ((a if i & 4 else ~a) & (b if i & 2 else ~b) & (c if i & 1 else ~c))
+    return out & 0xFFFFFFFF
+
+
+def run_ptx(asm: str, regs: dict) -> dict:
+    """Run the 32-bit integer instructions of an inline-PTX block (``.reg`` declarations and braces skipped) on
+    ``regs`` (``"$n"`` -> Python int or int64 tensor, elementwise) and return every register afterwards: the
+    kernels' unpack blocks (``kernels/operands.py``, ``kernels/_gluon_parts.py``) checked on the CPU, where no GPU
+    runs them. Handles ``shr``, ``shl``, ``and``, ``or``, ``mov``, ``prmt`` (default mode) and ``lop3``."""
+    regs = dict(regs)
+
+    def val(x: str):
+        if x in regs:
+            return regs[x]
+        lit = int(x, 0)
+        some = next(iter(regs.values()))
+        return torch.full_like(some, lit) if isinstance(some, torch.Tensor) else lit
+
+    for stmt in (s.strip() for s in asm.strip("{} ").split(";")):
+        if not stmt or stmt.startswith(".reg"):
+            continue
+        op, args = stmt.split(None, 1)
+        d, *src = [x.strip() for x in args.split(",")]
+        a = [val(x) for x in src]
+        if op == "shr.b32":
+            regs[d] = a[0] >> a[1]
+        elif op == "shl.b32":
+            regs[d] = (a[0] << a[1]) & 0xFFFFFFFF
+        elif op == "and.b32":
+            regs[d] = a[0] & a[1]
+        elif op == "or.b32":
+            regs[d] = a[0] | a[1]
+        elif op == "mov.b32":
+            regs[d] = a[0]
+        elif op == "prmt.b32":
+            regs[d] = _prmt(a[0], a[1], int(src[2], 0))
+        elif op == "lop3.b32":
+            regs[d] = _lop3(a[0], a[1], a[2], int(src[3], 0))
+        else:
+            raise NotImplementedError(f"PTX op {op} (extend kernels/testing.run_ptx)")
+    return regs

@@ -35,6 +35,7 @@ from kitty.kernels.gluon_launch import (
     pages_supported,
     unpack_low_bits,
 )
+from kitty.kernels.testing import run_ptx
 
 ROOT = Path(__file__).resolve().parents[1]
 SIDE_ENV = ROOT / ".ci" / "envs" / "triton-3.6"
@@ -47,26 +48,11 @@ def unpack_model(word: int, field: int) -> list[int]:
 
 def test_unpack_model_is_the_kernels_ptx():
     """``gluon_launch.unpack_low_bits`` (the model both this file and notebook 05 use) gives the bits the kernel's
-    own ``LOW_ASM_F16`` / ``LOW_ASM_BF16`` strings compute, run by a small PTX interpreter on random words."""
+    own ``LOW_ASM_F16`` / ``LOW_ASM_BF16`` strings compute, run by ``kernels/testing.run_ptx`` on random words."""
     parts = pytest.importorskip("kitty.kernels._gluon_parts")
 
     def run(asm: str, word: int) -> list[int]:
-        regs = {"$8": word}
-        val = lambda x: regs[x] if x in regs else int(x, 0)  # noqa: E731
-        for stmt in [t.strip() for t in asm.strip("{} ").split(";") if t.strip()]:
-            op, args = stmt.split(None, 1)
-            if op == ".reg":
-                continue
-            d, *src = [x.strip() for x in args.split(",")]
-            a = [val(x) for x in src]
-            if op == "shr.b32":
-                regs[d] = a[0] >> a[1]
-            elif op == "and.b32":
-                regs[d] = a[0] & a[1]
-            elif op == "lop3.b32" and a[3] == 0xEA:  # (a & b) | c
-                regs[d] = (a[0] & a[1]) | a[2]
-            else:
-                raise NotImplementedError(stmt)
+        regs = run_ptx(asm, {"$8": word})
         return [regs[f"${i}"] for i in range(8)]
 
     rng = np.random.default_rng(0)
