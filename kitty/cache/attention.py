@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch._guards import TracingContext
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
@@ -127,8 +128,6 @@ def _read_by_dynamo(config) -> bool:
         return True
     if torch.compiler.is_compiling():  # traced symbolically: the thread flag is seen as set
         return False
-    from torch._guards import TracingContext
-
     if TracingContext.try_get() is None:  # an eager read
         return False
     _DYNAMO_READ[id(config)] = weakref.ref(config, lambda _, key=id(config): _DYNAMO_READ.pop(key, None))
