@@ -14,7 +14,8 @@
     8K and 32K contexts, equal and ragged lengths; FP16 StaticCache captured (batch 1, 16, largest), eager static
     and dynamic at the largest batch, kitty/kitty-pro static captured at their largest batch (kitty also at 1 and
     16, and eager); tokens/s from the median step, p50/p99 (p99 over page-completing steps too), GPU busy from a
-    profiler trace of 4 steps (and the kernels per step it ran). Stops starting new points at the deadline.
+    profiler trace of 4 steps (and the kernels per step it ran), taken after every point is timed (a process
+    launches CUDA graphs slower once it has been profiled). Stops starting new points at the deadline.
 
 Writes ``benchmarks/results/h200-<date>/static_correctness.json``, ``static_throughput.json`` and prints a summary.
 """

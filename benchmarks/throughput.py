@@ -395,11 +395,17 @@ def static_decode(
     captured: bool,
     profile_steps: int = 4,
     trace: Path | None = None,
+    timed: bool = True,
 ):
     """Time ``steps`` single-token decode steps of every row with static input buffers (eager, or one step
     captured in a CUDA graph and replayed). Returns per-step seconds and a dict: ``pipelined_ms`` (the mean step of
     ``steps`` more run back to back, as ``generate_static`` runs them) and, when profiled, GPU busy; ``trace``: where
-    to write the profiled steps' Chrome trace (kernel start and end times)."""
+    to write the profiled steps' Chrome trace (kernel start and end times). ``timed=False``: the profile only.
+
+    Time a process's points before profiling any of them: once the profiler has run, CUPTI stays attached for the
+    life of the process (kineto does not tear it down where CUDA graphs are used), and every later graph launch
+    costs the host ~0.7 ms more (H100, ~2,200 kernel nodes: ``host_replay_us`` 10 us before, 620-780 us after),
+    which a synchronized step pays on the GPU's critical path."""
     from kitty.hf.generate import _advance
 
     B = len(lengths)
@@ -446,8 +452,8 @@ def static_decode(
             host["replay"].append(t1 - t0)
             host["advance"].append(time.perf_counter() - t1)
 
-    times = []
-    for _ in range(steps):
+    times, busy = [], {}
+    for _ in range(steps if timed else 0):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         run(timed=True)
@@ -457,14 +463,14 @@ def static_decode(
     # the product's loop (generate_static): replays back to back, the host reading once at the end, so the
     # launch of step i + 1 overlaps the GPU work of step i; the timed loop above synchronizes after every step
     torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(steps):
-        run()
-    b.record()
-    b.synchronize()
-    pipelined = a.elapsed_time(b) / 1e3 / steps
-    busy = {"pipelined_ms": pipelined * 1e3}
+    if timed:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(steps):
+            run()
+        b.record()
+        b.synchronize()
+        busy["pipelined_ms"] = a.elapsed_time(b) / 1e3 / steps * 1e3
     if host["replay"]:  # medians: where a synchronized step's time goes on the host, beside the GPU's
         busy |= {f"host_{k}_us": sorted(v)[len(v) // 2] * 1e6 for k, v in host.items()}
     if profile_steps:
@@ -527,7 +533,9 @@ def parse_points(text: str) -> list[tuple[str, int, int, bool, bool]]:
     return plan
 
 
-def static_point(model, method, batch, context, ragged, captured, steps, warmup, weights) -> dict:
+def static_point(model, method, batch, context, ragged, captured, steps, warmup, weights, profile=False) -> dict:
+    """One point of the static table: its timed steps (``profile=False``: no profiler), or only its profile
+    (``profile=True``: kernels per step, GPU busy), which :func:`run_static` takes after every point is timed."""
     lengths = static_row_lengths(batch, context, ragged)
     extra = 2 * steps + warmup + 8 + 4  # the timed steps, the pipelined ones, warmup, capture, the profiled ones
     gc.collect()
@@ -545,21 +553,25 @@ def static_point(model, method, batch, context, ragged, captured, steps, warmup,
     old_env = os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA")
     os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1" if gqa else "0"
     old_impl = model.config._attn_implementation
+    run = (steps, warmup, captured, 4 if profile else 0, None, not profile)
     try:
         if unmasked:
             from torch.nn.attention import sdpa_kernel
 
             model.config._attn_implementation = UNMASKED
             with sdpa_kernel([SDPA_BACKENDS[method.rsplit("-", 1)[1]]]):
-                times, busy = static_decode(model, cache, mask, lengths, context, steps, warmup, captured)
+                times, busy = static_decode(model, cache, mask, lengths, context, *run)
         else:
-            times, busy = static_decode(model, cache, mask, lengths, context, steps, warmup, captured)
+            times, busy = static_decode(model, cache, mask, lengths, context, *run)
     finally:
         model.config._attn_implementation = old_impl
         if old_env is None:
             os.environ.pop("TRANSFORMERS_SDPA_FORCE_GQA")
         else:
             os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = old_env
+    if profile:
+        del cache
+        return busy
     pages = page_steps(method, [n + warmup for n in lengths], steps)
     srt = sorted(times)
     paged = sorted(t for t, p in zip(times, pages) if p)
@@ -615,12 +627,14 @@ def run_static(
         plan = [p for p in plan if p[0] in methods]
     if points:
         plan = parse_points(points)
+    timed = []  # the plan entries of rows, in order
     for method, b, context, ragged, captured in plan:
         if time.time() > deadline:
             notes.append(f"skipped (time): {method} batch {b} context {context} ragged={ragged} captured={captured}")
             continue
         try:
             rows.append(static_point(model, method, b, context, ragged, captured, steps, warmup, weights))
+            timed.append((method, b, context, ragged, captured))
             print(rows[-1], flush=True)
         except Exception as e:  # noqa: BLE001 - one failing point must not lose the others
             notes.append(
@@ -628,5 +642,15 @@ def run_static(
                 f"{type(e).__name__}: {str(e)[:300]}"
             )
             print(notes[-1], flush=True)
+        (out / "static_throughput.json").write_text(json.dumps(dict(rows=rows, notes=notes), indent=1))
+    # the profiles last: a profiled process launches graphs slower from then on (static_decode)
+    for row, (method, b, context, ragged, captured) in zip(rows, timed):
+        if time.time() > deadline:
+            notes.append(f"not profiled (time): {row['method']} batch {b} context {context}")
+            continue
+        try:
+            row |= static_point(model, method, b, context, ragged, captured, steps, warmup, weights, profile=True)
+        except Exception as e:  # noqa: BLE001
+            notes.append(f"{row['method']} batch {b} context {context}: profile: {type(e).__name__}: {str(e)[:300]}")
         (out / "static_throughput.json").write_text(json.dumps(dict(rows=rows, notes=notes), indent=1))
     return rows, notes

@@ -420,11 +420,17 @@ def _steps(G: int, D: int, value_bits: int, ks: int, vs: int, tile: int = PACK_T
     return dict(KSPLIT=ks, VSPLIT=vs, TS=min(G, rows), TQ=min(G // ks, rows), IC=min(G // per // vs, rows))
 
 
-def _check_splits(splits, G: int, value_bits: int) -> tuple[int, int]:
+def _check_splits(splits, G: int, value_bits: int, fit: dict) -> tuple[int, int]:
+    """``splits`` as two ints; ``ValueError`` unless they are powers of two that divide the page, with one key program
+    per page where the key range is fitted: a page split over several key programs (each repeating the search)
+    packed other bytes than torch on the H100 (``kitty-pro-fit``, bf16, D = 128, two key programs), while one program
+    per page, the default, packed them bit-identically."""
     ks, vs = splits
     per = 8 // value_bits
     if not (is_power_of_two(ks) and is_power_of_two(vs) and ks <= G and vs <= G // per):
         raise ValueError(f"splits must be powers of two with key <= G = {G} and value <= G / {per}, got {splits}")
+    if fit["FIT"] and ks != 1:
+        raise ValueError(f"splits: a fitted key range packs in one key program per page, got {splits}")
     return int(ks), int(vs)
 
 
@@ -534,7 +540,8 @@ def pack_pages(
     kq = k_qbuf if k_qbuf is not None else dummy.view(1, 1, 1, 1)
     vq = v_qbuf if v_qbuf is not None else dummy.view(1, 1, 1, 1)
     fit, opts = _fit_args(cfg, nk > 0)
-    ks, vs = _check_splits(splits or _default_splits(max(nk, nv) * Hkv, G, cfg.value_bits, fit), G, cfg.value_bits)
+    ks, vs = _check_splits(splits or _default_splits(max(nk, nv) * Hkv, G, cfg.value_bits, fit), G, cfg.value_bits,
+                           fit)  # fmt: skip
     grid = ((nk * ks + nv * vs) * Hkv,)
     if grid[0] == 0:
         return None if pool is not None else (None, None)
@@ -639,7 +646,7 @@ def pack_completed(
     kpool = key_pool if keys else {}
     vpool = value_pool if values else {}
     fit, opts = _fit_args(cfg, keys)
-    ks, vs = _check_splits(splits or _default_splits(B * Hkv, G, cfg.value_bits, fit), G, cfg.value_bits)
+    ks, vs = _check_splits(splits or _default_splits(B * Hkv, G, cfg.value_bits, fit), G, cfg.value_bits, fit)
     _pack_kernel[((nk * ks + nv * vs) * Hkv,)](
         k_qbuf, lengths, lengths, k_mask,
         kpool.get("k_low", dummy), kpool.get("k_high", dummy) if nb else dummy, kpool.get("k_boost_idx", dummy),

@@ -173,15 +173,14 @@ def test_pack_fitted_key_ranges_bit_identical(preset, dtype, D):
     "preset,dtype,D,splits",
     [
         ("kitty-fit", torch.float16, 64, (1, 1)),
-        ("kitty-pro-fit", torch.bfloat16, 128, (2, 2)),
-        ("kitty-pro-fit-peak", torch.float16, 128, (4, 1)),
+        ("kitty-pro-fit", torch.bfloat16, 128, (1, 2)),
+        ("kitty-pro-fit-peak", torch.float16, 128, (1, 4)),
         ("kitty+key_range=fit-peak", torch.bfloat16, 64, None),  # one key program per page (_default_splits)
     ],
 )
 def test_pack_completed_fitted_keys_split_pages_bit_identical(preset, dtype, D, splits):
-    """The predicated pack of fitted keys, each page over several programs (each repeats the page's search): ragged
-    rows that complete a key page, a value page, both or neither, over pools of other bytes, equal
-    pack_completed_ref's."""
+    """The predicated pack of fitted keys (one key program per page, value pages over several): ragged rows that
+    complete a key page, a value page, both or neither, over pools of other bytes, equal pack_completed_ref's."""
     cfg = get_preset(preset).with_(group_size=32, local_window=32, sink_tokens=4)
     S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
     B, Hkv, W = 4, 2, 3
@@ -220,6 +219,14 @@ def test_pack_fitted_key_ranges_random_keys_within_tolerance(preset, dtype):
     assert same.float().mean() >= FIT_RANDOM_SHARE
     err, ref = ((dequantize_key_page(p).float() - k.float()).square().sum((-1, -2)) for p in (kp, rk))
     assert ((err - ref).abs() <= FIT_RANDOM_ERR * ref).all()
+
+
+def test_pack_refuses_a_fitted_key_page_over_several_programs():
+    """A fitted key range packs in one key program per page (kernels/pack.py _check_splits): more is a ValueError."""
+    cfg = get_preset("kitty-fit").with_(group_size=32)
+    k = _grid_keys(2, 2, 32, 64, torch.float16, seed=3)
+    with pytest.raises(ValueError, match="one key program per page"):
+        pack_pages(cfg, k, query_scale=_query_scale(2, 2, 64), splits=(2, 1))
 
 
 def test_pack_refuses_fitted_value_ranges():
