@@ -143,12 +143,15 @@ def test_gluon_captured_decode_matches_eager():
 
 
 def test_cache_uses_the_fused_kernel_on_cuda(monkeypatch):
+    """backend="auto" decodes with a fused kernel: the Gluon one where gluon_supports holds, else the tl one."""
     import kitty.kernels as kernels
+    from kitty.kernels import decode_gluon
 
     model = tiny_model("llama")
     calls = []
-    real = kernels.decode_attention_triton
-    monkeypatch.setattr(kernels, "decode_attention_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for module, name in ((kernels, "decode_attention_triton"), (decode_gluon, "decode_attention_gluon")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
     cache = KittyCache(model.config, "kitty")  # backend="auto"
     generate(model, cache, torch.randint(0, 512, (1, 40)).cuda(), 8)
     assert len(calls) >= 8 * model.config.num_hidden_layers - 2 * model.config.num_hidden_layers

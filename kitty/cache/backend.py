@@ -247,10 +247,12 @@ class TritonOps(TorchOps):
         )
 
 
-# Whether backend="auto" may pick the Gluon kernel where kernels/gluon_launch.py's gluon_supports holds. Off: on the
-# H200 it was correct on every bf16 case but its fp16 high-plane fix is not yet re-measured, and it is slower than
-# the tl kernel for kitty-pro and at batch 1 (benchmarks/results/*/gluon_check.json).
-AUTO_GLUON = False
+# Whether backend="auto" picks the Gluon kernel where kernels/gluon_launch.py's gluon_supports holds (an sm_90 GPU
+# with triton 3.6; elsewhere auto picks the tl kernel). On: correct in every case of benchmarks/gluon_check.py on
+# the H200 (172 of 172) and in tests/test_cuda.py on the H100 (teacher-forced logits, captured = eager), and in the
+# captured decode step level with the tl kernel at batch 1 and faster from batch 16 on (H100: 1.08x at (16, 8K),
+# 1.37x at (100, 8K), 1.49x at (28, 32K); benchmarks/results/h100-2026-12-06/static_throughput.json).
+AUTO_GLUON = True
 
 
 class GluonOps(TritonOps):
