@@ -379,7 +379,7 @@ def page_steps(method: str, lengths: list[int], steps: int) -> list[bool]:
     """Whether decode step i (0-based) completes a key or value page in some row (kitty methods)."""
     if method.startswith("fp16"):
         return [False] * steps
-    cfg = PRESETS[method.partition("/")[0]]
+    cfg = PRESETS[method.partition("+")[0].partition("/")[0]]  # "kitty/gluon+side": the preset "kitty"
     S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
     out = []
     for i in range(steps):
