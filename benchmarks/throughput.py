@@ -333,7 +333,7 @@ def static_bytes_per_row(method: str, config, max_cache_len: int) -> int:
 
 def fill_static(method: str, model, lengths: list[int], context: int, extra: int):
     """A static cache (``StaticCache`` for fp16 methods, else a static ``KittyCache``; ``preset/backend`` picks the
-    attention backend, default ``triton``; ``+side`` packs on a side stream) holding ``lengths[b]``
+    attention backend, default ``triton``) holding ``lengths[b]``
     random tokens in row b (left-padded to ``context`` columns), room for ``extra`` decode steps; and the
     ``[B, context + extra]`` attention mask of the fill (padding 0, real and future columns 1)."""
     from transformers import DynamicCache, StaticCache
@@ -358,13 +358,8 @@ def fill_static(method: str, model, lengths: list[int], context: int, extra: int
         for i in range(c.num_hidden_layers):
             cache.update(rand(context), rand(context), i, {"cache_position": torch.arange(context, device=DEVICE)})
         return cache, mask
-    method, _, option = method.partition("+")  # "+side": stage 3 on a side stream (StaticKittyLayer.pack_on_side)
-    if option not in ("", "side"):
-        raise ValueError(f"unknown method option {option!r} in {method}+{option} (known: side)")
     preset, _, backend = method.partition("/")  # "kitty/gluon": the preset on another attention backend
     cache = KittyCache(c, PRESETS[preset], backend=backend or "triton", max_batch_size=B, max_cache_len=L)
-    for layer in cache.layers:
-        layer.pack_on_side = option == "side"
     chunk = 1024
     # the first chunk reaches the first column where every row holds a token (a chunk may not leave a row empty)
     first = max(context - min(lengths) + 1, min(chunk, context))
@@ -379,7 +374,7 @@ def page_steps(method: str, lengths: list[int], steps: int) -> list[bool]:
     """Whether decode step i (0-based) completes a key or value page in some row (kitty methods)."""
     if method.startswith("fp16"):
         return [False] * steps
-    cfg = PRESETS[method.partition("+")[0].partition("/")[0]]  # "kitty/gluon+side": the preset "kitty"
+    cfg = PRESETS[method.partition("/")[0]]
     S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
     out = []
     for i in range(steps):

@@ -313,25 +313,6 @@ def test_captured_fused_step_matches_eager_with_merge_choice(monkeypatch, merge_
     assert torch.equal(toks[0], toks[1])
 
 
-def test_captured_step_with_the_pack_on_a_side_stream_matches_eager(monkeypatch):
-    """``$KITTY_PACK_STREAM=1``: every static layer but the last packs on a side stream, joined by the next layer's
-    insert; eager and captured steps give the tokens of the pack on the current stream, and the step ends joined."""
-    from kitty.hf.generate import generate_static
-
-    model = tiny_model("llama")
-    ids, mask = ragged_prompts()
-    new = 140  # past a page boundary in every row
-    toks = []
-    for side, capture in ((False, False), (True, False), (True, True)):
-        monkeypatch.setenv("KITTY_PACK_STREAM", "1" if side else "0")
-        cache = KittyCache(model.config, "kitty", max_batch_size=3, max_cache_len=ids.shape[1] + new)
-        toks.append(generate_static(model, ids, mask, cache, new, capture=capture))
-        sides = [layer._pack_side is not None for layer in cache.layers]
-        assert sides == ([True] * (len(sides) - 1) + [False] if side else [False] * len(sides))
-        assert not cache.__dict__.get("_kitty_side_packs")
-    assert torch.equal(toks[0], toks[1]) and torch.equal(toks[0], toks[2])
-
-
 def static_runs(monkeypatch) -> list:
     """The caches of every run of the captured loop (``kitty.hf.generate._static_chunks``) from now on, with the
     decode path left to its automatic choice."""

@@ -70,20 +70,6 @@ def test_static_greedy_tokens_equal_the_growing_cache(family, preset):
         assert torch.equal(hf_greedy(model, ids, mask, cache), ref)
 
 
-def test_pack_stream_request_packs_on_the_current_stream_off_cuda(monkeypatch):
-    """``$KITTY_PACK_STREAM=1`` asks for stage 3 on a side CUDA stream: off CUDA every layer packs on the current
-    stream, with the same tokens and nothing left to join (``tests/test_cuda.py`` runs the side stream)."""
-    model = build("llama")
-    ids, mask = ragged_batch()
-    want = generate_static(model, ids, mask, KittyCache(model.config, SMALL["kitty"], max_batch_size=B,
-                                                        max_cache_len=T + NEW), NEW)  # fmt: skip
-    monkeypatch.setenv("KITTY_PACK_STREAM", "1")
-    cache = KittyCache(model.config, SMALL["kitty"], max_batch_size=B, max_cache_len=T + NEW)
-    assert torch.equal(generate_static(model, ids, mask, cache, NEW), want)
-    assert all(layer._pack_side is None for layer in cache.layers)
-    assert not cache.__dict__.get("_kitty_side_packs")
-
-
 def test_static_storage_is_preallocated_and_matches_the_growing_layer():
     """Every tensor keeps its address across decode steps; buffers, pages and the memory report equal the growing
     layer's after the same ragged tokens."""

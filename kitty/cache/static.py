@@ -63,30 +63,15 @@ from . import custom_ops
 from .backend import check_triton
 from .layer import PagedLayer
 
-__all__ = [
-    "MERGE_INSIDE_ENV",
-    "PACK_STREAM_ENV",
-    "StaticKittyLayer",
-    "check_static_args",
-    "merge_inside_requested",
-    "pack_stream_requested",
-    "page_widths",
-]
+__all__ = ["MERGE_INSIDE_ENV", "StaticKittyLayer", "check_static_args", "merge_inside_requested", "page_widths"]
 
 MERGE_INSIDE_ENV = "KITTY_MERGE_INSIDE"
-PACK_STREAM_ENV = "KITTY_PACK_STREAM"
 
 
 def merge_inside_requested() -> bool:
     """Whether ``$KITTY_MERGE_INSIDE=1`` asks static layers to merge the split-K partials inside the attention
     launch (``Launch.merge_inside``; off by default until it is timed on the GPU)."""
     return os.environ.get(MERGE_INSIDE_ENV, "0") == "1"
-
-
-def pack_stream_requested() -> bool:
-    """Whether ``$KITTY_PACK_STREAM=1`` asks static layers on CUDA to run stage 3 (the pack) on a side stream, where
-    it overlaps the next layer's projections instead of lengthening the step (off by default until it is timed)."""
-    return os.environ.get(PACK_STREAM_ENV, "0") == "1"
 
 
 def compiling() -> bool:
@@ -122,9 +107,6 @@ class StaticKittyLayer(PagedLayer):
     is_compileable = True
     # Launch.merge_inside for this layer's decode steps: None follows $KITTY_MERGE_INSIDE (set before the prompt)
     merge_inside: bool | None = None
-    # stage 3 on a side CUDA stream: None follows $KITTY_PACK_STREAM (set before the prompt)
-    pack_on_side: bool | None = None
-    _pack_side: torch.cuda.Stream | None = None  # that stream, chosen at the prompt (prepare_workspace)
 
     def __init__(
         self,
@@ -206,7 +188,6 @@ class StaticKittyLayer(PagedLayer):
     def reset(self) -> None:
         """Drop every cached token (tensors kept, zeroed in place; the host counters need no catching up)."""
         self._behind = False
-        self.join_packs()
         super().reset()
         if self.is_initialized:
             self._column_offset.zero_()
@@ -339,38 +320,6 @@ class StaticKittyLayer(PagedLayer):
         if not compiling():
             for t in [*ws, q]:
                 torch._dynamo.mark_static_address(t)
-            self._pack_side = self._side_stream()
-
-    def _static_siblings(self) -> list[StaticKittyLayer]:
-        """The owning cache's static layers, in the model's order (this one alone without a cache)."""
-        cache = self.cache
-        layers = getattr(cache, "layers", None) or [self]
-        return [layer for layer in layers if isinstance(layer, StaticKittyLayer)]
-
-    def _side_stream(self) -> torch.cuda.Stream | None:
-        """The side stream of stage 3 (:meth:`pack_filled`), or ``None`` to pack on the current stream: on CUDA with
-        the fused backend where asked (:attr:`pack_on_side`, ``$KITTY_PACK_STREAM``), except in the cache's last
-        static layer, whose pack no later layer would wait for within the step."""
-        ask = pack_stream_requested() if self.pack_on_side is None else bool(self.pack_on_side)
-        siblings = self._static_siblings()
-        if not (ask and self.device.type == "cuda" and self.ops.fused_decode and self.cache is not None):
-            return None
-        if siblings[-1] is self:
-            return None
-        return torch.cuda.Stream(self.device)
-
-    def _pending_packs(self) -> list:
-        """Side streams whose pack the current stream has not waited for yet, shared by the cache's layers."""
-        return self.cache.__dict__.setdefault("_kitty_side_packs", []) if self.cache is not None else []
-
-    def join_packs(self) -> None:
-        """Make the current stream wait for every pack still running on a side stream (a layer's stage 1 calls it
-        before it writes a qbuffer slot, so each pack overlaps the work between two layers' caches)."""
-        pending = self._pending_packs()
-        if pending:
-            main = torch.cuda.current_stream(self.device)
-            while pending:
-                main.wait_stream(pending.pop())
 
     def storage(self) -> KittyLayerState:
         """Every tensor of this layer, whole (fixed shapes; no host counter is read)."""
@@ -403,7 +352,6 @@ class StaticKittyLayer(PagedLayer):
             self._behind = True
             return
         self.check_room(1)
-        self.join_packs()
         if self.ops.fused_decode:
             check_triton(None, None, key_states.device)
             kernels.insert_token(k, v, *buffers)
@@ -450,23 +398,11 @@ class StaticKittyLayer(PagedLayer):
             self.layer_idx,
             self.query_scale(),
         )
-        side = self._pack_side
-        if side is None:
-            self.ops.pack_completed(*args)
-            self.join_packs()  # the cache's last static layer: nothing stays forked past the step
-            return
-        main = torch.cuda.current_stream(self.device)
-        side.wait_stream(main)  # the qbuffers this step's insert filled
-        if args[-1] is not None:
-            args[-1].record_stream(side)  # made on the current stream, read on the side one
-        with torch.cuda.stream(side):
-            self.ops.pack_completed(*args)
-        self._pending_packs().append(side)
+        self.ops.pack_completed(*args)
 
     def _unpoint_completed(self) -> None:
         """Undo of :meth:`pack_filled` (``lengths`` still count the step's token): the completed pages' table
         entries back to -1."""
-        self.join_packs()
         S, G, R = self.cfg.sink_tokens, self.cfg.group_size, self.cfg.local_window
         for table, start in ((self.k_page_table, S), (self.v_page_table, S + R)):
             if table.shape[1]:
