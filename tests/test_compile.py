@@ -19,6 +19,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.configuration_utils import CompileConfig
 
 from kitty import PRESETS, KittyCache
+from kitty.cache import custom_ops
 from kitty.hf.compat import cache_kwargs
 from kitty.hf.generate import generate_static
 from kitty.kernels import interpreting
@@ -140,7 +141,8 @@ def test_user_compiled_forward_matches_eager_static(model):
     _same_counters(cache, eager_cache)
 
 
-def test_compiled_decode_step_after_an_eager_prompt(model):
+@pytest.mark.parametrize("backend", ["triton", "gluon"])  # gluon: the op's Gluon flag (the tl kernel off sm_90)
+def test_compiled_decode_step_after_an_eager_prompt(model, backend):
     """The gpt-fast form: the prompt eagerly, then one compiled function per decode step (``fullgraph=True``: a graph
     break raises) with the static cache's fixed-size mask, the position from ``cache.get_seq_length()`` inside the
     graph (a device tensor there); the same loop run eagerly gives the same tokens."""
@@ -159,12 +161,14 @@ def test_compiled_decode_step_after_an_eager_prompt(model):
             tokens.append(run(tokens[-1]))
         return torch.cat(tokens, 1)
 
-    eager = _cache(model, "kitty")
+    eager = _cache(model, "kitty", backend)
     want = decode(eager, compiled=False)
     torch._dynamo.reset()
     counters.clear()
-    cache = _cache(model, "kitty")
+    cache = _cache(model, "kitty", backend)
     assert torch.equal(decode(cache, compiled=True), want)
+    assert cache.layers[0].ops.decodes_with_gluon == (backend == "gluon")
+    assert custom_ops._gluon_asked(cache.layers[0]._op_args.launch) == (backend == "gluon")
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     assert cache.get_seq_length() == eager.get_seq_length() == T + NEW - 1
     assert cache.token_counts(per_row=True) == eager.token_counts(per_row=True)

@@ -398,8 +398,16 @@ class _DecodeCompiled:
         return (self.compiled if ids.shape[1] == 1 else self.model)(ids, **kwargs)
 
 
-@pytest.mark.parametrize("form", ["generate_compile_config", "decode_reduce_overhead", "forward_reduce_overhead"])
-def test_compiled_static_decode_matches_eager(form):
+@pytest.mark.parametrize(
+    "form,backend",
+    [
+        ("generate_compile_config", "auto"),
+        ("decode_reduce_overhead", "auto"),
+        ("forward_reduce_overhead", "auto"),
+        ("decode_reduce_overhead", "gluon"),  # compiled steps run the Gluon kernel, as the eager ones do
+    ],
+)
+def test_compiled_static_decode_matches_eager(form, backend):
     """transformers' compile path on a static cache gives the eager static decode's tokens on the ragged batch, with
     no graph break in a decode step and no recompilation after the first ones: ``generate`` compiling its decode
     steps itself (``CompileConfig()``: inductor, ``mode="reduce-overhead"``), the supported user form (prompt eager,
@@ -410,12 +418,15 @@ def test_compiled_static_decode_matches_eager(form):
 
     from kitty.hf.generate import generate_static
 
+    if backend == "gluon":
+        needs_gluon()
     model = tiny_model("llama")
     ids, mask = ragged_prompts()
     new = 40
-    ref_cache = KittyCache(model.config, "kitty", max_batch_size=3, max_cache_len=ids.shape[1] + new)
+    kw = dict(backend=backend, max_batch_size=3, max_cache_len=ids.shape[1] + new)
+    ref_cache = KittyCache(model.config, "kitty", **kw)
     want = generate_static(model, ids, mask, ref_cache, new, capture=False)
-    cache = KittyCache(model.config, "kitty", max_batch_size=3, max_cache_len=ids.shape[1] + new)
+    cache = KittyCache(model.config, "kitty", **kw)
     torch._dynamo.reset()
     counters.clear()
     seen = []

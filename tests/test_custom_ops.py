@@ -130,6 +130,23 @@ def test_opcheck():
     opcheck(torch.ops.kitty.pack_completed.default, args)
 
 
+def test_gluon_flag_rides_with_the_launch():
+    """A Gluon layer's op arguments carry one more integer: the tl launch reads back unchanged, and where the Gluon
+    kernel does not apply (here: the CPU) the op runs the tl kernel, to the same bits."""
+    t = _layer()
+    k, v, q = _inputs(0)
+    t["lengths"] += 1
+    ws, launch = custom_ops.attention_workspace(q, _state(t))
+    ints = custom_ops._launch_ints(launch, gluon=True)
+    assert ints[:-1] == custom_ops._launch_ints(launch) and custom_ops._gluon_asked(ints)
+    assert custom_ops._launch_of(ints) == launch and not custom_ops._gluon_asked(custom_ops._launch_ints(launch))
+    assert custom_ops._launch_of(custom_ops._launch_ints(None, gluon=True)) is None
+    state = [t.get(n) for n in custom_ops.STATE_FIELDS]
+    key = custom_ops.config_key(CFG)
+    outs = [torch.ops.kitty.decode_attention(q, state, key, 0.25, True, ws, i) for i in (ints, ints[:-1])]
+    assert torch.equal(*outs)
+
+
 def test_bad_input():
     with pytest.raises(ValueError, match="cfg"):
         custom_ops.config_key("kitty")

@@ -117,6 +117,7 @@ class TorchOps:
     """
 
     fused_decode = False
+    decodes_with_gluon = False  # GluonOps: the Gluon kernel wherever gluon_supports holds (compiled steps too)
 
     def __init__(self, cfg: KVQuantConfig, device: torch.device):
         self.cfg, self.device = cfg, device
@@ -253,14 +254,16 @@ class TritonOps(TorchOps):
 # captured step (tests/test_cuda.py), and the captured decode step level with the tl kernel at batch 1 and faster
 # from batch 16 on (1.08x at (16, 8K), 1.37x at (100, 8K), 1.49x at (28, 32K); benchmarks/results/h100-2026-12-06/).
 # Not yet: the whole of tests/test_cuda.py with Gluon as auto's choice (20 of its 32 tests ran, all passed, before
-# the call's time ran out), and a compiled step runs the tl kernel inside kitty::decode_attention (custom_ops.py)
-# while the eager steps around it would run the Gluon one.
+# the call's time ran out), nor a compiled step of a Gluon layer on the GPU (kitty::decode_attention now runs the
+# Gluon kernel for it, custom_ops._gluon_asked; test_compiled_static_decode_matches_eager has the case).
 AUTO_GLUON = False
 
 
 class GluonOps(TritonOps):
     """The Triton backend with decode attention by the Gluon kernel (``kernels/decode_gluon.py``) wherever
     ``gluon_supports`` holds for the call's dtype and GQA ratio, else by the ``tl`` kernel."""
+
+    decodes_with_gluon = True
 
     def attend(self, q, state, scaling, full_qbuffer=False, workspace=None) -> torch.Tensor:
         from ..kernels.gluon_launch import gluon_supports

@@ -84,19 +84,25 @@ def _runs_kernels(t: torch.Tensor) -> bool:
     return kernels.HAS_TRITON and (t.device.type == "cuda" or kernels.interpreting())
 
 
-def _launch_ints(launch: Launch | None) -> list[int]:
+def _launch_ints(launch: Launch | None, gluon: bool = False) -> list[int]:
+    """The ``tl`` kernel's launch as op integers, then ``1`` where the layer decodes with the Gluon kernel (its own
+    launch, per call) wherever ``gluon_supports`` holds."""
     if launch is None:
-        return []
+        return [0] * 7 + [1] if gluon else []
     cap = -1 if launch.maxnreg is None else int(launch.maxnreg)
     return [launch.num_splits, launch.num_warps, launch.num_stages, cap, launch.block_h, launch.operand_parts,
-            int(launch.merge_inside)]  # fmt: skip
+            int(launch.merge_inside)] + ([1] if gluon else [])  # fmt: skip
 
 
 def _launch_of(ints: Sequence[int]) -> Launch | None:
-    if len(ints) == 0:
+    if len(ints) == 0 or not any(ints[:7]):
         return None
-    splits, warps, stages, cap, block_h, parts, merge = (int(x) for x in ints)
+    splits, warps, stages, cap, block_h, parts, merge = (int(x) for x in ints[:7])
     return Launch(splits, warps, stages, None if cap < 0 else cap, block_h, parts, bool(merge))
+
+
+def _gluon_asked(ints: Sequence[int]) -> bool:
+    return len(ints) > 7 and bool(ints[7])
 
 
 class FlatArgs(NamedTuple):
@@ -105,7 +111,7 @@ class FlatArgs(NamedTuple):
 
     cfg: str  # config_key(cfg)
     state: list  # the KittyLayerState's tensors in STATE_FIELDS order (None for absent fields)
-    launch: list[int]  # _launch_ints(launch)
+    launch: list[int]  # _launch_ints(launch, gluon)
     pools: list  # key then value pool tensors in KEY_POOL_FIELDS + VALUE_POOL_FIELDS order (None for absent fields)
 
 
@@ -115,13 +121,15 @@ def flat_args(
     launch: Launch | None,
     key_pool: dict[str, torch.Tensor],
     value_pool: dict[str, torch.Tensor],
+    gluon: bool = False,
 ) -> FlatArgs:
     """Flatten a static layer's fixed op arguments once (eagerly): the tensors keep their identity, so the flat form
-    stays valid for as long as the layer keeps its tensors."""
+    stays valid for as long as the layer keeps its tensors. ``gluon``: the layer decodes with the Gluon kernel where
+    it applies (``kitty.cache.backend.GluonOps``), so that its compiled steps run the kernel its eager ones run."""
     return FlatArgs(
         config_key(cfg),
         [getattr(state, n) for n in STATE_FIELDS],
-        _launch_ints(launch),
+        _launch_ints(launch, gluon),
         _flat_pools(key_pool, value_pool),
     )
 
@@ -191,6 +199,13 @@ def _decode_attention_op(
     config = _config(cfg)
     if not _runs_kernels(q):
         return kernels.decode_attention_ref(q, st, config, scaling, full_qbuffer=full_qbuffer)
+    if _gluon_asked(launch):
+        from ..kernels.gluon_launch import gluon_supports
+
+        if gluon_supports(config, q.shape[-1], q.dtype, q.device, q.shape[1] // st.k_qbuf.shape[1]):
+            from ..kernels.decode_gluon import decode_attention_gluon  # its own workspace and launch, per call
+
+            return decode_attention_gluon(q, st, config, scaling, full_qbuffer=full_qbuffer)
     ws = None
     if len(workspace):
         ws = dict(zip(("m", "l", "acc", "tickets"), workspace))

@@ -316,7 +316,7 @@ class StaticKittyLayer(PagedLayer):
         self.ops.launch = self.launch
         # the custom ops' arguments, flattened here once: traced code then builds no config, state or launch object
         self._op_args = custom_ops.flat_args(self.storage(), self.cfg, self.launch, self.key_pool.tensors,
-                                             self.value_pool.tensors)  # fmt: skip
+                                             self.value_pool.tensors, self.ops.decodes_with_gluon)  # fmt: skip
         if not compiling():
             for t in [*ws, q]:
                 torch._dynamo.mark_static_address(t)
