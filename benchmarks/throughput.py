@@ -553,16 +553,16 @@ def static_point(model, method, batch, context, ragged, captured, steps, warmup,
     old_env = os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA")
     os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1" if gqa else "0"
     old_impl = model.config._attn_implementation
-    run = (steps, warmup, captured, 4 if profile else 0, None, not profile)
+    run = dict(steps=steps, warmup=warmup, captured=captured, profile_steps=4 if profile else 0, timed=not profile)
     try:
         if unmasked:
             from torch.nn.attention import sdpa_kernel
 
             model.config._attn_implementation = UNMASKED
             with sdpa_kernel([SDPA_BACKENDS[method.rsplit("-", 1)[1]]]):
-                times, busy = static_decode(model, cache, mask, lengths, context, *run)
+                times, busy = static_decode(model, cache, mask, lengths, context, **run)
         else:
-            times, busy = static_decode(model, cache, mask, lengths, context, *run)
+            times, busy = static_decode(model, cache, mask, lengths, context, **run)
     finally:
         model.config._attn_implementation = old_impl
         if old_env is None:

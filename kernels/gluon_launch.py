@@ -8,6 +8,7 @@ the fragment registers (from ``gl.to_linear_layout`` bases) and the unpack.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 from dataclasses import dataclass
@@ -119,6 +120,7 @@ def split_work(
     return range(start, min(end, vp)), range(c_lo, c_hi), split == 0 and n > 0
 
 
+@functools.cache  # asked per decode call (gluon_supports); the installed triton does not change in a process
 def gluon_available() -> bool:
     """Whether this triton is the release the Gluon kernel was written for and ships ``triton.experimental.gluon``."""
     if importlib.util.find_spec("triton") is None:
@@ -142,6 +144,12 @@ def gluon_supports(
     if torch.cuda.get_device_capability(device) != (9, 0) or not gluon_available():
         return False
     return pages_supported(cfg, head_dim, dtype, gqa)
+
+
+def gluon_applies(cfg: KVQuantConfig, q: torch.Tensor, k_qbuf: torch.Tensor) -> bool:
+    """:func:`gluon_supports` for one decode call: query ``q`` ``[B, Hq, D]`` over the KV heads of ``k_qbuf``
+    ``[B, Hkv, G, D]`` (the Gluon backend's eager steps and its compiled op ask the same)."""
+    return gluon_supports(cfg, q.shape[-1], q.dtype, q.device, q.shape[1] // k_qbuf.shape[1])
 
 
 def pages_supported(cfg: KVQuantConfig, head_dim: int, dtype: torch.dtype, gqa: int) -> bool:

@@ -266,10 +266,9 @@ class GluonOps(TritonOps):
     decodes_with_gluon = True
 
     def attend(self, q, state, scaling, full_qbuffer=False, workspace=None) -> torch.Tensor:
-        from ..kernels.gluon_launch import gluon_supports
+        from ..kernels.gluon_launch import gluon_applies
 
-        D, gqa = q.shape[-1], q.shape[1] // state.k_qbuf.shape[1]
-        if gluon_supports(self.cfg, D, q.dtype, q.device, gqa):
+        if gluon_applies(self.cfg, q, state.k_qbuf):
             from ..kernels.decode_gluon import decode_attention_gluon
 
             return decode_attention_gluon(q, state, self.cfg, scaling, full_qbuffer=full_qbuffer, workspace=workspace)

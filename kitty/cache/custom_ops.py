@@ -200,9 +200,9 @@ def _decode_attention_op(
     if not _runs_kernels(q):
         return kernels.decode_attention_ref(q, st, config, scaling, full_qbuffer=full_qbuffer)
     if _gluon_asked(launch):
-        from ..kernels.gluon_launch import gluon_supports
+        from ..kernels.gluon_launch import gluon_applies
 
-        if gluon_supports(config, q.shape[-1], q.dtype, q.device, q.shape[1] // st.k_qbuf.shape[1]):
+        if gluon_applies(config, q, st.k_qbuf):
             from ..kernels.decode_gluon import decode_attention_gluon  # its own workspace and launch, per call
 
             return decode_attention_gluon(q, st, config, scaling, full_qbuffer=full_qbuffer)
