@@ -208,9 +208,9 @@ def headline_speed() -> str:
         "captured in a CUDA graph, against the captured FP16 step with unmasked cuDNN attention of the same run "
         f"(`benchmarks/static_h200.py`): the largest batch that fits gives {vs(False, 8192, b8, f8)} FP16's "
         f"tokens/s at 8K context ({b8} rows against FP16's fastest, {than(8192, f8)}) and "
-        f"{vs(False, 32768, b32, f32)} at 32K ({b32} against {than(32768, f32)}) with the default kernel, "
-        f"{vs(True, 8192, b8, f8)} and {vs(True, 32768, b32, f32)} with the "
-        f'opt-in Gluon kernel (`backend="gluon"`, Hopper only); at the same batch of 16 rows, '
+        f"{vs(False, 32768, b32, f32)} at 32K ({b32} against {than(32768, f32)}) with the portable `tl` kernel, "
+        f"{vs(True, 8192, b8, f8)} and {vs(True, 32768, b32, f32)} with the Gluon kernel, which "
+        f'`backend="auto"` picks on Hopper GPUs; at the same batch of 16 rows, '
         f"{vs(False, 8192, 16)} (Gluon {vs(True, 8192, 16)}); a single row runs at {vs(False, 8192, 1)} (8K) and "
         f"{vs(False, 32768, 1)} (32K) of FP16's speed when the host waits for every step (Gluon "
         f"{vs(True, 32768, 1)} at 32K). `python -m kitty`, the demo and `kitty.eval` take this captured step on "

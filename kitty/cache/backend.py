@@ -249,14 +249,11 @@ class TritonOps(TorchOps):
 
 
 # Whether backend="auto" picks the Gluon kernel where kernels/gluon_launch.py's gluon_supports holds (an sm_90 GPU
-# with triton 3.6; elsewhere auto picks the tl kernel). Still off. Verified so far: every case of
-# benchmarks/gluon_check.py on the H200 (172 of 172); on the H100 the Gluon backend's teacher-forced logits and its
-# captured step (tests/test_cuda.py), and the captured decode step level with the tl kernel at batch 1 and faster
-# from batch 16 on (1.08x at (16, 8K), 1.37x at (100, 8K), 1.49x at (28, 32K); benchmarks/results/h100-2026-12-06/).
-# Not yet: the whole of tests/test_cuda.py with Gluon as auto's choice (20 of its 32 tests ran, all passed, before
-# the call's time ran out), nor a compiled step of a Gluon layer on the GPU (kitty::decode_attention now runs the
-# Gluon kernel for it, custom_ops._gluon_asked; test_compiled_static_decode_matches_eager has the case).
-AUTO_GLUON = False
+# with triton 3.6; elsewhere auto picks the tl kernel). Verified: every case of benchmarks/gluon_check.py on the H200
+# (172 of 172); on the H100 the whole of tests/test_cuda.py with Gluon as auto's choice (33 of 33: teacher-forced
+# logits, captured = eager for every entry point, the compiled steps of Gluon layers), and the captured decode step
+# level with the tl kernel at batch 1 and faster from batch 16 on (benchmarks/results/h100-2026-12-06/).
+AUTO_GLUON = True
 
 
 class GluonOps(TritonOps):
