@@ -38,18 +38,20 @@ from kitty.kernels.testing import attention_tolerance, make_state, planted_kv  #
 EXTRA_CASES = [("kitty-pro", 8, 64, {}), ("kitty", 1, 128, {}), ("kitty-pro", 3, 128, {}), ("kitty", 2, 64, {})]
 
 
-def check(results: dict, t0: float, budget_s: float) -> bool:
+def check(results: dict, t0: float, budget_s: float, variants: bool = False) -> bool:
     """Every case in three passes, the most telling first (each pass compiles one kernel per case): full_qbuffer
     with the two-part operand over 1, 3, 7 and 40 splits (40: the two-level merge) and with the full-precision
     chunks on their own splits (8 splits of which 3 tail splits, 40 of which 4), then the other qbuffer layout,
     then the one-part operand. Launches are ``(two_part, splits, tail_splits)``. Cases past ``budget_s`` are
-    recorded as skipped."""
+    recorded as skipped. ``variants``: the first pass only."""
     ok_all = True
     passes = [
         (True, ((True, 3, 0), (True, 1, 0), (True, 7, 0), (True, 40, 0), (True, 8, 3), (True, 40, 4))),
         (False, ((True, 3, 0), (True, 40, 0), (True, 8, 3))),
         (True, ((False, 3, 0),)),
     ]
+    if variants:
+        passes = passes[:1]
     for (fq, launches), (preset, gqa, D, kw), dtype in itertools.product(
         passes, CHECK_CASES + EXTRA_CASES, (torch.float16, torch.bfloat16)
     ):
@@ -101,6 +103,11 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=330, help="after this, only the default launch is timed")
     ap.add_argument("--deadline-s", type=float, default=450, help="stop timing here (one <= 8 minute GPU call)")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument(
+        "--variants",
+        action="store_true",
+        help="the first check pass only; time the default launch against one without prefetch and with 4 tail splits",
+    )
     args = ap.parse_args()
     t0 = time.time()
     props = torch.cuda.get_device_properties(0)
@@ -111,7 +118,7 @@ def main() -> None:
     results = {"env": env, "check": {}, "timing": [], "fastest_fp16": {}}
     kb.log("env", json.dumps(env))
     if not args.no_check:
-        results["correct"] = check(results, t0, args.check_budget_s)
+        results["correct"] = check(results, t0, args.check_budget_s, args.variants)
         kb.log(f"correctness: {'PASS' if results['correct'] else 'FAIL'} ({time.time() - t0:.0f} s)")
         kb.write(results)
     copy_bw, _ = kb.copy_bandwidth()
@@ -157,18 +164,28 @@ def main() -> None:
             t = kb.bench([lambda i=i: decode_attention_triton(qs[i], states[i], cfg) for i in range(nrot)])
             row("tl default", t)
             ws = [{} for _ in range(nrot)]
-            launches = [(cps, two, 2, 0, 255) for cps, two in ((8, True), (4, True), (16, True), (8, False))]
+            # (ctas_per_sm, two_part, min_pages, tail_splits, GluonLaunch overrides)
+            launches = [(cps, two, 2, 0, {}) for cps, two in ((8, True), (4, True), (16, True), (8, False))]
             if B * HKV <= 16:  # small batch: one page per program, the full-precision chunks on programs of their own
-                launches += [(8, True, 1, 4, 255), (8, True, 1, 8, 255)]
+                launches += [(8, True, 1, 4, {}), (8, True, 1, 8, {})]
             else:  # lower register caps: 10 or 11 one-warp programs per SM instead of 8 (spill-free, CPU-compiled)
-                launches += [(10, True, 2, 0, 200), (11, True, 2, 0, 176)]
-            for cps, two, min_pages, tail, nreg in launches:
+                launches += [(10, True, 2, 0, {"maxnreg": 200}), (11, True, 2, 0, {"maxnreg": 176})]
+            if args.variants:  # the default launch (tail None: its own) against the previous one: no prefetch and,
+                # at small batch, 4 tail programs with the sink on split 0
+                small = B * HKV <= 16
+                old = {"prefetch": False}
+                mp = 1 if small else 2
+                launches = [(8, True, mp, 4 if small else 0, old), (8, True, mp, None, {})]
+            for cps, two, min_pages, tail, over in launches:
                 if time.time() - t0 > args.deadline_s or (time.time() - t0 > args.budget_s and (cps, two) != (8, True)):
                     continue
                 gl_launch = default_gluon_launch(B, HKV, units, torch.device("cuda"), cps, min_pages)
                 pages_splits = gl_launch.num_splits - gl_launch.tail_splits  # the default's own tail replaced
+                tail = gl_launch.tail_splits if tail is None else tail
+                if over.get("merge_group") == -1:  # one level: the last program merges every split
+                    over = {**over, "merge_group": pages_splits + tail}
                 gl_launch = dataclasses.replace(
-                    gl_launch, key_two_part=two, num_splits=pages_splits + tail, tail_splits=tail, maxnreg=nreg
+                    gl_launch, key_two_part=two, num_splits=pages_splits + tail, tail_splits=tail, **over
                 )
                 ws = [{} for _ in range(nrot)]
                 try:
@@ -182,7 +199,7 @@ def main() -> None:
                     kb.log(f"  {tag} gluon cps={cps} two={two}: failed {type(e).__name__}: {str(e)[:200]}")
                     continue
                 splits = gl_launch.num_splits
-                row("gluon", t, ctas_per_sm=cps, two_part=two, splits=splits, tail_splits=tail, maxnreg=nreg)
+                row("gluon", t, ctas_per_sm=cps, two_part=two, splits=splits, tail_splits=tail, **over)
             states = qs = None
             torch.cuda.empty_cache()
         kb.write(results)
@@ -204,8 +221,16 @@ def write_markdown(results: dict, out: str) -> None:
         if "vs_fp16" not in r:
             continue
         best = results["fastest_fp16"].get(f"{r['B']},{r['L']}", {})
-        defaults = {"tail_splits": 0, "maxnreg": 255}  # not shown when at the default
-        keys = ("ctas_per_sm", "two_part", "splits", "tail_splits", "maxnreg")
+        defaults = {"tail_splits": 0, "maxnreg": 255, "prefetch": True}  # shown when not these
+        keys = (
+            "ctas_per_sm",
+            "two_part",
+            "splits",
+            "tail_splits",
+            "maxnreg",
+            "prefetch",
+            "merge_group",
+        )
         extra = " ".join(f"{k}={r[k]}" for k in keys if k in r and r[k] != defaults.get(k))
         lines.append(
             f"| ({r['B']}, {r['L']}) | {best.get('name')} {best.get('us', 0):.1f} | {r['method']} {extra} | "

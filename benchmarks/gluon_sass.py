@@ -68,14 +68,21 @@ def _regs(k) -> int | None:
 
 
 def compile_gluon(
-    preset: str, dtype: torch.dtype, gqa: int = 4, D: int = 128, two_part: bool = True, one_split: bool = False
+    preset: str,
+    dtype: torch.dtype,
+    gqa: int = 4,
+    D: int = 128,
+    two_part: bool = True,
+    one_split: bool = False,
+    prefetch: bool = True,
 ) -> dict:
     """Compile ``_decode_gluon_kernel`` as the wrapper launches it mid-step; returns cubin, registers, SASS.
     ``one_split``: as the JIT compiles a one-split launch, where every integer argument equal to 1 (the split count
-    and merge group) becomes a constant unless the kernel lists it in ``do_not_specialize``."""
+    and merge group) becomes a constant unless the kernel lists it in ``do_not_specialize``. ``prefetch``: the
+    launch's ``prefetch`` (pages into L2 one ahead; on by default, as in the wrapper)."""
     cfg = PRESETS[preset]
     tdt = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-    consts = dg.gluon_constants(cfg, D, gqa, dtype, GluonLaunch(1, two_part), full_qbuffer=True)
+    consts = dg.gluon_constants(cfg, D, gqa, dtype, GluonLaunch(1, two_part, prefetch=prefetch), full_qbuffer=True)
     high = {1: "u8", 2: "i16"}.get(consts["NB4"], "i32")
     fn = dg._decode_gluon_kernel
     if one_split:
@@ -106,6 +113,7 @@ def compile_gluon(
         "gqa": gqa,
         "D": D,
         "two_part": two_part,
+        "prefetch": prefetch,
         "regs": getattr(k.metadata, "num_regs", None) or _regs(k),
         "spills": None,
         "shared": k.metadata.shared,
@@ -131,10 +139,19 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--one-part", action="store_true")
     ap.add_argument("--one-split", action="store_true", help="as the JIT compiles a one-split launch")
+    ap.add_argument(
+        "--no-prefetch", action="store_true", help="without the launch's prefetch (pages into L2 one ahead)"
+    )
     ap.add_argument("--sass-out", default=None)
     args = ap.parse_args()
     r = compile_gluon(
-        args.preset, getattr(torch, args.dtype), args.gqa, args.head_dim, not args.one_part, args.one_split
+        args.preset,
+        getattr(torch, args.dtype),
+        args.gqa,
+        args.head_dim,
+        not args.one_part,
+        args.one_split,
+        not args.no_prefetch,
     )
     if args.sass_out:
         open(args.sass_out, "w").write(r["_sass"])

@@ -438,7 +438,7 @@ def gpu_gluon() -> str:
         f"ran ({skipped} more were cut by the call's time budget; {unsupported} are configs it does not handle, "
         "which run the `tl` kernel). Each Gluon cell is the fastest launch timed at that shape with the default "
         "two-part `q · scale`; at batch 1 that is one page per program plus 4 programs for the full-precision "
-        "chunks, the small-batch default since (`gluon_launch.default_gluon_launch`)."
+        "chunks, the small-batch default of that day (`docs/GLUON.md` has the H100 table of today's default)."
     )
     return table(header, body, "lrrrrrr") + "\n\n" + note
 

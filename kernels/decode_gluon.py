@@ -5,18 +5,18 @@ The same contract as the ``tl`` kernel (``kernels/decode_attention.py``, the ref
 and value pages | qbuffers | local window, ``full_qbuffer`` mid-step, split-K partials merged inside the launch by
 the last program of each (row, KV head) (an int32 ticket that program resets, so a replayed graph starts clean).
 
-Program = (row, KV head, split), one warp with its own online softmax: first its full-precision chunks of 32 tokens
-(the sink on split 0, then the tokens whose values are in the qbuffer or the local window), then a contiguous run
-of quantized pages (``GluonLaunch.tail_splits`` can give the chunks programs of their own). Per page (128 tokens),
-swap-AB as the ``tl`` kernel: scores ``(32 tokens, N) = codes (32, D) @ (q * scale)^T (D, N)`` for four token chunks
-(key low plane, then the boosted channels' high plane, ``kernels/_gluon_parts.py`` ``unpack_low`` /
-``unpack_high``: the unpacked codes land in the A fragment with ``assert_trivial``), one softmax step, then
-``(32 channels, N) += value codes (32, 128) @ (p * scale) (128, N)`` per channel chunk. ``N`` is the small side:
-the query heads of the KV head, padded to 4 or 8, twice with the two-part key operand. The permutation the unpack
-gives the reduction axis (``kernels/gluon_launch.py``) is applied to the small operands: key scales, zeros and
-boost slots are read at the permuted channels; the score rows are permuted (``token_perm``) and ``p`` goes to the
-value operand's K order through shared memory (not codes). Zero points, bf16 offsets and the fp16 unit fold into
-per-page terms: the scores' initial accumulator (a tensor-core product), and the value zero term per head.
+Program = (row, KV head, split), one warp with its own online softmax: first its full-precision chunks of 32 tokens (the
+sink on split 0, then the tokens whose values are in the qbuffer or the local window), then a contiguous run of
+quantized pages (``GluonLaunch.tail_splits`` can give the chunks, and then the sink, programs of their own). Per page
+(128 tokens), swap-AB as the ``tl`` kernel: scores ``(32 tokens, N) = codes (32, D) @ (q * scale)^T (D, N)`` for four
+token chunks (key low plane, then the boosted channels' high plane, ``kernels/_gluon_parts.py`` ``unpack_low`` /
+``unpack_high``: the unpacked codes land in the A fragment with ``assert_trivial``), one softmax step, then ``(32
+channels, N) += value codes (32, 128) @ (p * scale) (128, N)`` per channel chunk. ``N`` is the small side: the query
+heads of the KV head, padded to 4 or 8, twice with the two-part key operand. The permutation the unpack gives the
+reduction axis (``kernels/gluon_launch.py``) is applied to the small operands: key scales, zeros and boost slots are
+read at the permuted channels; the score rows are permuted (``token_perm``) and ``p`` goes to the value operand's K
+order through shared memory (not codes). Zero points, bf16 offsets and the fp16 unit fold into per-page terms: the
+scores' initial accumulator (a tensor-core product), and the value zero term per head.
 
 Which kernel runs is decided in ``kitty/cache/backend.py`` by ``gluon_launch.gluon_supports``; this file is imported
 only where triton 3.6's Gluon is available.
@@ -75,6 +75,32 @@ def _prefetch_l2(ptrs):
     )
 
 
+@gluon.jit
+def _prefetch_page(
+    k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_scale_ptr, v_zero_ptr, kpage, vpage,
+    G: gl.constexpr, D: gl.constexpr, NB: gl.constexpr, NB4: gl.constexpr, RW: gl.constexpr,
+):  # fmt: skip
+    """``prefetch.global.L2`` of every 128-byte line of one key page (``kpage``) and one value page (``vpage``), one
+    line per lane and array, so that the page loop's dependent loads of that page wait on L2 rather than DRAM."""
+    LR: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    t = gl.arange(0, 32, LR)
+    KL: gl.constexpr = G * D // 4 // 128  # key low plane lines
+    VL: gl.constexpr = D * G // 4 // 128  # value code lines (2-bit codes)
+    _prefetch_l2(k_low_ptr + kpage * (G * D // 4) + (t % KL) * 128)
+    _prefetch_l2(v_codes_ptr + vpage * (D * G // 4) + (t % VL) * 128)
+    # scales and zeros (16-bit, 64 a line): D per key page, G per value page, 8 lanes each
+    KS: gl.constexpr = D // 64
+    VS: gl.constexpr = G // 64
+    quarter = t // 8
+    key_side = gl.where(quarter == 0, k_scale_ptr, k_zero_ptr) + kpage * D + (t % KS) * 64
+    value_side = gl.where(quarter == 2, v_scale_ptr, v_zero_ptr) + vpage * G + (t % VS) * 64
+    _prefetch_l2(gl.where(quarter < 2, key_side, value_side))
+    if NB > 0:
+        HL: gl.constexpr = G * NB4 // 128  # high plane lines, of 128 RW // NB4 view elements each
+        _prefetch_l2(k_high_ptr + kpage * (G * RW) + (t % HL) * (128 * RW // NB4))
+        _prefetch_l2(k_idx_ptr + kpage * D + t * 0)
+
+
 # NUM_SPLITS and MERGE_GROUP stay runtime values: Triton would turn a 1 into a constant, and triton 3.6's LLVM lowering
 # asserts (PassManager::run failed) on the kernel with both at 1 (a one-split launch). TAIL likewise.
 @gluon.jit(do_not_specialize=["NUM_SPLITS", "MERGE_GROUP", "TAIL"])
@@ -84,7 +110,7 @@ def _decode_gluon_kernel(
     v_scale_ptr, v_zero_ptr, Hkv, QH, NUM_SPLITS, MERGE_GROUP, TAIL, qk_scale, sq_b, sq_h, so_b, so_h, ssk_b, ssk_h,
     ssv_b, ssv_h, skq_b, skq_h, svq_b, svq_h, svl_b, svl_h, spk_b, spv_b, S: gl.constexpr, G: gl.constexpr,
     R: gl.constexpr, D: gl.constexpr, NB: gl.constexpr, NB4: gl.constexpr, NWH: gl.constexpr, RW: gl.constexpr,
-    BH: gl.constexpr, TWO: gl.constexpr, IS_BF16: gl.constexpr, FULL_QBUF: gl.constexpr
+    BH: gl.constexpr, TWO: gl.constexpr, IS_BF16: gl.constexpr, FULL_QBUF: gl.constexpr, PREFETCH: gl.constexpr
 ):
     gl.static_assert(G == 128, "pages of 128 tokens: four chunks of 32")
     D4: gl.constexpr = D // 4
@@ -140,6 +166,19 @@ def _decode_gluon_kernel(
         end = gl.minimum(start + per, slots)
         c_lo = gl.maximum(start, vp) * 4
         c_hi = gl.maximum(gl.minimum(end * 4, nck), c_lo)
+    stop = gl.minimum(end, vp)  # this split's quantized pages: start .. stop
+    k0 = 0
+    v0 = 0
+    kn = 0
+    vn = 0
+    if PREFETCH:  # the first page's table entries now, its lines into L2 once q's loads are out (below); the page
+        # loop keeps one page ahead (kn, vn)
+        pt_k = k_pt_ptr + b64 * spk_b
+        pt_v = v_pt_ptr + b64 * spv_b
+        k0 = gl.load(pt_k + start, mask=start < stop, other=0).to(gl.int64)
+        v0 = gl.load(pt_v + start, mask=start < stop, other=0).to(gl.int64)
+        kn = gl.load(pt_k + start + 1, mask=start + 1 < stop, other=0).to(gl.int64)
+        vn = gl.load(pt_v + start + 1, mask=start + 1 < stop, other=0).to(gl.int64)
 
     # ---- the small key operand's loop-invariant part: q at the permuted channels, column r * PK + part
     kk = gl.arange(0, D, gl.SliceLayout(1, DB))
@@ -166,6 +205,10 @@ def _decode_gluon_kernel(
         mask=((hz < QH) & ((nz % NK) % PK == 0))[None, :],
         other=0.0,
     )
+    if PREFETCH:
+        if start < stop:
+            _prefetch_page(k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_scale_ptr,
+                           v_zero_ptr, k0 * Hkv + h, v0 * Hkv + h, G, D, NB, NB4, RW)  # fmt: skip
     # the loop-invariant operands wait in shared memory (read back per page: 8 ldmatrix), not in ~48 registers
     # through both loops
     QL: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [0, 1])
@@ -180,11 +223,13 @@ def _decode_gluon_kernel(
     acc2 = gl.zeros([32, NV], gl.float32, MMA)
     acc3 = gl.zeros([32, NV], gl.float32, MMA)
     # ---- first the full-precision values, 32 tokens per step, before the page loop so that their buffers, the
-    # natural-order q and the per-chunk pointers are dead while the page loop runs: the sink (split 0), then this
-    # split's tokens whose values are in the qbuffer or the local window (keys quantized below kp, else in the
-    # qbuffer). They accumulate into the page loop's accumulators, in natural units until the loop starts.
+    # natural-order q and the per-chunk pointers are dead while the page loop runs: the sink (split 0, or the last
+    # tail split), then this split's tokens whose values are in the qbuffer or the local window (keys quantized below
+    # kp, else in the qbuffer). They accumulate into the page loop's accumulators, in natural units until the loop
+    # starts.
     NSC: gl.constexpr = (S + 31) // 32
-    ns = gl.where((split == 0) & (n > 0), NSC, 0)
+    sink_split = gl.where(TAIL > 0, NUM_SPLITS - 1, 0)  # with tail splits, the last one (split 0 runs a page)
+    ns = gl.where((split == sink_split) & (n > 0), NSC, 0)
     qnbuf = gl.allocate_shared_memory(
         DOT,
         [D, NK],
@@ -249,9 +294,21 @@ def _decode_gluon_kernel(
     # memory, K-contiguous, 16 four-byte stores and 4 ldmatrix a page (convert_layout chose ~50 shuffles and selects)
     pbuf = gl.allocate_shared_memory(DOT, [4 * 32, NV], gl.SwizzledSharedLayout(8, 1, 8, [0, 1]))
     azo = gl.zeros([16, NV], gl.float32, MMA)  # bf16: the value offsets' share, every row the same
-    for j in range(start, gl.minimum(end, vp)):
-        kpage = gl.load(k_pt_ptr + b64 * spk_b + j).to(gl.int64) * Hkv + h
-        vpage = gl.load(v_pt_ptr + b64 * spv_b + j).to(gl.int64) * Hkv + h
+    for j in range(start, stop):
+        if PREFETCH:  # page j's table entries were loaded two pages ago (k0, v0), page j + 1's a page ago (kn, vn):
+            # page j + 1 into L2, then page j + 2's entries
+            kpage = k0 * Hkv + h
+            vpage = v0 * Hkv + h
+            if j + 1 < stop:
+                _prefetch_page(k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_scale_ptr,
+                               v_zero_ptr, kn * Hkv + h, vn * Hkv + h, G, D, NB, NB4, RW)  # fmt: skip
+            k0 = kn
+            v0 = vn
+            kn = gl.load(pt_k + j + 2, mask=j + 2 < stop, other=0).to(gl.int64)
+            vn = gl.load(pt_v + j + 2, mask=j + 2 < stop, other=0).to(gl.int64)
+        else:
+            kpage = gl.load(k_pt_ptr + b64 * spk_b + j).to(gl.int64) * Hkv + h
+            vpage = gl.load(v_pt_ptr + b64 * spv_b + j).to(gl.int64) * Hkv + h
         s0, s1, s2, s3 = _key_page_scores(
             q4buf.load(DB), qzbuf.load(DB), mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, kk,
             qk_scale, G, D, D4, KH, NK, NB, NB4, NWH, RW, PK, TWO, IS_BF16, DOT, MMA, DA, DB, LS

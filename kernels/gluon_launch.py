@@ -34,13 +34,16 @@ class GluonLaunch:
     chunks of 32 tokens) in equal parts and the others its quantized pages, so that at small batch no program runs
     the whole tail after its pages (0: each split runs the tail of its own page range); ``maxnreg``: the register
     cap per thread (255: ~8 one-warp programs per SM fit; <= 200 gives 10, <= 176 gives 11, <= 168 gives 12;
-    CPU-compiled, kitty and kitty-pro are spill-free at 200 and 176)."""
+    CPU-compiled, kitty and kitty-pro are spill-free at 200 and 176); ``prefetch``: each program prefetches its
+    first page into L2 before it waits on anything, and the page loop keeps one page ahead (``prefetch.global.L2``
+    of every line of the next key and value page)."""
 
     num_splits: int
     key_two_part: bool = True
     merge_group: int = 0
     tail_splits: int = 0
     maxnreg: int = 255
+    prefetch: bool = True
 
 
 MERGE_STEP = 4  # partials a merge reads per step for 4 heads per KV head (16 // heads)
@@ -60,7 +63,9 @@ def merge_group(launch: GluonLaunch) -> int:
 
 
 SMALL_PAIRS = 16  # (row, KV head) pairs up to which the default launch gives the full-precision tail its own programs
-SMALL_TAIL_SPLITS = 4  # programs sharing the full-precision chunks at small batch (H200: (1, 4K) 22.8 -> 14.4 us)
+SMALL_TAIL_SPLITS = 8  # programs sharing the full-precision chunks (and the sink) at small batch, 4 where 8 would
+# start more than ctas_per_sm programs per SM (H100, kitty fp16, with prefetch: (1, 4K) 13.1 us with 4 tail programs
+# and the sink on split 0, 12.3 with the sink on a tail program, 10.9 with 8 of them; (1, 32K) 21.0 with 4, 22.0 with 8)
 
 
 def default_gluon_launch(
@@ -76,8 +81,9 @@ def default_gluon_launch(
     batch 1 that is many short splits; the two-level merge (:func:`merge_group`) keeps their serial tail short.
 
     ``min_pages`` ``None``: at most :data:`SMALL_PAIRS` (row, KV head) pairs, one page per program and
-    :data:`SMALL_TAIL_SPLITS` more programs for the full-precision chunks (qbuffers, local window), which would
-    otherwise run after the last split's pages; above that, two pages per program and no tail programs."""
+    :data:`SMALL_TAIL_SPLITS` more programs for the full-precision chunks (qbuffers, local window) and the sink, which
+    would otherwise run after a split's pages (4 where 8 would exceed ``ctas_per_sm`` programs per SM); above that,
+    two pages per program and no tail programs."""
     pairs, sms = max(B * Hkv, 1), num_sms(device)
     small = pairs <= SMALL_PAIRS
     if min_pages is None:
@@ -86,12 +92,21 @@ def default_gluon_launch(
     splits = max(1, min(want, max(max_blocks // min_pages, 1), 512))
     per = -(-max_blocks // splits)
     splits = max(1, -(-max_blocks // per))
-    tail = SMALL_TAIL_SPLITS if small and min_pages == 1 else 0
+    tail = 0
+    if small and min_pages == 1:
+        tail = SMALL_TAIL_SPLITS if splits + SMALL_TAIL_SPLITS <= want else 4
     return GluonLaunch(num_splits=splits + tail, tail_splits=tail)
 
 
 def split_work(
-    n: int, S: int, G: int, R: int, full_qbuffer: bool, num_splits: int, tail_splits: int, split: int
+    n: int,
+    S: int,
+    G: int,
+    R: int,
+    full_qbuffer: bool,
+    num_splits: int,
+    tail_splits: int,
+    split: int,
 ) -> tuple[range, range, bool]:
     """What program ``split`` of a row of ``n`` tokens runs, as ``_decode_gluon_kernel`` computes it: the quantized
     pages (key and value) of its page loop, its full-precision chunks of 32 tokens (after the sink; chunk ``c`` is
@@ -117,7 +132,8 @@ def split_work(
         start, end = split * per, min(split * per + per, slots)
         c_lo = max(start, vp) * 4
         c_hi = max(min(end * 4, nck), c_lo)
-    return range(start, min(end, vp)), range(c_lo, c_hi), split == 0 and n > 0
+    sink_split = num_splits - 1 if tail_splits > 0 else 0  # the last tail split, else split 0
+    return range(start, min(end, vp)), range(c_lo, c_hi), split == sink_split and n > 0
 
 
 @functools.cache  # asked per decode call (gluon_supports); the installed triton does not change in a process
@@ -241,6 +257,7 @@ def gluon_constants(
         TWO=bool(launch.key_two_part),
         IS_BF16=dtype == torch.bfloat16,
         FULL_QBUF=bool(full_qbuffer),
+        PREFETCH=bool(launch.prefetch),
     )
 
 
