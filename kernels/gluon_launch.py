@@ -99,14 +99,7 @@ def default_gluon_launch(
 
 
 def split_work(
-    n: int,
-    S: int,
-    G: int,
-    R: int,
-    full_qbuffer: bool,
-    num_splits: int,
-    tail_splits: int,
-    split: int,
+    n: int, S: int, G: int, R: int, full_qbuffer: bool, num_splits: int, tail_splits: int, split: int
 ) -> tuple[range, range, bool]:
     """What program ``split`` of a row of ``n`` tokens runs, as ``_decode_gluon_kernel`` computes it: the quantized
     pages (key and value) of its page loop, its full-precision chunks of 32 tokens (after the sink; chunk ``c`` is
