@@ -16,7 +16,7 @@ layout has no room for: a bound, not a quantizer).
 
 ``--standout-thresholds T1,T2``: each config whose range is ``fit-standout`` / ``fit-peak-standout`` runs once per
 threshold of the standout test (``kitty.core.standout``), with the share of channel rows (of every page, layer and
-head) whose score passes it.
+head) that keep min-max ranges under it.
 
     python benchmarks/key_error.py --model gemma-3-270m --methods kitty,kitty+key_range=fit-peak
 """
@@ -56,7 +56,7 @@ def main() -> None:
     print(f"{len(keys)} full-attention layers, pages {tuple(pages.shape)} (layer, page, head, G, D), {pages.dtype}")
     ref = pages.float()
     thresholds = [float(t) for t in a.standout_thresholds.split(",")] if a.standout_thresholds else []
-    scores = standout.standout_score(pages.transpose(-1, -2))  # [layer, page, head, D]
+    rows = pages.transpose(-1, -2)  # [layer, page, head, D, G]: one row per channel
     for m in a.methods.split(","):
         cfg = get_preset(m)
         qs = torch.ones(pages.shape[:-2] + pages.shape[-1:]) if cfg.channel_selection in QUERY_SELECTIONS else None
@@ -66,7 +66,8 @@ def main() -> None:
             standout.STANDOUT_THRESHOLD = default if t is None else t
             try:
                 err = dequantize_key_page(quantize_key_page(pages, cfg, query_scale=qs)).float() - ref
-                share = (scores > standout.STANDOUT_THRESHOLD).float().mean()
+                rule = standout.token_standout_rows if cfg.key_range in standout.TOKEN_RULES else standout.standout_rows
+                share = rule(rows).float().mean()
             finally:
                 standout.STANDOUT_THRESHOLD = default
             rel = err.square().sum((-1, -2)) / ref.square().sum((-1, -2))

@@ -6,7 +6,14 @@ import torch
 
 from kitty import PRESETS, get_preset
 from kitty.core.quant import dequantize_key_page, minmax_params, quantize_key_page, range_params
-from kitty.core.standout import STANDOUT_FITS, STANDOUT_THRESHOLD, standout_rows, standout_score
+from kitty.core.standout import (
+    STANDOUT_FITS,
+    STANDOUT_THRESHOLD,
+    standout_rows,
+    standout_score,
+    standout_tokens,
+    token_standout_rows,
+)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -24,7 +31,7 @@ def _rows(dtype, seed, rows=32, n=128):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("method", list(STANDOUT_FITS))
+@pytest.mark.parametrize("method", ["fit-standout", "fit-peak-standout"])
 def test_a_standout_row_keeps_min_max_and_the_others_the_fitted_rule(dtype, method):
     """A planted standout keeps its row's exact min (the zero) and min-max's scale; a row without one gets exactly
     the fitted rule's parameters; 2-bit and 4-bit rows mixed in one call."""
@@ -61,7 +68,10 @@ def test_standout_score_on_simple_rows():
         standout_score(torch.randn(3, 0))
 
 
-@pytest.mark.parametrize("name", ["kitty-fit+key_range=fit-standout", "kitty+key_range=fit-peak-standout"])
+@pytest.mark.parametrize(
+    "name",
+    ["kitty-fit+key_range=fit-standout", "kitty+key_range=fit-peak-standout", "kitty-fit+key_range=fit-token-standout"],
+)
 def test_standout_key_pages_have_min_max_layout_and_sync_free_bytes(name):
     """A key page with a standout range has min-max's tensors (shapes, dtypes, bytes), and ``sync_free`` gives the
     same bytes; its error is at most min-max's on keys with planted standouts."""
@@ -83,3 +93,26 @@ def test_standout_key_pages_have_min_max_layout_and_sync_free_bytes(name):
     assert (back - k.float()).square().sum() <= (dequantize_key_page(ref).float() - k.float()).square().sum()
     with pytest.raises(ValueError, match="key_range"):
         PRESETS["kitty"].with_(key_range="standout")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_token_standing_out_across_channels_keeps_min_max_where_it_is_an_extreme(dtype):
+    """``fit-token-standout``: a token shifted by 3 spreads in every channel stands out (no other token does on
+    Gaussian pages); the channels whose min or max it is keep min-max ranges, every other channel ``fit-bounded``'s."""
+    g = torch.Generator().manual_seed(4)
+    k = torch.randn(2, 128, 64, generator=g) * (torch.rand(64, generator=g) * 2 + 0.3)  # [pages, G, D]
+    k[:, 17] = k[:, 17] + 3 * torch.where(torch.rand(2, 64, generator=g) < 0.5, -1.0, 1.0) * k.std(-2)
+    x = k.to(dtype).transpose(-1, -2)  # [pages, D, G]: one row per channel
+    tokens = standout_tokens(x)
+    assert tokens[:, 17].all() and tokens.sum() == 2
+    rows = token_standout_rows(x)
+    extreme = (x.argmax(-1) == 17) | (x.argmin(-1) == 17)
+    assert torch.equal(rows, extreme) and rows.float().mean() > 0.5
+    levels = torch.where(torch.arange(64) % 8 == 0, 15, 3)
+    scale, zero = range_params(x, levels, dtype, "fit-token-standout")
+    mm_scale, mm_zero = minmax_params(x, levels, -1, dtype)
+    fit_scale, fit_zero = range_params(x, levels, dtype, "fit-bounded")
+    assert torch.equal(scale[rows], mm_scale[rows]) and torch.equal(zero[rows], mm_zero[rows])
+    assert torch.equal(scale[~rows], fit_scale[~rows]) and torch.equal(zero[~rows], fit_zero[~rows])
+    with pytest.raises(ValueError, match="x must"):
+        standout_tokens(torch.randn(5))

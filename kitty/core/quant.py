@@ -36,7 +36,7 @@ from functools import lru_cache
 import torch
 
 from .config import KVQuantConfig
-from .standout import STANDOUT_FITS, standout_rows
+from .standout import STANDOUT_FITS, TOKEN_RULES, standout_rows, token_standout_rows
 
 # boost_idx of an unboosted channel. A channel is boosted iff boost_idx < nb (the kernels' test too): at nb = D = 256
 # every channel is boosted and slot 255 is a real slot, so the sentinel is never compared for equality.
@@ -266,12 +266,15 @@ def range_params(
     ``"fit-peak"`` (the same search, never clipping the group's largest-``|x|`` value: ``keep_peak=True``) or
     ``"fit-bounded"`` (the same search, every value within half a min-max step: ``bounded=True``), or
     ``"fit-standout"`` / ``"fit-peak-standout"``: min-max on the rows that hold a standout value
-    (:func:`kitty.core.standout.standout_rows`), ``"fit-bounded"`` / ``"fit-peak"`` on the others.
+    (:func:`kitty.core.standout.standout_rows`), ``"fit-bounded"`` / ``"fit-peak"`` on the others;
+    ``"fit-token-standout"``: min-max on the rows whose min or max is a token that stands out across the rows
+    (:func:`kitty.core.standout.token_standout_rows`; for key pages ``x`` is ``[..., D, G]``), ``"fit-bounded"``
+    elsewhere.
     ``sync_free``: no host read (module docstring), the same result."""
     if method in STANDOUT_FITS:
         fitted = range_params(x, levels, dtype, STANDOUT_FITS[method], sync_free)
         exact = minmax_params(x, levels, -1, dtype, sync_free)
-        out = standout_rows(x)
+        out = token_standout_rows(x) if method in TOKEN_RULES else standout_rows(x)
         return torch.where(out, exact[0], fitted[0]), torch.where(out, exact[1], fitted[1])
     if method == "minmax":
         return minmax_params(x, levels, -1, dtype, sync_free)
