@@ -96,9 +96,10 @@ def test_standout_key_pages_have_min_max_layout_and_sync_free_bytes(name):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_token_standing_out_across_channels_keeps_min_max_where_it_is_an_extreme(dtype):
+@pytest.mark.parametrize("method", ["fit-token-standout", "fit-peak-token-standout"])
+def test_a_token_standing_out_across_channels_keeps_min_max_where_it_is_an_extreme(dtype, method):
     """``fit-token-standout``: a token shifted by 3 spreads in every channel stands out (no other token does on
-    Gaussian pages); the channels whose min or max it is keep min-max ranges, every other channel ``fit-bounded``'s."""
+    Gaussian pages); the channels whose min or max it is keep min-max ranges, every other channel the fitted rule's."""
     g = torch.Generator().manual_seed(4)
     k = torch.randn(2, 128, 64, generator=g) * (torch.rand(64, generator=g) * 2 + 0.3)  # [pages, G, D]
     k[:, 17] = k[:, 17] + 3 * torch.where(torch.rand(2, 64, generator=g) < 0.5, -1.0, 1.0) * k.std(-2)
@@ -109,9 +110,9 @@ def test_a_token_standing_out_across_channels_keeps_min_max_where_it_is_an_extre
     extreme = (x.argmax(-1) == 17) | (x.argmin(-1) == 17)
     assert torch.equal(rows, extreme) and rows.float().mean() > 0.5
     levels = torch.where(torch.arange(64) % 8 == 0, 15, 3)
-    scale, zero = range_params(x, levels, dtype, "fit-token-standout")
+    scale, zero = range_params(x, levels, dtype, method)
     mm_scale, mm_zero = minmax_params(x, levels, -1, dtype)
-    fit_scale, fit_zero = range_params(x, levels, dtype, "fit-bounded")
+    fit_scale, fit_zero = range_params(x, levels, dtype, STANDOUT_FITS[method])
     assert torch.equal(scale[rows], mm_scale[rows]) and torch.equal(zero[rows], mm_zero[rows])
     assert torch.equal(scale[~rows], fit_scale[~rows]) and torch.equal(zero[~rows], fit_zero[~rows])
     with pytest.raises(ValueError, match="x must"):

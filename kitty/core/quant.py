@@ -267,9 +267,9 @@ def range_params(
     ``"fit-bounded"`` (the same search, every value within half a min-max step: ``bounded=True``), or
     ``"fit-standout"`` / ``"fit-peak-standout"``: min-max on the rows that hold a standout value
     (:func:`kitty.core.standout.standout_rows`), ``"fit-bounded"`` / ``"fit-peak"`` on the others;
-    ``"fit-token-standout"``: min-max on the rows whose min or max is a token that stands out across the rows
-    (:func:`kitty.core.standout.token_standout_rows`; for key pages ``x`` is ``[..., D, G]``), ``"fit-bounded"``
-    elsewhere.
+    ``"fit-token-standout"`` / ``"fit-peak-token-standout"``: min-max on the rows whose min or max is a token that
+    stands out across the rows (:func:`kitty.core.standout.token_standout_rows`; for key pages ``x`` is
+    ``[..., D, G]``), ``"fit-bounded"`` / ``"fit-peak"`` elsewhere.
     ``sync_free``: no host read (module docstring), the same result."""
     if method in STANDOUT_FITS:
         fitted = range_params(x, levels, dtype, STANDOUT_FITS[method], sync_free)

@@ -19,7 +19,7 @@ exactly) on standout rows and a fitted range elsewhere; ``"fit-peak-standout"`` 
 position ``t`` of the rows (a key page's token) gets the root mean square over rows (channels) of its robust z,
 ``sqrt(mean_c z_ct^2)`` with ``z_ct = (x_ct - median_c) / (1.4826 MAD_c)``, and a token stands out where that score's
 own robust z across the page's tokens exceeds the same threshold. A row keeps min-max where its min or its max is
-at a standout token, and ``fit-bounded`` elsewhere.
+at a standout token, and ``fit-bounded`` elsewhere (``"fit-peak-token-standout"``: ``fit-peak`` elsewhere).
 """
 
 from __future__ import annotations
@@ -29,8 +29,13 @@ import torch
 STANDOUT_THRESHOLD = 4.0  # robust z of a row's extreme above which the row keeps min-max ranges
 MAD_TO_STD = 1.4826  # median absolute deviation -> standard deviation of a Gaussian
 # range rule of the rows that do not stand out, by key_range / value_range value
-STANDOUT_FITS = {"fit-standout": "fit-bounded", "fit-peak-standout": "fit-peak", "fit-token-standout": "fit-bounded"}
-TOKEN_RULES = ("fit-token-standout",)  # the ranges whose test is standout_tokens (the others: standout_rows)
+STANDOUT_FITS = {
+    "fit-standout": "fit-bounded",
+    "fit-peak-standout": "fit-peak",
+    "fit-token-standout": "fit-bounded",
+    "fit-peak-token-standout": "fit-peak",
+}
+TOKEN_RULES = ("fit-token-standout", "fit-peak-token-standout")  # tested by standout_tokens (the others: standout_rows)
 
 
 def _robust_z(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
