@@ -5,7 +5,9 @@ Each prompt goes through the model with a full-precision ``DynamicCache``; the k
 cut into the pages a Kitty cache quantizes (after the sink), and each channel row gets its standout score
 (``kitty.core.standout.standout_score``). Printed per prompt, for the needle's pages (located as
 ``benchmarks/needle_pages.py`` does) and for the other pages: the share of channel rows whose score passes each
-threshold, and the share of rows whose extreme (largest ``|x - median|``) is a needle token, with their median score.
+threshold, and the share of rows whose extreme (largest ``|x - median|``) is a needle token, with their median score;
+then for the token test of ``fit-token-standout`` (``kitty.core.standout.standout_tokens``) at each threshold, the
+share of the needle's tokens and of the other tokens that stand out, and the share of rows it keeps min-max.
 
     python benchmarks/standout_pages.py --model gemma-3-270m --cases 2048:0.5:46941 --thresholds 3,4
 """
@@ -18,7 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from kitty.core.config import get_preset
-from kitty.core.standout import standout_score
+from kitty.core.standout import standout_score, standout_tokens, token_standout_rows
 from kitty.hf.models import load_model
 from kitty.tools.prompts import _needle, passkey_prompt
 
@@ -63,6 +65,18 @@ def main() -> None:
             print(
                 f"| {n}@{depth}#{key} | {part} ({int(sel.sum())} of {pages}) | {shares} | "
                 f"extreme is a needle token: {nd.float().mean():.1%} (median score {med:.2f}) |"
+            )
+        pos = S + torch.arange(pages)[:, None] * G + torch.arange(G)  # [P, G] positions
+        in_needle = torch.isin(pos, torch.tensor(needle))
+        for t in thresholds:
+            tokens = standout_tokens(rows, t)  # [L, H, P, G]
+            kept = token_standout_rows(rows, t)  # [L, H, P, D]
+            mine, rest = tokens[..., in_needle].float().mean(), tokens[..., ~in_needle].float().mean()
+            print(
+                f"| {n}@{depth}#{key} | token test > {t:g} | "
+                f"needle tokens standing out: {mine:.1%}, other tokens: {rest:.1%} "
+                f"| rows min-max: needle's pages {kept[:, :, on].float().mean():.1%}, "
+                f"other pages {kept[:, :, ~on].float().mean():.1%} |"
             )
 
 
