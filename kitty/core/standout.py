@@ -8,9 +8,10 @@ spread::
 
 (the median absolute deviation, scaled so that it estimates the standard deviation of Gaussian rows). A row stands out
 where ``score > threshold``. The threshold is fixed a priori from Gaussian rows: of 128 Gaussian values the largest
-``|z|`` exceeds 4 with probability about 0.8%, so a score above 4 says that some value lies beyond what a page of
-Gaussian noise gives. A row whose spread is zero (more than half its values equal) stands out where any value differs
-from the median. Torch only, no host read and fixed shapes (usable ``sync_free``).
+``|z|`` exceeds 4 with probability about 0.8% (about 3% with the row's own median and MAD in place of the true mean
+and deviation), so a score above 4 says that some value lies beyond what a page of Gaussian noise usually gives. A
+row whose spread is zero (more than half its values equal) stands out where any value differs from the median. Torch
+only, no host read and fixed shapes (usable ``sync_free``).
 
 ``range_params(..., "fit-standout")`` (:mod:`kitty.core.quant`) then keeps min-max ranges (every extreme reconstructs
 exactly) on standout rows and a fitted range elsewhere; ``"fit-peak-standout"`` the same with ``fit-peak`` elsewhere.
