@@ -14,6 +14,10 @@ max}`` with ``a, b`` either the uniform ones (``kitty`` itself), moved symmetric
 interior levels at ``1.5 -+ beta`` steps), or fitted per channel by Lloyd iterations (free levels that the page
 layout has no room for: a bound, not a quantizer).
 
+``--standout-thresholds T1,T2``: each config whose range is ``fit-standout`` / ``fit-peak-standout`` runs once per
+threshold of the standout test (``kitty.core.standout``), with the share of channel rows (of every page, layer and
+head) that keep min-max ranges under it.
+
     python benchmarks/key_error.py --model gemma-3-270m --methods kitty,kitty+key_range=fit-peak
 """
 
@@ -24,6 +28,7 @@ import argparse
 import torch
 from transformers import DynamicCache
 
+from kitty.core import standout
 from kitty.core.config import QUERY_SELECTIONS, get_preset
 from kitty.core.quant import channel_importance, dequantize_key_page, quantize_key_page, select_boosted
 from kitty.hf.models import load_model
@@ -35,6 +40,7 @@ def main() -> None:
     p.add_argument("--model", default=None, help="as for load_model: a packaged model's name, a folder or a hub id")
     p.add_argument("--methods", required=True, help="comma-separated presets (+field=value overrides allowed)")
     p.add_argument("--exact-extremes", action="store_true", help="also the bound of 4 levels with exact min and max")
+    p.add_argument("--standout-thresholds", default=None, help="comma-separated thresholds of the standout test")
     a = p.parse_args()
     torch.set_num_threads(1)
     model, tok = load_model(a.model)
@@ -49,12 +55,24 @@ def main() -> None:
     pages = torch.stack([k[:, S : S + n * G].reshape(k.shape[0], n, G, -1).transpose(0, 1) for k in keys])
     print(f"{len(keys)} full-attention layers, pages {tuple(pages.shape)} (layer, page, head, G, D), {pages.dtype}")
     ref = pages.float()
+    thresholds = [float(t) for t in a.standout_thresholds.split(",")] if a.standout_thresholds else []
+    rows = pages.transpose(-1, -2)  # [layer, page, head, D, G]: one row per channel
     for m in a.methods.split(","):
         cfg = get_preset(m)
         qs = torch.ones(pages.shape[:-2] + pages.shape[-1:]) if cfg.channel_selection in QUERY_SELECTIONS else None
-        err = dequantize_key_page(quantize_key_page(pages, cfg, query_scale=qs)).float() - ref
-        rel = err.square().sum((-1, -2)) / ref.square().sum((-1, -2))
-        print(f"| {m} | {rel.mean():.4f} | {err.abs().amax():.2f} |")
+        runs = thresholds if cfg.key_range in standout.STANDOUT_FITS and thresholds else [None]
+        for t in runs:
+            default = standout.STANDOUT_THRESHOLD
+            standout.STANDOUT_THRESHOLD = default if t is None else t
+            try:
+                err = dequantize_key_page(quantize_key_page(pages, cfg, query_scale=qs)).float() - ref
+                rule = standout.token_standout_rows if cfg.key_range in standout.TOKEN_RULES else standout.standout_rows
+                share = rule(rows).float().mean()
+            finally:
+                standout.STANDOUT_THRESHOLD = default
+            rel = err.square().sum((-1, -2)) / ref.square().sum((-1, -2))
+            label = m if t is None else f"{m} (threshold {t:g}, {share:.1%} of channel rows min-max)"
+            print(f"| {label} | {rel.mean():.4f} | {err.abs().amax():.2f} |")
     if a.exact_extremes:
         exact_extremes(pages)
 

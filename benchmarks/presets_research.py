@@ -8,6 +8,9 @@ Results accumulate in ``--out`` (a method already measured is not run again), so
     python benchmarks/presets_research.py ppl --methods kitty,kitty-fit --out /tmp/research
     python benchmarks/presets_research.py passkey --methods kitty,kitty-fit --out /tmp/research
     python benchmarks/presets_research.py table --methods kitty,kitty-fit --out /tmp/research
+
+``--standout-threshold T`` runs the ``fit-standout`` / ``fit-peak-standout`` ranges with threshold ``T`` instead of
+``kitty.core.standout.STANDOUT_THRESHOLD`` (the method names do not carry it: give such a run its own ``--out``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from kitty.core import standout
 from kitty.core.config import get_preset
 from kitty.hf import generate as gen
 from kitty.hf.models import load_model
@@ -156,6 +160,7 @@ def main() -> None:
     p.add_argument("--passkey-trials", type=int, default=2)
     p.add_argument("--pairs", default="", help="table: candidate:reference,... compared at (asserted) equal bits")
     p.add_argument("--csv", type=Path, default=None, help="table: also write the per-prompt and per-window rows here")
+    p.add_argument("--standout-threshold", type=float, default=None, help="threshold of the fit-standout ranges")
     a = p.parse_args()
     a.order = [m for m in a.methods.split(",") if m]
     a.methods = [m for m in a.order if m != "fp16"]
@@ -164,6 +169,9 @@ def main() -> None:
     a.depths, a.trials = (0.1, 0.3, 0.5, 0.7, 0.9), a.passkey_trials
     for m in a.methods:
         get_preset(m)  # ValueError naming the choices before any work
+    if a.standout_threshold is not None:
+        standout.standout_rows(torch.zeros(1), a.standout_threshold)  # ValueError for a bad threshold
+        standout.STANDOUT_THRESHOLD = a.standout_threshold
     a.out.mkdir(parents=True, exist_ok=True)
     if a.part != "table":
         torch.set_num_threads(1)

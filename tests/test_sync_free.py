@@ -35,6 +35,8 @@ NAMES = (
     "kitty+value_range=fit",
     "kitty-pro+key_range=fit-peak",
     "kitty+key_range=fit-bounded",
+    "kitty-fit+key_range=fit-standout",
+    "kitty-fit+key_range=fit-token-standout",
     "kitty+key_rotation=hadamard-signs+key_outlier_fraction=0.00390625",
 )
 # aten operations that read a tensor back to the host, give a shape that depends on tensor data, or make a tensor

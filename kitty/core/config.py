@@ -17,8 +17,18 @@ BACKENDS = (
     "triton",
     "gluon",
 )  # KittyCache(backend=): kitty/cache/backend.py resolves it once per layer
-# a group's [lo, hi]: min-max, a clipping search, one sparing the peak, or one keeping every value within min-max's bound
-RANGE_FITS = ("minmax", "fit", "fit-peak", "fit-bounded")
+# a group's [lo, hi]: min-max, a clipping search, one sparing the peak, one keeping every value within min-max's bound,
+# or min-max where a value (or a token of the page) stands out and fit-bounded / fit-peak elsewhere (core/standout.py)
+RANGE_FITS = (
+    "minmax",
+    "fit",
+    "fit-peak",
+    "fit-bounded",
+    "fit-standout",
+    "fit-peak-standout",
+    "fit-token-standout",
+    "fit-peak-token-standout",
+)
 # key_rotation: each key head's channels multiplied by a fixed orthogonal matrix before quantization (and back after):
 # "hadamard" the normalized Walsh-Hadamard matrix of size head_dim, "hadamard-signs" the same after a fixed random
 # sign flip per channel (QuaRot's randomized Hadamard), drawn from ``seed``
@@ -106,7 +116,10 @@ class KVQuantConfig:
     seed: int = 0  # for channel_selection="random"
     key_range: str = "minmax"  # "fit": per-channel clipping search minimizing reconstruction error at pack time;
     # "fit-peak": the same search, never clipping a channel's largest-|k| token (quant.fitted_params keep_peak);
-    # "fit-bounded": the same search, every token within half a min-max step (quant.fitted_params bounded)
+    # "fit-bounded": the same search, every token within half a min-max step (quant.fitted_params bounded);
+    # "fit-standout" / "fit-peak-standout": min-max on channels where a token stands out, fit-bounded / fit-peak elsewhere;
+    # "fit-token-standout" / "fit-peak-token-standout": min-max on channels whose min or max is a token standing out
+    # across the page's channels, fit-bounded / fit-peak elsewhere
     value_range: str = "minmax"  # "fit": the same per token for values
     key_rotation: str = "none"  # see KEY_ROTATIONS: a fixed orthogonal rotation of key channels, torch path only
     key_outlier_fraction: float = 0.0  # share of a key page's entries (per head) kept exactly; torch path only

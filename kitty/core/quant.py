@@ -36,6 +36,7 @@ from functools import lru_cache
 import torch
 
 from .config import KVQuantConfig
+from .standout import STANDOUT_FITS, TOKEN_RULES, standout_rows, token_standout_rows
 
 # boost_idx of an unboosted channel. A channel is boosted iff boost_idx < nb (the kernels' test too): at nb = D = 256
 # every channel is boosted and slot 255 is a real slot, so the sentinel is never compared for equality.
@@ -263,8 +264,18 @@ def range_params(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scale, zero)`` over the last dim by ``method``: ``"minmax"``, ``"fit"`` (:func:`fitted_params`),
     ``"fit-peak"`` (the same search, never clipping the group's largest-``|x|`` value: ``keep_peak=True``) or
-    ``"fit-bounded"`` (the same search, every value within half a min-max step: ``bounded=True``).
+    ``"fit-bounded"`` (the same search, every value within half a min-max step: ``bounded=True``), or
+    ``"fit-standout"`` / ``"fit-peak-standout"``: min-max on the rows that hold a standout value
+    (:func:`kitty.core.standout.standout_rows`), ``"fit-bounded"`` / ``"fit-peak"`` on the others;
+    ``"fit-token-standout"`` / ``"fit-peak-token-standout"``: min-max on the rows whose min or max is a token that
+    stands out across the rows (:func:`kitty.core.standout.token_standout_rows`; for key pages ``x`` is
+    ``[..., D, G]``), ``"fit-bounded"`` / ``"fit-peak"`` elsewhere.
     ``sync_free``: no host read (module docstring), the same result."""
+    if method in STANDOUT_FITS:
+        fitted = range_params(x, levels, dtype, STANDOUT_FITS[method], sync_free)
+        exact = minmax_params(x, levels, -1, dtype, sync_free)
+        out = token_standout_rows(x) if method in TOKEN_RULES else standout_rows(x)
+        return torch.where(out, exact[0], fitted[0]), torch.where(out, exact[1], fitted[1])
     if method == "minmax":
         return minmax_params(x, levels, -1, dtype, sync_free)
     if method == "fit":
@@ -273,7 +284,9 @@ def range_params(
         return fitted_params(x, levels, dtype, keep_peak=True, sync_free=sync_free)
     if method == "fit-bounded":
         return fitted_params(x, levels, dtype, sync_free=sync_free, bounded=True)
-    raise ValueError(f"range method must be 'minmax', 'fit', 'fit-peak' or 'fit-bounded', got {method!r}")
+    raise ValueError(
+        f"range method must be 'minmax', 'fit', 'fit-peak', 'fit-bounded' or one of {tuple(STANDOUT_FITS)}, got {method!r}"
+    )
 
 
 def quantize_codes(
