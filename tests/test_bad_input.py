@@ -94,8 +94,9 @@ def test_triton_backend_refused_before_anything_changes(monkeypatch):
     monkeypatch.delenv("KITTY_BACKEND", raising=False)
     # the kernels read TRITON_INTERPRET once, at import (tests/conftest.py sets it): simulate its absence
     monkeypatch.setattr(kcache, "interpreting", lambda: False)
-    with pytest.raises(ValueError, match="backend='triton' needs a CUDA GPU"):
-        KittyCache(tiny_model(2).config, SMALL, backend="triton")
+    for backend in ("triton", "gluon"):  # each refusal names the backend asked for
+        with pytest.raises(ValueError, match=f"backend='{backend}' needs a CUDA GPU"):
+            KittyCache(tiny_model(2).config, SMALL, backend=backend)
     monkeypatch.setattr(kcache, "interpreting", lambda: True)  # constructed for interpreted CPU runs ...
     cache = KittyCache(tiny_model(2).config, SMALL.with_(group_size=16), backend="triton")
     monkeypatch.setattr(kcache, "interpreting", lambda: False)  # ... then fed CPU tensors without the interpreter

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from kitty import PRESETS
+from kitty.core.config import BACKENDS
 from kitty.core.memory import MemoryReport
 from kitty.hf.generate import Sampling
 from kitty.tools.cli import DEFAULT_COMPARE, Result, build_parser, main, sampling_of, table
@@ -71,6 +72,16 @@ def test_cli_sampling_defaults_are_the_apps():
     assert sampling_of(args) == Sampling() and sampling_of(args).greedy
     sampled = sampling_of(build_parser().parse_args(["hi", "--sample"]))
     assert not sampled.greedy and sampled.top_p == Sampling().top_p
+
+
+def test_cli_backend_takes_every_cache_backend():
+    """``--backend`` offers the cache's backends, the Gluon kernel's included; the default leaves the choice to
+    ``$KITTY_BACKEND`` or auto."""
+    assert build_parser().parse_args(["hi"]).backend is None
+    for name in BACKENDS:
+        assert build_parser().parse_args(["hi", "--backend", name]).backend == name
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["hi", "--backend", "cuda"])
 
 
 def fake_result(method: str, tokens: list[int], text: str) -> Result:

@@ -52,8 +52,11 @@ def requested_backend(backend: str | None) -> str:
     return choice
 
 
-def check_triton(cfg: KVQuantConfig | None, head_dim: int | None, device: torch.device | None = None) -> None:
-    """Refuse ``backend="triton"`` where it cannot run, before any token is stored.
+def check_triton(
+    cfg: KVQuantConfig | None, head_dim: int | None, device: torch.device | None = None, backend: str = "triton"
+) -> None:
+    """Refuse ``backend="triton"`` (or ``"gluon"``, named by ``backend``: it runs the same kernels where its own does
+    not apply) where it cannot run, before any token is stored.
 
     ``NotImplementedError`` without Triton; ``ValueError`` without a CUDA GPU (``device=None``: the machine's) or
     for tensors on ``device`` that are not CUDA tensors (both unless under ``TRITON_INTERPRET=1``), or for a config
@@ -61,7 +64,7 @@ def check_triton(cfg: KVQuantConfig | None, head_dim: int | None, device: torch.
     """
 
     def refuse(why: str, error: type[Exception] = ValueError):
-        raise error(f"backend='triton' {why}; use backend='auto' or 'torch' (or ${BACKEND_ENV}=torch)")
+        raise error(f"backend={backend!r} {why}; use backend='auto' or 'torch' (or ${BACKEND_ENV}=torch)")
 
     if not kernels.HAS_TRITON:
         refuse("needs Triton for kitty.kernels.decode_attention_triton, which is not installed", NotImplementedError)
@@ -277,7 +280,7 @@ def backend_ops(requested: str | None, device: torch.device, cfg: KVQuantConfig,
     :func:`check_triton` where it cannot run; ``"gluon"`` runs the ``tl`` kernel where the Gluon one does not apply)."""
     choice = resolve_backend(requested, device, cfg, head_dim)
     if choice == "gluon":
-        check_triton(cfg, head_dim, device)
+        check_triton(cfg, head_dim, device, "gluon")
         return GluonOps(cfg, device)
     if choice == "triton":
         check_triton(cfg, head_dim, device)

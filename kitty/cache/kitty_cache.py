@@ -266,8 +266,8 @@ class KittyCache(StaticCacheSizes, Cache):
         num_layers, num_kv_heads, head_dim = kv_dims(text)
         cfg.check_head_dim(head_dim)
         tp_size = self._tp_size(config, text, num_kv_heads)
-        if backend == "triton":
-            check_triton(cfg, head_dim)
+        if backend in ("triton", "gluon"):
+            check_triton(cfg, head_dim, backend=backend)
         if max_cache_len is not None:
             check_static_bytes(
                 cfg, layer_types, layer_kwargs, num_kv_heads // tp_size, head_dim, max_cache_len, max_batch_size or 1

@@ -52,11 +52,14 @@ def add_tp(p: argparse.ArgumentParser) -> None:
 
 def add_backend(p: argparse.ArgumentParser) -> None:
     """``--backend``: the attention backend."""
+    from ..core.config import BACKENDS
+
     p.add_argument(
         "--backend",
         default=None,
-        choices=("auto", "torch", "triton"),
-        help="attention backend (default: $KITTY_BACKEND, else auto)",
+        choices=BACKENDS,
+        help="attention backend (default: $KITTY_BACKEND, else auto: the Gluon kernel on Hopper GPUs with triton 3.6, "
+        "the Triton kernel on other GPUs, torch on CPU)",
     )
 
 
