@@ -1,7 +1,7 @@
 """Time the predicated pack of a static decode step (``kitty.kernels.pack_completed``, one launch per layer) against
 the kernel it replaced (``benchmarks/pack_old.py``), after checking that both write the same bytes.
 
-    python -m benchmarks.pack_speed [--out DIR]          # CUDA: about a minute on an H200
+    python -m benchmarks.pack_speed [--out DIR] [--variants all|default|wide]   # CUDA: about a minute on an H200
     python -m benchmarks.pack_speed --cpu-smoke          # the plumbing on the CPU (Triton interpreter, tiny shapes)
     PYTHONPATH=.ci/envs/triton-3.6 python -m benchmarks.pack_speed --sass [--out DIR]   # sm_90 build, no GPU
 
@@ -47,6 +47,9 @@ from kitty.core.storage import pool_fields  # noqa: E402
 TARGET_US = {1: 26.0, 100: 89.0}  # the issue's budget per layer for a page-completing step
 # (key programs per page, value programs per page), warps, register tile: the new kernel's launches timed
 GRID = [(s, w, 4096) for s in ((1, 1), (2, 2), (8, 8)) for w in (4, 8)] + [(s, 4, 2048) for s in ((1, 1), (2, 2))]
+# --variants wide: the launches a large batch could use (few programs per page, warps, register tile), and the default
+# launch packing one side only (``keys`` / ``values``: where a page-completing step's pack time goes)
+WIDE = [(s, w, t) for s in ((1, 1), (1, 2), (2, 1), (2, 2)) for w in (4, 8) for t in (2048, 4096, 8192)]
 
 
 def layer(cfg, B: int, Hkv: int, D: int, dtype, device, width: int, seed: int = 0) -> dict:
@@ -89,13 +92,15 @@ def clone(st: dict) -> dict:
     }
 
 
-def launchers(cfg, B: int, Hkv: int) -> dict:
-    """name -> (callable(state), meta): the old kernel and the new one over the split / warp grid."""
+def launchers(cfg, B: int, Hkv: int, wide: bool = False) -> dict:
+    """name -> (callable(state), meta): the old kernel and the new one over the split / warp grid (``wide``: over
+    :data:`WIDE`, and the default launch of each side alone, ``meta["side"]``)."""
     from benchmarks.pack_old import pack_completed_old
-    from kitty.kernels.pack import PACK_TILE, pack_completed, pack_splits, pack_warps
+    from kitty.kernels.launch import PACK_WARPS
+    from kitty.kernels.pack import PACK_TILE, pack_completed, pack_splits
 
     splits = pack_splits(B * Hkv, cfg.group_size, cfg.value_bits)
-    default = (splits, pack_warps(splits, 128), PACK_TILE)
+    default = (splits, PACK_WARPS, PACK_TILE)
     out = {
         "old": (
             lambda st: pack_completed_old(
@@ -105,21 +110,24 @@ def launchers(cfg, B: int, Hkv: int) -> dict:
         )
     }
     per = 8 // cfg.value_bits
-    grid = [g for g in GRID if max(g[0]) <= cfg.group_size // per]
-    if default not in grid:
-        grid.append(default)
-    for splits, warps, tile in grid:
+    grid = [(*g, None) for g in (WIDE if wide else GRID) if max(g[0]) <= cfg.group_size // per]
+    if (*default, None) not in grid:
+        grid.append((*default, None))
+    if wide:
+        grid += [(*default, "keys"), (*default, "values")]
+    for splits, warps, tile, side in grid:
         scratch = {}
 
-        def run(st, splits=splits, warps=warps, tile=tile, scratch=scratch):
+        def run(st, splits=splits, warps=warps, tile=tile, scratch=scratch, side=side):
             pack_completed(
                 cfg, st["lengths"], st["k"], st["v"], st["key_pool"], st["value_pool"], st["k_pt"], st["v_pt"],
-                scratch=scratch, splits=splits, num_warps=warps, tile=tile,
+                scratch=scratch, splits=splits, num_warps=warps, tile=tile, keys=side != "values",
+                values=side != "keys",
             )  # fmt: skip
 
-        star = "*" if (splits, warps, tile) == default else ""
-        name = f"new k{splits[0]}v{splits[1]} w{warps} t{tile}{star}"
-        meta = dict(kernel="new", splits=list(splits), warps=warps, tile=tile, default=bool(star))
+        star = "*" if (splits, warps, tile) == default and side is None else ""
+        name = f"new k{splits[0]}v{splits[1]} w{warps} t{tile}{star}" + (f" {side} only" if side else "")
+        meta = dict(kernel="new", splits=list(splits), warps=warps, tile=tile, default=bool(star), side=side)
         out[name] = (run, meta)
     return out
 
@@ -163,7 +171,7 @@ def bench(args) -> dict:
         for B in [int(b) for b in args.batches.split(",")]:
             width = 2 + cfg.local_window // cfg.group_size + min(B, 4)  # room for ragged page indices
             base = layer(cfg, B, Hkv, D, dtype, device, width)
-            runs = launchers(cfg, B, Hkv)
+            runs = launchers(cfg, B, Hkv, wide=args.variants == "wide")
             if args.variants == "default":
                 runs = {n: r for n, r in runs.items() if n == "old" or r[1]["default"]}
             if smoke:  # the interpreter: the old kernel, the default launch and one split launch
@@ -173,6 +181,8 @@ def bench(args) -> dict:
             ref = clone(base)
             runs["old"][0](ref)
             for name, (fn, meta) in runs.items():
+                if meta.get("side"):  # one side only: the other side's pool keeps its random bytes
+                    continue
                 got = clone(base)
                 fn(got)
                 bad = same_bytes(got, ref)
@@ -333,7 +343,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=10, help="launches per CUDA graph")
     ap.add_argument("--replays", type=int, default=11, help="timed replays (the median is reported)")
     ap.add_argument(
-        "--variants", choices=("all", "default"), default="all", help="new kernel: the grid, or the default only"
+        "--variants",
+        choices=("all", "default", "wide"),
+        default="all",
+        help="new kernel: the grid, the default only, or the large-batch grid and each side alone",
     )
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU under the Triton interpreter")
     ap.add_argument("--sass", action="store_true", help="build for sm_90 and count registers / spills / SASS")

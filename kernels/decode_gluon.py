@@ -54,9 +54,12 @@ from ._gluon_parts import (
     zero_channel,
 )
 from .gluon_launch import (
+    GLUON_WORKSPACE,
     GluonLaunch,
     default_gluon_launch,
     gluon_constants,
+    gluon_workspace,
+    gluon_workspace_shapes,
     high_plane_view,
     merge_group,
     pages_supported,
@@ -443,26 +446,18 @@ def decode_attention_gluon(
     if not 0 <= launch.tail_splits < launch.num_splits:
         raise ValueError(f"tail_splits={launch.tail_splits} must leave a page split of num_splits={launch.num_splits}")
     consts = gluon_constants(cfg, D, QH, q.dtype, launch, full_qbuffer)
-    BH, splits = consts["BH"], launch.num_splits
-    dev, f32 = q.device, torch.float32
-    rows = B * Hkv * splits * BH
-    group = merge_group(launch)
-    n_tickets = B * Hkv * (-(-splits // group) + 1)
-    if (
-        workspace is not None
-        and workspace.get("g_out") is not None
-        and workspace["g_m"].shape[0] == rows
-        and workspace["g_t"].shape[0] == n_tickets
+    splits, group = launch.num_splits, merge_group(launch)
+    shapes = gluon_workspace_shapes(B, Hq, Hkv, D, launch) | {"g_out": ((B, Hq, D), q.dtype)}
+    if workspace is not None and all(
+        workspace.get(name) is not None and (tuple(workspace[name].shape), workspace[name].dtype) == want
+        for name, want in shapes.items()
     ):
-        ws_m, ws_l, ws_z, ws_acc, tickets, out = (workspace[k] for k in ("g_m", "g_l", "g_z", "g_acc", "g_t", "g_out"))
-    else:
-        ws_m = torch.empty(rows, dtype=f32, device=dev)
-        ws_l, ws_z = torch.empty_like(ws_m), torch.empty_like(ws_m)
-        ws_acc = torch.empty(B * Hkv * splits, BH * D, dtype=f32, device=dev)
-        tickets = torch.zeros(n_tickets, dtype=torch.int32, device=dev)
-        out = torch.empty(B, Hq, D, dtype=q.dtype, device=dev)
+        ws = workspace
+    else:  # no workspace, or one sized for another launch: allocate (and keep in the caller's dict, if any)
+        ws = gluon_workspace(q, Hkv, launch) | {"g_out": torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)}
         if workspace is not None:
-            workspace.update(g_m=ws_m, g_l=ws_l, g_z=ws_z, g_acc=ws_acc, g_t=tickets, g_out=out)
+            workspace.update(ws)
+    ws_m, ws_l, ws_z, ws_acc, tickets, out = (ws[k] for k in (*GLUON_WORKSPACE, "g_out"))
     if q.stride(-1) != 1:
         q = q.contiguous()
     st = state

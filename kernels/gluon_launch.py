@@ -246,12 +246,49 @@ def gluon_constants(
         NB4=nb4,
         NWH=max(1, nb4 // 4),
         RW=nb4 // 4 if nb4 % 4 == 0 else 1,
-        BH=max(4, next_power_of_2(group)),
+        BH=heads_block(group),
         TWO=bool(launch.key_two_part),
         IS_BF16=dtype == torch.bfloat16,
         FULL_QBUF=bool(full_qbuffer),
         PREFETCH=bool(launch.prefetch),
     )
+
+
+GLUON_WORKSPACE = ("g_m", "g_l", "g_z", "g_acc", "g_t")  # the split buffers and merge tickets, in this order
+
+
+def heads_block(group: int) -> int:
+    """Query heads per KV head as the kernel holds them (``BH``): the GQA group rounded up to a power of two, >= 4."""
+    return max(4, next_power_of_2(group))
+
+
+def gluon_workspace_shapes(
+    B: int, Hq: int, Hkv: int, D: int, launch: GluonLaunch
+) -> dict[str, tuple[tuple, torch.dtype]]:
+    """Shape and dtype of each buffer ``_decode_gluon_kernel`` writes besides its output (:data:`GLUON_WORKSPACE`):
+    per (row, KV head, split) the partial maxima, sums and value offsets of ``BH`` query heads and their ``BH x D``
+    outputs, and the merge tickets (one per merge group and one for the last merge, per (row, KV head))."""
+    bh, splits = heads_block(Hq // Hkv), launch.num_splits
+    rows = B * Hkv * splits * bh
+    tickets = B * Hkv * (-(-splits // merge_group(launch)) + 1)
+    f32 = torch.float32
+    return dict(
+        g_m=((rows,), f32),
+        g_l=((rows,), f32),
+        g_z=((rows,), f32),
+        g_acc=((B * Hkv * splits, bh * D), f32),
+        g_t=((tickets,), torch.int32),
+    )
+
+
+def gluon_workspace(q: torch.Tensor, Hkv: int, launch: GluonLaunch) -> dict[str, torch.Tensor]:
+    """The buffers of :func:`gluon_workspace_shapes` for query ``q`` ``[B, Hq, D]``, the tickets zeroed (the kernel
+    leaves them zero after each launch, so a caller allocates them once and passes them to every call)."""
+    B, Hq, D = q.shape
+    return {
+        name: (torch.zeros if name == "g_t" else torch.empty)(shape, dtype=dtype, device=q.device)
+        for name, (shape, dtype) in gluon_workspace_shapes(B, Hq, Hkv, D, launch).items()
+    }
 
 
 def high_plane_view(k_high: torch.Tensor, nb4: int) -> torch.Tensor:

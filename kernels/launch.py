@@ -107,10 +107,14 @@ def default_launch(B: int, Hkv: int, max_blocks: int, device: torch.device | int
 
 # Programs per page: a key page's statistics pass reads the whole page in each of its programs, so key splits pay
 # for themselves only while the launch has fewer busy programs than the GPU has room for; a value page's programs
-# share nothing. A program keeps at least MIN_TOKENS tokens. Split launches (few pages, latency-bound) run 8 warps
-# per program, unsplit ones 4 (fewer instructions per page, more programs per SM) unless D > 128 (8: fewer spills);
-# a register tile is about PACK_TILE elements.
+# share nothing. A program keeps at least MIN_TOKENS tokens and runs PACK_WARPS warps: split launches (few pages)
+# are latency-bound, and one program per page is too (H100, one layer of 8 KV heads whose every row completes a key
+# and a value page: 21.6 us at 28 rows and 74.1 us at 100 with 8 warps, 26.0 and 93.5 with 4, whose 208 registers
+# per thread let only two programs of 4 warps run per SM; benchmarks/pack_speed.py --variants wide); a fitted key
+# range's search needs 8 (built for sm_90 at G = D = 128: 246 registers and no local memory, where 4 warps spill).
+# A register tile is about PACK_TILE elements.
 MIN_TOKENS = 16
+PACK_WARPS = 8
 BUSY_PROGRAMS = 2 * H200_SMS  # busy programs per side that fill the GPU (2 per SM), no more splitting
 PACK_TILE = 4096
 
@@ -123,11 +127,6 @@ MAX_FIT_GROUP = 4096  # tokens per page the kernel fits a key range over (its su
 def kernel_packs_key_range(key_range: str, group_size: int) -> bool:
     """Whether the pack kernel packs key pages of ``key_range`` and ``group_size`` tokens (else kitty.core.quant)."""
     return key_range in PACK_KEY_RANGES and (key_range == "minmax" or group_size <= MAX_FIT_GROUP)
-
-
-def pack_warps(splits: tuple[int, int], D: int = 128) -> int:
-    """Warps per program for a launch with ``splits`` programs per page of head dimension ``D``."""
-    return 8 if max(splits) > 1 or D > 128 else 4
 
 
 def pack_splits(pages: int, G: int, value_bits: int, busy: int = BUSY_PROGRAMS) -> tuple[int, int]:

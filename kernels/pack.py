@@ -87,7 +87,7 @@ from kitty.core.storage import allocate_pool, pool_fields
 from ._pack_fit import _fit
 from ._pack_math import RCP3, RCP15, _exact_range, _params, _quantize
 from ._tiles import TLTYPE, check_power_of_two, is_power_of_two
-from .launch import MAX_FIT_GROUP, PACK_KEY_RANGES, PACK_TILE, kernel_packs_key_range, pack_splits, pack_warps
+from .launch import MAX_FIT_GROUP, PACK_KEY_RANGES, PACK_TILE, PACK_WARPS, kernel_packs_key_range, pack_splits
 
 __all__ = ["pack_completed", "pack_pages"]
 
@@ -397,13 +397,6 @@ def _default_splits(pages: int, G: int, value_bits: int, fit: dict) -> tuple[int
     return (1 if fit["FIT"] else ks), vs
 
 
-def _warps(fit: dict, splits: tuple[int, int], D: int) -> int:
-    """:func:`pack_warps`, or 8 where the key range is fitted: the search's program, built for sm_90 at G = D = 128,
-    needs 246 registers per thread and no local memory with 8 warps, but spills with 4 (255 registers, 88 local
-    loads/stores for "fit", 147 for "fit-peak")."""
-    return 8 if fit["FIT"] else pack_warps(splits, D)
-
-
 def _high_tile(nb: int) -> int:
     """Width of the kernel's high-plane byte tile: ``ceil(nb / 4)`` bytes per token, rounded up to a power of two."""
     return triton.next_power_of_2(max(high_plane_bytes(nb), 1))
@@ -472,7 +465,7 @@ def pack_pages(
         query_scale: ``[N, Hkv, D]`` per-channel query magnitude of the packed key rows, for
             ``channel_selection="query"`` / ``"oracle"`` (as ``kitty.core.quant.quantize_key_page`` takes it).
         splits: ``(key, value)`` programs per page (default :func:`pack_splits`); num_warps: per program (default
-            :func:`pack_warps`); tile: elements of a register tile. They change the speed only, never the bytes.
+            :data:`PACK_WARPS`); tile: elements of a register tile. They change the speed only, never the bytes.
 
     Returns:
         without ``pool``: ``(KeyPage | None, ValuePage | None)`` with leading dims ``[N, Hkv]``, equal bit for bit to
@@ -555,7 +548,7 @@ def pack_pages(
         kq.stride(0), kq.stride(1), kq.stride(2), vq.stride(0), vq.stride(1), vq.stride(2),
         G=G, D=D, NB=nb, NBQP=_high_tile(nb), KEY_LEVELS=(1 << cfg.key_bits) - 1, VBITS=cfg.value_bits, USE_MASK=use_mask,
         DTYPE=TLTYPE[dtype], ITYPE=_ITYPE[dtype], ROUND_UP=dtype != torch.float32, **_steps(G, D, cfg.value_bits, ks, vs, tile),
-        **fit, num_warps=num_warps or _warps(fit, (ks, vs), D), **opts,
+        **fit, num_warps=num_warps or PACK_WARPS, **opts,
     )
     if pool is not None:
         return None
@@ -603,7 +596,7 @@ def pack_completed(
     ``b * Wk + j``. The value side likewise with ``m - R``. Completed rows get ``table[b, j] = id``.
     The completion test is the rule of ``kitty.core.pages.filled_page``, kept inline once (``_filled_page``).
     Each page is spread over ``splits = (key, value)`` programs (default :func:`pack_splits` for ``B * Hkv`` pages,
-    fixed per shape, so the grid is the same at every step); ``num_warps`` per program (default :func:`pack_warps`),
+    fixed per shape, so the grid is the same at every step); ``num_warps`` per program (default :data:`PACK_WARPS`),
     ``tile`` elements per register tile. Torch reference:
     ``kernels/reference.py`` ``pack_completed_ref``.
     """
@@ -659,7 +652,7 @@ def pack_completed(
         G=G, D=D, NB=nb, NBQP=_high_tile(nb), KEY_LEVELS=(1 << cfg.key_bits) - 1, VBITS=cfg.value_bits, USE_MASK=use_mask,
         DTYPE=TLTYPE[k_qbuf.dtype], ITYPE=_ITYPE[k_qbuf.dtype], ROUND_UP=k_qbuf.dtype != torch.float32,
         PREDICATED=True, S=cfg.sink_tokens, R=cfg.local_window, **_steps(G, D, cfg.value_bits, ks, vs, tile),
-        **fit, num_warps=num_warps or _warps(fit, (ks, vs), D), **opts,
+        **fit, num_warps=num_warps or PACK_WARPS, **opts,
     )
 
 

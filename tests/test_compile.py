@@ -220,3 +220,55 @@ def test_torch_backend_steps_run_outside_the_graph(model):
     got, _ = _generate(model, cache, compile_config=config)
     assert torch.equal(got, want)
     _same_counters(cache, want_cache)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU stand-in for the kernel; tests/test_cuda.py runs it")
+def test_compiled_gluon_step_writes_the_layers_buffers(model, monkeypatch):
+    """A Gluon layer's prompt allocates the Gluon kernel's split buffers and tickets once (sized by
+    ``gluon_workspace_shapes`` for the launch every call uses), and both its eager and its compiled decode steps hand
+    the kernel those buffers (``kitty::decode_attention``'s workspace list), so that the kernel allocates none per
+    layer and step (nor zeroes tickets with a memset). Without a
+    Hopper GPU the kernel is a stand-in that records its workspace and runs the ``tl`` kernel."""
+    import sys
+    import types
+
+    from kitty import kernels
+    from kitty.cache import static
+    from kitty.kernels import gluon_launch as gl
+
+    calls: list[dict | None] = []
+
+    def gluon_stand_in(q, state, cfg, scaling, *, full_qbuffer=False, workspace=None, launch=None):
+        calls.append(workspace)
+        return kernels.decode_attention_triton(q, state, cfg, scaling, full_qbuffer=full_qbuffer)
+
+    monkeypatch.setitem(sys.modules, "kitty.kernels.decode_gluon", types.SimpleNamespace(
+        decode_attention_gluon=gluon_stand_in))  # fmt: skip
+    for module in (gl, static):
+        monkeypatch.setattr(module, "gluon_applies", lambda cfg, q, k_qbuf: True)
+    ids, mask = _inputs()
+    cache = _cache(model, "kitty", "gluon")
+    kw = cache_kwargs(cache)
+    token = model(ids, attention_mask=mask, **kw).logits[:, -1].argmax(-1, keepdim=True)
+    full = torch.cat([mask, torch.ones(B, NEW, dtype=mask.dtype, device=DEVICE)], 1)
+    layer = cache.layers[0]
+    Hq, D, Hkv = model.config.num_attention_heads, layer.head_dim, layer.num_kv_heads
+    launch = gl.default_gluon_launch(B, Hkv, layer.k_page_table.shape[1] + 1, layer.device)
+    for name, (shape, dtype) in gl.gluon_workspace_shapes(B, Hq, Hkv, D, launch).items():
+        assert layer.workspace[name].shape == shape and layer.workspace[name].dtype == dtype, name
+    assert not layer.workspace["g_t"].any()
+
+    def step(token):
+        return model(token, attention_mask=full, **kw).logits[:, -1].argmax(-1, keepdim=True)
+
+    token = step(token)  # eager: the layer's dict itself
+    assert calls and all(ws is cache.layers[i].workspace for i, ws in enumerate(calls))
+    calls.clear()
+    torch._dynamo.reset()
+    torch.compile(step, backend="aot_eager", fullgraph=True)(token)
+    assert len(calls) == len(cache.layers)
+    for ws, lay in zip(calls, cache.layers):  # aot_eager functionalizes the op's mutation: it may pass copies
+        assert ws is not None and all(
+            (ws[n].shape, ws[n].dtype) == (lay.workspace[n].shape, lay.workspace[n].dtype) for n in gl.GLUON_WORKSPACE
+        )
+        assert ws["g_out"].shape == (B, Hq, D) and ws["g_out"].data_ptr() != lay.workspace["out"].data_ptr()

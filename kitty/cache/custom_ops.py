@@ -16,9 +16,12 @@ a ``Launch``) and flatten them into what an op schema holds:
 
 - a config travels as a string key (:func:`config_key`, its ``repr``) registered in this process;
 - a state as its tensors in ``KittyLayerState`` field order (``None`` for absent fields);
-- a launch as 7 integers (``[]``: the default launch);
+- a launch as 7 integers (``[]``: the default launch), and an 8th, ``1``, where the layer decodes with the Gluon
+  kernel;
 - the attention workspace as a list of preallocated tensors (:func:`attention_workspace`; ``[]``: allocate per call),
-  which the op writes (declared mutated); its output is a fresh tensor (an op may not return an alias of an input).
+  followed, for a Gluon layer, by the Gluon kernel's own split buffers and tickets
+  (``kitty.kernels.gluon_launch.GLUON_WORKSPACE``), which the op writes (declared mutated); its output is a fresh
+  tensor (an op may not return an alias of an input).
 
 A static layer flattens its arguments once, eagerly at the prompt (:func:`flat_args`), and its compiled decode step
 calls :func:`decode_attention_flat` and :func:`pack_completed_flat` with them, so that traced code builds none of
@@ -200,12 +203,15 @@ def _decode_attention_op(
     if not _runs_kernels(q):
         return kernels.decode_attention_ref(q, st, config, scaling, full_qbuffer=full_qbuffer)
     if _gluon_asked(launch):
-        from ..kernels.gluon_launch import gluon_applies
+        from ..kernels.gluon_launch import GLUON_WORKSPACE, gluon_applies
 
         if gluon_applies(config, q, st.k_qbuf):
-            from ..kernels.decode_gluon import decode_attention_gluon  # its own workspace and launch, per call
+            from ..kernels.decode_gluon import decode_attention_gluon  # its own launch, per call
 
-            return decode_attention_gluon(q, st, config, scaling, full_qbuffer=full_qbuffer)
+            ws = None  # the layer's Gluon buffers follow the tl kernel's four (StaticKittyLayer.prepare_workspace)
+            if len(workspace) == 4 + len(GLUON_WORKSPACE):
+                ws = dict(zip(GLUON_WORKSPACE, workspace[4:]), g_out=torch.empty_like(q))  # fresh output, as below
+            return decode_attention_gluon(q, st, config, scaling, full_qbuffer=full_qbuffer, workspace=ws)
     ws = None
     if len(workspace):
         ws = dict(zip(("m", "l", "acc", "tickets"), workspace))

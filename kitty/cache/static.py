@@ -58,6 +58,7 @@ from ..core.config import KVQuantConfig, is_int
 from ..core.memory import token_layout
 from ..core.pages import FixedPages, filled_pages
 from ..core.storage import ROW_FIELDS, KittyLayerState, PendingKV
+from ..kernels.gluon_launch import GLUON_WORKSPACE, default_gluon_launch, gluon_applies, gluon_workspace
 from ..kernels.launch import default_launch
 from . import custom_ops
 from .backend import check_triton
@@ -301,7 +302,9 @@ class StaticKittyLayer(PagedLayer):
     def prepare_workspace(self, num_heads: int) -> None:
         """Allocate the fused kernel's workspace for ``num_heads`` query heads once (eagerly, at the prompt: never
         inside a compiled or captured step), sized by :func:`kitty.cache.custom_ops.attention_workspace` for the
-        launch every decode step then uses (:attr:`launch`); nothing for the torch backend."""
+        launch every decode step then uses (:attr:`launch`), and the Gluon kernel's split buffers and merge tickets
+        where the layer decodes with it (``kitty.kernels.gluon_launch.gluon_workspace``); nothing for the torch
+        backend."""
         if not self.ops.fused_decode:
             return
         B, H, D = len(self._n0), self.num_kv_heads, self.head_dim
@@ -311,8 +314,12 @@ class StaticKittyLayer(PagedLayer):
         launch = dataclasses.replace(default_launch(B, H, self.key_width + 1, self.device), merge_inside=merge)
         q = torch.empty(B, num_heads, D, dtype=self.dtype, device=self.device)
         ws, self.launch = custom_ops.attention_workspace(q, self.storage(), launch)
-        self._op_workspace = ws  # m, l, acc, tickets: what kitty::decode_attention writes
         self.workspace = dict(zip(("m", "l", "acc", "tickets"), ws), out=q)
+        if self.ops.decodes_with_gluon and gluon_applies(self.cfg, q, self.k_qbuf):  # the Gluon kernel's own buffers
+            g = gluon_workspace(q, H, default_gluon_launch(B, H, self.k_page_table.shape[1] + 1, self.device))
+            ws = ws + [g[name] for name in GLUON_WORKSPACE]
+            self.workspace |= g | {"g_out": q}
+        self._op_workspace = ws  # m, l, acc, tickets (and the Gluon buffers): what kitty::decode_attention writes
         self.ops.launch = self.launch
         # the custom ops' arguments, flattened here once: traced code then builds no config, state or launch object
         self._op_args = custom_ops.flat_args(self.storage(), self.cfg, self.launch, self.key_pool.tensors,
