@@ -1,7 +1,7 @@
 """Time the predicated pack of a static decode step (``kitty.kernels.pack_completed``, one launch per layer) against
 the kernel it replaced (``benchmarks/pack_old.py``), after checking that both write the same bytes.
 
-    python -m benchmarks.pack_speed [--out DIR] [--variants all|default|wide]   # CUDA: about a minute on an H200
+    python -m benchmarks.pack_speed [--out DIR] [--variants all|default|wide|caps]   # CUDA: about a minute on an H200
     python -m benchmarks.pack_speed --cpu-smoke          # the plumbing on the CPU (Triton interpreter, tiny shapes)
     PYTHONPATH=.ci/envs/triton-3.6 python -m benchmarks.pack_speed --sass [--out DIR]   # sm_90 build, no GPU
 
@@ -50,6 +50,10 @@ GRID = [(s, w, 4096) for s in ((1, 1), (2, 2), (8, 8)) for w in (4, 8)] + [(s, 4
 # --variants wide: the launches a large batch could use (few programs per page, warps, register tile), and the default
 # launch packing one side only (``keys`` / ``values``: where a page-completing step's pack time goes)
 WIDE = [(s, w, t) for s in ((1, 1), (1, 2), (2, 1), (2, 2)) for w in (4, 8) for t in (2048, 4096, 8192)]
+# --variants caps: one program per page under a register cap (more programs per SM, some spilled registers), with
+# the warps and tiles the cap suits; (warps, tile, maxnreg), None: the compiler's choice
+CAPS = [(8, 4096, None), (8, 4096, 96), (8, 4096, 80), (8, 2048, 80), (8, 2048, 64), (16, 4096, None),
+        (16, 4096, 64), (16, 8192, 64), (16, 2048, 64), (4, 2048, 128)]  # fmt: skip
 
 
 def layer(cfg, B: int, Hkv: int, D: int, dtype, device, width: int, seed: int = 0) -> dict:
@@ -92,11 +96,12 @@ def clone(st: dict) -> dict:
     }
 
 
-def launchers(cfg, B: int, Hkv: int, wide: bool = False) -> dict:
-    """name -> (callable(state), meta): the old kernel and the new one over the split / warp grid (``wide``: over
-    :data:`WIDE`, and the default launch of each side alone, ``meta["side"]``)."""
+def launchers(cfg, B: int, Hkv: int, grid: str = "all") -> dict:
+    """name -> (callable(state), meta): the old kernel and the new one over the split / warp grid (``grid``
+    ``"wide"``: over :data:`WIDE`, and the default launch of each side alone, ``meta["side"]``; ``"caps"``: over
+    :data:`CAPS`)."""
     from benchmarks.pack_old import pack_completed_old
-    from kitty.kernels.launch import PACK_WARPS
+    from kitty.kernels.launch import PACK_MAXNREG, PACK_WARPS
     from kitty.kernels.pack import PACK_TILE, pack_completed, pack_splits
 
     splits = pack_splits(B * Hkv, cfg.group_size, cfg.value_bits)
@@ -110,24 +115,29 @@ def launchers(cfg, B: int, Hkv: int, wide: bool = False) -> dict:
         )
     }
     per = 8 // cfg.value_bits
-    grid = [(*g, None) for g in (WIDE if wide else GRID) if max(g[0]) <= cfg.group_size // per]
-    if (*default, None) not in grid:
-        grid.append((*default, None))
-    if wide:
-        grid += [(*default, "keys"), (*default, "values")]
-    for splits, warps, tile, side in grid:
+    if grid == "caps":
+        variants = [((1, 1), w, t, None, cap) for w, t, cap in CAPS]
+    else:
+        variants = [(*g, None, None) for g in (WIDE if grid == "wide" else GRID) if max(g[0]) <= cfg.group_size // per]
+    if (*default, None, None) not in variants:
+        variants.append((*default, None, None))
+    if grid == "wide":
+        variants += [(*default, "keys", None), (*default, "values", None)]
+    for splits, warps, tile, side, cap in variants:
         scratch = {}
 
-        def run(st, splits=splits, warps=warps, tile=tile, scratch=scratch, side=side):
+        def run(st, splits=splits, warps=warps, tile=tile, scratch=scratch, side=side, cap=cap):
             pack_completed(
                 cfg, st["lengths"], st["k"], st["v"], st["key_pool"], st["value_pool"], st["k_pt"], st["v_pt"],
                 scratch=scratch, splits=splits, num_warps=warps, tile=tile, keys=side != "values",
-                values=side != "keys",
+                values=side != "keys", maxnreg=cap,
             )  # fmt: skip
 
-        star = "*" if (splits, warps, tile) == default and side is None else ""
-        name = f"new k{splits[0]}v{splits[1]} w{warps} t{tile}{star}" + (f" {side} only" if side else "")
-        meta = dict(kernel="new", splits=list(splits), warps=warps, tile=tile, default=bool(star), side=side)
+        star = "*" if (splits, warps, tile, cap) == (*default, PACK_MAXNREG) and side is None else ""
+        name = f"new k{splits[0]}v{splits[1]} w{warps} t{tile}" + (f" r{cap}" if cap else "") + star
+        name += f" {side} only" if side else ""
+        meta = dict(kernel="new", splits=list(splits), warps=warps, tile=tile, maxnreg=cap, default=bool(star),
+                    side=side)  # fmt: skip
         out[name] = (run, meta)
     return out
 
@@ -171,7 +181,7 @@ def bench(args) -> dict:
         for B in [int(b) for b in args.batches.split(",")]:
             width = 2 + cfg.local_window // cfg.group_size + min(B, 4)  # room for ragged page indices
             base = layer(cfg, B, Hkv, D, dtype, device, width)
-            runs = launchers(cfg, B, Hkv, wide=args.variants == "wide")
+            runs = launchers(cfg, B, Hkv, grid=args.variants)
             if args.variants == "default":
                 runs = {n: r for n, r in runs.items() if n == "old" or r[1]["default"]}
             if smoke:  # the interpreter: the old kernel, the default launch and one split launch
@@ -344,9 +354,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--replays", type=int, default=11, help="timed replays (the median is reported)")
     ap.add_argument(
         "--variants",
-        choices=("all", "default", "wide"),
+        choices=("all", "default", "wide", "caps"),
         default="all",
-        help="new kernel: the grid, the default only, or the large-batch grid and each side alone",
+        help="new kernel: the grid, the default only, the large-batch grid and each side alone, or register caps",
     )
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU under the Triton interpreter")
     ap.add_argument("--sass", action="store_true", help="build for sm_90 and count registers / spills / SASS")

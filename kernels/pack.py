@@ -87,7 +87,16 @@ from kitty.core.storage import allocate_pool, pool_fields
 from ._pack_fit import _fit
 from ._pack_math import RCP3, RCP15, _exact_range, _params, _quantize
 from ._tiles import TLTYPE, check_power_of_two, is_power_of_two
-from .launch import MAX_FIT_GROUP, PACK_KEY_RANGES, PACK_TILE, PACK_WARPS, kernel_packs_key_range, pack_splits
+from .launch import (
+    MAX_FIT_GROUP,
+    PACK_KEY_RANGES,
+    PACK_MAXNREG,
+    PACK_TILE,
+    PACK_WARPS,
+    kernel_packs_key_range,
+    pack_splits,
+    register_cap,
+)
 
 __all__ = ["pack_completed", "pack_pages"]
 
@@ -451,6 +460,7 @@ def pack_pages(
     splits: tuple[int, int] | None = None,
     num_warps: int | None = None,
     tile: int = PACK_TILE,
+    maxnreg: int | None = PACK_MAXNREG,
 ):
     """Quantize + pack full qbuffers into key and value pages with one kernel launch.
 
@@ -465,7 +475,8 @@ def pack_pages(
         query_scale: ``[N, Hkv, D]`` per-channel query magnitude of the packed key rows, for
             ``channel_selection="query"`` / ``"oracle"`` (as ``kitty.core.quant.quantize_key_page`` takes it).
         splits: ``(key, value)`` programs per page (default :func:`pack_splits`); num_warps: per program (default
-            :data:`PACK_WARPS`); tile: elements of a register tile. They change the speed only, never the bytes.
+            :data:`PACK_WARPS`); tile: elements of a register tile; maxnreg: registers per thread (default
+            :data:`PACK_MAXNREG`). They change the speed only, never the bytes.
 
     Returns:
         without ``pool``: ``(KeyPage | None, ValuePage | None)`` with leading dims ``[N, Hkv]``, equal bit for bit to
@@ -548,7 +559,7 @@ def pack_pages(
         kq.stride(0), kq.stride(1), kq.stride(2), vq.stride(0), vq.stride(1), vq.stride(2),
         G=G, D=D, NB=nb, NBQP=_high_tile(nb), KEY_LEVELS=(1 << cfg.key_bits) - 1, VBITS=cfg.value_bits, USE_MASK=use_mask,
         DTYPE=TLTYPE[dtype], ITYPE=_ITYPE[dtype], ROUND_UP=dtype != torch.float32, **_steps(G, D, cfg.value_bits, ks, vs, tile),
-        **fit, num_warps=num_warps or PACK_WARPS, **opts,
+        **fit, num_warps=num_warps or PACK_WARPS, **register_cap(maxnreg), **opts,
     )
     if pool is not None:
         return None
@@ -576,6 +587,7 @@ def pack_completed(
     splits: tuple[int, int] | None = None,
     num_warps: int | None = None,
     tile: int = PACK_TILE,
+    maxnreg: int | None = PACK_MAXNREG,
 ) -> None:
     """Pack, in one launch, every row whose key or value qbuffer the last decode token filled (a static cache's
     stage 3: no host synchronization, the same grid at every step).
@@ -597,7 +609,7 @@ def pack_completed(
     The completion test is the rule of ``kitty.core.pages.filled_page``, kept inline once (``_filled_page``).
     Each page is spread over ``splits = (key, value)`` programs (default :func:`pack_splits` for ``B * Hkv`` pages,
     fixed per shape, so the grid is the same at every step); ``num_warps`` per program (default :data:`PACK_WARPS`),
-    ``tile`` elements per register tile. Torch reference:
+    ``tile`` elements per register tile, ``maxnreg`` registers per thread. Torch reference:
     ``kernels/reference.py`` ``pack_completed_ref``.
     """
     B, Hkv, G, D = k_qbuf.shape
@@ -652,7 +664,7 @@ def pack_completed(
         G=G, D=D, NB=nb, NBQP=_high_tile(nb), KEY_LEVELS=(1 << cfg.key_bits) - 1, VBITS=cfg.value_bits, USE_MASK=use_mask,
         DTYPE=TLTYPE[k_qbuf.dtype], ITYPE=_ITYPE[k_qbuf.dtype], ROUND_UP=k_qbuf.dtype != torch.float32,
         PREDICATED=True, S=cfg.sink_tokens, R=cfg.local_window, **_steps(G, D, cfg.value_bits, ks, vs, tile),
-        **fit, num_warps=num_warps or PACK_WARPS, **opts,
+        **fit, num_warps=num_warps or PACK_WARPS, **register_cap(maxnreg), **opts,
     )
 
 
