@@ -29,7 +29,7 @@ LOW_ASM_F16 = gl.constexpr(
     "and.b32 $6, $8, 0x00C000C0; and.b32 $7, h, 0x00C000C0; }"
 )
 LOW_ASM_BF16 = gl.constexpr(
-    "{ .reg .b32 h, a, b; shr.b32 h, $8, 8; shr.b32 a, $8, 6; shr.b32 b, $8, 14; "
+    "{ .reg .b32 h, a, b; shr.b32 h, $8, 8; mul.hi.u32 a, $8, 0x04000000; mul.hi.u32 b, $8, 0x00040000; "
     "lop3.b32 $0, $8, 0x00030003, 0x43004300, 0xEA; lop3.b32 $1, h, 0x00030003, 0x43004300, 0xEA; "
     "lop3.b32 $2, $8, 0x000C000C, 0x42004200, 0xEA; lop3.b32 $3, h, 0x000C000C, 0x42004200, 0xEA; "
     "lop3.b32 $4, $8, 0x00300030, 0x41004100, 0xEA; lop3.b32 $5, h, 0x00300030, 0x41004100, 0xEA; "

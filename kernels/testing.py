@@ -166,6 +166,8 @@ def run_ptx(asm: str, regs: dict) -> dict:
         a = [val(x) for x in src]
         if op == "shr.b32":
             regs[d] = a[0] >> a[1]
+        elif op == "mul.hi.u32":
+            regs[d] = (a[0] * a[1]) >> 32
         elif op == "shl.b32":
             regs[d] = (a[0] << a[1]) & 0xFFFFFFFF
         elif op == "and.b32":
