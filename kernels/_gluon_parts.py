@@ -29,7 +29,7 @@ LOW_ASM_F16 = gl.constexpr(
     "and.b32 $6, $8, 0x00C000C0; and.b32 $7, h, 0x00C000C0; }"
 )
 LOW_ASM_BF16 = gl.constexpr(
-    "{ .reg .b32 h, a, b; shr.b32 h, $8, 8; mul.hi.u32 a, $8, 0x04000000; mul.hi.u32 b, $8, 0x00040000; "
+    "{ .reg .b32 h, a, b; mul.hi.u32 h, $8, 0x01000000; mul.hi.u32 a, $8, 0x04000000; mul.hi.u32 b, $8, 0x00040000; "
     "lop3.b32 $0, $8, 0x00030003, 0x43004300, 0xEA; lop3.b32 $1, h, 0x00030003, 0x43004300, 0xEA; "
     "lop3.b32 $2, $8, 0x000C000C, 0x42004200, 0xEA; lop3.b32 $3, h, 0x000C000C, 0x42004200, 0xEA; "
     "lop3.b32 $4, $8, 0x00300030, 0x41004100, 0xEA; lop3.b32 $5, h, 0x00300030, 0x41004100, 0xEA; "
@@ -39,9 +39,12 @@ LOW_ASM_BF16 = gl.constexpr(
 HIGH_ASM_F16 = gl.constexpr("{ .reg .b32 h; shr.b32 h, $2, 8; and.b32 $0, $2, $6; and.b32 $1, h, $6; }")
 # bf16: field 0 of a word the lane has already shifted to its field
 HIGH_ASM_BF16 = gl.constexpr(
-    "{ .reg .b32 h; shr.b32 h, $2, 8; lop3.b32 $0, $2, 0x00030003, 0x43004300, 0xEA; "
+    "{ .reg .b32 h; mul.hi.u32 h, $2, 0x01000000; lop3.b32 $0, $2, 0x00030003, 0x43004300, 0xEA; "
     "lop3.b32 $1, h, 0x00030003, 0x43004300, 0xEA; }"
 )
+# a bf16 pair (one 32-bit register) as two fp32, exactly: the low half shifted up (IMAD, the FMA pipe), the high half
+# with the low bits cleared (one LOP3; the compiler's own conversion spends a PRMT and an IMAD on it)
+F32_OF_BF16_ASM = gl.constexpr("{ mul.lo.u32 $0, $2, 0x10000; and.b32 $1, $2, 0xFFFF0000; }")
 LOW_OFF_BF16 = (128.0, 32.0, 8.0, 128.0)  # bf16 offset of field s
 F16_UNIT = 2.0**-24  # fp16: a code c of field s reads as 4^s c 2^-24
 
@@ -208,6 +211,15 @@ def zero_rows(c, NK: gl.constexpr, MMA: gl.constexpr):
     c8 = gl.join(c8, c8)  # (g, n, b, a)
     c8 = gl.reshape(gl.permute(c8, [3, 2, 0, 1]), [32, NK])
     return gl.convert_layout(c8, MMA)
+
+
+@gluon.jit
+def to_f32(x, IS_BF16: gl.constexpr):
+    """A 16-bit tensor as fp32 (exact); bf16 two lanes at a time (``F32_OF_BF16_ASM``)."""
+    if IS_BF16:
+        return gl.inline_asm_elementwise(F32_OF_BF16_ASM, "=r,=r,r", [x], dtype=gl.float32, is_pure=True, pack=2)
+    else:
+        return x.to(gl.float32)
 
 
 @gluon.jit

@@ -47,6 +47,7 @@ from ._gluon_page import (
 from ._gluon_parts import (
     adjacent_channel,
     cat4,
+    to_f32,
     token_order,
     token_vector,
     unpack_low,
@@ -325,14 +326,14 @@ def _decode_gluon_kernel(
         # (rows in token_perm order, as the scores: each lane loads 4 adjacent tokens' scale and zero at once)
         vb = vpage * G
         TV: gl.constexpr = gl.SliceLayout(1, LS)
-        vs0 = token_vector(v_scale_ptr, vb, TV).to(gl.float32)
-        vs1 = token_vector(v_scale_ptr, vb + 32, TV).to(gl.float32)
-        vs2 = token_vector(v_scale_ptr, vb + 64, TV).to(gl.float32)
-        vs3 = token_vector(v_scale_ptr, vb + 96, TV).to(gl.float32)
-        vz0 = token_vector(v_zero_ptr, vb, TV).to(gl.float32)
-        vz1 = token_vector(v_zero_ptr, vb + 32, TV).to(gl.float32)
-        vz2 = token_vector(v_zero_ptr, vb + 64, TV).to(gl.float32)
-        vz3 = token_vector(v_zero_ptr, vb + 96, TV).to(gl.float32)
+        vs0 = to_f32(token_vector(v_scale_ptr, vb, TV), IS_BF16)
+        vs1 = to_f32(token_vector(v_scale_ptr, vb + 32, TV), IS_BF16)
+        vs2 = to_f32(token_vector(v_scale_ptr, vb + 64, TV), IS_BF16)
+        vs3 = to_f32(token_vector(v_scale_ptr, vb + 96, TV), IS_BF16)
+        vz0 = to_f32(token_vector(v_zero_ptr, vb, TV), IS_BF16)
+        vz1 = to_f32(token_vector(v_zero_ptr, vb + 32, TV), IS_BF16)
+        vz2 = to_f32(token_vector(v_zero_ptr, vb + 64, TV), IS_BF16)
+        vz3 = to_f32(token_vector(v_zero_ptr, vb + 96, TV), IS_BF16)
         if IS_BF16:
             w0 = (p0 * vs0[:, None]).to(DOT)
             w1 = (p1 * vs1[:, None]).to(DOT)
