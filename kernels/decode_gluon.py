@@ -40,7 +40,7 @@ from ._gluon_page import (
     _key_chunk_scores,
     _key_page_scores,
     _merge_rows,
-    _offset_share,
+    _offset_tile,
     _store_out,
     _store_row,
 )
@@ -215,6 +215,14 @@ def _decode_gluon_kernel(
     QL: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [0, 1])
     q4buf = gl.allocate_shared_memory(DOT, [D, NK], QL, q4)
     qzbuf = gl.allocate_shared_memory(DOT, [D // 2, 2 * NK], QL, qz)
+    if IS_BF16:  # the offsets' constant A operands (key low plane, high plane, value codes), read back per page
+        OL: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+        LT: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
+        offk = gl.allocate_shared_memory(DOT, [16, D], OL, _offset_tile(D, D4, True, DOT, LT))
+        if D == 4 * 32:  # the value codes' tile is the key low plane's (a page's 128 tokens as 4 fields of 32)
+            offv = offk
+        else:
+            offv = gl.allocate_shared_memory(DOT, [16, 4 * 32], OL, _offset_tile(4 * 32, 32, True, DOT, LT))
     tt = gl.arange(0, 32, gl.SliceLayout(1, LS))
     m_i = gl.full([BH], float("-inf"), gl.float32, LH)
     l_i = gl.zeros([BH], gl.float32, LH)
@@ -269,9 +277,15 @@ def _decode_gluon_kernel(
             vrow = gl.where(rel < mv, vq_ptr + (rel % G) * D, vl_ptr + (rel % Rm) * D)
         if (i >= c_lo) & (i // 4 < kp):
             kpage = gl.load(k_pt_ptr + b64 * spk_b + i // 4).to(gl.int64) * Hkv + h
+            if IS_BF16:
+                ak = offk.load(DA)
+                ah = _offset_tile(KH, D4, False, DOT, DA)
+            else:
+                ak = kk
+                ah = kk
             s = _key_chunk_scores(
                 q4buf.load(DB), qzbuf.load(DB), mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage,
-                i % 4, kk, qk_scale, G, D, D4, KH, NK, NB, NB4, NWH, RW, PK, TWO, IS_BF16, DOT, MMA, DA, DB, LS
+                i % 4, kk, ak, ah, qk_scale, G, D, D4, KH, NK, NB, NB4, NWH, RW, PK, TWO, IS_BF16, DOT, MMA, DA, DB, LS
             )
         else:
             s = _fp_scores(krow, ok, qnbuf.load(DB), qk_scale, D, NK, PK, DOT, MMA, DA, LS)
@@ -310,9 +324,15 @@ def _decode_gluon_kernel(
         else:
             kpage = gl.load(k_pt_ptr + b64 * spk_b + j).to(gl.int64) * Hkv + h
             vpage = gl.load(v_pt_ptr + b64 * spv_b + j).to(gl.int64) * Hkv + h
+        if IS_BF16:
+            ak = offk.load(DA)
+            ah = _offset_tile(KH, D4, False, DOT, DA)
+        else:
+            ak = kk
+            ah = kk
         s0, s1, s2, s3 = _key_page_scores(
             q4buf.load(DB), qzbuf.load(DB), mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, kk,
-            qk_scale, G, D, D4, KH, NK, NB, NB4, NWH, RW, PK, TWO, IS_BF16, DOT, MMA, DA, DB, LS
+            ak, ah, qk_scale, G, D, D4, KH, NK, NB, NB4, NWH, RW, PK, TWO, IS_BF16, DOT, MMA, DA, DB, LS
         )
         m_new = gl.maximum(m_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), 0))
         alpha = gl.exp2(m_i - m_new)
@@ -352,7 +372,7 @@ def _decode_gluon_kernel(
         av = gl.convert_layout(widen(alpha, PV), gl.SliceLayout(0, MMA))
         vrow = vpage * (D * 32)
         if IS_BF16:  # the value codes' offsets' share, -sum_t off(t) w_t per column, on the tensor cores
-            azo = _offset_share(pb, 4 * 32, 32, True, azo * av[None, :], DOT, DA)
+            azo = mma_v2(offv.load(DA), pb, azo * av[None, :])
         acc0 = mma_v2(unpack_low(v_codes_ptr, vrow, 32, 32, IS_BF16, DA, False), pb, acc0 * av[None, :])
         acc1 = mma_v2(unpack_low(v_codes_ptr, vrow + 32 * 32, 32, 32, IS_BF16, DA, False), pb, acc1 * av[None, :])
         if NCH > 2:
