@@ -254,6 +254,21 @@ def widen(x, PV: gl.constexpr):
 
 
 @gluon.jit
+def rescale(acc, a, PV: gl.constexpr):
+    """``acc`` ``(T, BH PV)`` times ``a`` ``(BH,)`` per head (column ``r PV``); with ``PV`` 2 the pad columns beside the
+    heads (always exactly 0: their operand columns are 0) are left as they are, half the multiplies."""
+    L: gl.constexpr = acc.type.layout
+    if PV == 2:
+        T: gl.constexpr = acc.shape[0]
+        N: gl.constexpr = acc.shape[1]
+        r, z = gl.split(gl.reshape(acc, [T, N // 2, 2]))
+        r = r * gl.convert_layout(a, gl.SliceLayout(0, r.type.layout))[None, :]
+        return gl.convert_layout(gl.reshape(gl.join(r, z), [T, N]), L, assert_trivial=True)
+    else:
+        return acc * gl.convert_layout(a, gl.SliceLayout(0, L))[None, :]
+
+
+@gluon.jit
 def merge_parts(s, PK: gl.constexpr):
     """``(T, BH PK) -> (T, BH)``: the two columns of a head added (two-part operand, or its zero pad)."""
     if PK == 2:

@@ -47,6 +47,7 @@ from ._gluon_page import (
 from ._gluon_parts import (
     adjacent_channel,
     cat4,
+    rescale,
     to_f32,
     token_order,
     token_vector,
@@ -369,15 +370,19 @@ def _decode_gluon_kernel(
         az = az * alpha + gl.sum(zt, 0)
         pbuf.store(cat4(token_order(w0, PV), token_order(w1, PV), token_order(w2, PV), token_order(w3, PV)))
         pb = pbuf.load(DB)
-        av = gl.convert_layout(widen(alpha, PV), gl.SliceLayout(0, MMA))
         vrow = vpage * (D * 32)
         if IS_BF16:  # the value codes' offsets' share, -sum_t off(t) w_t per column, on the tensor cores
-            azo = mma_v2(offv.load(DA), pb, azo * av[None, :])
-        acc0 = mma_v2(unpack_low(v_codes_ptr, vrow, 32, 32, IS_BF16, DA, False), pb, acc0 * av[None, :])
-        acc1 = mma_v2(unpack_low(v_codes_ptr, vrow + 32 * 32, 32, 32, IS_BF16, DA, False), pb, acc1 * av[None, :])
+            azo = mma_v2(offv.load(DA), pb, rescale(azo, alpha, PV))
+        # the accumulators rescaled by alpha per head (rescale leaves GQA 4's zero pad columns alone), then += the
+        # codes of channel chunk c (32 rows of 32 bytes) against pb
+        acc0 = mma_v2(unpack_low(v_codes_ptr, vrow, 32, 32, IS_BF16, DA, False), pb, rescale(acc0, alpha, PV))
+        a1 = rescale(acc1, alpha, PV)
+        acc1 = mma_v2(unpack_low(v_codes_ptr, vrow + 32 * 32, 32, 32, IS_BF16, DA, False), pb, a1)
         if NCH > 2:
-            acc2 = mma_v2(unpack_low(v_codes_ptr, vrow + 64 * 32, 32, 32, IS_BF16, DA, False), pb, acc2 * av[None, :])
-            acc3 = mma_v2(unpack_low(v_codes_ptr, vrow + 96 * 32, 32, 32, IS_BF16, DA, False), pb, acc3 * av[None, :])
+            a2 = rescale(acc2, alpha, PV)
+            acc2 = mma_v2(unpack_low(v_codes_ptr, vrow + 64 * 32, 32, 32, IS_BF16, DA, False), pb, a2)
+            a3 = rescale(acc3, alpha, PV)
+            acc3 = mma_v2(unpack_low(v_codes_ptr, vrow + 96 * 32, 32, 32, IS_BF16, DA, False), pb, a3)
     # ---- the split's product as one (D, NV) tile in output units
     if NCH > 2:
         acc_q = cat4(acc0, acc1, acc2, acc3)
