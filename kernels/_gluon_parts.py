@@ -1,12 +1,14 @@
 """Device functions of the Gluon decode kernel (``kernels/decode_gluon.py``): page bytes to ``mma_v2`` operands in
 registers, one warp.
 
-The unpack is one ``shr`` and eight ``and``/``lop3`` per 32-bit word of 16 codes. fp16: ``w & (0x00030003 << 2s)``
-read as two fp16 lanes is the subnormal ``4^s code 2^-24`` of bytes 0 and 2 of ``w`` (field ``s``), exact with no
-offset (the ``4^s`` is folded into the small operand, the ``2^-24`` undone on the fp32 product); the same on
-``w >> 8`` gives bytes 1 and 3. bf16 (whose subnormal products underflow): ``lop3(w, mask_s, MAGIC_s)`` with
-``0x4300, 0x4200, 0x4100`` gives ``128, 32, 8 + code`` for fields 0-2, and field 3 is field 0 of ``w >> 6``; the
-offsets' share is a tensor-core product with a constant operand (``kernels/_gluon_page.py``). The bytes a lane
+The unpack is eight ``and``/``lop3`` per 32-bit word of 16 codes and one shift (fp16) or three (bf16). fp16:
+``w & (0x00030003 << 2s)`` read as two fp16 lanes is the subnormal ``4^s code 2^-24`` of bytes 0 and 2 of ``w``
+(field ``s``), exact with no offset (the ``4^s`` is folded into the small operand, the ``2^-24`` undone on the fp32
+product); the same on ``w >> 8`` gives bytes 1 and 3. bf16 (whose subnormal products underflow): ``lop3(w, mask_s,
+MAGIC_s)`` with ``0x4300, 0x4200, 0x4100`` gives ``128, 32, 8 + code`` for fields 0-2, and field 3 is field 0 of
+``w >> 6`` (bytes 1 and 3: ``w >> 14``). bf16's three shifts are ``mul.hi.u32`` by a power of two: IMAD.HI, which
+Hopper issues to the FMA pipe, so its unpack puts eight instructions a word on the half-rate ALU pipe (fp16: nine).
+The offsets' share is a tensor-core product with a constant operand (``kernels/_gluon_page.py``). The bytes a lane
 loads and the register order of the unpacked halves are chosen so that a reshape and a permute make the codes the
 ``DotOperandLayout(0, mma, 2)`` fragment: ``convert_layout(..., assert_trivial=True)`` proves no data moves
 (``kernels/gluon_launch.py`` says which byte feeds which column; ``tests/test_gluon.py`` checks it).
@@ -20,7 +22,8 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-# per output register: fields 0..3 of bytes (0, 2) of w, then of bytes (1, 3) (w >> 8)
+# per output register: fields 0..3 of bytes (0, 2) of w, then of bytes (1, 3) (w >> 8; bf16: mul.hi.u32 by 2^(32 - n)
+# is w >> n, one IMAD.HI)
 LOW_ASM_F16 = gl.constexpr(
     "{ .reg .b32 h; shr.b32 h, $8, 8; "
     "and.b32 $0, $8, 0x00030003; and.b32 $1, h, 0x00030003; "
@@ -37,7 +40,7 @@ LOW_ASM_BF16 = gl.constexpr(
 )
 # the high plane, fp16: the lane's field masked in place ($6: 0x00030003 << 2q), read as the subnormal 4^q code 2^-24
 HIGH_ASM_F16 = gl.constexpr("{ .reg .b32 h; shr.b32 h, $2, 8; and.b32 $0, $2, $6; and.b32 $1, h, $6; }")
-# bf16: field 0 of a word the lane has already shifted to its field
+# bf16: field 0 of a word the lane has already shifted to its field (bytes 1, 3: mul.hi as a shift, the FMA pipe)
 HIGH_ASM_BF16 = gl.constexpr(
     "{ .reg .b32 h; mul.hi.u32 h, $2, 0x01000000; lop3.b32 $0, $2, 0x00030003, 0x43004300, 0xEA; "
     "lop3.b32 $1, h, 0x00030003, 0x43004300, 0xEA; }"
