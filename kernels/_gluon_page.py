@@ -87,8 +87,9 @@ def _zero_term(zero_ptr, meta, qz, init, D4: gl.constexpr, NK: gl.constexpr, MMA
 def _offset_tile(K: gl.constexpr, D4: gl.constexpr, LOW: gl.constexpr, DOT: gl.constexpr, L: gl.constexpr):
     """The ``(16, K)`` constant A operand of the bf16 offsets' share (every row ``-off_k``): the unpack's offsets
     (``LOW``: 128, 32, 8, 128 for the low plane's fields; else 128, the high plane's), in layout ``L``. The kernel
-    stores it in shared memory once and reads it back per page (one ``ldmatrix`` a k-tile): built in registers in the
-    loop, ptxas spent three register moves a k-tile filling the operand's four registers."""
+    stores the low plane's and the value codes' in shared memory once and reads them back per page (one ``ldmatrix``
+    a k-tile): built in registers in the loop, ptxas spent three register moves a k-tile filling the operand's four
+    registers."""
     k = gl.arange(0, K, gl.SliceLayout(0, L))
     if LOW:
         s = k // D4

@@ -216,7 +216,8 @@ def _decode_gluon_kernel(
     QL: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [0, 1])
     q4buf = gl.allocate_shared_memory(DOT, [D, NK], QL, q4)
     qzbuf = gl.allocate_shared_memory(DOT, [D // 2, 2 * NK], QL, qz)
-    if IS_BF16:  # the offsets' constant A operands (key low plane, high plane, value codes), read back per page
+    if IS_BF16:  # the offsets' constant A operands of the key low plane and the value codes, read back per page (the
+        # high plane's one or two k-tiles are built in registers where they are used)
         OL: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
         LT: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
         offk = gl.allocate_shared_memory(DOT, [16, D], OL, _offset_tile(D, D4, True, DOT, LT))
