@@ -84,17 +84,20 @@ def _zero_term(zero_ptr, meta, qz, init, D4: gl.constexpr, NK: gl.constexpr, MMA
 
 
 @gluon.jit
-def _offset_share(op, K: gl.constexpr, D4: gl.constexpr, LOW: gl.constexpr, acc, DOT: gl.constexpr, DA: gl.constexpr):
-    """``acc - sum_k off_k op[k, :]`` ``(16, N)`` (every row), on the tensor cores with a constant A operand: the
-    bf16 unpack's offsets (``LOW``: 128, 32, 8, 128 for the low plane's fields; else 128, the high plane's)."""
-    k = gl.arange(0, K, gl.SliceLayout(0, DA))
+def _offset_tile(K: gl.constexpr, D4: gl.constexpr, LOW: gl.constexpr, DOT: gl.constexpr, L: gl.constexpr):
+    """The ``(16, K)`` constant A operand of the bf16 offsets' share (every row ``-off_k``): the unpack's offsets
+    (``LOW``: 128, 32, 8, 128 for the low plane's fields; else 128, the high plane's), in layout ``L``. The kernel
+    stores the low plane's and the value codes' in shared memory once and reads them back per page (one ``ldmatrix``
+    a k-tile): built in registers in the loop, ptxas spent three register moves a k-tile filling the operand's four
+    registers."""
+    k = gl.arange(0, K, gl.SliceLayout(0, L))
     if LOW:
         s = k // D4
         off = gl.where(s == 1, -32.0, gl.where(s == 2, -8.0, -128.0)).to(DOT)
     else:
-        off = gl.full([K], -128.0, DOT, gl.SliceLayout(0, DA))
-    a, _ = gl.broadcast(off[None, :], gl.zeros([16, K], DOT, DA))
-    return mma_v2(a, op, acc)
+        off = gl.full([K], -128.0, DOT, gl.SliceLayout(0, L))
+    a, _ = gl.broadcast(off[None, :], gl.zeros([16, K], DOT, L))
+    return a
 
 
 @gluon.jit
@@ -299,23 +302,24 @@ def _store_out(out_ptr, so_h, QH, M, L, O, BH: gl.constexpr, D: gl.constexpr):
 
 @gluon.jit
 def _key_page_terms(
-    q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, kpage, kk,
+    q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, kpage, kk, ak, ah,
     D: gl.constexpr, D4: gl.constexpr, KH: gl.constexpr, NK: gl.constexpr, NB: gl.constexpr,
     NB4: gl.constexpr, TWO: gl.constexpr, IS_BF16: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr,
     DA: gl.constexpr, DB: gl.constexpr,
 ):  # fmt: skip
     """A quantized key page's operands: the low plane's ``bop``, the high plane's ``bh`` (one-hot gather) and the
-    ``(32, N)`` initial accumulator holding the per-column term."""
+    ``(32, N)`` initial accumulator holding the per-column term (bf16: with the offsets' share, ``ak`` and ``ah``
+    the ``_offset_tile`` A operands of the low and high plane; unused for fp16)."""
     bop = _key_operand(q4, qz, mneg, k_scale_ptr, k_zero_ptr, kpage * D, kk, D, D4, NK, TWO, IS_BF16, DOT, MMA,
                        DA)  # fmt: skip
     init = gl.zeros([16, NK], gl.float32, MMA)
     if IS_BF16:
-        init = _offset_share(bop, D, D4, True, init, DOT, DA)
+        init = mma_v2(ak, bop, init)  # -sum_k off_k bop[k, :], every row
     bh = bop
     if NB > 0:
         bh = _high_operand(bop, k_idx_ptr, kpage * D, D4, KH, NK, NB, NB4, IS_BF16, DOT, MMA, DA, DB)
         if IS_BF16:
-            init = _offset_share(bh, KH, D4, False, init, DOT, DA)
+            init = mma_v2(ah, bh, init)
     c0 = _zero_term(k_zero_ptr, kpage * D, qz, init, D4, NK, MMA, DA)
     if not IS_BF16:
         c0 = c0 * 5.9604644775390625e-08  # the codes' unit 2^-24
@@ -324,7 +328,7 @@ def _key_page_terms(
 
 @gluon.jit
 def _key_page_scores(
-    q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, kk, qk_scale,
+    q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, kk, ak, ah, qk_scale,
     G: gl.constexpr, D: gl.constexpr, D4: gl.constexpr, KH: gl.constexpr, NK: gl.constexpr, NB: gl.constexpr,
     NB4: gl.constexpr, NWH: gl.constexpr, RW: gl.constexpr, PK: gl.constexpr, TWO: gl.constexpr,
     IS_BF16: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr,
@@ -333,8 +337,8 @@ def _key_page_scores(
     """One quantized key page's scores, four 32-token chunks in the softmax's layout ``LS`` (row ``r`` of chunk
     ``c``: token ``32 c + token_perm(r)``): the key operands of the page (``_key_page_terms``), then the low (and
     high) plane codes against them."""
-    bop, bh, c0 = _key_page_terms(q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, kpage, kk, D, D4, KH, NK, NB,
-                                  NB4, TWO, IS_BF16, DOT, MMA, DA, DB)  # fmt: skip
+    bop, bh, c0 = _key_page_terms(q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, kpage, kk, ak, ah, D, D4, KH, NK,
+                                  NB, NB4, TWO, IS_BF16, DOT, MMA, DA, DB)  # fmt: skip
     s0 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, 0, G, D4, NB, NWH, RW, NK, PK,
                         IS_BF16, MMA, DA, LS, True)  # fmt: skip
     s1 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, 1, G, D4, NB, NWH, RW, NK, PK,
@@ -348,7 +352,7 @@ def _key_page_scores(
 
 @gluon.jit
 def _key_chunk_scores(
-    q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, c, kk, qk_scale,
+    q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, c, kk, ak, ah, qk_scale,
     G: gl.constexpr, D: gl.constexpr, D4: gl.constexpr, KH: gl.constexpr, NK: gl.constexpr, NB: gl.constexpr,
     NB4: gl.constexpr, NWH: gl.constexpr, RW: gl.constexpr, PK: gl.constexpr, TWO: gl.constexpr,
     IS_BF16: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr,
@@ -356,7 +360,7 @@ def _key_chunk_scores(
 ):  # fmt: skip
     """Scores of the 32 tokens ``32 c ..`` of a quantized key page (a page whose values are still in full
     precision): the page's key operands are built for this one chunk."""
-    bop, bh, c0 = _key_page_terms(q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, kpage, kk, D, D4, KH, NK, NB,
-                                  NB4, TWO, IS_BF16, DOT, MMA, DA, DB)  # fmt: skip
+    bop, bh, c0 = _key_page_terms(q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, kpage, kk, ak, ah, D, D4, KH, NK,
+                                  NB, NB4, TWO, IS_BF16, DOT, MMA, DA, DB)  # fmt: skip
     return _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, c, G, D4, NB, NWH, RW, NK, PK,
                          IS_BF16, MMA, DA, LS, False)  # fmt: skip

@@ -1,12 +1,14 @@
 """Device functions of the Gluon decode kernel (``kernels/decode_gluon.py``): page bytes to ``mma_v2`` operands in
 registers, one warp.
 
-The unpack is one ``shr`` and eight ``and``/``lop3`` per 32-bit word of 16 codes. fp16: ``w & (0x00030003 << 2s)``
-read as two fp16 lanes is the subnormal ``4^s code 2^-24`` of bytes 0 and 2 of ``w`` (field ``s``), exact with no
-offset (the ``4^s`` is folded into the small operand, the ``2^-24`` undone on the fp32 product); the same on
-``w >> 8`` gives bytes 1 and 3. bf16 (whose subnormal products underflow): ``lop3(w, mask_s, MAGIC_s)`` with
-``0x4300, 0x4200, 0x4100`` gives ``128, 32, 8 + code`` for fields 0-2, and field 3 is field 0 of ``w >> 6``; the
-offsets' share is a tensor-core product with a constant operand (``kernels/_gluon_page.py``). The bytes a lane
+The unpack is eight ``and``/``lop3`` per 32-bit word of 16 codes and one shift (fp16) or three (bf16). fp16:
+``w & (0x00030003 << 2s)`` read as two fp16 lanes is the subnormal ``4^s code 2^-24`` of bytes 0 and 2 of ``w``
+(field ``s``), exact with no offset (the ``4^s`` is folded into the small operand, the ``2^-24`` undone on the fp32
+product); the same on ``w >> 8`` gives bytes 1 and 3. bf16 (whose subnormal products underflow): ``lop3(w, mask_s,
+MAGIC_s)`` with ``0x4300, 0x4200, 0x4100`` gives ``128, 32, 8 + code`` for fields 0-2, and field 3 is field 0 of
+``w >> 6`` (bytes 1 and 3: ``w >> 14``). bf16's three shifts are ``mul.hi.u32`` by a power of two: IMAD.HI, which
+Hopper issues to the FMA pipe, so its unpack puts eight instructions a word on the half-rate ALU pipe (fp16: nine).
+The offsets' share is a tensor-core product with a constant operand (``kernels/_gluon_page.py``). The bytes a lane
 loads and the register order of the unpacked halves are chosen so that a reshape and a permute make the codes the
 ``DotOperandLayout(0, mma, 2)`` fragment: ``convert_layout(..., assert_trivial=True)`` proves no data moves
 (``kernels/gluon_launch.py`` says which byte feeds which column; ``tests/test_gluon.py`` checks it).
@@ -20,7 +22,8 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-# per output register: fields 0..3 of bytes (0, 2) of w, then of bytes (1, 3) (w >> 8)
+# per output register: fields 0..3 of bytes (0, 2) of w, then of bytes (1, 3) (w >> 8; bf16: mul.hi.u32 by 2^(32 - n)
+# is w >> n, one IMAD.HI)
 LOW_ASM_F16 = gl.constexpr(
     "{ .reg .b32 h; shr.b32 h, $8, 8; "
     "and.b32 $0, $8, 0x00030003; and.b32 $1, h, 0x00030003; "
@@ -29,7 +32,7 @@ LOW_ASM_F16 = gl.constexpr(
     "and.b32 $6, $8, 0x00C000C0; and.b32 $7, h, 0x00C000C0; }"
 )
 LOW_ASM_BF16 = gl.constexpr(
-    "{ .reg .b32 h, a, b; shr.b32 h, $8, 8; shr.b32 a, $8, 6; shr.b32 b, $8, 14; "
+    "{ .reg .b32 h, a, b; mul.hi.u32 h, $8, 0x01000000; mul.hi.u32 a, $8, 0x04000000; mul.hi.u32 b, $8, 0x00040000; "
     "lop3.b32 $0, $8, 0x00030003, 0x43004300, 0xEA; lop3.b32 $1, h, 0x00030003, 0x43004300, 0xEA; "
     "lop3.b32 $2, $8, 0x000C000C, 0x42004200, 0xEA; lop3.b32 $3, h, 0x000C000C, 0x42004200, 0xEA; "
     "lop3.b32 $4, $8, 0x00300030, 0x41004100, 0xEA; lop3.b32 $5, h, 0x00300030, 0x41004100, 0xEA; "
@@ -37,11 +40,14 @@ LOW_ASM_BF16 = gl.constexpr(
 )
 # the high plane, fp16: the lane's field masked in place ($6: 0x00030003 << 2q), read as the subnormal 4^q code 2^-24
 HIGH_ASM_F16 = gl.constexpr("{ .reg .b32 h; shr.b32 h, $2, 8; and.b32 $0, $2, $6; and.b32 $1, h, $6; }")
-# bf16: field 0 of a word the lane has already shifted to its field
+# bf16: field 0 of a word the lane has already shifted to its field (bytes 1, 3: mul.hi as a shift, the FMA pipe)
 HIGH_ASM_BF16 = gl.constexpr(
-    "{ .reg .b32 h; shr.b32 h, $2, 8; lop3.b32 $0, $2, 0x00030003, 0x43004300, 0xEA; "
+    "{ .reg .b32 h; mul.hi.u32 h, $2, 0x01000000; lop3.b32 $0, $2, 0x00030003, 0x43004300, 0xEA; "
     "lop3.b32 $1, h, 0x00030003, 0x43004300, 0xEA; }"
 )
+# a bf16 pair (one 32-bit register) as two fp32, exactly: the low half shifted up (IMAD, the FMA pipe), the high half
+# with the low bits cleared (one LOP3; the compiler's own conversion spends a PRMT and an IMAD on it)
+F32_OF_BF16_ASM = gl.constexpr("{ mul.lo.u32 $0, $2, 0x10000; and.b32 $1, $2, 0xFFFF0000; }")
 LOW_OFF_BF16 = (128.0, 32.0, 8.0, 128.0)  # bf16 offset of field s
 F16_UNIT = 2.0**-24  # fp16: a code c of field s reads as 4^s c 2^-24
 
@@ -211,6 +217,15 @@ def zero_rows(c, NK: gl.constexpr, MMA: gl.constexpr):
 
 
 @gluon.jit
+def to_f32(x, IS_BF16: gl.constexpr):
+    """A 16-bit tensor as fp32 (exact); bf16 two lanes at a time (``F32_OF_BF16_ASM``)."""
+    if IS_BF16:
+        return gl.inline_asm_elementwise(F32_OF_BF16_ASM, "=r,=r,r", [x], dtype=gl.float32, is_pure=True, pack=2)
+    else:
+        return x.to(gl.float32)
+
+
+@gluon.jit
 def token_order(p, PV: gl.constexpr):
     """``p`` ``(32, BH)`` of a token quarter (row ``r``: token ``token_perm(r)``) as the value product's
     ``(32, BH PV)`` K rows in ``low_plane_order`` (BPR 32), head ``r`` in column ``r PV`` (zeros beside it when
@@ -239,6 +254,21 @@ def widen(x, PV: gl.constexpr):
     if PV == 2:
         x = gl.reshape(gl.join(x, x), [2 * x.shape[0]])
     return x
+
+
+@gluon.jit
+def rescale(acc, a, PV: gl.constexpr):
+    """``acc`` ``(T, BH PV)`` times ``a`` ``(BH,)`` per head (column ``r PV``); with ``PV`` 2 the pad columns beside the
+    heads (always exactly 0: their operand columns are 0) are left as they are, half the multiplies."""
+    L: gl.constexpr = acc.type.layout
+    if PV == 2:
+        T: gl.constexpr = acc.shape[0]
+        N: gl.constexpr = acc.shape[1]
+        r, z = gl.split(gl.reshape(acc, [T, N // 2, 2]))
+        r = r * gl.convert_layout(a, gl.SliceLayout(0, r.type.layout))[None, :]
+        return gl.convert_layout(gl.reshape(gl.join(r, z), [T, N]), L, assert_trivial=True)
+    else:
+        return acc * gl.convert_layout(a, gl.SliceLayout(0, L))[None, :]
 
 
 @gluon.jit

@@ -40,13 +40,15 @@ from ._gluon_page import (
     _key_chunk_scores,
     _key_page_scores,
     _merge_rows,
-    _offset_share,
+    _offset_tile,
     _store_out,
     _store_row,
 )
 from ._gluon_parts import (
     adjacent_channel,
     cat4,
+    rescale,
+    to_f32,
     token_order,
     token_vector,
     unpack_low,
@@ -217,6 +219,15 @@ def _decode_gluon_kernel(
     QL: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [0, 1])
     q4buf = gl.allocate_shared_memory(DOT, [D, NK], QL, q4)
     qzbuf = gl.allocate_shared_memory(DOT, [D // 2, 2 * NK], QL, qz)
+    if IS_BF16:  # the offsets' constant A operands of the key low plane and the value codes, read back per page (the
+        # high plane's one or two k-tiles are built in registers where they are used)
+        OL: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+        LT: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
+        offk = gl.allocate_shared_memory(DOT, [16, D], OL, _offset_tile(D, D4, True, DOT, LT))
+        if D == 4 * 32:  # the value codes' tile is the key low plane's (a page's 128 tokens as 4 fields of 32)
+            offv = offk
+        else:
+            offv = gl.allocate_shared_memory(DOT, [16, 4 * 32], OL, _offset_tile(4 * 32, 32, True, DOT, LT))
     tt = gl.arange(0, 32, gl.SliceLayout(1, LS))
     m_i = gl.full([BH], float("-inf"), gl.float32, LH)
     l_i = gl.zeros([BH], gl.float32, LH)
@@ -271,9 +282,15 @@ def _decode_gluon_kernel(
             vrow = gl.where(rel < mv, vq_ptr + (rel % G) * D, vl_ptr + (rel % Rm) * D)
         if (i >= c_lo) & (i // 4 < kp):
             kpage = gl.load(k_pt_ptr + b64 * spk_b + i // 4).to(gl.int64) * Hkv + h
+            if IS_BF16:
+                ak = offk.load(DA)
+                ah = _offset_tile(KH, D4, False, DOT, DA)
+            else:
+                ak = kk
+                ah = kk
             s = _key_chunk_scores(
                 q4buf.load(DB), qzbuf.load(DB), mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage,
-                i % 4, kk, qk_scale, G, D, D4, KH, NK, NB, NB4, NWH, RW, PK, TWO, IS_BF16, DOT, MMA, DA, DB, LS
+                i % 4, kk, ak, ah, qk_scale, G, D, D4, KH, NK, NB, NB4, NWH, RW, PK, TWO, IS_BF16, DOT, MMA, DA, DB, LS
             )
         else:
             s = _fp_scores(krow, ok, qnbuf.load(DB), qk_scale, D, NK, PK, DOT, MMA, DA, LS)
@@ -312,9 +329,15 @@ def _decode_gluon_kernel(
         else:
             kpage = gl.load(k_pt_ptr + b64 * spk_b + j).to(gl.int64) * Hkv + h
             vpage = gl.load(v_pt_ptr + b64 * spv_b + j).to(gl.int64) * Hkv + h
+        if IS_BF16:
+            ak = offk.load(DA)
+            ah = _offset_tile(KH, D4, False, DOT, DA)
+        else:
+            ak = kk
+            ah = kk
         s0, s1, s2, s3 = _key_page_scores(
             q4buf.load(DB), qzbuf.load(DB), mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, kk,
-            qk_scale, G, D, D4, KH, NK, NB, NB4, NWH, RW, PK, TWO, IS_BF16, DOT, MMA, DA, DB, LS
+            ak, ah, qk_scale, G, D, D4, KH, NK, NB, NB4, NWH, RW, PK, TWO, IS_BF16, DOT, MMA, DA, DB, LS
         )
         m_new = gl.maximum(m_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), 0))
         alpha = gl.exp2(m_i - m_new)
@@ -328,14 +351,14 @@ def _decode_gluon_kernel(
         # (rows in token_perm order, as the scores: each lane loads 4 adjacent tokens' scale and zero at once)
         vb = vpage * G
         TV: gl.constexpr = gl.SliceLayout(1, LS)
-        vs0 = token_vector(v_scale_ptr, vb, TV).to(gl.float32)
-        vs1 = token_vector(v_scale_ptr, vb + 32, TV).to(gl.float32)
-        vs2 = token_vector(v_scale_ptr, vb + 64, TV).to(gl.float32)
-        vs3 = token_vector(v_scale_ptr, vb + 96, TV).to(gl.float32)
-        vz0 = token_vector(v_zero_ptr, vb, TV).to(gl.float32)
-        vz1 = token_vector(v_zero_ptr, vb + 32, TV).to(gl.float32)
-        vz2 = token_vector(v_zero_ptr, vb + 64, TV).to(gl.float32)
-        vz3 = token_vector(v_zero_ptr, vb + 96, TV).to(gl.float32)
+        vs0 = to_f32(token_vector(v_scale_ptr, vb, TV), IS_BF16)
+        vs1 = to_f32(token_vector(v_scale_ptr, vb + 32, TV), IS_BF16)
+        vs2 = to_f32(token_vector(v_scale_ptr, vb + 64, TV), IS_BF16)
+        vs3 = to_f32(token_vector(v_scale_ptr, vb + 96, TV), IS_BF16)
+        vz0 = to_f32(token_vector(v_zero_ptr, vb, TV), IS_BF16)
+        vz1 = to_f32(token_vector(v_zero_ptr, vb + 32, TV), IS_BF16)
+        vz2 = to_f32(token_vector(v_zero_ptr, vb + 64, TV), IS_BF16)
+        vz3 = to_f32(token_vector(v_zero_ptr, vb + 96, TV), IS_BF16)
         if IS_BF16:
             w0 = (p0 * vs0[:, None]).to(DOT)
             w1 = (p1 * vs1[:, None]).to(DOT)
@@ -351,15 +374,19 @@ def _decode_gluon_kernel(
         az = az * alpha + gl.sum(zt, 0)
         pbuf.store(cat4(token_order(w0, PV), token_order(w1, PV), token_order(w2, PV), token_order(w3, PV)))
         pb = pbuf.load(DB)
-        av = gl.convert_layout(widen(alpha, PV), gl.SliceLayout(0, MMA))
         vrow = vpage * (D * 32)
         if IS_BF16:  # the value codes' offsets' share, -sum_t off(t) w_t per column, on the tensor cores
-            azo = _offset_share(pb, 4 * 32, 32, True, azo * av[None, :], DOT, DA)
-        acc0 = mma_v2(unpack_low(v_codes_ptr, vrow, 32, 32, IS_BF16, DA, False), pb, acc0 * av[None, :])
-        acc1 = mma_v2(unpack_low(v_codes_ptr, vrow + 32 * 32, 32, 32, IS_BF16, DA, False), pb, acc1 * av[None, :])
+            azo = mma_v2(offv.load(DA), pb, rescale(azo, alpha, PV))
+        # the accumulators rescaled by alpha per head (rescale leaves GQA 4's zero pad columns alone), then += the
+        # codes of channel chunk c (32 rows of 32 bytes) against pb
+        acc0 = mma_v2(unpack_low(v_codes_ptr, vrow, 32, 32, IS_BF16, DA, False), pb, rescale(acc0, alpha, PV))
+        a1 = rescale(acc1, alpha, PV)
+        acc1 = mma_v2(unpack_low(v_codes_ptr, vrow + 32 * 32, 32, 32, IS_BF16, DA, False), pb, a1)
         if NCH > 2:
-            acc2 = mma_v2(unpack_low(v_codes_ptr, vrow + 64 * 32, 32, 32, IS_BF16, DA, False), pb, acc2 * av[None, :])
-            acc3 = mma_v2(unpack_low(v_codes_ptr, vrow + 96 * 32, 32, 32, IS_BF16, DA, False), pb, acc3 * av[None, :])
+            a2 = rescale(acc2, alpha, PV)
+            acc2 = mma_v2(unpack_low(v_codes_ptr, vrow + 64 * 32, 32, 32, IS_BF16, DA, False), pb, a2)
+            a3 = rescale(acc3, alpha, PV)
+            acc3 = mma_v2(unpack_low(v_codes_ptr, vrow + 96 * 32, 32, 32, IS_BF16, DA, False), pb, a3)
     # ---- the split's product as one (D, NV) tile in output units
     if NCH > 2:
         acc_q = cat4(acc0, acc1, acc2, acc3)

@@ -148,7 +148,8 @@ def run_ptx(asm: str, regs: dict) -> dict:
     """Run the 32-bit integer instructions of an inline-PTX block (``.reg`` declarations and braces skipped) on
     ``regs`` (``"$n"`` -> Python int or int64 tensor, elementwise) and return every register afterwards: the
     kernels' unpack blocks (``kernels/operands.py``, ``kernels/_gluon_parts.py``) checked on the CPU, where no GPU
-    runs them. Handles ``shr``, ``shl``, ``and``, ``or``, ``mov``, ``prmt`` (default mode) and ``lop3``."""
+    runs them. Handles ``shr``, ``shl``, ``mul.lo`` / ``mul.hi`` (``.u32``), ``and``, ``or``, ``mov``, ``prmt`` (default
+    mode) and ``lop3``."""
     regs = dict(regs)
 
     def val(x: str):
@@ -166,6 +167,10 @@ def run_ptx(asm: str, regs: dict) -> dict:
         a = [val(x) for x in src]
         if op == "shr.b32":
             regs[d] = a[0] >> a[1]
+        elif op == "mul.lo.u32":
+            regs[d] = (a[0] * a[1]) & 0xFFFFFFFF
+        elif op == "mul.hi.u32":
+            regs[d] = (a[0] * a[1]) >> 32
         elif op == "shl.b32":
             regs[d] = (a[0] << a[1]) & 0xFFFFFFFF
         elif op == "and.b32":

@@ -65,6 +65,18 @@ def test_unpack_model_is_the_kernels_ptx():
                 assert halves == unpack_low_bits(word, field, bf16), (bf16, hex(word), field)
 
 
+def test_bf16_pair_to_fp32_asm_is_exact():
+    """``F32_OF_BF16_ASM`` (the value scales and zeros of a bf16 page to fp32): both halves of a register as the
+    fp32 bits torch gives, on random words."""
+    parts = pytest.importorskip("kitty.kernels._gluon_parts")
+    rng = np.random.default_rng(1)
+    for word in rng.integers(0, 2**32, size=64).tolist():
+        regs = run_ptx(parts.F32_OF_BF16_ASM.value, {"$2": word})
+        pair = torch.tensor([word & 0xFFFF, word >> 16], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+        want = pair.float().view(torch.int32).tolist()
+        assert [regs["$0"], regs["$1"]] == [w & 0xFFFFFFFF for w in want], hex(word)
+
+
 @pytest.mark.parametrize("bpr", [16, 32])
 def test_low_plane_fragment_holds_reference_codes(bpr):
     rng = np.random.default_rng(bpr)
@@ -257,8 +269,10 @@ def test_compiles_with_trivial_conversions_and_no_shared_codes(variant):
     r = _compile(*variant)
     assert r["loop_hmma"] > 0
     # the only shared memory in the page loop: p * scale's trip to the value operand (16 four-byte STS and 4 LDSM a
-    # page) and the loop-invariant key operands read back (8 LDSM); the codes never go through shared memory
-    assert r["loop_shared"] <= 28, r["loop_shared_ops"]
+    # page), the loop-invariant key operands read back (8 LDSM) and, bf16, the offsets' constant A tiles of the key
+    # low plane and the value codes (one LDSM a k-tile: D / 16 + 8); the codes never go through shared memory
+    D = variant[3]
+    assert r["loop_shared"] <= 28 + (D // 16 + 8 if variant[1] == "bfloat16" else 0), r["loop_shared_ops"]
 
 
 @side_env
@@ -282,13 +296,17 @@ def test_page_loop_budget():
     """kitty fp16 (GQA 4, D 128): the page loop within 1.5 SASS instructions per cached element and 0.7 on the
     half-rate ALU pipe (IMAD, which Hopper issues to the FMA pipe, not counted) for its unpack and math (1.32 and 0.694
     without prefetch); the default launch's prefetch of the next page (its line addresses: 0.02 ALU and 0.05 SASS per
-    element) keeps it within 1.5 SASS and 0.72 ALU."""
+    element) keeps it within 1.5 SASS and 0.72 ALU. kitty bf16 (default launch) within 0.72 ALU."""
     r = _compile("kitty", "float16", 4, 128, "--no-prefetch")
     assert r["sass_per_element"] <= 1.5, r["sass_per_element"]
     assert r["loop_alu"] <= 0.7, r["loop_alu"]
     r = _compile("kitty", "float16")
     assert r["prefetch"] and r["sass_per_element"] <= 1.5, r["sass_per_element"]
     assert r["loop_alu"] <= 0.72, r["loop_alu"]
+    # kitty bf16: its unpack's three shifts a word run as IMAD.HI (mul.hi.u32, the FMA pipe), so its ALU share fits
+    # too (0.67); its SASS (1.56: 11 instructions a word against fp16's 9, and the offsets' tensor-core share) does not
+    r = _compile("kitty", "bfloat16", 4, 128)
+    assert r["prefetch"] and r["loop_alu"] <= 0.72, r["loop_alu"]
 
 
 @side_env
