@@ -93,7 +93,10 @@ def _offset_tile(K: gl.constexpr, D4: gl.constexpr, LOW: gl.constexpr, DOT: gl.c
     k = gl.arange(0, K, gl.SliceLayout(0, L))
     if LOW:
         s = k // D4
-        off = gl.where(s == 1, -32.0, gl.where(s == 2, -8.0, -128.0)).to(DOT)
+        h = (k // 8) % 2  # bytes (0, 2) or (1, 3) of the unpacked word
+        off0 = gl.where(s == 1, -32.0, gl.where(s == 2, -8.0, -128.0))
+        off1 = gl.where(s % 2 == 0, -32.0, -8.0)
+        off = gl.where(h == 0, off0, off1).to(DOT)
     else:
         off = gl.full([K], -128.0, DOT, gl.SliceLayout(0, L))
     a, _ = gl.broadcast(off[None, :], gl.zeros([16, K], DOT, L))

@@ -1,12 +1,14 @@
 """Device functions of the Gluon decode kernel (``kernels/decode_gluon.py``): page bytes to ``mma_v2`` operands in
 registers, one warp.
 
-The unpack is eight ``and``/``lop3`` per 32-bit word of 16 codes and one shift (fp16) or three (bf16). fp16:
+The unpack is eight ``and``/``lop3`` per 32-bit word of 16 codes and one shift (fp16) or two (bf16). fp16:
 ``w & (0x00030003 << 2s)`` read as two fp16 lanes is the subnormal ``4^s code 2^-24`` of bytes 0 and 2 of ``w``
 (field ``s``), exact with no offset (the ``4^s`` is folded into the small operand, the ``2^-24`` undone on the fp32
 product); the same on ``w >> 8`` gives bytes 1 and 3. bf16 (whose subnormal products underflow): ``lop3(w, mask_s,
-MAGIC_s)`` with ``0x4300, 0x4200, 0x4100`` gives ``128, 32, 8 + code`` for fields 0-2, and field 3 is field 0 of
-``w >> 6`` (bytes 1 and 3: ``w >> 14``). bf16's three shifts are ``mul.hi.u32`` by a power of two: IMAD.HI, which
+MAGIC_s)`` with ``0x4300, 0x4200, 0x4100`` gives ``128, 32, 8 + code`` for a field at bit 0, 2, 4 of its byte:
+fields 0-2 of bytes 0 and 2 in place, field 3 from ``w >> 6``; bytes 1 and 3 from ``w >> 6`` (fields 0, 1 at bits 2,
+4) and ``w >> 10`` (fields 2, 3), offsets 32, 8, 32, 8 (``gluon_launch.BF16_LOW_SOURCE``). bf16's two shifts are
+``mul.hi.u32`` by a power of two: IMAD.HI, which
 Hopper issues to the FMA pipe, so its unpack puts eight instructions a word on the half-rate ALU pipe (fp16: nine).
 The offsets' share is a tensor-core product with a constant operand (``kernels/_gluon_page.py``). The bytes a lane
 loads and the register order of the unpacked halves are chosen so that a reshape and a permute make the codes the
@@ -32,11 +34,11 @@ LOW_ASM_F16 = gl.constexpr(
     "and.b32 $6, $8, 0x00C000C0; and.b32 $7, h, 0x00C000C0; }"
 )
 LOW_ASM_BF16 = gl.constexpr(
-    "{ .reg .b32 h, a, b; mul.hi.u32 h, $8, 0x01000000; mul.hi.u32 a, $8, 0x04000000; mul.hi.u32 b, $8, 0x00040000; "
-    "lop3.b32 $0, $8, 0x00030003, 0x43004300, 0xEA; lop3.b32 $1, h, 0x00030003, 0x43004300, 0xEA; "
-    "lop3.b32 $2, $8, 0x000C000C, 0x42004200, 0xEA; lop3.b32 $3, h, 0x000C000C, 0x42004200, 0xEA; "
-    "lop3.b32 $4, $8, 0x00300030, 0x41004100, 0xEA; lop3.b32 $5, h, 0x00300030, 0x41004100, 0xEA; "
-    "lop3.b32 $6, a, 0x00030003, 0x43004300, 0xEA; lop3.b32 $7, b, 0x00030003, 0x43004300, 0xEA; }"
+    "{ .reg .b32 a, b; mul.hi.u32 a, $8, 0x04000000; mul.hi.u32 b, $8, 0x00400000; "
+    "lop3.b32 $0, $8, 0x00030003, 0x43004300, 0xEA; lop3.b32 $1, a, 0x000C000C, 0x42004200, 0xEA; "
+    "lop3.b32 $2, $8, 0x000C000C, 0x42004200, 0xEA; lop3.b32 $3, a, 0x00300030, 0x41004100, 0xEA; "
+    "lop3.b32 $4, $8, 0x00300030, 0x41004100, 0xEA; lop3.b32 $5, b, 0x000C000C, 0x42004200, 0xEA; "
+    "lop3.b32 $6, a, 0x00030003, 0x43004300, 0xEA; lop3.b32 $7, b, 0x00300030, 0x41004100, 0xEA; }"
 )
 # the high plane, fp16: the lane's field masked in place ($6: 0x00030003 << 2q), read as the subnormal 4^q code 2^-24
 HIGH_ASM_F16 = gl.constexpr("{ .reg .b32 h; shr.b32 h, $2, 8; and.b32 $0, $2, $6; and.b32 $1, h, $6; }")
@@ -48,7 +50,6 @@ HIGH_ASM_BF16 = gl.constexpr(
 # a bf16 pair (one 32-bit register) as two fp32, exactly: the low half shifted up (IMAD, the FMA pipe), the high half
 # with the low bits cleared (one LOP3; the compiler's own conversion spends a PRMT and an IMAD on it)
 F32_OF_BF16_ASM = gl.constexpr("{ mul.lo.u32 $0, $2, 0x10000; and.b32 $1, $2, 0xFFFF0000; }")
-LOW_OFF_BF16 = (128.0, 32.0, 8.0, 128.0)  # bf16 offset of field s
 F16_UNIT = 2.0**-24  # fp16: a code c of field s reads as 4^s c 2^-24
 
 

@@ -203,15 +203,24 @@ def unpack_low_bits(word, field: int, bf16: bool) -> list:
     0-2, and field 3 is field 0 of the word shifted right by 6 (offset 128). ``word``: a Python int or an integer
     tensor or array (elementwise)."""
     out = []
-    for src in (word, word >> 8):
+    for h, src in enumerate((word, word >> 8)):
         if not bf16:
             reg = src & (0x00030003 << (2 * field))
-        elif field < 3:
-            reg = (src & (0x00030003 << (2 * field))) | (0x43004300 - 0x01000100 * field)
-        else:
-            reg = ((src >> 6) & 0x00030003) | 0x43004300
+        else:  # the field at bits p, p + 1 of (word >> shift), read with the magic number of p
+            shift, p = BF16_LOW_SOURCE[h][field]
+            reg = ((word >> shift) & (0x00030003 << p)) | (0x43004300 - 0x00800080 * p)
         out += [reg & 0xFFFF, (reg >> 16) & 0xFFFF]
     return out
+
+
+# bf16 unpack, (shift, bit position) of field s of bytes (0, 2) (h = 0) and (1, 3) (h = 1): two shifts a word (6 and
+# 10); the offset of a field read at bit p is 128 / 2^p
+BF16_LOW_SOURCE = (((0, 0), (0, 2), (0, 4), (6, 0)), ((6, 2), (6, 4), (10, 2), (10, 4)))
+
+
+def bf16_low_offset(field: int, h: int) -> float:
+    """The offset ``unpack_low_bits`` (bf16) adds to a code of ``field`` in bytes (0, 2) (``h`` 0) or (1, 3)."""
+    return 128.0 / 2 ** BF16_LOW_SOURCE[h][field][1]
 
 
 def high_plane_order(nb4: int) -> list[tuple[int, int]]:
