@@ -332,7 +332,9 @@ def static_runs(monkeypatch) -> list:
 @pytest.mark.parametrize("entry", ["cli", "eval"])
 def test_entry_points_take_the_captured_path_on_cuda(entry, monkeypatch):
     """python -m kitty's generate and kitty.tools.eval's greedy decode run the captured static step on CUDA, and
-    give the eager path's greedy tokens."""
+    give the greedy tokens of the same static step run eagerly. (Not those of the growing cache's eager loop: its
+    attention splits its pages in other ways, so fp32 sums round in another order, and on this random model the
+    greedy tokens part after a few dozen steps; the tests above hold the kernels' logits to the torch path's.)"""
     from kitty.hf import generate as gen
 
     model = tiny_model("llama")
@@ -346,8 +348,9 @@ def test_entry_points_take_the_captured_path_on_cuda(entry, monkeypatch):
     else:
         fast = gen.generate_fast(model, ids, "kitty", n, eos=(), min_new_tokens=n)
     assert len(runs) == 1
-    eager = gen.generate_tokens(model, ids.cuda(), gen.make_cache(model, "kitty"), n)
-    assert fast == eager
+    cache = KittyCache(model.config, "kitty", max_batch_size=1, max_cache_len=ids.shape[1] + n)
+    eager = gen.generate_static(model, ids.cuda(), None, cache, n, capture=False)
+    assert fast == eager[0].tolist()
 
 
 @pytest.mark.parametrize("schedule", ["threads", "interleave"])
