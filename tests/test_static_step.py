@@ -112,6 +112,72 @@ def test_fused_step_rolls_back_exactly(preset):
             assert torch.equal(a[name], b[name]), (step, name)
 
 
+VALUE_FIELDS = ("v_codes", "v_scale", "v_zero", "v_page_table")
+
+
+def test_deferred_value_pages_match_the_torch_path():
+    """``defer_values``: stage 3 packs the keys and the next step's start packs the value pages the previous step
+    completed. After every step the state equals the torch layer's except those pending value pages (table entry
+    -1, page not yet written), after :meth:`pack_pending_values` it equals it bit for bit, and the outputs match at
+    every step (a pending page's tokens read in full precision from the full value qbuffer). Some steps are first
+    tried and rolled back."""
+    fused, ref = _layer("kitty", "triton"), _layer("kitty", "torch")
+    fused.defer_values = True
+    g = torch.Generator().manual_seed(6)
+    _prompt((fused, ref), g)
+    pending_steps = 0
+    for step in range(STEPS):
+        q, k, v = _token(g)
+        if step % 5 == 4:
+            fused.begin_step()
+            _decode(fused, q, k, v)
+            fused.rollback_step()
+        out, want = _decode(fused, q, k, v), _decode(ref, q, k, v)
+        torch.testing.assert_close(out, want, atol=2e-3, rtol=2e-3)
+        a, b = _tensors(fused), _tensors(ref)
+        for name in b:
+            if name not in VALUE_FIELDS:
+                assert torch.equal(a[name], b[name]), (step, name)
+        m = b["lengths"].long() - S - R  # a row whose value qbuffer this step filled: m > 0, m % G == 0
+        filled = (m > 0) & (m % G == 0)
+        pending = a["v_page_table"] != b["v_page_table"]
+        assert not pending[~filled].any() and (a["v_page_table"][pending] == -1).all(), step
+        pending_steps += int(pending.any())
+        if step % 3 == 0 or step == STEPS - 1:
+            fused.pack_pending_values()
+            a = _tensors(fused)
+            for name in VALUE_FIELDS:
+                assert torch.equal(a[name], b[name]), (step, name)
+    assert pending_steps > 0  # the rows did complete value pages in these steps
+
+
+def test_generate_static_defers_value_pages_on_request(monkeypatch):
+    """``$KITTY_DEFER_VALUES=1``: ``generate_static``'s loop defers each value page to the next step, gives the
+    tokens of the loop that does not, and hands back a cache whose every tensor equals that loop's cache's."""
+    from fixtures import tiny_model
+
+    from kitty import KittyCache
+    from kitty.hf.generate import generate_static
+
+    model = tiny_model("llama")
+    cfg = PRESETS["kitty"].with_(sink_tokens=S, group_size=G, local_window=R)
+    # row 0 completes its first value page (position S + R + G = 36) at the first decode step, row 1 none
+    ids = torch.randint(0, 128, (2, 35), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    runs = {}
+    for defer in ("0", "1"):
+        monkeypatch.setenv("KITTY_DEFER_VALUES", defer)
+        cache = KittyCache(model.config, cfg, backend="triton", max_batch_size=2, max_cache_len=48)
+        runs[defer] = generate_static(model, ids, mask, cache, 6, check_every=2), cache
+    assert torch.equal(runs["0"][0], runs["1"][0])
+    for plain, deferred in zip(runs["0"][1].layers, runs["1"][1].layers):
+        assert deferred.ops.fused_decode and not deferred.defer_values  # switched off again after the loop
+        a, b = _tensors(deferred), _tensors(plain)
+        for name in b:
+            assert torch.equal(a[name], b[name]), name
+
+
 def test_failing_later_layer_rolls_back_the_fused_layers():
     """A forward pass whose second layer fails leaves the first (fused) layer as before the pass."""
     from fixtures import tiny_model

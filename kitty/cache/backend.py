@@ -152,12 +152,14 @@ class TorchOps:
         v_page_table: torch.Tensor,
         salt: int,
         query_scale: torch.Tensor | None,
+        keys: bool = True,
+        values: bool = True,
     ) -> None:
         """A static layer's stage 3 (``kitty.cache.static``): pack every row whose qbuffer the last token filled into
         its fixed page, predicated on the device (``kernels/reference.py`` ``pack_completed_ref``; no host read except
-        on the CPU)."""
+        on the CPU); ``keys`` / ``values``: which sides."""
         tensors = (lengths, k_qbuf, v_qbuf, key_pool, value_pool, k_page_table, v_page_table)
-        self._pack_completed_torch(*tensors, salt=salt, query_scale=query_scale)
+        self._pack_completed_torch(*tensors, salt=salt, query_scale=query_scale, keys=keys, values=values)
 
     def _pack_completed_torch(self, *tensors, salt, query_scale, keys: bool = True, values: bool = True) -> None:
         """``pack_completed_ref`` of ``keys`` / ``values`` for this layer's config (``tensors``: lengths,
@@ -227,12 +229,24 @@ class TritonOps(TorchOps):
         kernels.pack_pages(self.cfg, None, qbuf, v_rows=rows, pool=pool.tensors, v_pages=ids, salt=salt)
 
     def pack_completed(
-        self, lengths, k_qbuf, v_qbuf, key_pool, value_pool, k_page_table, v_page_table, salt, query_scale
+        self,
+        lengths,
+        k_qbuf,
+        v_qbuf,
+        key_pool,
+        value_pool,
+        k_page_table,
+        v_page_table,
+        salt,
+        query_scale,
+        keys: bool = True,
+        values: bool = True,
     ) -> None:
-        keys, values = self.completes_keys, self.completes_values
         tensors = (lengths, k_qbuf, v_qbuf, key_pool, value_pool, k_page_table, v_page_table)
-        if not (keys and values):  # the sides the kernel does not pack: the sync-free reference on CUDA
-            self._pack_completed_torch(*tensors, salt=salt, query_scale=query_scale, keys=not keys, values=not values)
+        ref_keys, ref_values = keys and not self.completes_keys, values and not self.completes_values
+        if ref_keys or ref_values:  # the sides the kernel does not pack: the sync-free reference on CUDA
+            self._pack_completed_torch(*tensors, salt=salt, query_scale=query_scale, keys=ref_keys, values=ref_values)
+        keys, values = keys and self.completes_keys, values and self.completes_values
         if keys or values:
             kernels.pack_completed(
                 self.cfg,

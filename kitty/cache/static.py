@@ -28,6 +28,17 @@ A decode step (one new token in every row) runs only device operations in a fixe
    returns unless its row completed a page, else ``kernels/reference.py``'s ``pack_completed_ref`` quantizes all rows
    and keeps the completed ones with ``torch.where``.
 
+With ``defer_values`` (set by :func:`kitty.hf.generate.generate_static` for its loop where
+``$KITTY_DEFER_VALUES=1``; off by default until timed on a GPU), stage 3 packs the keys alone and a value page is
+packed at the start of the next step, before its insert overwrites the value qbuffer's first slot: with ``R = G`` a
+row completes a key and a value page in the same step, and the two packs then fall in different steps. Between those
+two steps the value page is pending (its table entry -1, its tokens in the full value qbuffer, which the attention
+reads in full precision as in the completing step); :meth:`StaticKittyLayer.pack_pending_values` packs it, and the
+loop calls it whenever it hands the cache back (at every host read and at the end), so that no reader sees a pending
+page; a prompt packs it first too. A host flag says whether a deferred step ran since the last such pack (the pack
+reads the full value qbuffer, which a decode step fills but a prompt does not: a prompt packs its pages from its own
+tokens). ``torch.compile`` traces no deferred step (it refuses ``defer_values``).
+
 While ``torch.compile`` traces the step, the three stages are the ``kitty::`` custom ops of
 ``kitty.cache.custom_ops`` (opaque to the compiler, their mutations declared), called with arguments flattened once
 at the prompt (no config, state or launch object is built in the traced code), and nothing host-side is traced: no
@@ -64,9 +75,25 @@ from . import custom_ops
 from .backend import check_triton
 from .layer import PagedLayer
 
-__all__ = ["MERGE_INSIDE_ENV", "StaticKittyLayer", "check_static_args", "merge_inside_requested", "page_widths"]
+__all__ = [
+    "DEFER_VALUES_ENV",
+    "MERGE_INSIDE_ENV",
+    "StaticKittyLayer",
+    "check_static_args",
+    "defer_values_requested",
+    "merge_inside_requested",
+    "page_widths",
+]
 
 MERGE_INSIDE_ENV = "KITTY_MERGE_INSIDE"
+DEFER_VALUES_ENV = "KITTY_DEFER_VALUES"
+
+
+def defer_values_requested() -> bool:
+    """Whether ``$KITTY_DEFER_VALUES=1`` asks :func:`kitty.hf.generate.generate_static`'s loop to pack each completed
+    value page at the start of the next decode step (``StaticKittyLayer.defer_values``; off by default until it is
+    timed on the GPU)."""
+    return os.environ.get(DEFER_VALUES_ENV, "0") == "1"
 
 
 def merge_inside_requested() -> bool:
@@ -108,6 +135,8 @@ class StaticKittyLayer(PagedLayer):
     is_compileable = True
     # Launch.merge_inside for this layer's decode steps: None follows $KITTY_MERGE_INSIDE (set before the prompt)
     merge_inside: bool | None = None
+    # pack a completed value page at the start of the next decode step (module docstring), fused backend only
+    defer_values: bool = False
 
     def __init__(
         self,
@@ -123,6 +152,7 @@ class StaticKittyLayer(PagedLayer):
         self.key_width, self.value_width = page_widths(cfg, max_cache_len)
         page_ids = FixedPages(self.key_width, self.value_width)
         self._behind = False  # compiled steps ran since the host counters were last exact
+        self._values_pending = False  # a deferred step ran since the last pack of pending value pages
         self._seen, self._steps_done = 0, 0
         super().__init__(cfg, num_kv_heads, head_dim, layer_idx, backend, model_kv_heads, page_ids)
         self.max_cache_len, self.max_batch_size = max_cache_len, max_batch_size
@@ -188,7 +218,7 @@ class StaticKittyLayer(PagedLayer):
 
     def reset(self) -> None:
         """Drop every cached token (tensors kept, zeroed in place; the host counters need no catching up)."""
-        self._behind = False
+        self._behind = self._values_pending = False
         super().reset()
         if self.is_initialized:
             self._column_offset.zero_()
@@ -257,6 +287,8 @@ class StaticKittyLayer(PagedLayer):
         self._catch_up()
         self._seen += steps
         self._steps_done += steps
+        if steps > 0 and self.defer_values:
+            self._values_pending = True
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """Static sizes ``(max_cache_len, 0)``, as transformers' ``StaticLayer``."""
@@ -292,6 +324,7 @@ class StaticKittyLayer(PagedLayer):
         runs only device operations)."""
         if valid is not None:  # a prompt: host bookkeeping allowed
             self.check_append(valid)
+            self.pack_pending_values()  # before the prompt's tokens reuse the value qbuffer
             out = self._attend_tokens(query, key_states, value_states, valid, scale)
             self.prepare_workspace(query.shape[1])
             return out
@@ -355,12 +388,19 @@ class StaticKittyLayer(PagedLayer):
         k, v = key_states[:, :, 0], value_states[:, :, 0]
         buffers = (self.lengths, self.sink_k, self.sink_v, self.k_qbuf, self.v_qbuf, self.v_local)
         if compiling():  # a traceable step (fused backend): no host work, the counters are derived when next read
+            if self.defer_values:
+                raise RuntimeError(
+                    "defer_values is for eager and captured steps: call pack_pending_values() and set it to False "
+                    "before compiling"
+                )
             custom_ops.insert_token(k, v, *buffers)
             self._behind = True
             return
         self.check_room(1)
         if self.ops.fused_decode:
             check_triton(None, None, key_states.device)
+            if self.defer_values:  # stage 0: the value pages the previous step completed, before slot 0 is reused
+                self.pack_pending_values()  # (no undo: the page is packed from the full qbuffer, and stays right)
             kernels.insert_token(k, v, *buffers)
             self.on_undo(self._undo_insert)
         else:
@@ -384,17 +424,8 @@ class StaticKittyLayer(PagedLayer):
         leaving = ((p >= S) & (m >= R))[:, None, None]
         self.v_local[rows, :, local] = torch.where(leaving, self.v_qbuf[rows, :, qslot], self.v_local[rows, :, local])
 
-    def pack_filled(self, filled: None = None) -> None:
-        """Stage 3 of a decode step: pack the qbuffers that filled, every row predicated on the device."""
-        if self.key_width == 0:  # no row can ever complete a page
-            return
-        if compiling():  # a traceable step (the torch path's pack below is only reached eagerly)
-            a = self._op_args
-            custom_ops.pack_completed_flat(a.cfg, self.lengths, self.k_qbuf, self.v_qbuf, a.pools, self.k_page_table,
-                                           self.v_page_table, self.layer_idx, self.query_scale())  # fmt: skip
-            return
-        self.on_undo(self._unpoint_completed)  # a packed page lies past the row's old pages: only tables change
-        args = (
+    def _pack_args(self) -> tuple:
+        return (
             self.lengths,
             self.k_qbuf,
             self.v_qbuf,
@@ -405,7 +436,32 @@ class StaticKittyLayer(PagedLayer):
             self.layer_idx,
             self.query_scale(),
         )
-        self.ops.pack_completed(*args)
+
+    def pack_pending_values(self) -> None:
+        """Pack every row's value qbuffer that the last decode step filled (``lengths`` as that step left them),
+        predicated on the device like stage 3, if a deferred step ran since the last call (a page packed again gets
+        the same bytes: the qbuffer has not changed). The start of a deferred step, and what makes a cache whose
+        steps deferred their value pages whole again."""
+        if self._values_pending and self.value_width and self.ops.fused_decode and self.is_initialized:
+            self.ops.pack_completed(*self._pack_args(), keys=False, values=True)
+        self._values_pending = False
+
+    def pack_filled(self, filled: None = None) -> None:
+        """Stage 3 of a decode step: pack the qbuffers that filled (the keys alone with ``defer_values``), every row
+        predicated on the device."""
+        if self.key_width == 0:  # no row can ever complete a page
+            return
+        if compiling():  # a traceable step (the torch path's pack below is only reached eagerly)
+            a = self._op_args
+            custom_ops.pack_completed_flat(a.cfg, self.lengths, self.k_qbuf, self.v_qbuf, a.pools, self.k_page_table,
+                                           self.v_page_table, self.layer_idx, self.query_scale())  # fmt: skip
+            return
+        self.on_undo(self._unpoint_completed)  # a packed page lies past the row's old pages: only tables change
+        deferring = self.defer_values and self.ops.fused_decode
+        self.ops.pack_completed(*self._pack_args(), values=not deferring)
+        if deferring:
+            before, self._values_pending = self._values_pending, True
+            self.on_undo(lambda: setattr(self, "_values_pending", before))
 
     def _unpoint_completed(self) -> None:
         """Undo of :meth:`pack_filled` (``lengths`` still count the step's token): the completed pages' table

@@ -554,31 +554,49 @@ def _static_chunks(
     def finished(i: int) -> bool:  # one host read every check_every steps
         return bool(eos) and (i % check_every == 0) and bool(done.all())
 
-    if capture and steps > warmup:
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
+    from ..cache.static import StaticKittyLayer, defer_values_requested
+
+    # $KITTY_DEFER_VALUES=1: each completed value page is packed at the start of the next step (StaticKittyLayer.
+    # defer_values); whenever the loop hands the cache back (every yield, the end) it packs what is pending first
+    deferring = [la for la in cache.layers if isinstance(la, StaticKittyLayer)] if defer_values_requested() else []
+
+    def handed_back() -> tuple[torch.Tensor, int]:
+        for layer in deferring:  # (each layer knows whether a deferred step ran since it last packed)
+            layer.pack_pending_values()
+        return out, ran + 1
+
+    for layer in deferring:
+        layer.defer_values = True
+    try:
+        if capture and steps > warmup:
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(warmup):
+                    step()
+            torch.cuda.current_stream(device).wait_stream(side)
+            ran = warmup
+            graph = torch.cuda.CUDAGraph()
+            if generator is not None and hasattr(graph, "register_generator_state"):
+                graph.register_generator_state(generator)
+            # thread_local: a capture restricts only its own thread, so the demo's columns (one thread each) may
+            # run eager steps, or capture their own graphs, while this one captures
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 step()
-        torch.cuda.current_stream(device).wait_stream(side)
-        ran = warmup
-        graph = torch.cuda.CUDAGraph()
-        if generator is not None and hasattr(graph, "register_generator_state"):
-            graph.register_generator_state(generator)
-        # thread_local: a capture restricts only its own thread, so the demo's columns (one thread each) may run
-        # eager steps, or capture their own graphs, while this one captures
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            step()
-        _advance(cache, -1)  # capture ran the step's Python, not its kernels
+            _advance(cache, -1)  # capture ran the step's Python, not its kernels
+            while ran < steps and not finished(ran):
+                graph.replay()  # room for every step was checked above
+                _advance(cache, 1)
+                ran += 1
+                if ran % check_every == 0:
+                    yield handed_back()
         while ran < steps and not finished(ran):
-            graph.replay()  # room for every step was checked above
-            _advance(cache, 1)
+            step()
             ran += 1
             if ran % check_every == 0:
-                yield out, ran + 1
-    while ran < steps and not finished(ran):
-        step()
-        ran += 1
-        if ran % check_every == 0:
-            yield out, ran + 1
-    yield out, ran + 1
+                yield handed_back()
+        yield handed_back()
+    finally:
+        for layer in deferring:
+            layer.pack_pending_values()
+            layer.defer_values = False
