@@ -261,7 +261,7 @@ def test_generation_arguments_are_checked_before_any_work(model, kwargs, message
         ("kitty-pro+key_bits=16x", "key_bits must be one of the integers (2, 4, 16), got '16x'"),
         (
             "kitty+value_range=bogus",
-            "value_range must be one of ('minmax', 'fit', 'fit-peak', 'fit-bounded', 'fit-standout', 'fit-peak-standout', 'fit-token-standout', 'fit-peak-token-standout'), got 'bogus'",
+            "value_range must be one of ('minmax', 'fit', 'fit-peak', 'fit-bounded', 'fit-standout', 'fit-peak-standout', 'fit-token-standout', 'fit-peak-token-standout', 'fit-loose-token-standout'), got 'bogus'",
         ),
         ("kitty+sink=4", "method override must be field=value with a field in"),
         ("bogus", "method must be one of"),

@@ -1,11 +1,19 @@
-"""``key_range="fit-standout"`` / ``"fit-peak-standout"``: min-max on rows where a value stands out, a fitted range
-elsewhere (kitty/core/standout.py; random data, never zeros)."""
+"""``key_range="fit-standout"`` / ``"fit-peak-standout"`` / the token rules: min-max on rows where a value (or a token
+of the page) stands out, a fitted range elsewhere (kitty/core/standout.py; random data, never zeros)."""
 
 import pytest
 import torch
 
 from kitty import PRESETS, get_preset
-from kitty.core.quant import dequantize_key_page, minmax_params, quantize_key_page, range_params
+from kitty.core.quant import (
+    LOOSE_BOUND_STEPS,
+    _dequant_error,
+    _sq_error,
+    dequantize_key_page,
+    minmax_params,
+    quantize_key_page,
+    range_params,
+)
 from kitty.core.standout import (
     STANDOUT_FITS,
     STANDOUT_THRESHOLD,
@@ -70,7 +78,12 @@ def test_standout_score_on_simple_rows():
 
 @pytest.mark.parametrize(
     "name",
-    ["kitty-fit+key_range=fit-standout", "kitty+key_range=fit-peak-standout", "kitty-fit+key_range=fit-token-standout"],
+    [
+        "kitty-fit+key_range=fit-standout",
+        "kitty+key_range=fit-peak-standout",
+        "kitty-fit+key_range=fit-token-standout",
+        "kitty-fit+key_range=fit-loose-token-standout",
+    ],
 )
 def test_standout_key_pages_have_min_max_layout_and_sync_free_bytes(name):
     """A key page with a standout range has min-max's tensors (shapes, dtypes, bytes), and ``sync_free`` gives the
@@ -96,7 +109,7 @@ def test_standout_key_pages_have_min_max_layout_and_sync_free_bytes(name):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("method", ["fit-token-standout", "fit-peak-token-standout"])
+@pytest.mark.parametrize("method", ["fit-token-standout", "fit-peak-token-standout", "fit-loose-token-standout"])
 def test_a_token_standing_out_across_channels_keeps_min_max_where_it_is_an_extreme(dtype, method):
     """``fit-token-standout``: a token shifted by 3 spreads in every channel stands out (no other token does on
     Gaussian pages); the channels whose min or max it is keep min-max ranges, every other channel the fitted rule's."""
@@ -115,5 +128,39 @@ def test_a_token_standing_out_across_channels_keeps_min_max_where_it_is_an_extre
     fit_scale, fit_zero = range_params(x, levels, dtype, STANDOUT_FITS[method])
     assert torch.equal(scale[rows], mm_scale[rows]) and torch.equal(zero[rows], mm_zero[rows])
     assert torch.equal(scale[~rows], fit_scale[~rows]) and torch.equal(zero[~rows], fit_zero[~rows])
+    assert torch.equal(zero[rows], x[rows].amin(-1))  # the standout rows' min is a level, exactly
+    err = _dequant_error(x.float(), scale, zero, levels.expand(scale.shape))
+    at_max = err.gather(-1, x.argmax(-1, keepdim=True))[..., 0].abs()  # the max on the top level, up to the rounding
+    assert (at_max[rows] <= (levels * scale.float() * 2**-7 + 1e-5 * x.float().abs().amax(-1))[rows]).all()  # of scale
     with pytest.raises(ValueError, match="x must"):
         standout_tokens(torch.randn(5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fit_loose_keeps_every_value_within_one_minmax_step(dtype, seed):
+    """``fit-loose`` (the fitted part of ``fit-loose-token-standout``): no value reconstructs farther than
+    ``LOOSE_BOUND_STEPS`` min-max steps from itself, each row's squared error is at most min-max's and the total below
+    ``fit-bounded``'s (its grid candidates are a superset; the refits start from another point, so not row by row), and
+    it does use the looser bound: on Gaussian rows some value moves by more than half a step; 2-bit and 4-bit rows
+    mixed."""
+    x, _ = _rows(dtype, seed, rows=96)
+    levels = torch.where(torch.arange(x.shape[0]) % 3 == 0, 15, 3)
+    xf = x.float()
+    mm_scale = minmax_params(x, levels, -1, dtype)[0].float()
+    scale, zero = range_params(x, levels, dtype, "fit-loose")
+    worst = _dequant_error(xf, scale, zero, levels).abs().amax(-1)
+    assert LOOSE_BOUND_STEPS == 1.0
+    assert (worst <= LOOSE_BOUND_STEPS * mm_scale * (1 + 2**-10) + 2**-20 * xf.abs().amax(-1)).all()
+    err = _sq_error(xf, scale, zero, levels)
+    assert (err <= _sq_error(xf, *minmax_params(x, levels, -1, dtype), levels) * (1 + 1e-6)).all()
+    assert err.sum() < 0.9 * _sq_error(xf, *range_params(x, levels, dtype, "fit-bounded"), levels).sum()
+    gauss = torch.randn(200, 128, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    g_scale, g_zero = range_params(gauss, 3, dtype, "fit-loose")
+    g_mm = minmax_params(gauss, 3, -1, dtype)[0].float()
+    assert (_dequant_error(gauss.float(), g_scale, g_zero, 3).abs().amax(-1) > 0.5 * g_mm * (1 + 2**-10)).any()
+    e_loose = _sq_error(gauss.float(), g_scale, g_zero, 3).sum()
+    assert e_loose < _sq_error(gauss.float(), *range_params(gauss, 3, dtype, "fit-bounded"), 3).sum()
+    assert get_preset("kitty-fit+key_range=fit-loose-token-standout").key_range == "fit-loose-token-standout"
+    with pytest.raises(ValueError, match="fit-loose"):
+        range_params(x, 3, dtype, "loose")

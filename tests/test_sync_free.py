@@ -37,6 +37,7 @@ NAMES = (
     "kitty+key_range=fit-bounded",
     "kitty-fit+key_range=fit-standout",
     "kitty-fit+key_range=fit-token-standout",
+    "kitty-fit+key_range=fit-loose-token-standout",
     "kitty+key_rotation=hadamard-signs+key_outlier_fraction=0.00390625",
 )
 # aten operations that read a tensor back to the host, give a shape that depends on tensor data, or make a tensor

@@ -18,7 +18,8 @@ BACKENDS = (
     "gluon",
 )  # KittyCache(backend=): kitty/cache/backend.py resolves it once per layer
 # a group's [lo, hi]: min-max, a clipping search, one sparing the peak, one keeping every value within min-max's bound,
-# or min-max where a value (or a token of the page) stands out and fit-bounded / fit-peak elsewhere (core/standout.py)
+# or min-max where a value (or a token of the page) stands out and fit-bounded / fit-peak / the bounded search within
+# one min-max step (fit-loose) elsewhere (core/standout.py)
 RANGE_FITS = (
     "minmax",
     "fit",
@@ -28,6 +29,7 @@ RANGE_FITS = (
     "fit-peak-standout",
     "fit-token-standout",
     "fit-peak-token-standout",
+    "fit-loose-token-standout",
 )
 # key_rotation: each key head's channels multiplied by a fixed orthogonal matrix before quantization (and back after):
 # "hadamard" the normalized Walsh-Hadamard matrix of size head_dim, "hadamard-signs" the same after a fixed random
@@ -119,7 +121,8 @@ class KVQuantConfig:
     # "fit-bounded": the same search, every token within half a min-max step (quant.fitted_params bounded);
     # "fit-standout" / "fit-peak-standout": min-max on channels where a token stands out, fit-bounded / fit-peak elsewhere;
     # "fit-token-standout" / "fit-peak-token-standout": min-max on channels whose min or max is a token standing out
-    # across the page's channels, fit-bounded / fit-peak elsewhere
+    # across the page's channels, fit-bounded / fit-peak elsewhere; "fit-loose-token-standout": the same test, and
+    # elsewhere the bounded search with every token within one min-max step (quant.LOOSE_BOUND_STEPS)
     value_range: str = "minmax"  # "fit": the same per token for values
     key_rotation: str = "none"  # see KEY_ROTATIONS: a fixed orthogonal rotation of key channels, torch path only
     key_outlier_fraction: float = 0.0  # share of a key page's entries (per head) kept exactly; torch path only

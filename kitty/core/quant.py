@@ -154,6 +154,10 @@ def minmax_params(
 
 CLIP_GRID = tuple(i / 16 for i in range(6))  # share of the range cut off below / above: 0 .. 0.3125
 REFINE_STEPS = 2  # least-squares refits of (scale, zero) after the grid search
+# fit-loose: the largest error any value may get, in min-max steps (fit-bounded: 0.5, min-max's own bound). One step
+# is the smallest round bound that admits every cut of CLIP_GRID at 2 bits (5/16 of the range = 15/16 of a step, the
+# cuts fit-peak makes opposite the peak), while a refit may still not move any value by more than a step
+LOOSE_BOUND_STEPS = 1.0
 
 
 def fitted_params(
@@ -165,6 +169,7 @@ def fitted_params(
     keep_peak: bool = False,
     sync_free: bool = False,
     bounded: bool = False,
+    bound_steps: float = 0.5,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped asymmetric parameters over the last dim: a ``(scale, zero)`` with small squared error.
 
@@ -186,7 +191,8 @@ def fitted_params(
     reconstructs within half a min-max step (:func:`minmax_params`' bound, the same fp32 tolerance as ``keep_peak``):
     no value is worse off than min-max guarantees, while the step may shrink (by up to a third at 2 bits, the
     extremes then sitting up to half a min-max step from the nearest level) or the grid shift, which lowers the error
-    of the bulk.
+    of the bulk. ``bound_steps``: that bound in min-max steps (0.5, min-max's own guarantee, unless looser, as
+    :data:`LOOSE_BOUND_STEPS` for ``"fit-loose"``).
 
     ``sync_free``: no host read (module docstring), the same result.
     """
@@ -195,8 +201,8 @@ def fitted_params(
     lv = levels[..., None] if levels.dim() else levels
     best_scale, best_zero = minmax_params(x, levels, -1, dtype, sync_free)
     best_err = _sq_error(xf, best_scale, best_zero, levels, sync_free)
-    if bounded:  # half the min-max step, the largest error min-max allows any value (fp32 tolerance as for the peak)
-        limit = 0.5 * best_scale.float() * (1 + 2**-10) + 2**-20 * xf.abs().amax(-1)
+    if bounded:  # bound_steps min-max steps (0.5: the most min-max allows any value); fp32 tolerance as for the peak
+        limit = bound_steps * best_scale.float() * (1 + 2**-10) + 2**-20 * xf.abs().amax(-1)
     lo0, hi0 = xf.amin(-1), xf.amax(-1)
     span = hi0 - lo0
     peak_on_top = hi0.abs() >= lo0.abs()  # [...]: which tail holds the largest |x|
@@ -264,12 +270,13 @@ def range_params(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scale, zero)`` over the last dim by ``method``: ``"minmax"``, ``"fit"`` (:func:`fitted_params`),
     ``"fit-peak"`` (the same search, never clipping the group's largest-``|x|`` value: ``keep_peak=True``) or
-    ``"fit-bounded"`` (the same search, every value within half a min-max step: ``bounded=True``), or
+    ``"fit-bounded"`` (the same search, every value within half a min-max step: ``bounded=True``), ``"fit-loose"``
+    (every value within :data:`LOOSE_BOUND_STEPS` min-max steps; the fitted part of ``"fit-loose-token-standout"``), or
     ``"fit-standout"`` / ``"fit-peak-standout"``: min-max on the rows that hold a standout value
     (:func:`kitty.core.standout.standout_rows`), ``"fit-bounded"`` / ``"fit-peak"`` on the others;
-    ``"fit-token-standout"`` / ``"fit-peak-token-standout"``: min-max on the rows whose min or max is a token that
-    stands out across the rows (:func:`kitty.core.standout.token_standout_rows`; for key pages ``x`` is
-    ``[..., D, G]``), ``"fit-bounded"`` / ``"fit-peak"`` elsewhere.
+    ``"fit-token-standout"`` / ``"fit-peak-token-standout"`` / ``"fit-loose-token-standout"``: min-max on the rows
+    whose min or max is a token that stands out across the rows (:func:`kitty.core.standout.token_standout_rows`; for
+    key pages ``x`` is ``[..., D, G]``), ``"fit-bounded"`` / ``"fit-peak"`` / ``"fit-loose"`` elsewhere.
     ``sync_free``: no host read (module docstring), the same result."""
     if method in STANDOUT_FITS:
         fitted = range_params(x, levels, dtype, STANDOUT_FITS[method], sync_free)
@@ -284,8 +291,11 @@ def range_params(
         return fitted_params(x, levels, dtype, keep_peak=True, sync_free=sync_free)
     if method == "fit-bounded":
         return fitted_params(x, levels, dtype, sync_free=sync_free, bounded=True)
+    if method == "fit-loose":
+        return fitted_params(x, levels, dtype, sync_free=sync_free, bounded=True, bound_steps=LOOSE_BOUND_STEPS)
     raise ValueError(
-        f"range method must be 'minmax', 'fit', 'fit-peak', 'fit-bounded' or one of {tuple(STANDOUT_FITS)}, got {method!r}"
+        "range method must be 'minmax', 'fit', 'fit-peak', 'fit-bounded', 'fit-loose' or one of "
+        f"{tuple(STANDOUT_FITS)}, got {method!r}"
     )
 
 

@@ -20,7 +20,9 @@ exactly) on standout rows and a fitted range elsewhere; ``"fit-peak-standout"`` 
 position ``t`` of the rows (a key page's token) gets the root mean square over rows (channels) of its robust z,
 ``sqrt(mean_c z_ct^2)`` with ``z_ct = (x_ct - median_c) / (1.4826 MAD_c)``, and a token stands out where that score's
 own robust z across the page's tokens exceeds the same threshold. A row keeps min-max where its min or its max is
-at a standout token, and ``fit-bounded`` elsewhere (``"fit-peak-token-standout"``: ``fit-peak`` elsewhere).
+at a standout token, and ``fit-bounded`` elsewhere (``"fit-peak-token-standout"``: ``fit-peak`` elsewhere;
+``"fit-loose-token-standout"``: ``fit-loose`` elsewhere, the bounded search with every value within one min-max step
+instead of half of one, :data:`kitty.core.quant.LOOSE_BOUND_STEPS`).
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ STANDOUT_FITS = {
     "fit-peak-standout": "fit-peak",
     "fit-token-standout": "fit-bounded",
     "fit-peak-token-standout": "fit-peak",
+    "fit-loose-token-standout": "fit-loose",
 }
-TOKEN_RULES = ("fit-token-standout", "fit-peak-token-standout")  # tested by standout_tokens (the others: standout_rows)
+# tested by standout_tokens (the others: standout_rows)
+TOKEN_RULES = ("fit-token-standout", "fit-peak-token-standout", "fit-loose-token-standout")
 
 
 def _robust_z(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
