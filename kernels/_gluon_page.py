@@ -86,7 +86,8 @@ def _zero_term(zero_ptr, meta, qz, init, D4: gl.constexpr, NK: gl.constexpr, MMA
 @gluon.jit
 def _offset_tile(K: gl.constexpr, D4: gl.constexpr, LOW: gl.constexpr, DOT: gl.constexpr, L: gl.constexpr):
     """The ``(16, K)`` constant A operand of the bf16 offsets' share (every row ``-off_k``): the unpack's offsets
-    (``LOW``: 128, 32, 8, 128 for the low plane's fields; else 128, the high plane's), in layout ``L``. The kernel
+    (``LOW``: the low plane's, 128, 32, 8, 128 for the fields of bytes 0 and 2 and 32, 8, 32, 8 for those of bytes 1
+    and 3, ``gluon_launch.bf16_low_offset``; else 128, the high plane's), in layout ``L``. The kernel
     stores the low plane's and the value codes' in shared memory once and reads them back per page (one ``ldmatrix``
     a k-tile): built in registers in the loop, ptxas spent three register moves a k-tile filling the operand's four
     registers."""
@@ -101,6 +102,21 @@ def _offset_tile(K: gl.constexpr, D4: gl.constexpr, LOW: gl.constexpr, DOT: gl.c
         off = gl.full([K], -128.0, DOT, gl.SliceLayout(0, L))
     a, _ = gl.broadcast(off[None, :], gl.zeros([16, K], DOT, L))
     return a
+
+
+@gluon.jit
+def _offset_operands(offk, kk, KH: gl.constexpr, D4: gl.constexpr, IS_BF16: gl.constexpr, DOT: gl.constexpr,
+                     DA: gl.constexpr):  # fmt: skip
+    """The constant A operands of a key page's offsets' share, low plane then high plane: bf16, the low plane's tile
+    read back from shared memory (``offk``) and the high plane's built in registers where it is used; fp16 (no
+    offsets, ``offk`` None) the kernel's ``kk`` for both."""
+    if IS_BF16:
+        ak = offk.load(DA)
+        ah = _offset_tile(KH, D4, False, DOT, DA)
+    else:
+        ak = kk
+        ah = kk
+    return ak, ah
 
 
 @gluon.jit

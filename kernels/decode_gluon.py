@@ -40,6 +40,7 @@ from ._gluon_page import (
     _key_chunk_scores,
     _key_page_scores,
     _merge_rows,
+    _offset_operands,
     _offset_tile,
     _store_out,
     _store_row,
@@ -219,6 +220,7 @@ def _decode_gluon_kernel(
     QL: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [0, 1])
     q4buf = gl.allocate_shared_memory(DOT, [D, NK], QL, q4)
     qzbuf = gl.allocate_shared_memory(DOT, [D // 2, 2 * NK], QL, qz)
+    offk = None  # fp16: no offsets
     if IS_BF16:  # the offsets' constant A operands of the key low plane and the value codes, read back per page (the
         # high plane's one or two k-tiles are built in registers where they are used)
         OL: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
@@ -282,12 +284,7 @@ def _decode_gluon_kernel(
             vrow = gl.where(rel < mv, vq_ptr + (rel % G) * D, vl_ptr + (rel % Rm) * D)
         if (i >= c_lo) & (i // 4 < kp):
             kpage = gl.load(k_pt_ptr + b64 * spk_b + i // 4).to(gl.int64) * Hkv + h
-            if IS_BF16:
-                ak = offk.load(DA)
-                ah = _offset_tile(KH, D4, False, DOT, DA)
-            else:
-                ak = kk
-                ah = kk
+            ak, ah = _offset_operands(offk, kk, KH, D4, IS_BF16, DOT, DA)
             s = _key_chunk_scores(
                 q4buf.load(DB), qzbuf.load(DB), mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage,
                 i % 4, kk, ak, ah, qk_scale, G, D, D4, KH, NK, NB, NB4, NWH, RW, PK, TWO, IS_BF16, DOT, MMA, DA, DB, LS
@@ -329,12 +326,7 @@ def _decode_gluon_kernel(
         else:
             kpage = gl.load(k_pt_ptr + b64 * spk_b + j).to(gl.int64) * Hkv + h
             vpage = gl.load(v_pt_ptr + b64 * spv_b + j).to(gl.int64) * Hkv + h
-        if IS_BF16:
-            ak = offk.load(DA)
-            ah = _offset_tile(KH, D4, False, DOT, DA)
-        else:
-            ak = kk
-            ah = kk
+        ak, ah = _offset_operands(offk, kk, KH, D4, IS_BF16, DOT, DA)
         s0, s1, s2, s3 = _key_page_scores(
             q4buf.load(DB), qzbuf.load(DB), mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, kk,
             ak, ah, qk_scale, G, D, D4, KH, NK, NB, NB4, NWH, RW, PK, TWO, IS_BF16, DOT, MMA, DA, DB, LS
