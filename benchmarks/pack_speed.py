@@ -101,7 +101,7 @@ def launchers(cfg, B: int, Hkv: int, grid: str = "all") -> dict:
     ``"wide"``: over :data:`WIDE`, and the default launch of each side alone, ``meta["side"]``; ``"caps"``: over
     :data:`CAPS`)."""
     from benchmarks.pack_old import pack_completed_old
-    from kitty.kernels.launch import PACK_MAXNREG, PACK_WARPS
+    from kitty.kernels.launch import PACK_WARPS
     from kitty.kernels.pack import PACK_TILE, pack_completed, pack_splits
 
     splits = pack_splits(B * Hkv, cfg.group_size, cfg.value_bits)
@@ -133,7 +133,7 @@ def launchers(cfg, B: int, Hkv: int, grid: str = "all") -> dict:
                 values=side != "keys", maxnreg=cap,
             )  # fmt: skip
 
-        star = "*" if (splits, warps, tile, cap) == (*default, PACK_MAXNREG) and side is None else ""
+        star = "*" if (splits, warps, tile, cap) == (*default, None) and side is None else ""
         name = f"new k{splits[0]}v{splits[1]} w{warps} t{tile}" + (f" r{cap}" if cap else "") + star
         name += f" {side} only" if side else ""
         meta = dict(kernel="new", splits=list(splits), warps=warps, tile=tile, maxnreg=cap, default=bool(star),

@@ -16,8 +16,8 @@
     16, and eager); tokens/s from the median step, p50/p99 (p99 over page-completing steps too), GPU busy from a
     profiler trace of 4 steps (and the kernels per step it ran), taken after every point is timed (a process
     launches CUDA graphs slower once it has been profiled): the kernel time over the profiled wall (``gpu_busy``) and
-    over the same pipelined loop's time without the profiler (``gpu_busy_unprofiled``; the profiler stretches every
-    replay by ``profiled_wall_ratio``). Stops starting new points at the deadline.
+    over the same pipelined loop's time without the profiler (``benchmarks/summarize.busy_unprofiled``; the profiler
+    stretches every replay). Stops starting new points at the deadline.
 
 Writes ``benchmarks/results/h200-<date>/static_correctness.json``, ``static_throughput.json`` and prints a summary.
 """
@@ -189,6 +189,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     corr = {} if a.skip_correctness else correctness(out)
     from benchmarks import throughput
+    from benchmarks.summarize import busy_unprofiled
 
     throughput.DEVICE = "cuda"
     torch.cuda.empty_cache()
@@ -221,7 +222,7 @@ def main() -> None:
             f"{r['method']:22s} ctx {r['context']:6d} {'ragged' if r['ragged'] else 'equal ':6s} B {r['batch']:4d} "
             f"KV {r['kv_gib']:6.2f} GiB  {r['tokens_per_s']:8.0f} tok/s  {rel:5.2f}x best fp16-captured  "
             f"kernels/step {r.get('kernels_per_step', float('nan')):.0f}  "
-            f"busy {r.get('gpu_busy_unprofiled', float('nan')):.0%} (profiled {r.get('gpu_busy', float('nan')):.0%})  "
+            f"busy {busy_unprofiled(r) or float('nan'):.0%} (profiled {r.get('gpu_busy', float('nan')):.0%})  "
             f"p50 {r['p50_ms']:.1f} p99 {r['p99_ms']:.1f} "
             f"p99-page {r['p99_page_ms'] if r['p99_page_ms'] is not None else float('nan'):.1f}"
         )

@@ -277,10 +277,9 @@ def render_static(files: list[Path], correctness: list[Path]) -> list[str]:
 
 def busy_unprofiled(r: dict) -> float | None:
     """The share of an unprofiled decode step the GPU spends in kernels: kernel time per step under the profiler
-    over the pipelined step's time without it (``gpu_busy_unprofiled``; derived for files written before it was
-    recorded). ``None`` where the point was not profiled."""
-    if r.get("gpu_busy_unprofiled") is not None:
-        return r["gpu_busy_unprofiled"]
+    over the pipelined step's time without it (the profiler stretches every replay it records, CUPTI timing each
+    kernel of the graph, so its own wall, ``gpu_busy``'s denominator, counts that overhead as idle time). ``None``
+    where the point was not profiled."""
     if r.get("gpu_ms_per_step") and r.get("pipelined_ms"):
         return r["gpu_ms_per_step"] / r["pipelined_ms"]
     return None

@@ -666,11 +666,6 @@ def run_static(
             continue
         try:
             row |= static_point(model, method, b, context, ragged, captured, steps, warmup, weights, profile=True)
-            # the profiler stretches every replay (CUPTI records each kernel of the graph): the kernel time under it
-            # over the pipelined loop's time without it is the share of an unprofiled step the GPU computes
-            if "gpu_ms_per_step" in row:
-                row.update(gpu_busy_unprofiled=row["gpu_ms_per_step"] / row["pipelined_ms"],
-                           profiled_wall_ratio=row["wall_ms_per_step"] / row["pipelined_ms"])  # fmt: skip
         except Exception as e:  # noqa: BLE001
             notes.append(f"{row['method']} batch {b} context {context}: profile: {type(e).__name__}: {str(e)[:300]}")
         (out / "static_throughput.json").write_text(json.dumps(dict(rows=rows, notes=notes), indent=1))

@@ -114,10 +114,8 @@ def default_launch(B: int, Hkv: int, max_blocks: int, device: torch.device | int
 # range's search needs 8 (built for sm_90 at G = D = 128: 246 registers and no local memory, where 4 warps spill).
 # A register tile is about PACK_TILE elements.
 MIN_TOKENS = 16
-PACK_WARPS = 8
-# registers per thread of a pack program (None: the compiler's choice, 128 at 8 warps: two programs per SM). Caps
-# that fit 3-4 programs per SM spill and were slower (H100, 100 rows: 74.3 us uncapped, 77.3 at 80, 103.3 at 64)
-PACK_MAXNREG = None
+PACK_WARPS = 8  # registers per thread are the compiler's choice (128 at 8 warps: two programs per SM); caps that
+# fit 3-4 programs per SM spill and were slower (H100, 100 rows: 74.3 us uncapped, 77.3 at 80, 103.3 at 64)
 BUSY_PROGRAMS = 2 * H200_SMS  # busy programs per side that fill the GPU (2 per SM), no more splitting
 PACK_TILE = 4096
 

@@ -90,7 +90,6 @@ from ._tiles import TLTYPE, check_power_of_two, is_power_of_two
 from .launch import (
     MAX_FIT_GROUP,
     PACK_KEY_RANGES,
-    PACK_MAXNREG,
     PACK_TILE,
     PACK_WARPS,
     kernel_packs_key_range,
@@ -460,7 +459,7 @@ def pack_pages(
     splits: tuple[int, int] | None = None,
     num_warps: int | None = None,
     tile: int = PACK_TILE,
-    maxnreg: int | None = PACK_MAXNREG,
+    maxnreg: int | None = None,
 ):
     """Quantize + pack full qbuffers into key and value pages with one kernel launch.
 
@@ -475,8 +474,8 @@ def pack_pages(
         query_scale: ``[N, Hkv, D]`` per-channel query magnitude of the packed key rows, for
             ``channel_selection="query"`` / ``"oracle"`` (as ``kitty.core.quant.quantize_key_page`` takes it).
         splits: ``(key, value)`` programs per page (default :func:`pack_splits`); num_warps: per program (default
-            :data:`PACK_WARPS`); tile: elements of a register tile; maxnreg: registers per thread (default
-            :data:`PACK_MAXNREG`). They change the speed only, never the bytes.
+            :data:`PACK_WARPS`); tile: elements of a register tile; maxnreg: registers per thread (default:
+            the compiler's choice). They change the speed only, never the bytes.
 
     Returns:
         without ``pool``: ``(KeyPage | None, ValuePage | None)`` with leading dims ``[N, Hkv]``, equal bit for bit to
@@ -587,7 +586,7 @@ def pack_completed(
     splits: tuple[int, int] | None = None,
     num_warps: int | None = None,
     tile: int = PACK_TILE,
-    maxnreg: int | None = PACK_MAXNREG,
+    maxnreg: int | None = None,
 ) -> None:
     """Pack, in one launch, every row whose key or value qbuffer the last decode token filled (a static cache's
     stage 3: no host synchronization, the same grid at every step).

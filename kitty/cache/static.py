@@ -424,7 +424,9 @@ class StaticKittyLayer(PagedLayer):
         leaving = ((p >= S) & (m >= R))[:, None, None]
         self.v_local[rows, :, local] = torch.where(leaving, self.v_qbuf[rows, :, qslot], self.v_local[rows, :, local])
 
-    def _pack_args(self) -> tuple:
+    def _pack_args(self, keys: bool = True) -> tuple:
+        """The layer's arguments of ``ops.pack_completed``; the query scale only where keys are packed (values never
+        read it, and with a query selection it costs kernels)."""
         return (
             self.lengths,
             self.k_qbuf,
@@ -434,7 +436,7 @@ class StaticKittyLayer(PagedLayer):
             self.k_page_table,
             self.v_page_table,
             self.layer_idx,
-            self.query_scale(),
+            self.query_scale() if keys else None,
         )
 
     def pack_pending_values(self) -> None:
@@ -443,7 +445,7 @@ class StaticKittyLayer(PagedLayer):
         the same bytes: the qbuffer has not changed). The start of a deferred step, and what makes a cache whose
         steps deferred their value pages whole again."""
         if self._values_pending and self.value_width and self.ops.fused_decode and self.is_initialized:
-            self.ops.pack_completed(*self._pack_args(), keys=False, values=True)
+            self.ops.pack_completed(*self._pack_args(keys=False), keys=False, values=True)
         self._values_pending = False
 
     def pack_filled(self, filled: None = None) -> None:
