@@ -182,8 +182,6 @@ def main() -> None:
                 gl_launch = default_gluon_launch(B, HKV, units, torch.device("cuda"), cps, min_pages)
                 pages_splits = gl_launch.num_splits - gl_launch.tail_splits  # the default's own tail replaced
                 tail = gl_launch.tail_splits if tail is None else tail
-                if over.get("merge_group") == -1:  # one level: the last program merges every split
-                    over = {**over, "merge_group": pages_splits + tail}
                 gl_launch = dataclasses.replace(
                     gl_launch, key_two_part=two, num_splits=pages_splits + tail, tail_splits=tail, **over
                 )
@@ -222,15 +220,7 @@ def write_markdown(results: dict, out: str) -> None:
             continue
         best = results["fastest_fp16"].get(f"{r['B']},{r['L']}", {})
         defaults = {"tail_splits": 0, "maxnreg": 255, "prefetch": True}  # shown when not these
-        keys = (
-            "ctas_per_sm",
-            "two_part",
-            "splits",
-            "tail_splits",
-            "maxnreg",
-            "prefetch",
-            "merge_group",
-        )
+        keys = ("ctas_per_sm", "two_part", "splits", "tail_splits", "maxnreg", "prefetch")
         extra = " ".join(f"{k}={r[k]}" for k in keys if k in r and r[k] != defaults.get(k))
         lines.append(
             f"| ({r['B']}, {r['L']}) | {best.get('name')} {best.get('us', 0):.1f} | {r['method']} {extra} | "
