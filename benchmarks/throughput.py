@@ -372,19 +372,19 @@ def fill_static(method: str, model, lengths: list[int], context: int, extra: int
 
 def page_steps(method: str, lengths: list[int], steps: int) -> list[bool]:
     """Whether decode step i (0-based) packs a key or value page in some row (kitty methods): the step that
-    completes it, or for a value page with ``$KITTY_DEFER_VALUES=1`` the step after."""
+    completes it, and with ``$KITTY_STAGGER_PACK=1`` the step after too."""
     if method.startswith("fp16"):
         return [False] * steps
-    from kitty.cache.static import defer_values_requested
+    from kitty.cache.static import stagger_requested
 
     cfg = PRESETS[method.partition("/")[0]]
     S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
-    late = int(defer_values_requested())
+    late = (0, 1) if stagger_requested() else (0,)
     out = []
     for i in range(steps):
-        ns = [n + i + 1 for n in lengths]
+        ns = [n + i + 1 - d for n in lengths for d in late]
         keys = any((x - S) > 0 and (x - S) % G == 0 for x in ns)
-        values = any((x - late - S - R) > 0 and (x - late - S - R) % G == 0 for x in ns)
+        values = any((x - S - R) > 0 and (x - S - R) % G == 0 for x in ns)
         out.append(keys or values)
     return out
 
@@ -431,12 +431,10 @@ def static_decode(
         pos.add_(1)
         cols[0] += 1
 
-    from kitty.cache.static import StaticKittyLayer, defer_values_requested
+    from kitty.cache.static import stagger_packs, stagger_requested
 
-    if defer_values_requested():  # $KITTY_DEFER_VALUES=1: value pages packed at the next step's start, as the loop
-        for layer in getattr(cache, "layers", []):  # of generate_static does with it
-            if isinstance(layer, StaticKittyLayer):
-                layer.defer_values = True
+    if stagger_requested():  # $KITTY_STAGGER_PACK=1: a page's packs over two steps, as generate_static's loop does
+        stagger_packs(getattr(cache, "layers", []))
     graph = None
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -607,9 +605,9 @@ def static_point(model, method, batch, context, ragged, captured, steps, warmup,
         **(busy or {}),
     )
     if method.startswith("kitty"):
-        from kitty.cache.static import defer_values_requested
+        from kitty.cache.static import stagger_requested
 
-        row["defer_values"] = defer_values_requested()
+        row["stagger_pack"] = stagger_requested()
     del cache
     return row
 

@@ -112,17 +112,21 @@ def test_fused_step_rolls_back_exactly(preset):
             assert torch.equal(a[name], b[name]), (step, name)
 
 
-VALUE_FIELDS = ("v_codes", "v_scale", "v_zero", "v_page_table")
+SIDE_FIELDS = {
+    "keys": ("k_low", "k_high", "k_boost_idx", "k_scale", "k_zero", "k_page_table"),
+    "values": ("v_codes", "v_scale", "v_zero", "v_page_table"),
+}
 
 
-def test_deferred_value_pages_match_the_torch_path():
-    """``defer_values``: stage 3 packs the keys and the next step's start packs the value pages the previous step
-    completed. After every step the state equals the torch layer's except those pending value pages (table entry
-    -1, page not yet written), after :meth:`pack_pending_values` it equals it bit for bit, and the outputs match at
-    every step (a pending page's tokens read in full precision from the full value qbuffer). Some steps are first
-    tried and rolled back."""
+@pytest.mark.parametrize("side", ["keys", "values"])
+def test_deferred_pages_match_the_torch_path(side):
+    """``defer_keys`` / ``defer_values``: stage 3 leaves that side of a completed page to the next step's start.
+    After every step the state equals the torch layer's except those pending pages (table entry -1, page not yet
+    written), after :meth:`pack_pending` it equals it bit for bit, and the outputs match at every step (a pending
+    page's tokens read in full precision from the full qbuffer). Some steps are first tried and rolled back."""
     fused, ref = _layer("kitty", "triton"), _layer("kitty", "torch")
-    fused.defer_values = True
+    setattr(fused, f"defer_{side}", True)
+    fields, table, start = SIDE_FIELDS[side], SIDE_FIELDS[side][-1], S + (R if side == "values" else 0)
     g = torch.Generator().manual_seed(6)
     _prompt((fused, ref), g)
     pending_steps = 0
@@ -136,46 +140,68 @@ def test_deferred_value_pages_match_the_torch_path():
         torch.testing.assert_close(out, want, atol=2e-3, rtol=2e-3)
         a, b = _tensors(fused), _tensors(ref)
         for name in b:
-            if name not in VALUE_FIELDS:
+            if name not in fields:
                 assert torch.equal(a[name], b[name]), (step, name)
-        m = b["lengths"].long() - S - R  # a row whose value qbuffer this step filled: m > 0, m % G == 0
+        m = b["lengths"].long() - start  # a row whose qbuffer of that side this step filled: m > 0, m % G == 0
         filled = (m > 0) & (m % G == 0)
-        pending = a["v_page_table"] != b["v_page_table"]
-        assert not pending[~filled].any() and (a["v_page_table"][pending] == -1).all(), step
+        pending = a[table] != b[table]
+        assert not pending[~filled].any() and (a[table][pending] == -1).all(), step
         pending_steps += int(pending.any())
         if step % 3 == 0 or step == STEPS - 1:
-            fused.pack_pending_values()
+            fused.pack_pending()
             a = _tensors(fused)
-            for name in VALUE_FIELDS:
+            for name in fields:
                 assert torch.equal(a[name], b[name]), (step, name)
-    assert pending_steps > 0  # the rows did complete value pages in these steps
+    assert pending_steps > 0  # the rows did complete pages of that side in these steps
 
 
-def test_generate_static_defers_value_pages_on_request(monkeypatch):
-    """``$KITTY_DEFER_VALUES=1``: ``generate_static``'s loop defers each value page to the next step, gives the
-    tokens of the loop that does not, and hands back a cache whose every tensor equals that loop's cache's."""
+def test_deferred_keys_refused_with_a_query_selection():
+    """Keys ranked by the queries seen so far cannot wait a step (the next query changes the ranking): a clear
+    error, and :func:`stagger_packs` defers such a layer's values instead."""
+    from kitty.cache.static import stagger_packs
+
+    layers = [_layer("kitty-query", "triton") for _ in range(2)]
+    assert stagger_packs(layers) == layers
+    assert [(la.defer_keys, la.defer_values) for la in layers] == [(False, True), (False, True)]
+    layer = layers[0]
+    layer.defer_keys = True
+    _prompt((layer,), torch.Generator().manual_seed(8))
+    with pytest.raises(ValueError, match="defer_keys"):
+        _decode(layer, *_token(torch.Generator().manual_seed(9)))
+
+
+def test_generate_static_staggers_packs_on_request(monkeypatch):
+    """``$KITTY_STAGGER_PACK=1``: ``generate_static``'s loop defers the value pages of even layers and the key pages
+    of odd ones to the next step, gives the tokens of the loop that does not, and hands back a cache whose every
+    tensor equals that loop's cache's; any other value than 0 or 1 is refused."""
     from fixtures import tiny_model
 
     from kitty import KittyCache
     from kitty.hf.generate import generate_static
 
     model = tiny_model("llama")
+    assert model.config.num_hidden_layers >= 2  # both sides deferred somewhere
     cfg = PRESETS["kitty"].with_(sink_tokens=S, group_size=G, local_window=R)
-    # row 0 completes its first value page (position S + R + G = 36) at the first decode step, row 1 none
+    # row 0 completes its first value page (position S + R + G = 36) at the first decode step, row 1 none; key
+    # pages complete at positions S + kG (20, 36, ...)
     ids = torch.randint(0, 128, (2, 35), generator=torch.Generator().manual_seed(7))
     mask = torch.ones_like(ids)
     mask[1, :6] = 0
     runs = {}
-    for defer in ("0", "1"):
-        monkeypatch.setenv("KITTY_DEFER_VALUES", defer)
+    for stagger in ("0", "1"):
+        monkeypatch.setenv("KITTY_STAGGER_PACK", stagger)
         cache = KittyCache(model.config, cfg, backend="triton", max_batch_size=2, max_cache_len=48)
-        runs[defer] = generate_static(model, ids, mask, cache, 6, check_every=2), cache
+        runs[stagger] = generate_static(model, ids, mask, cache, 6, check_every=2), cache
     assert torch.equal(runs["0"][0], runs["1"][0])
-    for plain, deferred in zip(runs["0"][1].layers, runs["1"][1].layers):
-        assert deferred.ops.fused_decode and not deferred.defer_values  # switched off again after the loop
-        a, b = _tensors(deferred), _tensors(plain)
+    for plain, staggered in zip(runs["0"][1].layers, runs["1"][1].layers):
+        assert staggered.ops.fused_decode and not (staggered.defer_keys or staggered.defer_values)  # off again
+        a, b = _tensors(staggered), _tensors(plain)
         for name in b:
             assert torch.equal(a[name], b[name]), name
+    monkeypatch.setenv("KITTY_STAGGER_PACK", "yes")
+    cache = KittyCache(model.config, cfg, backend="triton", max_batch_size=2, max_cache_len=48)
+    with pytest.raises(ValueError, match="KITTY_STAGGER_PACK"):
+        generate_static(model, ids, mask, cache, 6)
 
 
 def test_failing_later_layer_rolls_back_the_fused_layers():

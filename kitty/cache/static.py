@@ -28,16 +28,18 @@ A decode step (one new token in every row) runs only device operations in a fixe
    returns unless its row completed a page, else ``kernels/reference.py``'s ``pack_completed_ref`` quantizes all rows
    and keeps the completed ones with ``torch.where``.
 
-With ``defer_values`` (set by :func:`kitty.hf.generate.generate_static` for its loop where
-``$KITTY_DEFER_VALUES=1``; off by default until timed on a GPU), stage 3 packs the keys alone and a value page is
-packed at the start of the next step, before its insert overwrites the value qbuffer's first slot: with ``R = G`` a
-row completes a key and a value page in the same step, and the two packs then fall in different steps. Between those
-two steps the value page is pending (its table entry -1, its tokens in the full value qbuffer, which the attention
-reads in full precision as in the completing step); :meth:`StaticKittyLayer.pack_pending_values` packs it, and the
-loop calls it whenever it hands the cache back (at every host read and at the end), so that no reader sees a pending
-page; a prompt packs it first too. A host flag says whether a deferred step ran since the last such pack (the pack
-reads the full value qbuffer, which a decode step fills but a prompt does not: a prompt packs its pages from its own
-tokens). ``torch.compile`` traces no deferred step (it refuses ``defer_values``).
+With ``defer_keys`` / ``defer_values`` (set by :func:`stagger_packs`, which :func:`kitty.hf.generate.generate_static`
+calls for its loop unless ``$KITTY_STAGGER_PACK=0``), stage 3 leaves that side of a completed page to the start of
+the next step, which packs it before its insert overwrites the qbuffer's first slot. With ``R = G`` a row completes a
+key and a value page in the same step; :func:`stagger_packs` defers the values on even layers and the keys on odd
+ones, so that each of the two steps packs about half of the pages. Between those two steps the page is pending (its
+table entry -1, its tokens in the full qbuffer, which the attention reads in full precision as in the completing
+step); :meth:`StaticKittyLayer.pack_pending` packs it, and the loop calls it whenever it hands the cache back (at
+every host read and at the end), so that no reader sees a pending page; a prompt packs it first too. A host flag per
+side says whether a deferred step ran since the last such pack (the pack reads the full qbuffer, which a decode step
+fills but a prompt does not: a prompt packs its pages from its own tokens). Keys are never deferred with a query
+channel selection (the next step's query would change the statistics the boost is chosen with).
+A step that ``torch.compile`` traces defers nothing (its stage 3 packs both sides).
 
 While ``torch.compile`` traces the step, the three stages are the ``kitty::`` custom ops of
 ``kitty.cache.custom_ops`` (opaque to the compiler, their mutations declared), called with arguments flattened once
@@ -65,7 +67,7 @@ import os
 import torch
 
 from .. import kernels
-from ..core.config import KVQuantConfig, is_int
+from ..core.config import QUERY_SELECTIONS, KVQuantConfig, is_int
 from ..core.memory import token_layout
 from ..core.pages import FixedPages, filled_pages
 from ..core.storage import ROW_FIELDS, KittyLayerState, PendingKV
@@ -76,24 +78,39 @@ from .backend import check_triton
 from .layer import PagedLayer
 
 __all__ = [
-    "DEFER_VALUES_ENV",
     "MERGE_INSIDE_ENV",
+    "STAGGER_PACK_ENV",
     "StaticKittyLayer",
     "check_static_args",
-    "defer_values_requested",
     "merge_inside_requested",
     "page_widths",
+    "stagger_packs",
+    "stagger_requested",
 ]
 
 MERGE_INSIDE_ENV = "KITTY_MERGE_INSIDE"
-DEFER_VALUES_ENV = "KITTY_DEFER_VALUES"
+STAGGER_PACK_ENV = "KITTY_STAGGER_PACK"
 
 
-def defer_values_requested() -> bool:
-    """Whether ``$KITTY_DEFER_VALUES=1`` asks :func:`kitty.hf.generate.generate_static`'s loop to pack each completed
-    value page at the start of the next decode step (``StaticKittyLayer.defer_values``; off by default until it is
-    timed on the GPU)."""
-    return os.environ.get(DEFER_VALUES_ENV, "0") == "1"
+def stagger_requested() -> bool:
+    """Whether :func:`kitty.hf.generate.generate_static`'s loop staggers the packs of a completed page over two
+    decode steps (:func:`stagger_packs`): ``$KITTY_STAGGER_PACK``, ``"0"`` or ``"1"`` (default ``"0"``)."""
+    value = os.environ.get(STAGGER_PACK_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"${STAGGER_PACK_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def stagger_packs(layers) -> list[StaticKittyLayer]:
+    """Spread the packs of the pages a step completes over that step and the next: of the static layers among
+    ``layers``, even ones (in order) defer their value pages and odd ones their key pages (their value pages where
+    the channel selection reads queries; only the fused backend defers). Returns the layers it set; the caller packs
+    what is pending whenever it hands the cache back and clears the flags (:meth:`StaticKittyLayer.pack_pending`)."""
+    static = [la for la in layers if isinstance(la, StaticKittyLayer)]
+    for i, layer in enumerate(static):
+        keys = i % 2 == 1 and layer.cfg.channel_selection not in QUERY_SELECTIONS
+        layer.defer_keys, layer.defer_values = keys, not keys
+    return static
 
 
 def merge_inside_requested() -> bool:
@@ -135,7 +152,8 @@ class StaticKittyLayer(PagedLayer):
     is_compileable = True
     # Launch.merge_inside for this layer's decode steps: None follows $KITTY_MERGE_INSIDE (set before the prompt)
     merge_inside: bool | None = None
-    # pack a completed value page at the start of the next decode step (module docstring), fused backend only
+    # pack a completed key (value) page at the start of the next decode step (module docstring), fused backend only
+    defer_keys: bool = False
     defer_values: bool = False
 
     def __init__(
@@ -152,7 +170,8 @@ class StaticKittyLayer(PagedLayer):
         self.key_width, self.value_width = page_widths(cfg, max_cache_len)
         page_ids = FixedPages(self.key_width, self.value_width)
         self._behind = False  # compiled steps ran since the host counters were last exact
-        self._values_pending = False  # a deferred step ran since the last pack of pending value pages
+        # a step that deferred its key (value) pages ran since the last pack of pending pages
+        self._keys_pending = self._values_pending = False
         self._seen, self._steps_done = 0, 0
         super().__init__(cfg, num_kv_heads, head_dim, layer_idx, backend, model_kv_heads, page_ids)
         self.max_cache_len, self.max_batch_size = max_cache_len, max_batch_size
@@ -218,7 +237,7 @@ class StaticKittyLayer(PagedLayer):
 
     def reset(self) -> None:
         """Drop every cached token (tensors kept, zeroed in place; the host counters need no catching up)."""
-        self._behind = self._values_pending = False
+        self._behind = self._keys_pending = self._values_pending = False
         super().reset()
         if self.is_initialized:
             self._column_offset.zero_()
@@ -287,8 +306,9 @@ class StaticKittyLayer(PagedLayer):
         self._catch_up()
         self._seen += steps
         self._steps_done += steps
-        if steps > 0 and self.defer_values:
-            self._values_pending = True
+        if steps > 0:
+            self._keys_pending |= self.defer_keys
+            self._values_pending |= self.defer_values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """Static sizes ``(max_cache_len, 0)``, as transformers' ``StaticLayer``."""
@@ -324,7 +344,7 @@ class StaticKittyLayer(PagedLayer):
         runs only device operations)."""
         if valid is not None:  # a prompt: host bookkeeping allowed
             self.check_append(valid)
-            self.pack_pending_values()  # before the prompt's tokens reuse the value qbuffer
+            self.pack_pending()  # before the prompt's tokens reuse the qbuffers
             out = self._attend_tokens(query, key_states, value_states, valid, scale)
             self.prepare_workspace(query.shape[1])
             return out
@@ -388,19 +408,16 @@ class StaticKittyLayer(PagedLayer):
         k, v = key_states[:, :, 0], value_states[:, :, 0]
         buffers = (self.lengths, self.sink_k, self.sink_v, self.k_qbuf, self.v_qbuf, self.v_local)
         if compiling():  # a traceable step (fused backend): no host work, the counters are derived when next read
-            if self.defer_values:
-                raise RuntimeError(
-                    "defer_values is for eager and captured steps: call pack_pending_values() and set it to False "
-                    "before compiling"
-                )
+            if self._keys_pending or self._values_pending:  # a compiled step defers nothing (stage 3 packs all)
+                raise RuntimeError("an eager step left pages pending: call pack_pending() before a compiled step")
             custom_ops.insert_token(k, v, *buffers)
             self._behind = True
             return
         self.check_room(1)
         if self.ops.fused_decode:
             check_triton(None, None, key_states.device)
-            if self.defer_values:  # stage 0: the value pages the previous step completed, before slot 0 is reused
-                self.pack_pending_values()  # (no undo: the page is packed from the full qbuffer, and stays right)
+            if self.defer_keys or self.defer_values:  # stage 0: the pages the previous step left, before slot 0 is
+                self.pack_pending()  # reused (no undo: the page is packed from the full qbuffer, and stays right)
             kernels.insert_token(k, v, *buffers)
             self.on_undo(self._undo_insert)
         else:
@@ -439,18 +456,20 @@ class StaticKittyLayer(PagedLayer):
             self.query_scale() if keys else None,
         )
 
-    def pack_pending_values(self) -> None:
-        """Pack every row's value qbuffer that the last decode step filled (``lengths`` as that step left them),
-        predicated on the device like stage 3, if a deferred step ran since the last call (a page packed again gets
-        the same bytes: the qbuffer has not changed). The start of a deferred step, and what makes a cache whose
-        steps deferred their value pages whole again."""
-        if self._values_pending and self.value_width and self.ops.fused_decode and self.is_initialized:
-            self.ops.pack_completed(*self._pack_args(keys=False), keys=False, values=True)
-        self._values_pending = False
+    def pack_pending(self) -> None:
+        """Pack every row's key and value qbuffers that the last decode step filled and left (``lengths`` as that
+        step left them), predicated on the device like stage 3, for each side a deferred step left since the last
+        call (a page packed again gets the same bytes: the qbuffer has not changed). The start of a deferred step,
+        and what makes a cache whose steps deferred pages whole again."""
+        keys = self._keys_pending and self.key_width > 0
+        values = self._values_pending and self.value_width > 0
+        if (keys or values) and self.ops.fused_decode and self.is_initialized:
+            self.ops.pack_completed(*self._pack_args(keys=keys), keys=keys, values=values)
+        self._keys_pending = self._values_pending = False
 
     def pack_filled(self, filled: None = None) -> None:
-        """Stage 3 of a decode step: pack the qbuffers that filled (the keys alone with ``defer_values``), every row
-        predicated on the device."""
+        """Stage 3 of a decode step: pack the qbuffers that filled (but the sides :attr:`defer_keys` /
+        :attr:`defer_values` leave to the next step), every row predicated on the device."""
         if self.key_width == 0:  # no row can ever complete a page
             return
         if compiling():  # a traceable step (the torch path's pack below is only reached eagerly)
@@ -459,11 +478,23 @@ class StaticKittyLayer(PagedLayer):
                                            self.v_page_table, self.layer_idx, self.query_scale())  # fmt: skip
             return
         self.on_undo(self._unpoint_completed)  # a packed page lies past the row's old pages: only tables change
-        deferring = self.defer_values and self.ops.fused_decode
-        self.ops.pack_completed(*self._pack_args(), values=not deferring)
-        if deferring:
-            before, self._values_pending = self._values_pending, True
-            self.on_undo(lambda: setattr(self, "_values_pending", before))
+        fused = self.ops.fused_decode
+        later_keys, later_values = self.defer_keys and fused, self.defer_values and fused
+        if later_keys and self.cfg.channel_selection in QUERY_SELECTIONS:
+            raise ValueError(
+                f"defer_keys: channel_selection={self.cfg.channel_selection!r} ranks key channels with the queries "
+                "seen so far, which the next step changes; defer the values only"
+            )
+        if not (later_keys and later_values):
+            self.ops.pack_completed(*self._pack_args(keys=not later_keys), keys=not later_keys, values=not later_values)
+        if later_keys or later_values:
+            before = self._keys_pending, self._values_pending
+            self._keys_pending |= later_keys
+            self._values_pending |= later_values
+            self.on_undo(lambda: self._set_pending(*before))
+
+    def _set_pending(self, keys: bool, values: bool) -> None:
+        self._keys_pending, self._values_pending = keys, values
 
     def _unpoint_completed(self) -> None:
         """Undo of :meth:`pack_filled` (``lengths`` still count the step's token): the completed pages' table

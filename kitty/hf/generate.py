@@ -554,19 +554,17 @@ def _static_chunks(
     def finished(i: int) -> bool:  # one host read every check_every steps
         return bool(eos) and (i % check_every == 0) and bool(done.all())
 
-    from ..cache.static import StaticKittyLayer, defer_values_requested
+    from ..cache.static import stagger_packs, stagger_requested
 
-    # $KITTY_DEFER_VALUES=1: each completed value page is packed at the start of the next step (StaticKittyLayer.
-    # defer_values); whenever the loop hands the cache back (every yield, the end) it packs what is pending first
-    deferring = [la for la in cache.layers if isinstance(la, StaticKittyLayer)] if defer_values_requested() else []
+    # $KITTY_STAGGER_PACK=1: the packs of the pages a step completes spread over it and the next step (stagger_packs);
+    # whenever the loop hands the cache back (every yield, the end) it packs what is pending first
+    deferring = stagger_packs(cache.layers) if stagger_requested() else []
 
     def handed_back() -> tuple[torch.Tensor, int]:
         for layer in deferring:  # (each layer knows whether a deferred step ran since it last packed)
-            layer.pack_pending_values()
+            layer.pack_pending()
         return out, ran + 1
 
-    for layer in deferring:
-        layer.defer_values = True
     try:
         if capture and steps > warmup:
             side = torch.cuda.Stream(device)
@@ -598,5 +596,5 @@ def _static_chunks(
         yield handed_back()
     finally:
         for layer in deferring:
-            layer.pack_pending_values()
-            layer.defer_values = False
+            layer.pack_pending()
+            layer.defer_keys = layer.defer_values = False
