@@ -372,7 +372,7 @@ def fill_static(method: str, model, lengths: list[int], context: int, extra: int
 
 def page_steps(method: str, lengths: list[int], steps: int) -> list[bool]:
     """Whether decode step i (0-based) packs a key or value page in some row (kitty methods): the step that
-    completes it, and with ``$KITTY_STAGGER_PACK=1`` the step after too."""
+    completes it, and unless ``$KITTY_STAGGER_PACK=0`` the step after too."""
     if method.startswith("fp16"):
         return [False] * steps
     from kitty.cache.static import stagger_requested
@@ -433,7 +433,7 @@ def static_decode(
 
     from kitty.cache.static import stagger_packs, stagger_requested
 
-    if stagger_requested():  # $KITTY_STAGGER_PACK=1: a page's packs over two steps, as generate_static's loop does
+    if stagger_requested():  # a page's packs over two steps, as generate_static's loop does
         stagger_packs(getattr(cache, "layers", []))
     graph = None
     side = torch.cuda.Stream()

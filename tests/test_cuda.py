@@ -229,7 +229,7 @@ def eager_and_captured(cfg, new: int = 140, backend: str = "auto"):
 
 @pytest.mark.parametrize("preset", ["kitty", "kitty-query"])
 def test_staggered_packs_match_the_plain_loop(preset, monkeypatch):
-    """``$KITTY_STAGGER_PACK=1``: the captured loop with each page's packs spread over two steps gives the plain
+    """``$KITTY_STAGGER_PACK`` (default 1): the captured loop with each page's packs spread over two steps gives the plain
     loop's tokens and hands back the same cache bytes (keys deferred on odd layers but with a query selection)."""
     runs = {}
     for stagger in ("0", "1"):

@@ -171,7 +171,7 @@ def test_deferred_keys_refused_with_a_query_selection():
 
 
 def test_generate_static_staggers_packs_on_request(monkeypatch):
-    """``$KITTY_STAGGER_PACK=1``: ``generate_static``'s loop defers the value pages of even layers and the key pages
+    """``$KITTY_STAGGER_PACK`` (default 1): ``generate_static``'s loop defers the value pages of even layers and the key pages
     of odd ones to the next step, gives the tokens of the loop that does not, and hands back a cache whose every
     tensor equals that loop's cache's; any other value than 0 or 1 is refused."""
     from fixtures import tiny_model

@@ -94,8 +94,8 @@ STAGGER_PACK_ENV = "KITTY_STAGGER_PACK"
 
 def stagger_requested() -> bool:
     """Whether :func:`kitty.hf.generate.generate_static`'s loop staggers the packs of a completed page over two
-    decode steps (:func:`stagger_packs`): ``$KITTY_STAGGER_PACK``, ``"0"`` or ``"1"`` (default ``"0"``)."""
-    value = os.environ.get(STAGGER_PACK_ENV, "0")
+    decode steps (:func:`stagger_packs`): ``$KITTY_STAGGER_PACK``, ``"0"`` or ``"1"`` (default ``"1"``)."""
+    value = os.environ.get(STAGGER_PACK_ENV, "1")
     if value not in ("0", "1"):
         raise ValueError(f"${STAGGER_PACK_ENV} must be 0 or 1, got {value!r}")
     return value == "1"

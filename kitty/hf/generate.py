@@ -556,7 +556,7 @@ def _static_chunks(
 
     from ..cache.static import stagger_packs, stagger_requested
 
-    # $KITTY_STAGGER_PACK=1: the packs of the pages a step completes spread over it and the next step (stagger_packs);
+    # the packs of the pages a step completes spread over it and the next (stagger_packs; $KITTY_STAGGER_PACK=0: not);
     # whenever the loop hands the cache back (every yield, the end) it packs what is pending first
     deferring = stagger_packs(cache.layers) if stagger_requested() else []
 
