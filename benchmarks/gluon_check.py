@@ -3,11 +3,11 @@
     python -m benchmarks.gluon_check [--out DIR] [--shapes 8x32768,...] [--check-budget-s 250] [--deadline-s 450]
 
 One GPU call of at most ~8 minutes (the deadlines cut what does not fit and say so in the output):
-1. Correctness (``layout_sweep.py``'s cases and tolerance rule, both ``full_qbuffer`` layouts, one- and two-part key
-   operands, 1 to 40 splits): ``max|out - ref| <= 2 max|pt - ref| + floor``.
+1. Correctness (``layout_sweep.py``'s cases and tolerance rule, both ``full_qbuffer`` layouts, 1 to 40 splits):
+   ``max|out - ref| <= 2 max|pt - ref| + floor``.
 2. Timing (CUDA-graph replays over rotating inputs larger than L2, ``benchmarks/kernels.py``): every SDPA backend for
-   FP16 (the fastest is the baseline), the tl kernel's default launch, the Gluon kernel over programs per SM and the
-   operand choice, for kitty and kitty-pro, fp16 and bf16.
+   FP16 (the fastest is the baseline), the tl kernel's default launch, the Gluon kernel over programs per SM, for
+   kitty and kitty-pro, fp16 and bf16.
 
 Writes ``gluon_check.json`` and ``gluon_check.md`` to ``--out``.
 """
@@ -39,16 +39,14 @@ EXTRA_CASES = [("kitty-pro", 8, 64, {}), ("kitty", 1, 128, {}), ("kitty-pro", 3,
 
 
 def check(results: dict, t0: float, budget_s: float, variants: bool = False) -> bool:
-    """Every case in three passes, the most telling first (each pass compiles one kernel per case): full_qbuffer
-    with the two-part operand over 1, 3, 7 and 40 splits (40: the two-level merge) and with the full-precision
-    chunks on their own splits (8 splits of which 3 tail splits, 40 of which 4), then the other qbuffer layout,
-    then the one-part operand. Launches are ``(two_part, splits, tail_splits)``. Cases past ``budget_s`` are
-    recorded as skipped. ``variants``: the first pass only."""
+    """Every case in two passes, the most telling first (each pass compiles one kernel per case): full_qbuffer over
+    1, 3, 7 and 40 splits (40: the two-level merge) and with the full-precision chunks on their own splits (8 splits
+    of which 3 tail splits, 40 of which 4), then the other qbuffer layout. Launches are ``(splits, tail_splits)``.
+    Cases past ``budget_s`` are recorded as skipped. ``variants``: the first pass only."""
     ok_all = True
     passes = [
-        (True, ((True, 3, 0), (True, 1, 0), (True, 7, 0), (True, 40, 0), (True, 8, 3), (True, 40, 4))),
-        (False, ((True, 3, 0), (True, 40, 0), (True, 8, 3))),
-        (True, ((False, 3, 0),)),
+        (True, ((3, 0), (1, 0), (7, 0), (40, 0), (8, 3), (40, 4))),
+        (False, ((3, 0), (40, 0), (8, 3))),
     ]
     if variants:
         passes = passes[:1]
@@ -73,9 +71,9 @@ def check(results: dict, t0: float, budget_s: float, variants: bool = False) -> 
         ref = decode_attention_ref(q, state, cfg, upcast=True, full_qbuffer=fq).float()
         pt = decode_attention_ref(q, state, cfg, upcast=False, full_qbuffer=fq).float()
         tol = attention_tolerance(ref, pt, dtype)
-        for two, splits, tail in launches:
-            name = f"two={int(two)} splits={splits}" + (f" tail={tail}" if tail else "")
-            launch = GluonLaunch(splits, two, tail_splits=tail)
+        for splits, tail in launches:
+            name = f"splits={splits}" + (f" tail={tail}" if tail else "")
+            launch = GluonLaunch(splits, tail_splits=tail)
             try:
                 ws = {}
                 out = decode_attention_gluon(q, state, cfg, full_qbuffer=fq, workspace=ws, launch=launch).float()
@@ -164,27 +162,25 @@ def main() -> None:
             t = kb.bench([lambda i=i: decode_attention_triton(qs[i], states[i], cfg) for i in range(nrot)])
             row("tl default", t)
             ws = [{} for _ in range(nrot)]
-            # (ctas_per_sm, two_part, min_pages, tail_splits, GluonLaunch overrides)
-            launches = [(cps, two, 2, 0, {}) for cps, two in ((8, True), (4, True), (16, True), (8, False))]
+            # (ctas_per_sm, min_pages, tail_splits, GluonLaunch overrides)
+            launches = [(cps, 2, 0, {}) for cps in (8, 4, 16)]
             if B * HKV <= 16:  # small batch: one page per program, the full-precision chunks on programs of their own
-                launches += [(8, True, 1, 4, {}), (8, True, 1, 8, {})]
+                launches += [(8, 1, 4, {}), (8, 1, 8, {})]
             else:  # lower register caps: 10 or 11 one-warp programs per SM instead of 8 (spill-free, CPU-compiled)
-                launches += [(10, True, 2, 0, {"maxnreg": 200}), (11, True, 2, 0, {"maxnreg": 176})]
+                launches += [(10, 2, 0, {"maxnreg": 200}), (11, 2, 0, {"maxnreg": 176})]
             if args.variants:  # the default launch (tail None: its own) against the previous one: no prefetch and,
                 # at small batch, 4 tail programs with the sink on split 0
                 small = B * HKV <= 16
                 old = {"prefetch": False}
                 mp = 1 if small else 2
-                launches = [(8, True, mp, 4 if small else 0, old), (8, True, mp, None, {})]
-            for cps, two, min_pages, tail, over in launches:
-                if time.time() - t0 > args.deadline_s or (time.time() - t0 > args.budget_s and (cps, two) != (8, True)):
+                launches = [(8, mp, 4 if small else 0, old), (8, mp, None, {})]
+            for cps, min_pages, tail, over in launches:
+                if time.time() - t0 > args.deadline_s or (time.time() - t0 > args.budget_s and cps != 8):
                     continue
                 gl_launch = default_gluon_launch(B, HKV, units, torch.device("cuda"), cps, min_pages)
                 pages_splits = gl_launch.num_splits - gl_launch.tail_splits  # the default's own tail replaced
                 tail = gl_launch.tail_splits if tail is None else tail
-                gl_launch = dataclasses.replace(
-                    gl_launch, key_two_part=two, num_splits=pages_splits + tail, tail_splits=tail, **over
-                )
+                gl_launch = dataclasses.replace(gl_launch, num_splits=pages_splits + tail, tail_splits=tail, **over)
                 ws = [{} for _ in range(nrot)]
                 try:
                     t = kb.bench(
@@ -194,10 +190,10 @@ def main() -> None:
                         ]
                     )
                 except Exception as e:  # noqa: BLE001
-                    kb.log(f"  {tag} gluon cps={cps} two={two}: failed {type(e).__name__}: {str(e)[:200]}")
+                    kb.log(f"  {tag} gluon cps={cps}: failed {type(e).__name__}: {str(e)[:200]}")
                     continue
                 splits = gl_launch.num_splits
-                row("gluon", t, ctas_per_sm=cps, two_part=two, splits=splits, tail_splits=tail, **over)
+                row("gluon", t, ctas_per_sm=cps, splits=splits, tail_splits=tail, **over)
             states = qs = None
             torch.cuda.empty_cache()
         kb.write(results)
@@ -220,7 +216,7 @@ def write_markdown(results: dict, out: str) -> None:
             continue
         best = results["fastest_fp16"].get(f"{r['B']},{r['L']}", {})
         defaults = {"tail_splits": 0, "maxnreg": 255, "prefetch": True}  # shown when not these
-        keys = ("ctas_per_sm", "two_part", "splits", "tail_splits", "maxnreg", "prefetch")
+        keys = ("ctas_per_sm", "splits", "tail_splits", "maxnreg", "prefetch")
         extra = " ".join(f"{k}={r[k]}" for k in keys if k in r and r[k] != defaults.get(k))
         lines.append(
             f"| ({r['B']}, {r['L']}) | {best.get('name')} {best.get('us', 0):.1f} | {r['method']} {extra} | "

@@ -1,7 +1,7 @@
 """Compile the Gluon decode kernel for sm_90 (no GPU needed) and count its page loop's SASS.
 
     PYTHONPATH=.ci/envs/triton-3.6 python benchmarks/gluon_sass.py [--preset kitty] [--dtype float16] [--gqa 4]
-        [--head-dim 128] [--one-part] [--json]
+        [--head-dim 128] [--json]
 
 Prints (or writes as JSON) registers, spill/local-memory instructions, shared-memory instructions, the hot loop's
 SASS count and SASS per cached element (a page is G tokens x D channels of keys and of values), and its integer
@@ -72,7 +72,6 @@ def compile_gluon(
     dtype: torch.dtype,
     gqa: int = 4,
     D: int = 128,
-    two_part: bool = True,
     one_split: bool = False,
     prefetch: bool = True,
 ) -> dict:
@@ -82,7 +81,7 @@ def compile_gluon(
     launch's ``prefetch`` (pages into L2 one ahead; on by default, as in the wrapper)."""
     cfg = PRESETS[preset]
     tdt = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-    consts = dg.gluon_constants(cfg, D, gqa, dtype, GluonLaunch(1, two_part, prefetch=prefetch), full_qbuffer=True)
+    consts = dg.gluon_constants(cfg, D, gqa, dtype, GluonLaunch(1, prefetch=prefetch), full_qbuffer=True)
     high = {1: "u8", 2: "i16"}.get(consts["NB4"], "i32")
     fn = dg._decode_gluon_kernel
     if one_split:
@@ -112,7 +111,6 @@ def compile_gluon(
         "dtype": tdt,
         "gqa": gqa,
         "D": D,
-        "two_part": two_part,
         "prefetch": prefetch,
         "regs": getattr(k.metadata, "num_regs", None) or _regs(k),
         "spills": None,
@@ -137,7 +135,6 @@ def main() -> None:
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--gqa", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--one-part", action="store_true")
     ap.add_argument("--one-split", action="store_true", help="as the JIT compiles a one-split launch")
     ap.add_argument(
         "--no-prefetch", action="store_true", help="without the launch's prefetch (pages into L2 one ahead)"
@@ -149,7 +146,6 @@ def main() -> None:
         getattr(torch, args.dtype),
         args.gqa,
         args.head_dim,
-        not args.one_part,
         args.one_split,
         not args.no_prefetch,
     )

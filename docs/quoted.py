@@ -411,7 +411,8 @@ def gpu_gluon() -> str:
     best: dict[tuple[int, int, str], dict] = {}
     for r in d["timing"]:
         parts = r["method"].split()
-        if len(parts) >= 3 and parts[2] in ("gluon", "tl") and r.get("two_part", True):  # the default operand
+        # r.get("two_part"): older runs also timed a one-part key operand (an option since removed)
+        if len(parts) >= 3 and parts[2] in ("gluon", "tl") and r.get("two_part", True):
             key = (r["B"], r["L"], " ".join(parts[:2]) + " " + parts[2])
             if key not in best or r["us"] < best[key]["us"]:
                 best[key] = r
@@ -439,9 +440,10 @@ def gpu_gluon() -> str:
         f"`{RESULTS['gluon_check']}` ({d['env']['gpu']}, triton {d['env']['triton']}, {d['env']['date']}): the "
         f"Gluon kernel passed the tolerance rule in {sum(bool(v['ok']) for v in ran)} of the {len(ran)} cases it "
         f"ran ({skipped} more were cut by the call's time budget; {unsupported} are configs it does not handle, "
-        "which run the `tl` kernel). Each Gluon cell is the fastest launch timed at that shape with the default "
-        "two-part `q · scale`; at batch 1 that is one page per program plus 4 programs for the full-precision "
-        "chunks, the small-batch default of that day (`docs/GLUON.md` has the H100 table of today's default)."
+        "which run the `tl` kernel). Each Gluon cell is the fastest launch timed at that shape with the two-part "
+        "`q · scale` (that run also timed a one-part one, an option since removed); at batch 1 that is one page per "
+        "program plus 4 programs for the full-precision chunks, the small-batch default of that day (`docs/GLUON.md` "
+        "has the H100 table of today's default)."
     )
     return table(header, body, "lrrrrrr") + "\n\n" + note
 

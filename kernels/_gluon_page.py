@@ -47,28 +47,24 @@ def _key_operand(
     D: gl.constexpr,
     D4: gl.constexpr,
     NK: gl.constexpr,
-    TWO: gl.constexpr,
     IS_BF16: gl.constexpr,
     DOT: gl.constexpr,
     MMA: gl.constexpr,
     DA: gl.constexpr,
 ):
-    """Per key page: ``B`` ``(D, N)``, ``q4 * scale`` at the permuted channels as its 16-bit rounding and
-    remainder, or the rounding and a zero column (packed 16-bit math, ``OPERAND_ASM_*``)."""
+    """Per key page: ``B`` ``(D, N)``, ``q4 * scale`` at the permuted channels as its 16-bit rounding (even
+    columns) and remainder (odd columns), packed 16-bit math (``OPERAND_ASM_*``)."""
     OUT: gl.constexpr = kk.type.layout
     sc = channel_vector(scale_ptr, meta, D4, OUT, True)  # q4 is in adjacent_channel order too
     scb, _ = gl.broadcast(sc[:, None], q4)
-    if TWO:
-        if IS_BF16:
-            bop = gl.inline_asm_elementwise(
-                OPERAND_ASM_BF16, "=r,r,r,r", [q4, scb, mneg], dtype=gl.bfloat16, is_pure=True, pack=2
-            )
-        else:
-            bop = gl.inline_asm_elementwise(
-                OPERAND_ASM_F16, "=r,r,r,r", [q4, scb, mneg], dtype=gl.float16, is_pure=True, pack=2
-            )
+    if IS_BF16:
+        bop = gl.inline_asm_elementwise(
+            OPERAND_ASM_BF16, "=r,r,r,r", [q4, scb, mneg], dtype=gl.bfloat16, is_pure=True, pack=2
+        )
     else:
-        bop = mul16(q4, scb, IS_BF16)  # q4 is zero in the pad columns
+        bop = gl.inline_asm_elementwise(
+            OPERAND_ASM_F16, "=r,r,r,r", [q4, scb, mneg], dtype=gl.float16, is_pure=True, pack=2
+        )
     return adjacent_to_low(bop, D4)
 
 
@@ -169,7 +165,6 @@ def _quant_scores(
     NWH: gl.constexpr,
     RW: gl.constexpr,
     NK: gl.constexpr,
-    PK: gl.constexpr,
     IS_BF16: gl.constexpr,
     MMA: gl.constexpr,
     DA: gl.constexpr,
@@ -185,9 +180,9 @@ def _quant_scores(
         ah = unpack_high(high_ptr, (kpage * G + 32 * c) * RW, 32, NWH, RW, IS_BF16, DA, TOKPERM)
         acc = mma_v2(ah, bh, acc)
     if IS_BF16:
-        s = merge_parts(acc, PK) * qk_scale
+        s = merge_parts(acc) * qk_scale
     else:
-        s = merge_parts(acc, PK) * (qk_scale * 16777216.0)
+        s = merge_parts(acc) * (qk_scale * 16777216.0)
     return gl.convert_layout(s, LS)  # in the softmax's layout
 
 
@@ -199,7 +194,6 @@ def _fp_scores(
     qk_scale,
     D: gl.constexpr,
     NK: gl.constexpr,
-    PK: gl.constexpr,
     DOT: gl.constexpr,
     MMA: gl.constexpr,
     DA: gl.constexpr,
@@ -213,7 +207,7 @@ def _fp_scores(
     d = gl.arange(0, D, gl.SliceLayout(0, LK))
     k = gl.load(rk[:, None] + d[None, :], mask=okk[:, None], other=0.0)
     acc = mma_v2(gl.convert_layout(k.to(DOT), DA), q_nat, gl.zeros([32, NK], gl.float32, MMA))
-    s = gl.convert_layout(merge_parts(acc, PK) * qk_scale, LS)
+    s = gl.convert_layout(merge_parts(acc) * qk_scale, LS)
     return gl.where(ok[:, None], s, float("-inf"))
 
 
@@ -323,14 +317,13 @@ def _store_out(out_ptr, so_h, QH, M, L, O, BH: gl.constexpr, D: gl.constexpr):
 def _key_page_terms(
     q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, kpage, kk, ak, ah,
     D: gl.constexpr, D4: gl.constexpr, KH: gl.constexpr, NK: gl.constexpr, NB: gl.constexpr,
-    NB4: gl.constexpr, TWO: gl.constexpr, IS_BF16: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr,
+    NB4: gl.constexpr, IS_BF16: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr,
     DA: gl.constexpr, DB: gl.constexpr,
 ):  # fmt: skip
     """A quantized key page's operands: the low plane's ``bop``, the high plane's ``bh`` (one-hot gather) and the
     ``(32, N)`` initial accumulator holding the per-column term (bf16: with the offsets' share, ``ak`` and ``ah``
     the ``_offset_tile`` A operands of the low and high plane; unused for fp16)."""
-    bop = _key_operand(q4, qz, mneg, k_scale_ptr, k_zero_ptr, kpage * D, kk, D, D4, NK, TWO, IS_BF16, DOT, MMA,
-                       DA)  # fmt: skip
+    bop = _key_operand(q4, qz, mneg, k_scale_ptr, k_zero_ptr, kpage * D, kk, D, D4, NK, IS_BF16, DOT, MMA, DA)
     init = gl.zeros([16, NK], gl.float32, MMA)
     if IS_BF16:
         init = mma_v2(ak, bop, init)  # -sum_k off_k bop[k, :], every row
@@ -349,7 +342,7 @@ def _key_page_terms(
 def _key_page_scores(
     q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, kk, ak, ah, qk_scale,
     G: gl.constexpr, D: gl.constexpr, D4: gl.constexpr, KH: gl.constexpr, NK: gl.constexpr, NB: gl.constexpr,
-    NB4: gl.constexpr, NWH: gl.constexpr, RW: gl.constexpr, PK: gl.constexpr, TWO: gl.constexpr,
+    NB4: gl.constexpr, NWH: gl.constexpr, RW: gl.constexpr,
     IS_BF16: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr,
     LS: gl.constexpr,
 ):  # fmt: skip
@@ -357,14 +350,14 @@ def _key_page_scores(
     ``c``: token ``32 c + token_perm(r)``): the key operands of the page (``_key_page_terms``), then the low (and
     high) plane codes against them."""
     bop, bh, c0 = _key_page_terms(q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, kpage, kk, ak, ah, D, D4, KH, NK,
-                                  NB, NB4, TWO, IS_BF16, DOT, MMA, DA, DB)  # fmt: skip
-    s0 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, 0, G, D4, NB, NWH, RW, NK, PK,
+                                  NB, NB4, IS_BF16, DOT, MMA, DA, DB)  # fmt: skip
+    s0 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, 0, G, D4, NB, NWH, RW, NK,
                         IS_BF16, MMA, DA, LS, True)  # fmt: skip
-    s1 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, 1, G, D4, NB, NWH, RW, NK, PK,
+    s1 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, 1, G, D4, NB, NWH, RW, NK,
                         IS_BF16, MMA, DA, LS, True)  # fmt: skip
-    s2 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, 2, G, D4, NB, NWH, RW, NK, PK,
+    s2 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, 2, G, D4, NB, NWH, RW, NK,
                         IS_BF16, MMA, DA, LS, True)  # fmt: skip
-    s3 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, 3, G, D4, NB, NWH, RW, NK, PK,
+    s3 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, 3, G, D4, NB, NWH, RW, NK,
                         IS_BF16, MMA, DA, LS, True)  # fmt: skip
     return s0, s1, s2, s3
 
@@ -373,13 +366,13 @@ def _key_page_scores(
 def _key_chunk_scores(
     q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, c, kk, ak, ah, qk_scale,
     G: gl.constexpr, D: gl.constexpr, D4: gl.constexpr, KH: gl.constexpr, NK: gl.constexpr, NB: gl.constexpr,
-    NB4: gl.constexpr, NWH: gl.constexpr, RW: gl.constexpr, PK: gl.constexpr, TWO: gl.constexpr,
+    NB4: gl.constexpr, NWH: gl.constexpr, RW: gl.constexpr,
     IS_BF16: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr,
     LS: gl.constexpr,
 ):  # fmt: skip
     """Scores of the 32 tokens ``32 c ..`` of a quantized key page (a page whose values are still in full
     precision): the page's key operands are built for this one chunk."""
     bop, bh, c0 = _key_page_terms(q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, kpage, kk, ak, ah, D, D4, KH, NK,
-                                  NB, NB4, TWO, IS_BF16, DOT, MMA, DA, DB)  # fmt: skip
-    return _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, c, G, D4, NB, NWH, RW, NK, PK,
+                                  NB, NB4, IS_BF16, DOT, MMA, DA, DB)  # fmt: skip
+    return _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, c, G, D4, NB, NWH, RW, NK,
                          IS_BF16, MMA, DA, LS, False)  # fmt: skip

@@ -273,12 +273,11 @@ def rescale(acc, a, PV: gl.constexpr):
 
 
 @gluon.jit
-def merge_parts(s, PK: gl.constexpr):
-    """``(T, BH PK) -> (T, BH)``: the two columns of a head added (two-part operand, or its zero pad)."""
-    if PK == 2:
-        a, b = gl.split(gl.reshape(s, [s.shape[0], s.shape[1] // 2, 2]))
-        s = a + b
-    return s
+def merge_parts(s):
+    """``(T, 2 BH) -> (T, BH)``: the two columns of a head added (the key operand's rounding and remainder, or a
+    head's column and its zero pad)."""
+    a, b = gl.split(gl.reshape(s, [s.shape[0], s.shape[1] // 2, 2]))
+    return a + b
 
 
 @gluon.jit
@@ -336,7 +335,7 @@ IDX_F16_ASM = gl.constexpr(
     "lop3.b32 $1, h, 0x00FF00FF, 0x64006400, 0xEA; }"
 )
 EQ_ASM = gl.constexpr("set.eq.f16x2.f16x2 $0, $1, $2;")
-# 16-bit packed product (the one-part key operand, the high operand's units)
+# 16-bit packed product (the high operand's units)
 MUL_ASM_F16 = gl.constexpr("mul.rn.f16x2 $0, $1, $2;")
 MUL_ASM_BF16 = gl.constexpr("mul.rn.bf16x2 $0, $1, $2;")
 ONE_BITS = 0x3C00  # a one-hot entry: fp16 1.0, read as bf16 2^-7

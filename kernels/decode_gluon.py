@@ -12,11 +12,12 @@ quantized pages (``GluonLaunch.tail_splits`` can give the chunks, and then the s
 token chunks (key low plane, then the boosted channels' high plane, ``kernels/_gluon_parts.py`` ``unpack_low`` /
 ``unpack_high``: the unpacked codes land in the A fragment with ``assert_trivial``), one softmax step, then ``(32
 channels, N) += value codes (32, 128) @ (p * scale) (128, N)`` per channel chunk. ``N`` is the small side: the query
-heads of the KV head, padded to 4 or 8, twice with the two-part key operand. The permutation the unpack gives the
-reduction axis (``kernels/gluon_launch.py``) is applied to the small operands: key scales, zeros and boost slots are
-read at the permuted channels; the score rows are permuted (``token_perm``) and ``p`` goes to the value operand's K
-order through shared memory (not codes). Zero points, bf16 offsets and the fp16 unit fold into per-page terms: the
-scores' initial accumulator (a tensor-core product), and the value zero term per head.
+heads of the KV head, padded to 4 or 8, twice (the key operand ``q * scale`` as its 16-bit rounding and remainder).
+The permutation the unpack gives the reduction axis (``kernels/gluon_launch.py``) is applied to the small operands:
+key scales, zeros and boost slots are read at the permuted channels; the score rows are permuted (``token_perm``) and
+``p`` goes to the value operand's K order through shared memory (not codes). Zero points, bf16 offsets and the fp16
+unit fold into per-page terms: the scores' initial accumulator (a tensor-core product), and the value zero term per
+head.
 
 Which kernel runs is decided in ``kitty/cache/backend.py`` by ``gluon_launch.gluon_supports``; this file is imported
 only where triton 3.6's Gluon is available.
@@ -116,13 +117,13 @@ def _decode_gluon_kernel(
     v_scale_ptr, v_zero_ptr, Hkv, QH, NUM_SPLITS, MERGE_GROUP, TAIL, qk_scale, sq_b, sq_h, so_b, so_h, ssk_b, ssk_h,
     ssv_b, ssv_h, skq_b, skq_h, svq_b, svq_h, svl_b, svl_h, spk_b, spv_b, S: gl.constexpr, G: gl.constexpr,
     R: gl.constexpr, D: gl.constexpr, NB: gl.constexpr, NB4: gl.constexpr, NWH: gl.constexpr, RW: gl.constexpr,
-    BH: gl.constexpr, TWO: gl.constexpr, IS_BF16: gl.constexpr, FULL_QBUF: gl.constexpr, PREFETCH: gl.constexpr
+    BH: gl.constexpr, IS_BF16: gl.constexpr, FULL_QBUF: gl.constexpr, PREFETCH: gl.constexpr
 ):
     gl.static_assert(G == 128, "pages of 128 tokens: four chunks of 32")
     D4: gl.constexpr = D // 4
     NCH: gl.constexpr = D // 32  # value channel chunks
     KH: gl.constexpr = 16 * NWH
-    PK: gl.constexpr = 2 if (TWO or BH == 4) else 1
+    PK: gl.constexpr = 2  # key product columns per head: q * scale's 16-bit rounding and its remainder
     NK: gl.constexpr = BH * PK
     PV: gl.constexpr = 2 if BH == 4 else 1
     NV: gl.constexpr = BH * PV
@@ -199,8 +200,6 @@ def _decode_gluon_kernel(
         q4 = q_perm
     else:  # the unit 4^-s of field s folded into q (exact unless q4 is subnormal)
         q4 = (q_perm.to(gl.float32) * gl.exp2(-2.0 * (kk // D4).to(gl.float32))[:, None]).to(DOT)
-    if not TWO:
-        q4 = gl.where(part[None, :] == 0, q4, 0.0).to(DOT)
     mneg, _ = gl.broadcast(gl.where(part == 1, -1.0, 0.0).to(DOT)[None, :], q4)  # -1 in remainder columns
     # the zero term's operand: q at zero_channel, column t * NK + n (half t of the channels), zero in part-1 columns
     kz = gl.arange(0, D // 2, gl.SliceLayout(1, DB))
@@ -287,10 +286,10 @@ def _decode_gluon_kernel(
             ak, ah = _offset_operands(offk, kk, KH, D4, IS_BF16, DOT, DA)
             s = _key_chunk_scores(
                 q4buf.load(DB), qzbuf.load(DB), mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage,
-                i % 4, kk, ak, ah, qk_scale, G, D, D4, KH, NK, NB, NB4, NWH, RW, PK, TWO, IS_BF16, DOT, MMA, DA, DB, LS
+                i % 4, kk, ak, ah, qk_scale, G, D, D4, KH, NK, NB, NB4, NWH, RW, IS_BF16, DOT, MMA, DA, DB, LS
             )
         else:
-            s = _fp_scores(krow, ok, qnbuf.load(DB), qk_scale, D, NK, PK, DOT, MMA, DA, LS)
+            s = _fp_scores(krow, ok, qnbuf.load(DB), qk_scale, D, NK, DOT, MMA, DA, LS)
         m_new = gl.maximum(m_i, gl.max(s, 0))
         m_safe = gl.where(m_new > float("-inf"), m_new, 0.0)
         alpha = gl.exp2(m_i - m_safe)
@@ -329,7 +328,7 @@ def _decode_gluon_kernel(
         ak, ah = _offset_operands(offk, kk, KH, D4, IS_BF16, DOT, DA)
         s0, s1, s2, s3 = _key_page_scores(
             q4buf.load(DB), qzbuf.load(DB), mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, kk,
-            ak, ah, qk_scale, G, D, D4, KH, NK, NB, NB4, NWH, RW, PK, TWO, IS_BF16, DOT, MMA, DA, DB, LS
+            ak, ah, qk_scale, G, D, D4, KH, NK, NB, NB4, NWH, RW, IS_BF16, DOT, MMA, DA, DB, LS
         )
         m_new = gl.maximum(m_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), 0))
         alpha = gl.exp2(m_i - m_new)

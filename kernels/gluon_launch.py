@@ -26,8 +26,8 @@ GLUON_TRITON = "3.6"  # the triton release the Gluon kernel was written and comp
 @dataclass(frozen=True)
 class GluonLaunch:
     """How the Gluon kernel is launched: ``num_splits`` one-warp programs per (row, KV head), each streaming a
-    contiguous run of pages with its own softmax state; ``key_two_part``: ``q * scale`` carried as its fp16/bf16
-    rounding and remainder (twice the key product's columns, as accurate as dequantizing first); ``merge_group``:
+    contiguous run of pages with its own softmax state (the key operand ``q * scale`` carried as its fp16/bf16
+    rounding and remainder: twice the key product's columns, as accurate as dequantizing first); ``merge_group``:
     splits per first-level merge (0: :func:`merge_group` picks ~sqrt(num_splits)), so that no program merges more
     than ~2 sqrt(num_splits) partials one after another; ``tail_splits``: the last ``tail_splits`` of the
     ``num_splits`` programs of a (row, KV head) share its full-precision chunks (qbuffers, local window: up to ~12
@@ -39,7 +39,6 @@ class GluonLaunch:
     of every line of the next key and value page)."""
 
     num_splits: int
-    key_two_part: bool = True
     merge_group: int = 0
     tail_splits: int = 0
     maxnreg: int = 255
@@ -256,7 +255,6 @@ def gluon_constants(
         NWH=max(1, nb4 // 4),
         RW=nb4 // 4 if nb4 % 4 == 0 else 1,
         BH=heads_block(group),
-        TWO=bool(launch.key_two_part),
         IS_BF16=dtype == torch.bfloat16,
         FULL_QBUF=bool(full_qbuffer),
         PREFETCH=bool(launch.prefetch),

@@ -8,8 +8,8 @@
   compiles for sm_90 (so every ``assert_trivial`` conversion holds), the page loop has no STS/LDS of codes, no
   variant spills (at the wrapper's cap of 255, and at a cap of 176: <= 180 registers), and kitty fp16's page loop
   is within 1.5 SASS per element and 0.7 on the ALU pipe.
-- The page-math model: the kernel's operands bit by bit (unpack, two-part key operand, one-hot gather, units and
-  offsets, zero term, token order) against kitty's dequantized pages.
+- The page-math model: the kernel's operands bit by bit (unpack, the key operand's rounding and remainder, one-hot
+  gather, units and offsets, zero term, token order) against kitty's dequantized pages.
 - ``backend="auto"`` never picks the Gluon kernel on the CPU.
 """
 
@@ -406,7 +406,7 @@ def high_unit_model(s: np.ndarray, bf16: bool) -> np.ndarray:
     return np.full(s.shape, 512.0) if bf16 else 4.0 ** (s + 1.0)
 
 
-def key_scores_model(page, q: np.ndarray, bf16: bool, two_part: bool = True) -> np.ndarray:
+def key_scores_model(page, q: np.ndarray, bf16: bool) -> np.ndarray:
     """``q . k`` for every token of a key page as the kernel computes it: the A fragments of the low and high
     planes (bit models above), the small operand ``q4 * scale`` (fp16: ``q4`` is ``q 4^-s`` rounded to fp16) as
     its 16-bit rounding and remainder, the one-hot gather of the high operand, the per-page terms (``sum q zero``, bf16 offsets), fp16's
@@ -422,7 +422,7 @@ def key_scores_model(page, q: np.ndarray, bf16: bool, two_part: bool = True) -> 
     q4 = qp if bf16 else _round(qp * 4.0**-s, bf16)  # fp16: the unit 4^-s folded into q, rounded to fp16
     x = q4 * sc  # exact: a product of two 16-bit values
     hi = _round(x, bf16)  # mul.rn
-    lo = _round(x - hi, bf16) if two_part else np.zeros_like(hi)  # fma.rn(q4, scale, -hi): one rounding
+    lo = _round(x - hi, bf16)  # fma.rn(q4, scale, -hi): one rounding
     corr = float(np.sum(qp * z))
     if bf16:
         hk = (np.arange(D) % bpr // 8) % 2
