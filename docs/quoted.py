@@ -48,7 +48,7 @@ RESULTS = {
     "throughput": "benchmarks/results/h200-2026-11-29/throughput.json",
     "static_step": "benchmarks/results/h200-2026-12-05/static_throughput.json",  # the captured step, tl and Gluon
     # the captured step with today's Gluon kernel and pack, every point timed before any was profiled (an H100)
-    "static_step_gluon": "benchmarks/results/h100-2026-12-06/static_throughput-3.json",
+    "static_step_gluon": "benchmarks/results/h100-2026-12-06/static_throughput-8.json",
     "boost_speed": "benchmarks/results/h200-2026-11-29/boost_profile_h200.json",
     "paper_kernels": "benchmarks/summarize.py",  # OFFICIAL_KITTY_MS: the paper's own kernels, timed once
     "kernel_history": "docs/BENCHMARKS.md",  # the "What changed, step by step" table

@@ -624,9 +624,10 @@ def pack_completed(
         return
     scratch = {} if scratch is None else scratch
     tensors = (lengths, k_qbuf, v_qbuf, *key_pool.values(), *value_pool.values(), k_page_table, v_page_table)
-    # what the checks below saw: the same tensors (storage, shape, dtype) under the same config and sides
+    # what the checks below saw: the same tensors (storage, shape, dtype) under the same config and sides (a layer
+    # whose packs are staggered alternates two selections of sides: the last few are remembered)
     seen = (cfg, keys, values, tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in tensors))
-    if scratch.get("checked") != seen:
+    if seen not in scratch.get("checked", ()):
         # the config and qbuffer checks of pack_pages, on an empty selection (nothing is launched)
         none = torch.empty(0, dtype=torch.int32, device=k_qbuf.device)
         pack_pages(cfg, k_qbuf if keys else None, v_qbuf if values else None, k_rows=none, v_rows=none,
@@ -635,8 +636,9 @@ def pack_completed(
             if side and pool[name].shape[0] != B * width:
                 raise ValueError(f"{name} must hold B * width = {B * width} pages, got {pool[name].shape[0]}")
         u8 = dict(dtype=torch.uint8, device=k_qbuf.device)
-        scratch.update(checked=seen, dummy=torch.empty(1, dtype=k_qbuf.dtype, device=k_qbuf.device),
-                       no_mask=torch.empty(0, **u8), u8=u8)
+        scratch["checked"] = [*scratch.get("checked", ())[-3:], seen]
+        if scratch.get("u8") != u8 or scratch["dummy"].dtype != k_qbuf.dtype:  # constants a captured step may hold
+            scratch.update(u8=u8, no_mask=torch.empty(0, **u8), dummy=torch.empty(1, dtype=k_qbuf.dtype, device=k_qbuf.device))
     nb = cfg.num_boosted(D)
     if keys and cfg.channel_selection != "magnitude" and 0 < nb < D:  # torch ranks the channels: a mask per call
         k_mask = _boost_mask(cfg, k_qbuf, nb, salt, query_scale, scratch["u8"], sync_free=True)
