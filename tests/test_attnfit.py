@@ -17,6 +17,7 @@ from kitty.core.quant import (
     quantize_key_page,
     range_params,
 )
+from kitty.core.standout import token_standout_rows
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 METHODS = sorted(ATTN_FITS)
@@ -158,3 +159,27 @@ def test_cache_keeps_the_mean_query_and_packs_with_it_at_kitty_fits_bytes(method
                 for name, t in want.tensors().items():
                     assert torch.equal(getattr(got, name), t), (b, j, name)
     assert reports[0] == reports[1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_token_standout_rows_keep_min_max_and_the_others_get_the_weighted_fit(dtype):
+    """``fit-attn-token-standout``: rows whose min or max is a token standing out across the page keep min-max's
+    exact parameters; every other row gets ``fit-attn``'s, with the same mean query."""
+    x, qbar, levels = _page(dtype, seed=7)
+    x = x.float()
+    x[..., 40] += 12 * x.std(-1)  # token 40 stands out in every channel (the max of every row)
+    x = x.to(dtype)
+    out = token_standout_rows(x)
+    assert out.float().mean() > 0.9
+    scale, zero = range_params(x, levels, dtype, "fit-attn-token-standout", query_mean=qbar)
+    mm = minmax_params(x, levels, -1, dtype)
+    fit = range_params(x, levels, dtype, "fit-attn", query_mean=qbar)
+    assert torch.equal(scale[out], mm[0][out]) and torch.equal(zero[out], mm[1][out])
+    assert torch.equal(scale[~out], fit[0][~out]) and torch.equal(zero[~out], fit[1][~out])
+    cfg = get_preset("kitty-fit+key_range=fit-attn-token-standout")
+    k = x[:2].transpose(-1, -2).contiguous()  # [2, G, D]
+    qs = torch.cat([torch.rand(2, 64) + 0.5, qbar[:2]], -1)
+    page = quantize_key_page(k, cfg, query_scale=qs)
+    free = quantize_key_page(k, cfg, query_scale=qs, sync_free=True)
+    assert all(torch.equal(t, free.tensors()[n]) for n, t in page.tensors().items())
+    assert page.nbytes == quantize_key_page(k, PRESETS["kitty-fit"], query_scale=qs[..., :64]).nbytes

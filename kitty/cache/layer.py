@@ -436,13 +436,17 @@ class PagedLayer(LayerSteps, CacheLayerMixin):
 
     def query_scale(self, rows: torch.Tensor | list[int] | None = None) -> torch.Tensor | None:
         """Per-channel query magnitude ``[rows, Hkv, D]`` seen so far: mean ``|q|`` for ``channel_selection="query"``,
-        root mean square of ``q`` for ``"oracle"``, ``None`` for other selections."""
+        root mean square of ``q`` for ``"oracle"``, ``None`` for other selections; with ``key_range="fit-attn"`` /
+        ``"fit-attn-free"`` ``[rows, Hkv, 2D]``, the mean ``q`` after it (kitty/core/attnfit.py)."""
         sel = self.cfg.channel_selection
         if sel not in QUERY_SELECTIONS:
             return None
         mean = self.q_stat_sum / self.q_count.clamp_min(1)
-        D = self.q_stat_sum.shape[-1] // 2 if self.cfg.key_range in KEY_ONLY_RANGES else self.q_stat_sum.shape[-1]
-        scale = torch.cat([query_scale_from(mean[..., :D], sel), mean[..., D:]], -1)  # fit-attn: then the mean q
+        if self.cfg.key_range in KEY_ONLY_RANGES:  # fit-attn: the oracle's scale, then the mean query
+            D = mean.shape[-1] // 2
+            scale = torch.cat([query_scale_from(mean[..., :D], sel), mean[..., D:]], -1)
+        else:
+            scale = query_scale_from(mean, sel)
         return scale if rows is None else scale[rows]
 
     def _store(self, pool, table: torch.Tensor, dest: list[tuple[int, int, int]], fields: dict) -> None:

@@ -32,8 +32,13 @@ RANGE_FITS = (
     "fit-loose-token-standout",
     "fit-attn",
     "fit-attn-free",
+    "fit-attn-token-standout",
 )
-KEY_ONLY_RANGES = ("fit-attn", "fit-attn-free")  # weighted by the tokens' expected attention: key pages only
+KEY_ONLY_RANGES = (
+    "fit-attn",
+    "fit-attn-free",
+    "fit-attn-token-standout",
+)  # weighted by the tokens' expected attention: key pages only
 # key_rotation: each key head's channels multiplied by a fixed orthogonal matrix before quantization (and back after):
 # "hadamard" the normalized Walsh-Hadamard matrix of size head_dim, "hadamard-signs" the same after a fixed random
 # sign flip per channel (QuaRot's randomized Hadamard), drawn from ``seed``
@@ -126,7 +131,8 @@ class KVQuantConfig:
     # "fit-token-standout" / "fit-peak-token-standout": min-max on channels whose min or max is a token standing out
     # across the page's channels, fit-bounded / fit-peak elsewhere; "fit-loose-token-standout": the same test, and
     # elsewhere the bounded search with every token within one min-max step (quant.LOOSE_BOUND_STEPS); "fit-attn" /
-    # "fit-attn-free": fit-bounded / fit ranked by the error weighted by each token's attention under the mean query (core/attnfit.py)
+    # "fit-attn-free": fit-bounded / fit ranked by the error weighted by each token's attention under the mean query
+    # (core/attnfit.py); "fit-attn-token-standout": the token test, and fit-attn elsewhere
     value_range: str = "minmax"  # "fit": the same per token for values
     key_rotation: str = "none"  # see KEY_ROTATIONS: a fixed orthogonal rotation of key channels, torch path only
     key_outlier_fraction: float = 0.0  # share of a key page's entries (per head) kept exactly; torch path only

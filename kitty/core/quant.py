@@ -291,14 +291,15 @@ def range_params(
     key pages ``x`` is ``[..., D, G]``), ``"fit-bounded"`` / ``"fit-peak"`` / ``"fit-loose"`` elsewhere;
     ``"fit-attn"`` / ``"fit-attn-free"``: ``"fit-bounded"`` / ``"fit"`` ranked by the squared error weighted by each
     token's attention under the mean query (:mod:`kitty.core.attnfit`; key rows ``x`` ``[..., D, G]``,
-    ``query_mean`` ``[..., D]`` or ``None``). ``sync_free``: no host read (module docstring), the same result."""
+    ``query_mean`` ``[..., D]`` or ``None``; ``"fit-attn-token-standout"``: the token test, ``"fit-attn"`` elsewhere).
+    ``sync_free``: no host read (module docstring), the same result."""
     if method in ATTN_FITS:
         bounded = ATTN_FITS[method] == "fit-bounded"
         return fitted_params(
             x, levels, dtype, sync_free=sync_free, bounded=bounded, weight=attention_weights(x, query_mean)
         )
     if method in STANDOUT_FITS:
-        fitted = range_params(x, levels, dtype, STANDOUT_FITS[method], sync_free)
+        fitted = range_params(x, levels, dtype, STANDOUT_FITS[method], sync_free, query_mean)
         exact = minmax_params(x, levels, -1, dtype, sync_free)
         out = token_standout_rows(x) if method in TOKEN_RULES else standout_rows(x)
         return torch.where(out, exact[0], fitted[0]), torch.where(out, exact[1], fitted[1])
