@@ -14,6 +14,8 @@ max}`` with ``a, b`` either the uniform ones (``kitty`` itself), moved symmetric
 interior levels at ``1.5 -+ beta`` steps), or fitted per channel by Lloyd iterations (free levels that the page
 layout has no room for: a bound, not a quantizer).
 
+``--window 1``: the first window of ``kitty/texts/python_reference.txt`` instead (the eval's third).
+
 ``--attention``: also the attention error the quantized keys cause, which is what the logits see. The queries of the
 same window are recorded (after RoPE, as the cache sees them); the 96 queries at positions 1184-1279 (after the 9
 pages, so each attends all of them) attend the window's keys with the 9 pages dequantized and everything else (sink,
@@ -60,12 +62,13 @@ def main() -> None:
     p.add_argument("--model", default=None, help="as for load_model: a packaged model's name, a folder or a hub id")
     p.add_argument("--methods", required=True, help="comma-separated presets (+field=value overrides allowed)")
     p.add_argument("--exact-extremes", action="store_true", help="also the bound of 4 levels with exact min and max")
+    p.add_argument("--window", type=int, default=0, help="the first window of which text: 0 essay, 1 python_reference")
     p.add_argument("--attention", action="store_true", help="also the attention error (KL, output) of real queries")
     p.add_argument("--standout-thresholds", default=None, help="comma-separated thresholds of the standout test")
     a = p.parse_args()
     torch.set_num_threads(1)
     model, tok = load_model(a.model)
-    window = text_windows(tok, TEXTS, 1024, 256, 1, with_names=True)[0][1]
+    window = text_windows(tok, TEXTS, 1024, 256, 1, with_names=True)[a.window][1]
     cache = DynamicCache(config=model.config)
     queries: dict[int, tuple[torch.Tensor, float]] = {}
     if a.attention:  # record each layer's queries [Hq, T, D] and softmax scale on the way through
