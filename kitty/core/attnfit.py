@@ -23,8 +23,10 @@ direction, not their spread, decides which tokens are attended. Without a mean q
 
 ``"fit-attn"``: the bounded search of ``fit-bounded`` (every token within half a min-max step) ranked by the weighted
 error, refitted by weighted least squares; ``"fit-attn-free"``: the two-sided clipping search of ``fit``, unbounded,
-ranked and refitted the same way. Same page layout and bytes as min-max; nothing more is stored in a page. Torch only,
-sync-free (no host read). Needs ``channel_selection="oracle"`` (the cache keeps query statistics only for it).
+ranked and refitted the same way; ``"fit-attn-token-standout"``: min-max on the rows of
+:func:`kitty.core.standout.token_standout_rows`, ``fit-attn`` elsewhere. Same page layout and bytes as min-max;
+nothing more is stored in a page. Torch only, sync-free (no host read). Needs ``channel_selection="oracle"`` (the
+cache keeps query statistics only for it).
 """
 
 from __future__ import annotations
