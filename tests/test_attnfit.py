@@ -183,3 +183,21 @@ def test_token_standout_rows_keep_min_max_and_the_others_get_the_weighted_fit(dt
     free = quantize_key_page(k, cfg, query_scale=qs, sync_free=True)
     assert all(torch.equal(t, free.tensors()[n]) for n, t in page.tensors().items())
     assert page.nbytes == quantize_key_page(k, PRESETS["kitty-fit"], query_scale=qs[..., :64]).nbytes
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_static_cache_gives_the_growing_caches_tokens(family):
+    """The static cache (preallocated state, the mean query in its query statistics) decodes the same greedy tokens
+    as the growing cache with ``fit-attn-token-standout``, and both really packed pages."""
+    from test_static import B, NEW, T, build, hf_greedy, ragged_batch
+
+    from kitty.hf.generate import generate_static
+
+    model = build(family)
+    ids, mask = ragged_batch()
+    cfg = PRESETS["kitty-fit"].with_(sink_tokens=S, group_size=G, local_window=R, key_range="fit-attn-token-standout")
+    ref = hf_greedy(model, ids, mask, KittyCache(model.config, cfg, backend="torch"))
+    cache = KittyCache(model.config, cfg, backend="torch", max_batch_size=B, max_cache_len=T + NEW)
+    out = generate_static(model, ids, mask, cache, NEW)
+    assert torch.equal(out, ref)
+    assert all(c["key_pages"] > 0 for c in cache.token_counts(per_row=True))
