@@ -4,6 +4,7 @@ attention under the mean query (kitty/core/attnfit.py; random data, never zeros)
 import pytest
 import torch
 from test_cache import HKV, HQ, D, G, R, S, tiny_llama_config
+from test_static import NEW, B, T, build, hf_greedy, ragged_batch
 
 from kitty import PRESETS, KittyCache, get_preset
 from kitty.cache.attention import kitty_attention_forward
@@ -18,6 +19,7 @@ from kitty.core.quant import (
     range_params,
 )
 from kitty.core.standout import token_standout_rows
+from kitty.hf.generate import generate_static
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 METHODS = sorted(ATTN_FITS)
@@ -189,10 +191,6 @@ def test_token_standout_rows_keep_min_max_and_the_others_get_the_weighted_fit(dt
 def test_static_cache_gives_the_growing_caches_tokens(family):
     """The static cache (preallocated state, the mean query in its query statistics) decodes the same greedy tokens
     as the growing cache with ``fit-attn-token-standout``, and both really packed pages."""
-    from test_static import B, NEW, T, build, hf_greedy, ragged_batch
-
-    from kitty.hf.generate import generate_static
-
     model = build(family)
     ids, mask = ragged_batch()
     cfg = PRESETS["kitty-fit"].with_(sink_tokens=S, group_size=G, local_window=R, key_range="fit-attn-token-standout")
