@@ -14,6 +14,17 @@ max}`` with ``a, b`` either the uniform ones (``kitty`` itself), moved symmetric
 interior levels at ``1.5 -+ beta`` steps), or fitted per channel by Lloyd iterations (free levels that the page
 layout has no room for: a bound, not a quantizer).
 
+``--window 1``: the first window of ``kitty/texts/python_reference.txt`` instead (the eval's third).
+
+``--attention``: also the attention error the quantized keys cause, which is what the logits see. The queries of the
+same window are recorded (after RoPE, as the cache sees them); the 96 queries at positions 1184-1279 (after the 9
+pages, so each attends all of them) attend the window's keys with the 9 pages dequantized and everything else (sink,
+the tokens after the pages) in full precision, and the full-precision values. Printed per config, averaged over
+queries, heads and layers: the KL divergence of the attention distribution from full precision's (nats) and the
+relative squared error of the attention output. Query-aware selections then get the window's real ``query_scale``
+(root mean square of each channel over the GQA group's queries of positions 0-1183, those a cache has seen when the
+last page completes; ``"query"``: mean ``|q|``; ``fit-attn``: then the mean query of the same positions).
+
 ``--standout-thresholds T1,T2``: each config whose range is ``fit-standout`` / ``fit-peak-standout`` runs once per
 threshold of the standout test (``kitty.core.standout``), with the share of channel rows (of every page, layer and
 head) that keep min-max ranges under it.
@@ -24,13 +35,24 @@ head) that keep min-max ranges under it.
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
-from transformers import DynamicCache
+from transformers import AttentionInterface, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kitty.core import standout
-from kitty.core.config import QUERY_SELECTIONS, get_preset
-from kitty.core.quant import channel_importance, dequantize_key_page, quantize_key_page, select_boosted
+from kitty.core.config import KEY_ONLY_RANGES, QUERY_SELECTIONS, get_preset
+from kitty.core.quant import (
+    channel_importance,
+    dequantize_key_page,
+    quantize_key_page,
+    query_scale_from,
+    query_statistic,
+    select_boosted,
+)
 from kitty.hf.models import load_model
 from kitty.tools.eval import TEXTS, text_windows
 
@@ -40,17 +62,36 @@ def main() -> None:
     p.add_argument("--model", default=None, help="as for load_model: a packaged model's name, a folder or a hub id")
     p.add_argument("--methods", required=True, help="comma-separated presets (+field=value overrides allowed)")
     p.add_argument("--exact-extremes", action="store_true", help="also the bound of 4 levels with exact min and max")
+    p.add_argument("--window", type=int, default=0, help="the first window of which text: 0 essay, 1 python_reference")
+    p.add_argument("--attention", action="store_true", help="also the attention error (KL, output) of real queries")
     p.add_argument("--standout-thresholds", default=None, help="comma-separated thresholds of the standout test")
     a = p.parse_args()
     torch.set_num_threads(1)
     model, tok = load_model(a.model)
-    window = text_windows(tok, TEXTS, 1024, 256, 1, with_names=True)[0][1]
+    window = text_windows(tok, TEXTS, 1024, 256, 1, with_names=True)[a.window][1]
     cache = DynamicCache(config=model.config)
+    queries: dict[int, tuple[torch.Tensor, float]] = {}
+    if a.attention:  # record each layer's queries [Hq, T, D] and softmax scale on the way through
+
+        def record(module, query, key, value, attention_mask, **kw):
+            queries[module.layer_idx] = (query[0].detach(), kw.get("scaling") or query.shape[-1] ** -0.5)
+            return own(module)(module, query, key, value, attention_mask, **kw)
+
+        name = model.config._attn_implementation  # the model's own attention keeps the keys of later layers as they are
+        own = lambda m: (  # noqa: E731
+            getattr(sys.modules[type(m).__module__], "eager_attention_forward")
+            if name == "eager"
+            else ALL_ATTENTION_FUNCTIONS.get(name, sdpa_attention_forward)
+        )
+        AttentionInterface.register("key_error_record", record)
+        AttentionMaskInterface.register("key_error_record", ALL_MASK_ATTENTION_FUNCTIONS.get(name, sdpa_mask))
+        model.set_attn_implementation("key_error_record")
     with torch.no_grad():
         model(window[None, :1280], past_key_values=cache, use_cache=True)
     text = model.config.get_text_config()
     types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
-    keys = [cache.layers[i].keys[0] for i, t in enumerate(types) if t == "full_attention"]  # [H, T, D] each
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    keys = [cache.layers[i].keys[0] for i in full]  # [H, T, D] each
     S, G, n = 32, 128, 9
     pages = torch.stack([k[:, S : S + n * G].reshape(k.shape[0], n, G, -1).transpose(0, 1) for k in keys])
     print(f"{len(keys)} full-attention layers, pages {tuple(pages.shape)} (layer, page, head, G, D), {pages.dtype}")
@@ -60,6 +101,9 @@ def main() -> None:
     for m in a.methods.split(","):
         cfg = get_preset(m)
         qs = torch.ones(pages.shape[:-2] + pages.shape[-1:]) if cfg.channel_selection in QUERY_SELECTIONS else None
+        if qs is not None and a.attention:  # the window's real query statistics, per layer and KV head
+            qs = torch.stack([window_query_scale(queries[i][0], pages.shape[2], S + n * G, cfg) for i in full])
+            qs = qs[:, None].expand(pages.shape[:-2] + qs.shape[-1:])
         runs = thresholds if cfg.key_range in standout.STANDOUT_FITS and thresholds else [None]
         for t in runs:
             default = standout.STANDOUT_THRESHOLD
@@ -72,9 +116,46 @@ def main() -> None:
                 standout.STANDOUT_THRESHOLD = default
             rel = err.square().sum((-1, -2)) / ref.square().sum((-1, -2))
             label = m if t is None else f"{m} (threshold {t:g}, {share:.1%} of channel rows min-max)"
-            print(f"| {label} | {rel.mean():.4f} | {err.abs().amax():.2f} |")
+            extra = ""
+            if a.attention:
+                kl, out = attention_error(cache, full, queries, pages.float() + err, S)
+                extra = f" {kl:.5f} | {out:.5f} |"
+            print(f"| {label} | {rel.mean():.4f} | {err.abs().amax():.2f} |{extra}")
     if a.exact_extremes:
         exact_extremes(pages)
+
+
+def window_query_scale(q: torch.Tensor, H: int, end: int, cfg) -> torch.Tensor:
+    """What the cache would pass as ``query_scale`` ``[H, D]`` (fit-attn: ``[H, 2D]``, then the mean query) after the
+    queries ``q`` ``[Hq, T, D]`` of positions before ``end`` (those it has seen when the last page completes)."""
+    q = q[:, :end].float().reshape(H, -1, q.shape[-1])
+    out = query_scale_from(query_statistic(q, cfg.channel_selection).mean(1), cfg.channel_selection)
+    return torch.cat([out, q.mean(1)], -1) if cfg.key_range in KEY_ONLY_RANGES else out
+
+
+def attention_error(cache, full: list[int], queries: dict, pages_hat: torch.Tensor, sink: int) -> tuple[float, float]:
+    """Mean KL divergence (full precision's attention -> the quantized one's) and mean relative squared output error
+    of the queries after the pages, over layers, query heads and queries (module docstring)."""
+    kls, outs = [], []
+    for j, i in enumerate(full):
+        k, v = cache.layers[i].keys[0].float(), cache.layers[i].values[0].float()  # [H, T, D]
+        H, T, D = k.shape
+        n, G = pages_hat.shape[1], pages_hat.shape[3]
+        k_hat = k.clone()
+        k_hat[:, sink : sink + n * G] = pages_hat[j].transpose(0, 1).reshape(H, n * G, D)
+        q, scale = queries[i]
+        start = sink + n * G
+        q = q[:, start:].float().reshape(H, -1, T - start, D)  # [H, group, Tq, D]
+        mask = torch.arange(T)[None, :] > torch.arange(start, T)[:, None]  # causal: [Tq, T]
+        logp = []
+        for kk in (k, k_hat):
+            logits = torch.einsum("hgqd,htd->hgqt", q, kk) * scale
+            logp.append(torch.log_softmax(logits.masked_fill(mask, float("-inf")), -1))
+        p = logp[0].exp()
+        kls.append(torch.where(mask, 0.0, p * (logp[0] - logp[1])).sum(-1).mean())
+        o, o_hat = (torch.einsum("hgqt,htd->hgqd", lp.exp(), v) for lp in logp)
+        outs.append(((o_hat - o).square().sum(-1) / o.square().sum(-1)).mean())
+    return float(torch.stack(kls).mean()), float(torch.stack(outs).mean())
 
 
 def exact_extremes(pages: torch.Tensor) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..core.config import QUERY_SELECTIONS, KVQuantConfig
+from ..core.config import KEY_ONLY_RANGES, QUERY_SELECTIONS, KVQuantConfig
 from ..core.memory import MemoryReport, token_layout
 from ..core.pages import FixedPages, GrowingPages, PagePool, filled_page, pages_completed, point
 from ..core.quant import KeyPage, ValuePage, quantize_key_page, quantize_value_page, query_scale_from, query_statistic
@@ -112,7 +112,9 @@ class PagedLayer(LayerSteps, CacheLayerMixin):
         self.v_page_table = self.value_pool.new_table(B)
         # channel_selection="query"/"oracle": running sum of |q| ("query") or q^2 ("oracle") per (row, KV head,
         # channel) over the GQA group, and its count
-        self.q_stat_sum = torch.zeros(B, H, D, dtype=torch.float32, device=device)
+        # (key_range "fit-attn"/"fit-attn-free": then the running sum of q itself, channels D..2D; core/attnfit.py)
+        width = 2 * D if cfg.key_range in KEY_ONLY_RANGES else D
+        self.q_stat_sum = torch.zeros(B, H, width, dtype=torch.float32, device=device)
         self.q_count = torch.zeros(B, 1, 1, dtype=torch.float32, device=device)
         self._rows = torch.arange(B, device=device)
         self._all_valid = torch.ones(B, 1, dtype=torch.bool, device=device)  # a decode step's new tokens
@@ -424,6 +426,8 @@ class PagedLayer(LayerSteps, CacheLayerMixin):
         H = self.num_kv_heads
         w = valid.to(device=query.device, dtype=torch.float32)[:, None, None, :, None]  # (B, 1, 1, T, 1)
         stat = query_statistic(query.reshape(B, H, Hq // H, T, D), self.cfg.channel_selection)  # (B, Hkv, group, T, D)
+        if self.cfg.key_range in KEY_ONLY_RANGES:  # the mean query that weights fit-attn's tokens
+            stat = torch.cat([stat, query.reshape(B, H, Hq // H, T, D).float()], -1)
         if self._record is not None:
             old_sum, old_count = self.q_stat_sum.clone(), self.q_count.clone()
             self.on_undo(lambda: (self.q_stat_sum.copy_(old_sum), self.q_count.copy_(old_count)))
@@ -432,11 +436,17 @@ class PagedLayer(LayerSteps, CacheLayerMixin):
 
     def query_scale(self, rows: torch.Tensor | list[int] | None = None) -> torch.Tensor | None:
         """Per-channel query magnitude ``[rows, Hkv, D]`` seen so far: mean ``|q|`` for ``channel_selection="query"``,
-        root mean square of ``q`` for ``"oracle"``, ``None`` for other selections."""
+        root mean square of ``q`` for ``"oracle"``, ``None`` for other selections; with ``key_range="fit-attn"`` /
+        ``"fit-attn-free"`` ``[rows, Hkv, 2D]``, the mean ``q`` after it (kitty/core/attnfit.py)."""
         sel = self.cfg.channel_selection
         if sel not in QUERY_SELECTIONS:
             return None
-        scale = query_scale_from(self.q_stat_sum / self.q_count.clamp_min(1), sel)
+        mean = self.q_stat_sum / self.q_count.clamp_min(1)
+        if self.cfg.key_range in KEY_ONLY_RANGES:  # fit-attn: the oracle's scale, then the mean query
+            D = mean.shape[-1] // 2
+            scale = torch.cat([query_scale_from(mean[..., :D], sel), mean[..., D:]], -1)
+        else:
+            scale = query_scale_from(mean, sel)
         return scale if rows is None else scale[rows]
 
     def _store(self, pool, table: torch.Tensor, dest: list[tuple[int, int, int]], fields: dict) -> None:

@@ -19,7 +19,7 @@ BACKENDS = (
 )  # KittyCache(backend=): kitty/cache/backend.py resolves it once per layer
 # a group's [lo, hi]: min-max, a clipping search, one sparing the peak, one keeping every value within min-max's bound,
 # or min-max where a value (or a token of the page) stands out and fit-bounded / fit-peak / the bounded search within
-# one min-max step (fit-loose) elsewhere (core/standout.py)
+# one min-max step (fit-loose) elsewhere (core/standout.py), or a search weighted by attention (core/attnfit.py)
 RANGE_FITS = (
     "minmax",
     "fit",
@@ -30,7 +30,15 @@ RANGE_FITS = (
     "fit-token-standout",
     "fit-peak-token-standout",
     "fit-loose-token-standout",
+    "fit-attn",
+    "fit-attn-free",
+    "fit-attn-token-standout",
 )
+KEY_ONLY_RANGES = (
+    "fit-attn",
+    "fit-attn-free",
+    "fit-attn-token-standout",
+)  # weighted by the tokens' expected attention: key pages only
 # key_rotation: each key head's channels multiplied by a fixed orthogonal matrix before quantization (and back after):
 # "hadamard" the normalized Walsh-Hadamard matrix of size head_dim, "hadamard-signs" the same after a fixed random
 # sign flip per channel (QuaRot's randomized Hadamard), drawn from ``seed``
@@ -122,7 +130,9 @@ class KVQuantConfig:
     # "fit-standout" / "fit-peak-standout": min-max on channels where a token stands out, fit-bounded / fit-peak elsewhere;
     # "fit-token-standout" / "fit-peak-token-standout": min-max on channels whose min or max is a token standing out
     # across the page's channels, fit-bounded / fit-peak elsewhere; "fit-loose-token-standout": the same test, and
-    # elsewhere the bounded search with every token within one min-max step (quant.LOOSE_BOUND_STEPS)
+    # elsewhere the bounded search with every token within one min-max step (quant.LOOSE_BOUND_STEPS); "fit-attn" /
+    # "fit-attn-free": fit-bounded / fit ranked by the error weighted by each token's attention under the mean query
+    # (core/attnfit.py); "fit-attn-token-standout": the token test, and fit-attn elsewhere
     value_range: str = "minmax"  # "fit": the same per token for values
     key_rotation: str = "none"  # see KEY_ROTATIONS: a fixed orthogonal rotation of key channels, torch path only
     key_outlier_fraction: float = 0.0  # share of a key page's entries (per head) kept exactly; torch path only
@@ -159,6 +169,13 @@ class KVQuantConfig:
         for f in ("key_range", "value_range"):
             if getattr(self, f) not in RANGE_FITS:
                 raise ValueError(f"{f} must be one of {RANGE_FITS}, got {getattr(self, f)!r}")
+        if self.value_range in KEY_ONLY_RANGES:
+            raise ValueError(f"value_range={self.value_range!r} is a key range (weights tokens by their attention)")
+        if self.key_range in KEY_ONLY_RANGES and self.channel_selection != "oracle":
+            raise ValueError(
+                f"key_range={self.key_range!r} needs channel_selection='oracle' (the query statistics it weights "
+                f"tokens with), got {self.channel_selection!r}"
+            )
         if self.key_rotation not in KEY_ROTATIONS:
             raise ValueError(f"key_rotation must be one of {KEY_ROTATIONS}, got {self.key_rotation!r}")
         if self.key_rotation != "none" and not self.quantizes_keys:

@@ -35,6 +35,7 @@ from functools import lru_cache
 
 import torch
 
+from .attnfit import ATTN_FITS, attention_weights, split_query_stats
 from .config import KVQuantConfig
 from .standout import STANDOUT_FITS, TOKEN_RULES, standout_rows, token_standout_rows
 
@@ -170,6 +171,7 @@ def fitted_params(
     sync_free: bool = False,
     bounded: bool = False,
     bound_steps: float = 0.5,
+    weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped asymmetric parameters over the last dim: a ``(scale, zero)`` with small squared error.
 
@@ -194,13 +196,16 @@ def fitted_params(
     of the bulk. ``bound_steps``: that bound in min-max steps (0.5, min-max's own guarantee, unless looser, as
     :data:`LOOSE_BOUND_STEPS` for ``"fit-loose"``).
 
-    ``sync_free``: no host read (module docstring), the same result.
+    ``weight``: a weight per value, broadcast against ``x`` (``fit-attn``: a token's expected attention,
+    :mod:`kitty.core.attnfit`): every candidate is ranked by the weighted squared error and refitted by weighted
+    least squares. ``sync_free``: no host read (module docstring), the same result.
     """
     xf = x.float()
+    w = torch.ones_like(xf) if weight is None else weight.float().expand(xf.shape)
     levels = _levels_on(levels, x.device)
     lv = levels[..., None] if levels.dim() else levels
     best_scale, best_zero = minmax_params(x, levels, -1, dtype, sync_free)
-    best_err = _sq_error(xf, best_scale, best_zero, levels, sync_free)
+    best_err = (_dequant_error(xf, best_scale, best_zero, levels, sync_free).square() * w).sum(-1)
     if bounded:  # bound_steps min-max steps (0.5: the most min-max allows any value); fp32 tolerance as for the peak
         limit = bound_steps * best_scale.float() * (1 + 2**-10) + 2**-20 * xf.abs().amax(-1)
     lo0, hi0 = xf.amin(-1), xf.amax(-1)
@@ -211,13 +216,11 @@ def fitted_params(
     def keep(scale: torch.Tensor, zero: torch.Tensor) -> None:
         nonlocal best_err, best_scale, best_zero
         scale, zero = scale.to(dtype), zero.to(dtype)
-        if bounded:  # the squared error and the largest error of the group, from one dequantization
-            diff = _dequant_error(xf, scale, zero, levels, sync_free)
-            err = diff.square().sum(-1)
-            better = (err < best_err) & (diff.abs().amax(-1) <= limit)
-        else:
-            err = _sq_error(xf, scale, zero, levels, sync_free)
-            better = err < best_err
+        diff = _dequant_error(xf, scale, zero, levels, sync_free)  # the (weighted) squared and the largest error
+        err = (diff.square() * w).sum(-1)
+        better = err < best_err
+        if bounded:
+            better &= diff.abs().amax(-1) <= limit
         if keep_peak:  # the peak's own error stays within half a step (the min-max guarantee), up to fp32 rounding
             s = scale.float()
             code = quantize_codes(peak, s, zero, levels)
@@ -242,10 +245,14 @@ def fitted_params(
                 keep((hi - lo) / levels, lo)
     for _ in range(refine):
         c = quantize_codes(xf, best_scale[..., None], best_zero[..., None], lv).float()
-        cc, xc = c - c.mean(-1, keepdim=True), xf - xf.mean(-1, keepdim=True)
-        var = cc.square().sum(-1)
-        scale = torch.where(var > 0, (cc * xc).sum(-1) / var.clamp_min(1e-30), best_scale.float()).clamp_min(0)
-        keep(scale, xf.mean(-1) - scale * c.mean(-1))
+        if weight is None:
+            cm, xm = c.mean(-1, keepdim=True), xf.mean(-1, keepdim=True)
+        else:  # weighted means
+            wsum = w.sum(-1, keepdim=True).clamp_min(1e-30)
+            cm, xm = (w * c).sum(-1, keepdim=True) / wsum, (w * xf).sum(-1, keepdim=True) / wsum
+        var = (w * (c - cm).square()).sum(-1)
+        scale = torch.where(var > 0, (w * (c - cm) * (xf - xm)).sum(-1) / var.clamp_min(1e-30), best_scale.float())
+        keep(scale.clamp_min(0), xm[..., 0] - scale.clamp_min(0) * cm[..., 0])
     return best_scale, best_zero
 
 
@@ -266,7 +273,12 @@ def _sq_error(
 
 
 def range_params(
-    x: torch.Tensor, levels: torch.Tensor | int, dtype: torch.dtype, method: str, sync_free: bool = False
+    x: torch.Tensor,
+    levels: torch.Tensor | int,
+    dtype: torch.dtype,
+    method: str,
+    sync_free: bool = False,
+    query_mean: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scale, zero)`` over the last dim by ``method``: ``"minmax"``, ``"fit"`` (:func:`fitted_params`),
     ``"fit-peak"`` (the same search, never clipping the group's largest-``|x|`` value: ``keep_peak=True``) or
@@ -276,10 +288,18 @@ def range_params(
     (:func:`kitty.core.standout.standout_rows`), ``"fit-bounded"`` / ``"fit-peak"`` on the others;
     ``"fit-token-standout"`` / ``"fit-peak-token-standout"`` / ``"fit-loose-token-standout"``: min-max on the rows
     whose min or max is a token that stands out across the rows (:func:`kitty.core.standout.token_standout_rows`; for
-    key pages ``x`` is ``[..., D, G]``), ``"fit-bounded"`` / ``"fit-peak"`` / ``"fit-loose"`` elsewhere.
+    key pages ``x`` is ``[..., D, G]``), ``"fit-bounded"`` / ``"fit-peak"`` / ``"fit-loose"`` elsewhere;
+    ``"fit-attn"`` / ``"fit-attn-free"``: ``"fit-bounded"`` / ``"fit"`` ranked by the squared error weighted by each
+    token's attention under the mean query (:mod:`kitty.core.attnfit`; key rows ``x`` ``[..., D, G]``,
+    ``query_mean`` ``[..., D]`` or ``None``; ``"fit-attn-token-standout"``: the token test, ``"fit-attn"`` elsewhere).
     ``sync_free``: no host read (module docstring), the same result."""
+    if method in ATTN_FITS:
+        bounded = ATTN_FITS[method] == "fit-bounded"
+        return fitted_params(
+            x, levels, dtype, sync_free=sync_free, bounded=bounded, weight=attention_weights(x, query_mean)
+        )
     if method in STANDOUT_FITS:
-        fitted = range_params(x, levels, dtype, STANDOUT_FITS[method], sync_free)
+        fitted = range_params(x, levels, dtype, STANDOUT_FITS[method], sync_free, query_mean)
         exact = minmax_params(x, levels, -1, dtype, sync_free)
         out = token_standout_rows(x) if method in TOKEN_RULES else standout_rows(x)
         return torch.where(out, exact[0], fitted[0]), torch.where(out, exact[1], fitted[1])
@@ -295,7 +315,7 @@ def range_params(
         return fitted_params(x, levels, dtype, sync_free=sync_free, bounded=True, bound_steps=LOOSE_BOUND_STEPS)
     raise ValueError(
         "range method must be 'minmax', 'fit', 'fit-peak', 'fit-bounded', 'fit-loose' or one of "
-        f"{tuple(STANDOUT_FITS)}, got {method!r}"
+        f"{tuple(STANDOUT_FITS) + tuple(ATTN_FITS)}, got {method!r}"
     )
 
 
@@ -478,11 +498,12 @@ def channel_importance(
     kf = k.float()
     if sel == "range":
         return kf.amax(-2) - kf.amin(-2)
+    query_scale, query_mean = split_query_stats(query_scale, k.shape[-1])
     qs = _require_query_scale(cfg, query_scale, k.device)
     if sel == "query":
         return qs.expand(kf.shape[:-2] + kf.shape[-1:]) * (kf.amax(-2) - kf.amin(-2))
     if sel == "oracle":
-        return _oracle_scores(k.transpose(-1, -2), _both_precisions(k, cfg, sync_free), qs, sync_free)
+        return _oracle_scores(k.transpose(-1, -2), _both_precisions(k, cfg, sync_free, query_mean), qs, sync_free)
     raise ValueError(f"channel_selection {sel!r} has no importance rule")
 
 
@@ -506,12 +527,12 @@ def _require_query_scale(cfg: KVQuantConfig, query_scale: torch.Tensor | None, d
 
 
 def _both_precisions(
-    k: torch.Tensor, cfg: KVQuantConfig, sync_free: bool = False
+    k: torch.Tensor, cfg: KVQuantConfig, sync_free: bool = False, query_mean: torch.Tensor | None = None
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Per-channel ``(scale, zero)`` of keys ``[..., G, D]`` at the low and at the boosted precision, by levels."""
     x = k.transpose(-1, -2)  # (..., D, G): one row per channel
     levels = (2**cfg.key_bits - 1, 2**cfg.boost_bits - 1)
-    return {lv: range_params(x, lv, k.dtype, cfg.key_range, sync_free) for lv in levels}
+    return {lv: range_params(x, lv, k.dtype, cfg.key_range, sync_free, query_mean) for lv in levels}
 
 
 def _oracle_scores(
@@ -576,19 +597,20 @@ def quantize_key_page(
         k, *outliers = split_key_outliers(k, n_out, cfg.key_outlier_rule)
         extra.update(zip(("out_val", "out_tok", "out_ch"), outliers))
     nb = cfg.num_boosted(D)
+    query_scale, query_mean = split_query_stats(query_scale, D)  # fit-attn: the mean query comes after the RMS
     x = k.transpose(-1, -2)  # (..., D, G): one row per channel
     both = None  # oracle selection fits both precisions of every channel: reuse them rather than fit again
     if boost_mask is None and nb in (0, D):  # nothing to choose
         boost_mask = torch.full((*lead, D), nb == D, dtype=torch.bool, device=k.device)
     elif boost_mask is None and cfg.channel_selection == "oracle":
         qs = _require_query_scale(cfg, query_scale, k.device)
-        both = _both_precisions(k, cfg, sync_free)
+        both = _both_precisions(k, cfg, sync_free, query_mean)
         boost_mask = select_boosted(_oracle_scores(x, both, qs, sync_free), nb)
     elif boost_mask is None:
         boost_mask = select_boosted(channel_importance(k, cfg, salt, query_scale, sync_free), nb)
     levels = torch.where(boost_mask, 2**cfg.boost_bits - 1, 2**cfg.key_bits - 1)  # [..., D]
     if both is None:
-        scale, zero = range_params(x, levels, k.dtype, cfg.key_range, sync_free)  # scale/zero in the input dtype
+        scale, zero = range_params(x, levels, k.dtype, cfg.key_range, sync_free, query_mean)  # in the input dtype
     else:  # the same per-channel fits as range_params(x, levels) would compute (fits are per channel row)
         (lo, p_lo), (hi, p_hi) = sorted(both.items())
         scale, zero = (torch.where(boost_mask, h, l) for h, l in zip(p_hi, p_lo))

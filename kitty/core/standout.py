@@ -22,7 +22,8 @@ position ``t`` of the rows (a key page's token) gets the root mean square over r
 own robust z across the page's tokens exceeds the same threshold. A row keeps min-max where its min or its max is
 at a standout token, and ``fit-bounded`` elsewhere (``"fit-peak-token-standout"``: ``fit-peak`` elsewhere;
 ``"fit-loose-token-standout"``: ``fit-loose`` elsewhere, the bounded search with every value within one min-max step
-instead of half of one, :data:`kitty.core.quant.LOOSE_BOUND_STEPS`).
+instead of half of one, :data:`kitty.core.quant.LOOSE_BOUND_STEPS`; ``"fit-attn-token-standout"``: ``fit-attn``
+elsewhere, the bounded search ranked by the error weighted by each token's attention, :mod:`kitty.core.attnfit`).
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ STANDOUT_FITS = {
     "fit-token-standout": "fit-bounded",
     "fit-peak-token-standout": "fit-peak",
     "fit-loose-token-standout": "fit-loose",
+    "fit-attn-token-standout": "fit-attn",
 }
 # tested by standout_tokens (the others: standout_rows)
-TOKEN_RULES = ("fit-token-standout", "fit-peak-token-standout", "fit-loose-token-standout")
+TOKEN_RULES = ("fit-token-standout", "fit-peak-token-standout", "fit-loose-token-standout", "fit-attn-token-standout")
 
 
 def _robust_z(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
