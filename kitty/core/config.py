@@ -39,6 +39,7 @@ KEY_ONLY_RANGES = (
     "fit-attn-free",
     "fit-attn-token-standout",
 )  # weighted by the tokens' expected attention: key pages only
+VALUE_RANGES = tuple(r for r in RANGE_FITS if r not in KEY_ONLY_RANGES)
 # key_rotation: each key head's channels multiplied by a fixed orthogonal matrix before quantization (and back after):
 # "hadamard" the normalized Walsh-Hadamard matrix of size head_dim, "hadamard-signs" the same after a fixed random
 # sign flip per channel (QuaRot's randomized Hadamard), drawn from ``seed``
@@ -166,9 +167,9 @@ class KVQuantConfig:
             raise ValueError(f"channel_selection must be one of {CHANNEL_SELECTIONS}, got {self.channel_selection!r}")
         if not is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        for f in ("key_range", "value_range"):
+        for f, allowed in (("key_range", RANGE_FITS), ("value_range", VALUE_RANGES)):
             if getattr(self, f) not in RANGE_FITS:
-                raise ValueError(f"{f} must be one of {RANGE_FITS}, got {getattr(self, f)!r}")
+                raise ValueError(f"{f} must be one of {allowed}, got {getattr(self, f)!r}")
         if self.value_range in KEY_ONLY_RANGES:
             raise ValueError(f"value_range={self.value_range!r} is a key range (weights tokens by their attention)")
         if self.key_range in KEY_ONLY_RANGES and self.channel_selection != "oracle":
