@@ -1,4 +1,4 @@
-"""Fitted key ranges in the pack kernel (``kernels/pack.py``): the search of ``kitty.core.quant.fitted_params``, per
+"""Fitted key ranges in the pack kernel (``kernels/pack.py``): the search of ``kitty.core.ranges.fitted_params``, per
 channel over a key page's ``G`` tokens, operation for operation.
 
     best = min-max (scale, zero), err = sq_error(best)
@@ -20,7 +20,7 @@ Bit-identity with torch rests on three things:
   chunks (256 tokens) is added into a level-2 sum; the result is ``0 + l1 + l2``. ``_sum_tokens`` follows that
   order (``G`` up to 4096; a mean is that sum divided by ``G``).
 - The same codes: ``clamp(floor((x - zero) / scale + 1/2), 0, levels)`` with the IEEE quotient, 0 where the scale
-  is 0, and the dequantization of ``kitty.core.quant.dequantize_codes`` including its halved form for scales and
+  is 0, and the dequantization of ``kitty.core.ranges.dequantize_codes`` including its halved form for scales and
   zeros near the fp32 limits.
 """
 
@@ -34,7 +34,7 @@ FP32_MAX = tl.constexpr(3.4028234663852886e38)
 
 @triton.jit
 def _codes(x, zero, scale, levels):
-    """``kitty.core.quant.quantize_codes`` in fp32: ``clamp(floor((x - zero) / scale + 1/2), 0, levels)``, 0 where
+    """``kitty.core.ranges.quantize_codes`` in fp32: ``clamp(floor((x - zero) / scale + 1/2), 0, levels)``, 0 where
     ``scale == 0``."""
     pos = scale > 0
     q = tl.where(pos, tl.div_rn(x - zero, tl.where(pos, scale, 1.0)), 0.0)
@@ -43,7 +43,7 @@ def _codes(x, zero, scale, levels):
 
 @triton.jit
 def _dequant(code, scale, zero):
-    """``kitty.core.quant.dequantize_codes`` to fp32: ``code * scale + zero`` (two roundings), or where that could
+    """``kitty.core.ranges.dequantize_codes`` to fp32: ``code * scale + zero`` (two roundings), or where that could
     leave the fp32 range, ``2 * clamp(code * (scale / 2) + zero / 2)``, clamped to fp32's finite range."""
     top: tl.constexpr = FP32_MAX
     risky = tl.abs(scale) * 15.0 + tl.abs(zero) > top * 0.5
@@ -205,7 +205,7 @@ def _fit(
     REFINE: tl.constexpr,
     DTYPE: tl.constexpr,
 ):
-    """``kitty.core.quant.fitted_params`` of every channel (``mn``, ``mx``: its min and max over the ``G`` tokens;
+    """``kitty.core.ranges.fitted_params`` of every channel (``mn``, ``mx``: its min and max over the ``G`` tokens;
     ``scale_q``, ``zero_q``: its min-max parameters in ``DTYPE``): the fitted ``(scale, zero)`` in ``DTYPE``. The
     grid is ``i / 16`` for ``i < NGRID``; a cut of ``k / 16`` of the range is tried only for ``k < CUT`` (torch's
     ``a + b < 0.9``)."""

@@ -1,6 +1,6 @@
 """The exact arithmetic of the pack kernel (``kernels/pack.py``): min-max parameters, codes, and division with the
 IEEE result but without IEEE division instructions where the ranges allow it. Each function gives the bits of
-``kitty.core.quant``'s torch formula (``minmax_params``, ``quantize``), which the tests compare bit for bit."""
+``kitty.core.ranges``' torch formula (``minmax_params``, ``quantize_codes``), which the tests compare bit for bit."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def _roundup_to(scale, DTYPE: tl.constexpr, ITYPE: tl.constexpr):
 @triton.jit
 def _range_scale(mx, mn, levels):
     """``(mx - mn) / levels`` in fp32; where the range overflows fp32 (finite inputs near the fp32/bf16 limits),
-    ``mx / levels - mn / levels`` bumped up two ulps instead, as ``kitty.core.quant.minmax_params`` does."""
+    ``mx / levels - mn / levels`` bumped up two ulps instead, as ``kitty.core.ranges.minmax_params`` does."""
     scale = tl.div_rn(mx - mn, levels)
     split = tl.div_rn(mx, levels) - tl.div_rn(mn, levels)  # > 0 wherever the range overflowed
     split_up = (split.to(tl.int32, bitcast=True) + 2).to(tl.float32, bitcast=True)  # nextafter twice, towards +inf
@@ -56,7 +56,7 @@ def _div(a, b, y):
 
 @triton.jit
 def _params(mx, mn, levels, rlevels, fast, DTYPE: tl.constexpr, ITYPE: tl.constexpr, ROUND_UP: tl.constexpr):
-    """Min-max parameters of ``kitty.core.quant.minmax_params``: ``scale_q``, ``zero_q`` in ``DTYPE`` (the scale
+    """Min-max parameters of ``kitty.core.ranges.minmax_params``: ``scale_q``, ``zero_q`` in ``DTYPE`` (the scale
     rounded up to it), and in fp32 the scale, the zero and the reciprocal of the scale (0 where the scale is 0).
     ``rlevels``: ``1 / levels`` rounded to fp32."""
     if fast:

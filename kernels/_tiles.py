@@ -141,7 +141,7 @@ def _key_from_bytes(low, high, hshift, scale, zero, BN: tl.constexpr, D: tl.cons
     code = _expand_packed(low, BN, D, 2, UNPACK_RESHAPE)
     if NB > 0:
         code = code | (((high.to(tl.int32) >> hshift[None, :]) & 3) << 2)  # unboosted channels read 0
-    # fp32, then the model dtype, as kitty.core.quant.dequantize_codes
+    # fp32, then the model dtype, as kitty.core.ranges.dequantize_codes
     return cast_to(code.to(tl.float32) * scale.to(tl.float32)[None, :] + zero.to(tl.float32)[None, :], DTYPE)
 
 

@@ -17,7 +17,7 @@ plane packs along the axis attention reduces over (``docs/LAYOUT.md``): a row of
     rank[c]= #{c' : s[c'] > s[c]} + #{c' < c : s[c'] == s[c]}   # ties -> lower channel index first
     boost  = rank < nb ;  slot[c] = #{c' < c : boost[c']}  # compact high-plane slot, ascending channel index
     levels = boost ? 15 : 3
-    # min-max over tokens, scale rounded UP to the next 16-bit value (kitty.core.quant.minmax_params)
+    # min-max over tokens, scale rounded UP to the next 16-bit value (kitty.core.ranges.minmax_params)
     zero   = min_t x ;  scale = roundup16((max_t x - zero) / levels)   (a range past fp32: max/levels - zero/levels)
     code   = clamp(floor((x - zero) / scale + 1/2), 0, levels)          # (G, D)
     low[t, j]       = OR_s (code[t, s*D/4 + j] & 3) << 2s              # (G, D/4), token-major
@@ -46,7 +46,7 @@ so that it is the reference's choice by construction (the oracle's scores sum sq
 order); the rest runs here.
 
 Fitted key ranges (``key_range`` ``"fit"``, ``"fit-peak"``, constexpr ``FIT``): after the min-max statistics, the key
-program replaces each channel's min-max (scale, zero) by ``kitty.core.quant.fitted_params``' search over the page's
+program replaces each channel's min-max (scale, zero) by ``kitty.core.ranges.fitted_params``' search over the page's
 ``G`` tokens (``kernels/_pack_fit.py``: the clipping grid, two-sided or one-sided opposite the channel's peak with the
 peak guard, then ``REFINE_STEPS`` least-squares refits; each candidate rounded to the storage dtype, kept where its
 squared error is lower), and quantizes with the IEEE quotient and a clamp (a clipped range's codes clamp). It runs
@@ -74,14 +74,13 @@ import triton.language as tl
 from kitty.core.config import KVQuantConfig
 from kitty.core.quant import (
     BOOST_SENTINEL,
-    CLIP_GRID,
-    REFINE_STEPS,
     KeyPage,
     ValuePage,
     channel_importance,
     high_plane_bytes,
     select_boosted,
 )
+from kitty.core.ranges import CLIP_GRID, REFINE_STEPS
 from kitty.core.storage import allocate_pool, pool_fields
 
 from ._pack_fit import _fit

@@ -10,14 +10,13 @@ from kitty import PRESETS, KittyCache, get_preset
 from kitty.cache.attention import kitty_attention_forward
 from kitty.core.attnfit import ATTN_FITS, attention_weights, split_query_stats
 from kitty.core.quant import (
-    _dequant_error,
     dequantize_key_page,
     key_page_codes,
-    minmax_params,
     quantize_codes,
     quantize_key_page,
     range_params,
 )
+from kitty.core.ranges import _dequant_error, minmax_params
 from kitty.core.standout import token_standout_rows
 from kitty.hf.generate import generate_static
 

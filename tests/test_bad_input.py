@@ -16,10 +16,10 @@ from kitty.cache.attention import KittyMask, dequantize_cache, kitty_attention_f
 from kitty.core.quant import (
     dequantize_key_page,
     dequantize_value_page,
-    minmax_params,
     quantize_key_page,
     quantize_value_page,
 )
+from kitty.core.ranges import minmax_params
 from kitty.hf.compat import cache_kwargs
 
 HKV, HQ, D = 2, 4, 16

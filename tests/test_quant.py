@@ -377,7 +377,7 @@ def test_oracle_score_is_the_logit_error_boosting_removes():
 @given(st.integers(0, 2**31 - 1), st.sampled_from([2, 4]), st.sampled_from(DTYPES))
 def test_fitted_ranges_never_lose_to_minmax(seed, bits, dtype):
     """Property: per group, the clipping search's squared error is at most min-max's (min-max is a candidate)."""
-    from kitty.core.quant import _sq_error, fitted_params, minmax_params
+    from kitty.core.ranges import _sq_error, fitted_params, minmax_params
 
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(6, 64, generator=g) * torch.rand(6, 1, generator=g) * 4 + torch.randn(6, 1, generator=g)).to(dtype)
@@ -417,7 +417,7 @@ def _peaked_rows(dtype, seed, rows=24, n=128):
 def test_fit_peak_keeps_every_rows_largest_value_within_half_a_step(dtype, seed):
     """``fit-peak``: each row's largest-|x| value reconstructs within half a step (the min-max guarantee), where
     ``fit`` clips it; the error stays at most min-max's; 2-bit and 4-bit rows mixed in one call."""
-    from kitty.core.quant import _sq_error, dequantize_codes, minmax_params, quantize_codes, range_params
+    from kitty.core.ranges import _sq_error, dequantize_codes, minmax_params, quantize_codes, range_params
 
     x = _peaked_rows(dtype, seed)
     levels = torch.where(torch.arange(x.shape[0]) % 3 == 0, 15, 3)  # per-row levels, like boosted channels
@@ -441,7 +441,7 @@ def test_fit_peak_keeps_every_rows_largest_value_within_half_a_step(dtype, seed)
 def test_fit_peak_grid_matches_a_per_row_loop():
     """Without refits, ``fit-peak`` is exactly the best one-sided cut (opposite the peak) of ``CLIP_GRID`` per row,
     min-max first and the first of equal errors kept, found here by a plain loop over rows and cuts."""
-    from kitty.core.quant import CLIP_GRID, _sq_error, fitted_params, minmax_params
+    from kitty.core.ranges import CLIP_GRID, _sq_error, fitted_params, minmax_params
 
     x = _peaked_rows(torch.float32, seed=2, rows=10, n=100)
     scale, zero = fitted_params(x, 3, torch.float32, refine=0, keep_peak=True)
@@ -473,7 +473,7 @@ def test_fit_peak_is_a_range_option_at_equal_bytes():
         rel
         < (dequantize_key_page(quantize_key_page(k, PRESETS["kitty"])).float() - k.float()).norm() / k.float().norm()
     )
-    from kitty.core.quant import range_params
+    from kitty.core.ranges import range_params
 
     assert PRESETS["kitty-pro-fit-peak"] == get_preset("kitty-pro-fit+key_range=fit-peak")  # the measured config
     with pytest.raises(ValueError, match="fit-peak"):
@@ -485,7 +485,7 @@ def test_fit_peak_is_a_range_option_at_equal_bytes():
 def test_fit_bounded_keeps_every_value_within_half_a_minmax_step(dtype, seed):
     """``fit-bounded``: no value of a row reconstructs worse than min-max's bound (half its step), the squared error
     is at most min-max's, and on Gaussian rows the bulk's error falls well below it; 2-bit and 4-bit rows mixed."""
-    from kitty.core.quant import _sq_error, dequantize_codes, minmax_params, quantize_codes, range_params
+    from kitty.core.ranges import _sq_error, dequantize_codes, minmax_params, quantize_codes, range_params
 
     x = _peaked_rows(dtype, seed)
     levels = torch.where(torch.arange(x.shape[0]) % 3 == 0, 15, 3)

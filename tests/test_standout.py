@@ -6,14 +6,12 @@ import torch
 
 from kitty import PRESETS, get_preset
 from kitty.core.quant import (
-    LOOSE_BOUND_STEPS,
-    _dequant_error,
     _sq_error,
     dequantize_key_page,
-    minmax_params,
     quantize_key_page,
     range_params,
 )
+from kitty.core.ranges import LOOSE_BOUND_STEPS, _dequant_error, minmax_params
 from kitty.core.standout import (
     STANDOUT_FITS,
     STANDOUT_THRESHOLD,

@@ -126,12 +126,12 @@ class KVQuantConfig:
     channel_selection: str = "magnitude"  # how boosted channels are chosen: see CHANNEL_SELECTIONS
     seed: int = 0  # for channel_selection="random"
     key_range: str = "minmax"  # "fit": per-channel clipping search minimizing reconstruction error at pack time;
-    # "fit-peak": the same search, never clipping a channel's largest-|k| token (quant.fitted_params keep_peak);
-    # "fit-bounded": the same search, every token within half a min-max step (quant.fitted_params bounded);
+    # "fit-peak": the same search, never clipping a channel's largest-|k| token (ranges.fitted_params keep_peak);
+    # "fit-bounded": the same search, every token within half a min-max step (ranges.fitted_params bounded);
     # "fit-standout" / "fit-peak-standout": min-max on channels where a token stands out, fit-bounded / fit-peak elsewhere;
     # "fit-token-standout" / "fit-peak-token-standout": min-max on channels whose min or max is a token standing out
     # across the page's channels, fit-bounded / fit-peak elsewhere; "fit-loose-token-standout": the same test, and
-    # elsewhere the bounded search with every token within one min-max step (quant.LOOSE_BOUND_STEPS); "fit-attn" /
+    # elsewhere the bounded search with every token within one min-max step (ranges.LOOSE_BOUND_STEPS); "fit-attn" /
     # "fit-attn-free": fit-bounded / fit ranked by the error weighted by each token's attention under the mean query
     # (core/attnfit.py); "fit-attn-token-standout": the token test, and fit-attn elsewhere
     value_range: str = "minmax"  # "fit": the same per token for values

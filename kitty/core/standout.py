@@ -13,7 +13,7 @@ and deviation), so a score above 4 says that some value lies beyond what a page 
 row whose spread is zero (more than half its values equal) stands out where any value differs from the median. Torch
 only, no host read and fixed shapes (usable ``sync_free``).
 
-``range_params(..., "fit-standout")`` (:mod:`kitty.core.quant`) then keeps min-max ranges (every extreme reconstructs
+``range_params(..., "fit-standout")`` (:mod:`kitty.core.ranges`) then keeps min-max ranges (every extreme reconstructs
 exactly) on standout rows and a fitted range elsewhere; ``"fit-peak-standout"`` the same with ``fit-peak`` elsewhere.
 
 ``"fit-token-standout"`` asks instead whether a *token* stands out across the page (:func:`standout_tokens`): each
@@ -22,7 +22,7 @@ position ``t`` of the rows (a key page's token) gets the root mean square over r
 own robust z across the page's tokens exceeds the same threshold. A row keeps min-max where its min or its max is
 at a standout token, and ``fit-bounded`` elsewhere (``"fit-peak-token-standout"``: ``fit-peak`` elsewhere;
 ``"fit-loose-token-standout"``: ``fit-loose`` elsewhere, the bounded search with every value within one min-max step
-instead of half of one, :data:`kitty.core.quant.LOOSE_BOUND_STEPS`; ``"fit-attn-token-standout"``: ``fit-attn``
+instead of half of one, :data:`kitty.core.ranges.LOOSE_BOUND_STEPS`; ``"fit-attn-token-standout"``: ``fit-attn``
 elsewhere, the bounded search ranked by the error weighted by each token's attention, :mod:`kitty.core.attnfit`).
 """
 
