@@ -174,6 +174,7 @@ def test_import_kitty_reads_no_profile_and_loads_no_model_code():
 KERNELS_CONTRACT = {
     "kitty.core.config",
     "kitty.core.quant",
+    "kitty.core.ranges",
     "kitty.core.storage",
     "kitty.core.memory",
     "kitty.core.pages",
