@@ -416,8 +416,9 @@ class StaticKittyLayer(PagedLayer):
         self.check_room(1)
         if self.ops.fused_decode:
             check_triton(None, None, key_states.device)
-            if self.defer_keys or self.defer_values:  # stage 0: the pages the previous step left, before slot 0 is
-                self.pack_pending()  # reused (no undo: the page is packed from the full qbuffer, and stays right)
+            # stage 0: the pages a deferred step left, before slot 0 is reused (no undo: the page is packed from the
+            # full qbuffer, and stays right); nothing unless a side is pending
+            self.pack_pending()
             kernels.insert_token(k, v, *buffers)
             self.on_undo(self._undo_insert)
         else:
