@@ -106,7 +106,18 @@ def main() -> None:
         action="store_true",
         help="the first check pass only; time the default launch against one without prefetch and with 4 tail splits",
     )
+    ap.add_argument(
+        "--launches",
+        default=None,
+        help="explicit Gluon launches per shape instead of the sweep over programs per SM, as "
+        "'8x32768=16:0,15:1;64x8192=3:0' (page splits:tail splits[:maxnreg][:l1]); the default launch is timed too",
+    )
+    ap.add_argument(
+        "--methods", default=None, help="only these preset/dtype pairs, as 'kitty/float16,kitty-pro/bfloat16'"
+    )
     args = ap.parse_args()
+    explicit = parse_launches(args.launches)
+    methods = None if args.methods is None else {tuple(m.split("/")) for m in args.methods.split(",")}
     t0 = time.time()
     props = torch.cuda.get_device_properties(0)
     out = args.out or default_out(props.name)
@@ -139,6 +150,8 @@ def main() -> None:
         qs = kvs = None
         torch.cuda.empty_cache()
         for preset, dtype in itertools.product(("kitty", "kitty-pro"), (torch.float16, torch.bfloat16)):
+            if methods is not None and (preset, str(dtype)[6:]) not in methods:
+                continue
             cfg = PRESETS[preset]
             states, qs, cache_b = kb.rotating_kitty(cfg, k_full, v_full, B, L, dtype)
             nrot = len(states)
@@ -174,13 +187,19 @@ def main() -> None:
                 old = {"prefetch": False}
                 mp = 1 if small else 2
                 launches = [(8, mp, 4 if small else 0, old), (8, mp, None, {})]
+            if (B, L) in explicit:  # the default launch, then the given ones
+                launches = [(8, None, None, {})] + [(None, None, None, launch) for launch in explicit[(B, L)]]
             for cps, min_pages, tail, over in launches:
                 if time.time() - t0 > args.deadline_s or (time.time() - t0 > args.budget_s and cps != 8):
                     continue
-                gl_launch = default_gluon_launch(B, HKV, units, torch.device("cuda"), cps, min_pages)
-                pages_splits = gl_launch.num_splits - gl_launch.tail_splits  # the default's own tail replaced
-                tail = gl_launch.tail_splits if tail is None else tail
-                gl_launch = dataclasses.replace(gl_launch, num_splits=pages_splits + tail, tail_splits=tail, **over)
+                if isinstance(over, GluonLaunch):
+                    gl_launch, tail = over, over.tail_splits
+                    over = {k: getattr(over, k) for k in ("maxnreg", "prefetch_l1")}
+                else:
+                    gl_launch = default_gluon_launch(B, HKV, units, torch.device("cuda"), cps, min_pages)
+                    pages_splits = gl_launch.num_splits - gl_launch.tail_splits  # the default's own tail replaced
+                    tail = gl_launch.tail_splits if tail is None else tail
+                    gl_launch = dataclasses.replace(gl_launch, num_splits=pages_splits + tail, tail_splits=tail, **over)
                 ws = [{} for _ in range(nrot)]
                 try:
                     t = kb.bench(
@@ -203,6 +222,28 @@ def main() -> None:
     print("wrote", kb.RESULT_PATH)
 
 
+def parse_launches(spec: str | None) -> dict[tuple[int, int], list[GluonLaunch]]:
+    """``--launches``: ``'8x32768=16:0,15:1:200;64x8192=3:0'`` (page splits : tail splits [: register cap],
+    ``:l1`` anywhere for ``prefetch_l1``) ->
+    ``{(8, 32768): [GluonLaunch(16), GluonLaunch(16, tail_splits=1, maxnreg=200)], ...}``."""
+    out: dict[tuple[int, int], list[GluonLaunch]] = {}
+    for part in filter(None, (spec or "").split(";")):
+        shape, _, items = part.partition("=")
+        try:
+            B, L = (int(x) for x in shape.split("x"))
+            launches = []
+            for item in items.split(","):
+                fields = item.split(":")
+                l1 = "l1" in fields  # the page loop's next page into L1
+                f = [int(x) for x in fields if x != "l1"]
+                splits, tail, maxnreg = f[0], f[1] if len(f) > 1 else 0, f[2] if len(f) > 2 else 255
+                launches.append(GluonLaunch(splits + tail, tail_splits=tail, maxnreg=maxnreg, prefetch_l1=l1))
+        except ValueError as e:
+            raise ValueError(f"--launches: cannot read {part!r} as 'BxL=splits:tail[:maxnreg],...' ({e})") from e
+        out[(B, L)] = launches
+    return out
+
+
 def write_markdown(results: dict, out: str) -> None:
     """``gluon_check.md``: correctness counts and failures, then per shape the fastest FP16 SDPA and every kitty
     method's time and speedup."""
@@ -215,8 +256,8 @@ def write_markdown(results: dict, out: str) -> None:
         if "vs_fp16" not in r:
             continue
         best = results["fastest_fp16"].get(f"{r['B']},{r['L']}", {})
-        defaults = {"tail_splits": 0, "maxnreg": 255, "prefetch": True}  # shown when not these
-        keys = ("ctas_per_sm", "splits", "tail_splits", "maxnreg", "prefetch")
+        defaults = {"tail_splits": 0, "maxnreg": 255, "prefetch": True, "prefetch_l1": False}  # shown when not these
+        keys = ("ctas_per_sm", "splits", "tail_splits", "maxnreg", "prefetch", "prefetch_l1")
         extra = " ".join(f"{k}={r[k]}" for k in keys if k in r and r[k] != defaults.get(k))
         lines.append(
             f"| ({r['B']}, {r['L']}) | {best.get('name')} {best.get('us', 0):.1f} | {r['method']} {extra} | "
