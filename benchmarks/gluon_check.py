@@ -41,12 +41,13 @@ EXTRA_CASES = [("kitty-pro", 8, 64, {}), ("kitty", 1, 128, {}), ("kitty-pro", 3,
 def check(results: dict, t0: float, budget_s: float, variants: bool = False) -> bool:
     """Every case in two passes, the most telling first (each pass compiles one kernel per case): full_qbuffer over
     1, 3, 7 and 40 splits (40: the two-level merge) and with the full-precision chunks on their own splits (8 splits
-    of which 3 tail splits, 40 of which 4), then the other qbuffer layout. Launches are ``(splits, tail_splits)``.
+    of which 3 tail splits, 40 of which 4) and at equal cost (``chunk_cost``), then the other qbuffer layout.
+    Launches are ``(splits, tail_splits[, chunk_cost])``.
     Cases past ``budget_s`` are recorded as skipped. ``variants``: the first pass only."""
     ok_all = True
     passes = [
-        (True, ((3, 0), (1, 0), (7, 0), (40, 0), (8, 3), (40, 4))),
-        (False, ((3, 0), (40, 0), (8, 3))),
+        (True, ((3, 0), (1, 0), (7, 0), (40, 0), (8, 3), (40, 4), (7, 0, 13))),
+        (False, ((3, 0), (40, 0), (8, 3), (16, 0, 8))),
     ]
     if variants:
         passes = passes[:1]
@@ -71,9 +72,10 @@ def check(results: dict, t0: float, budget_s: float, variants: bool = False) -> 
         ref = decode_attention_ref(q, state, cfg, upcast=True, full_qbuffer=fq).float()
         pt = decode_attention_ref(q, state, cfg, upcast=False, full_qbuffer=fq).float()
         tol = attention_tolerance(ref, pt, dtype)
-        for splits, tail in launches:
-            name = f"splits={splits}" + (f" tail={tail}" if tail else "")
-            launch = GluonLaunch(splits, tail_splits=tail)
+        for splits, tail, *cost in launches:
+            cost = cost[0] if cost else 0
+            name = f"splits={splits}" + (f" tail={tail}" if tail else "") + (f" chunk_cost={cost}" if cost else "")
+            launch = GluonLaunch(splits, tail_splits=tail, chunk_cost=cost)
             try:
                 ws = {}
                 out = decode_attention_gluon(q, state, cfg, full_qbuffer=fq, workspace=ws, launch=launch).float()
@@ -109,8 +111,8 @@ def main() -> None:
     ap.add_argument(
         "--launches",
         default=None,
-        help="explicit Gluon launches per shape instead of the sweep over programs per SM, as "
-        "'8x32768=16:0,15:1;64x8192=3:0' (page splits:tail splits[:maxnreg][:l1]); the default launch is timed too",
+        help="explicit Gluon launches per shape instead of the sweep over programs per SM, as '8x32768=16:0,15:1;"
+        "64x8192=3:0' (page splits:tail splits[:maxnreg][:l1][:cN]); the default launch is timed too",
     )
     ap.add_argument(
         "--methods", default=None, help="only these preset/dtype pairs, as 'kitty/float16,kitty-pro/bfloat16'"
@@ -194,7 +196,7 @@ def main() -> None:
                     continue
                 if isinstance(over, GluonLaunch):
                     gl_launch, tail = over, over.tail_splits
-                    over = {k: getattr(over, k) for k in ("maxnreg", "prefetch_l1")}
+                    over = {k: getattr(over, k) for k in ("maxnreg", "prefetch_l1", "chunk_cost")}
                 else:
                     gl_launch = default_gluon_launch(B, HKV, units, torch.device("cuda"), cps, min_pages)
                     pages_splits = gl_launch.num_splits - gl_launch.tail_splits  # the default's own tail replaced
@@ -224,7 +226,7 @@ def main() -> None:
 
 def parse_launches(spec: str | None) -> dict[tuple[int, int], list[GluonLaunch]]:
     """``--launches``: ``'8x32768=16:0,15:1:200;64x8192=3:0'`` (page splits : tail splits [: register cap],
-    ``:l1`` anywhere for ``prefetch_l1``) ->
+    ``:l1`` anywhere for ``prefetch_l1``, ``:cN`` for ``chunk_cost=N``) ->
     ``{(8, 32768): [GluonLaunch(16), GluonLaunch(16, tail_splits=1, maxnreg=200)], ...}``."""
     out: dict[tuple[int, int], list[GluonLaunch]] = {}
     for part in filter(None, (spec or "").split(";")):
@@ -232,12 +234,17 @@ def parse_launches(spec: str | None) -> dict[tuple[int, int], list[GluonLaunch]]
         try:
             B, L = (int(x) for x in shape.split("x"))
             launches = []
-            for item in items.split(","):
+            for item in filter(None, items.split(",")):  # '1x4096=': the default launch only
                 fields = item.split(":")
                 l1 = "l1" in fields  # the page loop's next page into L1
-                f = [int(x) for x in fields if x != "l1"]
+                cost = [int(x[1:]) for x in fields if x.startswith("c")]  # chunk_cost
+                f = [int(x) for x in fields if x != "l1" and not x.startswith("c")]
                 splits, tail, maxnreg = f[0], f[1] if len(f) > 1 else 0, f[2] if len(f) > 2 else 255
-                launches.append(GluonLaunch(splits + tail, tail_splits=tail, maxnreg=maxnreg, prefetch_l1=l1))
+                launches.append(
+                    GluonLaunch(
+                        splits + tail, tail_splits=tail, maxnreg=maxnreg, prefetch_l1=l1, chunk_cost=(cost or [0])[0]
+                    )
+                )
         except ValueError as e:
             raise ValueError(f"--launches: cannot read {part!r} as 'BxL=splits:tail[:maxnreg],...' ({e})") from e
         out[(B, L)] = launches
@@ -256,8 +263,8 @@ def write_markdown(results: dict, out: str) -> None:
         if "vs_fp16" not in r:
             continue
         best = results["fastest_fp16"].get(f"{r['B']},{r['L']}", {})
-        defaults = {"tail_splits": 0, "maxnreg": 255, "prefetch": True, "prefetch_l1": False}  # shown when not these
-        keys = ("ctas_per_sm", "splits", "tail_splits", "maxnreg", "prefetch", "prefetch_l1")
+        defaults = {"tail_splits": 0, "maxnreg": 255, "prefetch": True, "prefetch_l1": False, "chunk_cost": 0}
+        keys = ("ctas_per_sm", "splits", "tail_splits", "maxnreg", "prefetch", "prefetch_l1", "chunk_cost")
         extra = " ".join(f"{k}={r[k]}" for k in keys if k in r and r[k] != defaults.get(k))
         lines.append(
             f"| ({r['B']}, {r['L']}) | {best.get('name')} {best.get('us', 0):.1f} | {r['method']} {extra} | "

@@ -128,14 +128,14 @@ def _prefetch_page(
 
 # NUM_SPLITS and MERGE_GROUP stay runtime values: Triton would turn a 1 into a constant, and triton 3.6's LLVM lowering
 # asserts (PassManager::run failed) on the kernel with both at 1 (a one-split launch). TAIL likewise.
-@gluon.jit(do_not_specialize=["NUM_SPLITS", "MERGE_GROUP", "TAIL"])
+@gluon.jit(do_not_specialize=["NUM_SPLITS", "MERGE_GROUP", "TAIL", "CHUNK_COST"])
 def _decode_gluon_kernel(
     q_ptr, out_ptr, ws_m_ptr, ws_l_ptr, ws_z_ptr, ws_acc_ptr, ticket_ptr, len_ptr, sink_k_ptr, sink_v_ptr, k_qbuf_ptr,
     v_qbuf_ptr, v_local_ptr, k_pt_ptr, v_pt_ptr, k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr,
-    v_scale_ptr, v_zero_ptr, Hkv, QH, NUM_SPLITS, MERGE_GROUP, TAIL, qk_scale, sq_b, sq_h, so_b, so_h, ssk_b, ssk_h,
-    ssv_b, ssv_h, skq_b, skq_h, svq_b, svq_h, svl_b, svl_h, spk_b, spv_b, S: gl.constexpr, G: gl.constexpr,
-    R: gl.constexpr, D: gl.constexpr, NB: gl.constexpr, NB4: gl.constexpr, NWH: gl.constexpr, RW: gl.constexpr,
-    BH: gl.constexpr, IS_BF16: gl.constexpr, FULL_QBUF: gl.constexpr, PREFETCH: gl.constexpr
+    v_scale_ptr, v_zero_ptr, Hkv, QH, NUM_SPLITS, MERGE_GROUP, TAIL, CHUNK_COST, qk_scale, sq_b, sq_h, so_b, so_h,
+    ssk_b, ssk_h, ssv_b, ssv_h, skq_b, skq_h, svq_b, svq_h, svl_b, svl_h, spk_b, spv_b, S: gl.constexpr,
+    G: gl.constexpr, R: gl.constexpr, D: gl.constexpr, NB: gl.constexpr, NB4: gl.constexpr, NWH: gl.constexpr,
+    RW: gl.constexpr, BH: gl.constexpr, IS_BF16: gl.constexpr, FULL_QBUF: gl.constexpr, PREFETCH: gl.constexpr
 ):
     gl.static_assert(G == 128, "pages of 128 tokens: four chunks of 32")
     D4: gl.constexpr = D // 4
@@ -171,6 +171,7 @@ def _decode_gluon_kernel(
         vp = mv // G
     slots = gl.cdiv(m, G)
     nck = gl.cdiv(m, 32)  # 32-token chunks holding tokens
+    NSC0: gl.constexpr = (S + 31) // 32  # sink chunks
     if TAIL > 0:  # the last TAIL splits share the full-precision chunks, the others the quantized pages
         nps = NUM_SPLITS - TAIL
         per = gl.cdiv(vp, nps)
@@ -185,6 +186,17 @@ def _decode_gluon_kernel(
             tper = gl.cdiv(gl.maximum(nck - vp * 4, 0), TAIL)
             c_lo = vp * 4 + (split - nps) * tper
             c_hi = gl.maximum(gl.minimum(c_lo + tper, nck), c_lo)
+    elif CHUNK_COST > 0:  # equal cost per split: the sink chunks, the pages (8 each), then the full-precision
+        # chunks (CHUNK_COST each) laid end to end; an item runs on the split whose range holds its start
+        nfp = gl.maximum(nck - vp * 4, 0)
+        base = gl.where(n > 0, NSC0 * CHUNK_COST, 0)
+        per = gl.cdiv(base + vp * 8 + nfp * CHUNK_COST, NUM_SPLITS)
+        lo = split * per - base
+        hi = lo + per
+        start = gl.minimum(gl.cdiv(gl.maximum(lo, 0), 8), vp)
+        end = gl.minimum(gl.cdiv(gl.maximum(hi, 0), 8), vp)
+        c_lo = vp * 4 + gl.minimum(gl.cdiv(gl.maximum(lo - vp * 8, 0), CHUNK_COST), nfp)
+        c_hi = vp * 4 + gl.minimum(gl.cdiv(gl.maximum(hi - vp * 8, 0), CHUNK_COST), nfp)
     else:  # each split: a run of page slots, then the full-precision chunks among them
         per = gl.cdiv(slots, NUM_SPLITS)
         start = split * per
@@ -531,6 +543,7 @@ def decode_attention_gluon(
         splits,
         group,
         launch.tail_splits,
+        launch.chunk_cost,
         scaling * LOG2E,
         q.stride(0),
         q.stride(1),

@@ -37,7 +37,10 @@ class GluonLaunch:
     CPU-compiled, kitty and kitty-pro are spill-free at 200 and 176); ``prefetch``: each program prefetches its
     first page into L2 before it waits on anything, and the page loop keeps one page ahead (``prefetch.global.L2``
     of every line of the next key and value page); ``prefetch_l1``: the page loop's next page into L1 instead
-    (``prefetch.global.L1``, which also fills L2), so that its loads wait on L1 rather than L2."""
+    (``prefetch.global.L1``, which also fills L2), so that its loads wait on L1 rather than L2; ``chunk_cost``
+    (without tail splits): 0 splits a row's page slots evenly (the last split also runs the full-precision chunks of
+    its slots), > 0 splits its work at equal cost, a quantized page costing 8 and a full-precision 32-token chunk
+    ``chunk_cost`` (the sink's on split 0 first)."""
 
     num_splits: int
     merge_group: int = 0
@@ -45,6 +48,7 @@ class GluonLaunch:
     maxnreg: int = 255
     prefetch: bool = True
     prefetch_l1: bool = False
+    chunk_cost: int = 0
 
 
 MERGE_STEP = 4  # partials a merge reads per step for 4 heads per KV head (16 // heads)
@@ -69,6 +73,19 @@ SMALL_TAIL_SPLITS = 8  # programs sharing the full-precision chunks (and the sin
 # and the sink on split 0, 12.3 with the sink on a tail program, 10.9 with 8 of them; (1, 32K) 21.0 with 4, 22.0 with 8)
 
 
+CHUNK_COST = 13  # a full-precision 32-token chunk against a quantized page (8): their bytes' ratio, ~1.6 for kitty
+# and kitty-pro at D 64 and 128 (H100, (8, 32K) kitty fp16, 16 splits: 95.5 us by page slots, 84.8 at cost 8, 80.0 at
+# cost 13, as fast as a program of its own for the chunks)
+WAVE_EFFICIENCY = 0.95  # the fewest splits whose programs fill the SMs' slots at least this well, relative to the best
+# (H100, (64, 8K) kitty fp16 at cost 13: 2 splits (0.97 of one wave) 160.4 us, 3 (0.73 of two) 181.7, 4 (0.97) 163.8)
+
+
+def wave_efficiency(programs: int, slots: int) -> float:
+    """The share of ``slots`` (programs resident at once) that ``programs`` equal programs keep busy over their
+    waves."""
+    return programs / (-(-programs // slots) * slots)
+
+
 def default_gluon_launch(
     B: int,
     Hkv: int,
@@ -77,30 +94,46 @@ def default_gluon_launch(
     ctas_per_sm: int = 8,
     min_pages: int | None = None,
 ) -> GluonLaunch:
-    """Splits so that ``B * Hkv * splits`` one-warp programs give ~``ctas_per_sm`` per SM, each with >=
-    ``min_pages`` pages, and then as few splits as give every split the same page count (no empty splits). At
-    batch 1 that is many short splits; the two-level merge (:func:`merge_group`) keeps their serial tail short.
+    """The launch :func:`decode_attention_gluon` uses unless given one.
 
-    ``min_pages`` ``None``: at most :data:`SMALL_PAIRS` (row, KV head) pairs, one page per program and
-    :data:`SMALL_TAIL_SPLITS` more programs for the full-precision chunks (qbuffers, local window) and the sink, which
-    would otherwise run after a split's pages (4 where 8 would exceed ``ctas_per_sm`` programs per SM); above that,
-    two pages per program and no tail programs."""
+    Above :data:`SMALL_PAIRS` (row, KV head) pairs: the fewest splits (each >= ``min_pages`` pages, default 2) whose
+    ``B * Hkv * splits`` one-warp programs fill the ``ctas_per_sm`` slots per SM within :data:`WAVE_EFFICIENCY` of
+    the best count, each split given equal work (``chunk_cost`` :data:`CHUNK_COST`: the full-precision tail weighs
+    as its bytes, so the split holding it runs fewer pages). All programs then end together.
+
+    At most :data:`SMALL_PAIRS` pairs (``min_pages`` ``None`` or 1): ~``ctas_per_sm`` programs per SM of one page
+    each, then as few splits as give every split the same page count, and :data:`SMALL_TAIL_SPLITS` more programs
+    for the full-precision chunks (qbuffers, local window) and the sink, which would otherwise run after a split's
+    pages (4 where 8 would exceed ``ctas_per_sm`` programs per SM). At batch 1 that is many short splits; the
+    two-level merge (:func:`merge_group`) keeps their serial tail short."""
     pairs, sms = max(B * Hkv, 1), num_sms(device)
     small = pairs <= SMALL_PAIRS
     if min_pages is None:
         min_pages = 1 if small else 2
+    cap = max(1, min(max_blocks // min_pages, 512))
     want = -(-ctas_per_sm * sms // pairs)
-    splits = max(1, min(want, max(max_blocks // min_pages, 1), 512))
+    if not (small and min_pages == 1):
+        slots = ctas_per_sm * sms
+        eff = [wave_efficiency(pairs * s, slots) for s in range(1, cap + 1)]
+        splits = 1 + next(i for i, e in enumerate(eff) if e >= WAVE_EFFICIENCY * max(eff))
+        return GluonLaunch(num_splits=splits, chunk_cost=CHUNK_COST)
+    splits = max(1, min(want, cap))
     per = -(-max_blocks // splits)
     splits = max(1, -(-max_blocks // per))
-    tail = 0
-    if small and min_pages == 1:
-        tail = SMALL_TAIL_SPLITS if splits + SMALL_TAIL_SPLITS <= want else 4
+    tail = SMALL_TAIL_SPLITS if splits + SMALL_TAIL_SPLITS <= want else 4
     return GluonLaunch(num_splits=splits + tail, tail_splits=tail)
 
 
 def split_work(
-    n: int, S: int, G: int, R: int, full_qbuffer: bool, num_splits: int, tail_splits: int, split: int
+    n: int,
+    S: int,
+    G: int,
+    R: int,
+    full_qbuffer: bool,
+    num_splits: int,
+    tail_splits: int,
+    split: int,
+    chunk_cost: int = 0,
 ) -> tuple[range, range, bool]:
     """What program ``split`` of a row of ``n`` tokens runs, as ``_decode_gluon_kernel`` computes it: the quantized
     pages (key and value) of its page loop, its full-precision chunks of 32 tokens (after the sink; chunk ``c`` is
@@ -121,6 +154,15 @@ def split_work(
             tper = -(-max(nck - vp * 4, 0) // tail_splits)
             c_lo = vp * 4 + (split - nps) * tper
             start, end, c_hi = 0, 0, max(min(c_lo + tper, nck), c_lo)
+    elif chunk_cost > 0:
+        nfp = max(nck - vp * 4, 0)
+        base = -(-S // 32) * chunk_cost if n > 0 else 0
+        per = -(-(base + vp * 8 + nfp * chunk_cost) // num_splits)
+        lo = split * per - base
+        hi = lo + per
+        start, end = min(-(-max(lo, 0) // 8), vp), min(-(-max(hi, 0) // 8), vp)
+        c_lo = vp * 4 + min(-(-max(lo - vp * 8, 0) // chunk_cost), nfp)
+        c_hi = vp * 4 + min(-(-max(hi - vp * 8, 0) // chunk_cost), nfp)
     else:
         per = -(-slots // num_splits)
         start, end = split * per, min(split * per + per, slots)

@@ -182,10 +182,12 @@ def test_splits_cover_every_page_and_chunk_once(full_qbuffer):
         m = max(n - S, 0)
         mv = max(m - R, 0)
         vp = max(-(-mv // G) - 1, 0) if full_qbuffer else mv // G
-        for splits, tail in ((1, 0), (3, 0), (7, 0), (40, 0), (2, 1), (8, 3), (40, 4), (5, 4)):
+        launches = ((1, 0, 0), (3, 0, 0), (7, 0, 0), (40, 0, 0), (2, 1, 0), (8, 3, 0), (40, 4, 0), (5, 4, 0))
+        launches += ((1, 0, 12), (3, 0, 12), (7, 0, 5), (40, 0, 8), (16, 0, 13))  # at equal cost
+        for splits, tail, cost in launches:
             pages, chunks, sinks = [], [], 0
             for sp in range(splits):
-                pg, ch, sink = split_work(n, S, G, R, full_qbuffer, splits, tail, sp)
+                pg, ch, sink = split_work(n, S, G, R, full_qbuffer, splits, tail, sp, cost)
                 assert not sink or sp == (splits - 1 if tail else 0)
                 pages += list(pg)
                 chunks += list(ch)
@@ -198,28 +200,52 @@ def test_splits_cover_every_page_and_chunk_once(full_qbuffer):
 def test_default_launch_gives_the_tail_its_own_programs_at_small_batch(monkeypatch):
     """At most 16 (row, KV head) pairs, the default launch runs one page per program plus 8 programs for the
     full-precision chunks and the sink (measured fastest at (1, 4K) and (1, 8K)), 4 where 8 more would exceed 8
-    programs per SM (faster at (1, 32K)); above, two pages per program and no tail programs. Each leaves at least one
-    program for pages and gives every page split the same page count."""
+    programs per SM (faster at (1, 32K)), every page split with the same page count. Above, no tail programs: the
+    fewest splits (>= 2 pages each) within 95% of the best wave efficiency, split at equal cost."""
     from kitty.kernels import gluon_launch as gl
 
     monkeypatch.setattr(gl, "num_sms", lambda device: 132)
-    for B, Hkv, blocks in ((1, 8, 32), (1, 8, 256), (2, 8, 64), (1, 2, 1), (16, 8, 64), (64, 8, 64), (3, 1, 5)):
+    slots = 8 * 132
+    shapes = ((1, 8, 32), (1, 8, 256), (2, 8, 64), (1, 2, 1), (16, 8, 64), (64, 8, 64), (3, 1, 5), (8, 8, 257))
+    shapes += ((100, 8, 65), (28, 8, 257), (200, 8, 65), (64, 8, 3))
+    for B, Hkv, blocks in shapes:
         launch = gl.default_gluon_launch(B, Hkv, blocks, "cuda")
-        small = B * Hkv <= gl.SMALL_PAIRS
+        pairs = B * Hkv
         page_splits = launch.num_splits - launch.tail_splits
-        if small:
-            fits = (page_splits + gl.SMALL_TAIL_SPLITS) * B * Hkv <= 8 * 132 + B * Hkv - 1  # <= ceil(8 * 132 / pairs)
-            assert launch.tail_splits == (gl.SMALL_TAIL_SPLITS if fits else 4), (B, Hkv, blocks)
-            assert launch.num_splits * B * Hkv <= 8 * 132 + B * Hkv * 5, (B, Hkv, blocks)
-        else:
-            assert launch.tail_splits == 0, (B, Hkv, blocks)
         assert page_splits >= 1
-        per = -(-blocks // page_splits)
-        assert -(-blocks // per) == page_splits  # no empty page split
-        if small:
-            assert per == 1 or blocks > -(-8 * 132 // (B * Hkv))  # one page each, unless that is > 8 programs per SM
+        if pairs <= gl.SMALL_PAIRS:
+            fits = (page_splits + gl.SMALL_TAIL_SPLITS) * pairs <= slots + pairs - 1  # <= ceil(8 * 132 / pairs)
+            assert launch.tail_splits == (gl.SMALL_TAIL_SPLITS if fits else 4), (B, Hkv, blocks)
+            assert launch.num_splits * pairs <= slots + pairs * 5, (B, Hkv, blocks)
+            assert launch.chunk_cost == 0
+            per = -(-blocks // page_splits)
+            assert -(-blocks // per) == page_splits  # no empty page split
+            assert per == 1 or blocks > -(-slots // pairs)  # one page each, unless that is > 8 programs per SM
+        else:
+            assert launch.tail_splits == 0 and launch.chunk_cost == gl.CHUNK_COST, (B, Hkv, blocks)
+            assert page_splits <= max(blocks // 2, 1)
+            eff = [gl.wave_efficiency(pairs * s, slots) for s in range(1, max(blocks // 2, 1) + 1)]
+            assert eff[page_splits - 1] >= gl.WAVE_EFFICIENCY * max(eff)
+            assert all(e < gl.WAVE_EFFICIENCY * max(eff) for e in eff[: page_splits - 1])
+    assert gl.default_gluon_launch(8, 8, 257, "cuda").num_splits == 16  # 1024 programs in one wave
+    assert gl.default_gluon_launch(64, 8, 65, "cuda").num_splits == 2  # 1024, not 1536 in 1.45 waves
     old = gl.default_gluon_launch(1, 8, 32, "cuda", min_pages=2)
     assert (old.num_splits, old.tail_splits) == (16, 0)
+
+
+def test_equal_cost_splits_balance_pages_against_the_tail():
+    """``chunk_cost``: every split's pages (8 each) and full-precision chunks (``chunk_cost`` each) add up to at
+    most the fair share plus one item, and the split holding the tail runs fewer pages."""
+    from kitty.kernels.gluon_launch import split_work
+
+    S, G, R, cost = 32, 128, 128, 13
+    for n, splits in ((32768, 16), (8192, 2), (8192, 8), (S + R + 3 * G + 40, 3), (100_000, 40)):
+        work = [split_work(n, S, G, R, False, splits, 0, sp, cost) for sp in range(splits)]
+        costs = [8 * len(pg) + cost * (len(ch) + 1 * sink) for pg, ch, sink in work]
+        fair = -(-sum(costs) // splits)
+        assert max(costs) <= fair + cost, (n, splits, costs)
+        if splits > 1 and len(work[-1][1]) > 2:
+            assert len(work[-1][0]) < len(work[0][0]), (n, splits)
 
 
 def test_pages_supported_and_cpu_never():
