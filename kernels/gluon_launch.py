@@ -76,7 +76,7 @@ SMALL_TAIL_SPLITS = 8  # programs sharing the full-precision chunks (and the sin
 CHUNK_COST = 13  # a full-precision 32-token chunk against a quantized page (8): their bytes' ratio, ~1.6 for kitty
 # and kitty-pro at D 64 and 128 (H100, (8, 32K) kitty fp16, 16 splits: 95.5 us by page slots, 84.8 at cost 8, 80.0 at
 # cost 13, as fast as a program of its own for the chunks)
-WAVE_EFFICIENCY = 0.95  # the fewest splits whose programs fill the SMs' slots at least this well, relative to the best
+WAVE_EFFICIENCY = 0.95  # split counts whose programs fill the SMs' slots at least this well, relative to the best
 # (H100, (64, 8K) kitty fp16 at cost 13: 2 splits (0.97 of one wave) 160.4 us, 3 (0.73 of two) 181.7, 4 (0.97) 163.8)
 
 
@@ -96,10 +96,11 @@ def default_gluon_launch(
 ) -> GluonLaunch:
     """The launch :func:`decode_attention_gluon` uses unless given one.
 
-    Above :data:`SMALL_PAIRS` (row, KV head) pairs: the fewest splits (each >= ``min_pages`` pages, default 2) whose
-    ``B * Hkv * splits`` one-warp programs fill the ``ctas_per_sm`` slots per SM within :data:`WAVE_EFFICIENCY` of
-    the best count, each split given equal work (``chunk_cost`` :data:`CHUNK_COST`: the full-precision tail weighs
-    as its bytes, so the split holding it runs fewer pages). All programs then end together.
+    Above :data:`SMALL_PAIRS` (row, KV head) pairs: up to ``ceil(ctas_per_sm * SMs / pairs)`` splits (each >=
+    ``min_pages`` pages, default 2), the most whose ``B * Hkv * splits`` one-warp programs keep the ``ctas_per_sm``
+    slots per SM busy within :data:`WAVE_EFFICIENCY` of the best count (so one full wave rather than a wave and a
+    small second one), each split given equal work (``chunk_cost`` :data:`CHUNK_COST`: the full-precision tail
+    weighs as its bytes, so the split holding it runs fewer pages). All programs then end together.
 
     At most :data:`SMALL_PAIRS` pairs (``min_pages`` ``None`` or 1): ~``ctas_per_sm`` programs per SM of one page
     each, then as few splits as give every split the same page count, and :data:`SMALL_TAIL_SPLITS` more programs
@@ -114,8 +115,8 @@ def default_gluon_launch(
     want = -(-ctas_per_sm * sms // pairs)
     if not (small and min_pages == 1):
         slots = ctas_per_sm * sms
-        eff = [wave_efficiency(pairs * s, slots) for s in range(1, cap + 1)]
-        splits = 1 + next(i for i, e in enumerate(eff) if e >= WAVE_EFFICIENCY * max(eff))
+        eff = [wave_efficiency(pairs * s, slots) for s in range(1, min(want, cap) + 1)]
+        splits = max(i + 1 for i, e in enumerate(eff) if e >= WAVE_EFFICIENCY * max(eff))
         return GluonLaunch(num_splits=splits, chunk_cost=CHUNK_COST)
     splits = max(1, min(want, cap))
     per = -(-max_blocks // splits)

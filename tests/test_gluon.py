@@ -200,8 +200,9 @@ def test_splits_cover_every_page_and_chunk_once(full_qbuffer):
 def test_default_launch_gives_the_tail_its_own_programs_at_small_batch(monkeypatch):
     """At most 16 (row, KV head) pairs, the default launch runs one page per program plus 8 programs for the
     full-precision chunks and the sink (measured fastest at (1, 4K) and (1, 8K)), 4 where 8 more would exceed 8
-    programs per SM (faster at (1, 32K)), every page split with the same page count. Above, no tail programs: the
-    fewest splits (>= 2 pages each) within 95% of the best wave efficiency, split at equal cost."""
+    programs per SM (faster at (1, 32K)), every page split with the same page count. Above, no tail programs: at
+    most the previous default's split count (>= 2 pages each), the most within 95% of the best wave efficiency,
+    split at equal cost."""
     from kitty.kernels import gluon_launch as gl
 
     monkeypatch.setattr(gl, "num_sms", lambda device: 132)
@@ -223,12 +224,15 @@ def test_default_launch_gives_the_tail_its_own_programs_at_small_batch(monkeypat
             assert per == 1 or blocks > -(-slots // pairs)  # one page each, unless that is > 8 programs per SM
         else:
             assert launch.tail_splits == 0 and launch.chunk_cost == gl.CHUNK_COST, (B, Hkv, blocks)
-            assert page_splits <= max(blocks // 2, 1)
-            eff = [gl.wave_efficiency(pairs * s, slots) for s in range(1, max(blocks // 2, 1) + 1)]
+            top = min(max(blocks // 2, 1), -(-slots // pairs))  # the previous default's count at most
+            assert page_splits <= top
+            eff = [gl.wave_efficiency(pairs * s, slots) for s in range(1, top + 1)]
             assert eff[page_splits - 1] >= gl.WAVE_EFFICIENCY * max(eff)
-            assert all(e < gl.WAVE_EFFICIENCY * max(eff) for e in eff[: page_splits - 1])
+            assert all(e < gl.WAVE_EFFICIENCY * max(eff) for e in eff[page_splits:])
     assert gl.default_gluon_launch(8, 8, 257, "cuda").num_splits == 16  # 1024 programs in one wave
     assert gl.default_gluon_launch(64, 8, 65, "cuda").num_splits == 2  # 1024, not 1536 in 1.45 waves
+    assert gl.default_gluon_launch(28, 8, 257, "cuda").num_splits == 4  # 896, not 1120 in 1.06 waves
+    assert gl.default_gluon_launch(100, 8, 65, "cuda").num_splits == 2  # 0.76 either way: the previous count
     old = gl.default_gluon_launch(1, 8, 32, "cuda", min_pages=2)
     assert (old.num_splits, old.tail_splits) == (16, 0)
 
