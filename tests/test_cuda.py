@@ -142,6 +142,39 @@ def test_gluon_captured_decode_matches_eager():
     assert torch.equal(toks[0], toks[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gluon_default_launch_at_large_batch_splits_at_equal_cost(dtype):
+    """Above 16 (row, KV head) pairs the default Gluon launch splits each row's work at equal cost (the
+    full-precision tail weighs as its bytes): on a ragged batch of 12 rows x 2 KV heads (rows from one page to 9 pages
+    and a partial qbuffer) its output passes the tolerance rule against the fp32 reference, for kitty and
+    kitty-pro, with the workspace reused (the merge tickets reset)."""
+    needs_gluon()
+    from kitty.kernels import decode_attention_ref
+    from kitty.kernels.decode_gluon import decode_attention_gluon
+    from kitty.kernels.gluon_launch import default_gluon_launch
+    from kitty.kernels.testing import attention_tolerance, make_state, planted_kv
+
+    for preset in ("kitty", "kitty-pro"):
+        cfg = PRESETS[preset]
+        S, G, R = cfg.sink_tokens, cfg.group_size, cfg.local_window
+        lengths = [S + 9 * G + 5, S + R + 2 * G, 1, S + G, S + 2 * G + R - 1, S + 5 * G, S + R + G + 1, 4 * G + 77]
+        lengths += [S + 3 * G + 31, 2 * G, S + R + 7 * G + 64, S + 1]
+        B, Hkv, D = len(lengths), 2, 128
+        k, v = planted_kv(B, Hkv, max(lengths), D, dtype, "cuda", seed=7)
+        state = make_state(cfg, k, v, lengths, seed=1, full_qbuffer=True)
+        q = torch.randn(B, 4 * Hkv, D, generator=torch.Generator().manual_seed(2)).to(dtype).cuda()
+        launch = default_gluon_launch(B, Hkv, state.k_page_table.shape[1] + 1, q.device)
+        assert launch.chunk_cost > 0 and launch.tail_splits == 0
+        ref = decode_attention_ref(q, state, cfg, upcast=True, full_qbuffer=True).float()
+        pt = decode_attention_ref(q, state, cfg, upcast=False, full_qbuffer=True).float()
+        tol = attention_tolerance(ref, pt, dtype)
+        ws: dict = {}
+        for _ in range(2):  # the second call reuses the workspace
+            out = decode_attention_gluon(q, state, cfg, full_qbuffer=True, workspace=ws).float()
+            err = (out - ref).abs().max().item()
+            assert torch.isfinite(out).all() and err <= tol, (preset, dtype, launch, err, tol)
+
+
 def test_cache_uses_the_fused_kernel_on_cuda(monkeypatch):
     """backend="auto" decodes with a fused kernel: the Gluon one where gluon_supports holds, else the tl one."""
     import kitty.kernels as kernels
