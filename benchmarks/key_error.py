@@ -25,6 +25,11 @@ relative squared error of the attention output. Query-aware selections then get 
 (root mean square of each channel over the GQA group's queries of positions 0-1183, those a cache has seen when the
 last page completes; ``"query"``: mean ``|q|``; ``fit-attn``: then the mean query of the same positions).
 
+``--tail`` (with ``--attention``): also the tail of the same queries' errors, three more columns: the 99th percentile
+and the largest per-query KL divergence over every layer, query head and query, and the mean over them of the query's
+largest logit error over the page tokens (nats): whether a rule's rare large errors, which a mean hides, are what
+decode perplexity follows.
+
 ``--standout-thresholds T1,T2``: each config whose range is ``fit-standout`` / ``fit-peak-standout`` runs once per
 threshold of the standout test (``kitty.core.standout``), with the share of channel rows (of every page, layer and
 head) that keep min-max ranges under it.
@@ -64,6 +69,7 @@ def main() -> None:
     p.add_argument("--exact-extremes", action="store_true", help="also the bound of 4 levels with exact min and max")
     p.add_argument("--window", type=int, default=0, help="the first window of which text: 0 essay, 1 python_reference")
     p.add_argument("--attention", action="store_true", help="also the attention error (KL, output) of real queries")
+    p.add_argument("--tail", action="store_true", help="with --attention: also the tail of the per-query errors")
     p.add_argument("--standout-thresholds", default=None, help="comma-separated thresholds of the standout test")
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -118,8 +124,10 @@ def main() -> None:
             label = m if t is None else f"{m} (threshold {t:g}, {share:.1%} of channel rows min-max)"
             extra = ""
             if a.attention:
-                kl, out = attention_error(cache, full, queries, pages.float() + err, S)
+                kl, out, tail = attention_error(cache, full, queries, pages.float() + err, S)
                 extra = f" {kl:.5f} | {out:.5f} |"
+                if a.tail:
+                    extra += f" {tail['kl_p99']:.4f} | {tail['kl_max']:.3f} | {tail['logit_max']:.4f} |"
             print(f"| {label} | {rel.mean():.4f} | {err.abs().amax():.2f} |{extra}")
     if a.exact_extremes:
         exact_extremes(pages)
@@ -133,10 +141,14 @@ def window_query_scale(q: torch.Tensor, H: int, end: int, cfg) -> torch.Tensor:
     return torch.cat([out, q.mean(1)], -1) if cfg.key_range in KEY_ONLY_RANGES else out
 
 
-def attention_error(cache, full: list[int], queries: dict, pages_hat: torch.Tensor, sink: int) -> tuple[float, float]:
+def attention_error(
+    cache, full: list[int], queries: dict, pages_hat: torch.Tensor, sink: int
+) -> tuple[float, float, dict[str, float]]:
     """Mean KL divergence (full precision's attention -> the quantized one's) and mean relative squared output error
-    of the queries after the pages, over layers, query heads and queries (module docstring)."""
-    kls, outs = [], []
+    of the queries after the pages, over layers, query heads and queries (module docstring); and their tail
+    (``--tail``): the 99th percentile and the largest per-query KL over every layer, query head and query, and the
+    mean over them of the query's largest logit error (nats) over the page tokens, ``max_t |scale * q . e_t|``."""
+    kls, outs, per_query, logit_max = [], [], [], []
     for j, i in enumerate(full):
         k, v = cache.layers[i].keys[0].float(), cache.layers[i].values[0].float()  # [H, T, D]
         H, T, D = k.shape
@@ -147,15 +159,21 @@ def attention_error(cache, full: list[int], queries: dict, pages_hat: torch.Tens
         start = sink + n * G
         q = q[:, start:].float().reshape(H, -1, T - start, D)  # [H, group, Tq, D]
         mask = torch.arange(T)[None, :] > torch.arange(start, T)[:, None]  # causal: [Tq, T]
-        logp = []
+        logp, logits = [], []
         for kk in (k, k_hat):
-            logits = torch.einsum("hgqd,htd->hgqt", q, kk) * scale
-            logp.append(torch.log_softmax(logits.masked_fill(mask, float("-inf")), -1))
+            logits.append(torch.einsum("hgqd,htd->hgqt", q, kk) * scale)
+            logp.append(torch.log_softmax(logits[-1].masked_fill(mask, float("-inf")), -1))
         p = logp[0].exp()
-        kls.append(torch.where(mask, 0.0, p * (logp[0] - logp[1])).sum(-1).mean())
+        kl_q = torch.where(mask, 0.0, p * (logp[0] - logp[1])).sum(-1)  # [H, group, Tq]
+        kls.append(kl_q.mean())
+        per_query.append(kl_q.flatten())
+        logit_max.append((logits[1] - logits[0])[..., sink : sink + n * G].abs().amax(-1).flatten())
         o, o_hat = (torch.einsum("hgqt,htd->hgqd", lp.exp(), v) for lp in logp)
         outs.append(((o_hat - o).square().sum(-1) / o.square().sum(-1)).mean())
-    return float(torch.stack(kls).mean()), float(torch.stack(outs).mean())
+    per_query, logit_max = torch.cat(per_query), torch.cat(logit_max)
+    tail = {"kl_p99": float(per_query.quantile(0.99)), "kl_max": float(per_query.max())}
+    tail["logit_max"] = float(logit_max.mean())
+    return float(torch.stack(kls).mean()), float(torch.stack(outs).mean()), tail
 
 
 def exact_extremes(pages: torch.Tensor) -> None:

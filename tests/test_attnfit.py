@@ -1,4 +1,4 @@
-"""``key_range="fit-attn"`` / ``"fit-attn-free"``: key ranges fitted to the squared error weighted by each token's
+"""``key_range="fit-attn"`` / ``"fit-attn-free"`` / ``"fit-attn-bound"``: key ranges fitted to the squared error weighted by each token's
 attention under the mean query (kitty/core/attnfit.py; random data, never zeros)."""
 
 import pytest
@@ -8,7 +8,14 @@ from test_static import NEW, B, T, build, hf_greedy, ragged_batch
 
 from kitty import PRESETS, KittyCache, get_preset
 from kitty.cache.attention import kitty_attention_forward
-from kitty.core.attnfit import ATTN_FITS, attention_weights, split_query_stats
+from kitty.core.attnfit import (
+    ATTN_FITS,
+    LOOSE_STEPS,
+    TIGHT_STEPS,
+    attention_weights,
+    split_query_stats,
+    token_bound_steps,
+)
 from kitty.core.quant import (
     dequantize_key_page,
     key_page_codes,
@@ -17,7 +24,7 @@ from kitty.core.quant import (
     range_params,
 )
 from kitty.core.ranges import _dequant_error, minmax_params
-from kitty.core.standout import token_standout_rows
+from kitty.core.standout import standout_tokens, token_standout_rows
 from kitty.hf.generate import generate_static
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -71,9 +78,11 @@ def test_weighted_error_is_never_worse_than_min_max_and_codes_stay_in_range(dtyp
     codes = quantize_codes(x, scale[..., None], zero[..., None], levels[:, None])
     assert (codes <= levels[:, None]).all() and (codes == levels[:, None]).any(-1).float().mean() > 0.9
     assert torch.isfinite(scale.float()).all() and (scale.float() > 0).all()
-    if ATTN_FITS[method] == "fit-bounded":
-        diff = _dequant_error(x.float(), scale, zero, levels).abs().amax(-1)
-        assert (diff <= 0.5 * mm_scale.float() * (1 + 2**-10) + 2**-20 * x.float().abs().amax(-1)).all()
+    if ATTN_FITS[method] == "fit-bounded":  # half a step, or fit-attn-bound's bound per token
+        steps = token_bound_steps(x, w) if method == "fit-attn-bound" else 0.5
+        diff = _dequant_error(x.float(), scale, zero, levels).abs()
+        tol = 2**-20 * x.float().abs().amax(-1, keepdim=True)
+        assert (diff <= steps * mm_scale.float()[..., None] * (1 + 2**-10) + tol).all()
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -198,3 +207,82 @@ def test_static_cache_gives_the_growing_caches_tokens(family):
     out = generate_static(model, ids, mask, cache, NEW)
     assert torch.equal(out, ref)
     assert all(c["key_pages"] > 0 for c in cache.token_counts(per_row=True))
+
+
+def _standout_page(dtype, seed):
+    """``_page`` with token 40 standing out in every channel (the max of every row)."""
+    x, qbar, levels = _page(dtype, seed)
+    x = x.float()
+    x[..., 40] += 12 * x.std(-1)
+    return x.to(dtype), qbar, levels
+
+
+def test_token_bound_steps_follow_the_weight_and_are_tight_at_standout_tokens():
+    """``0.5 / sqrt(w)`` min-max steps clamped to [0.5, 1]: half a step where ``w >= 1``, one step where
+    ``w <= 1/4``; half a step at a standout token whatever its weight; a weight of the wrong shape is refused."""
+    x, qbar, _ = _standout_page(torch.float32, seed=8)
+    w = attention_weights(x, qbar)
+    steps = token_bound_steps(x, w)
+    assert steps.shape == w.shape == (3, 1, 128)
+    tight = standout_tokens(x)
+    assert tight[:, 40].all() and tight.sum() < 3 * 128 // 10
+    torch.testing.assert_close(steps[:, 0][tight], torch.full((int(tight.sum()),), TIGHT_STEPS))
+    free = ~tight
+    want = (0.5 / w[:, 0].sqrt()).clamp(TIGHT_STEPS, LOOSE_STEPS)
+    torch.testing.assert_close(steps[:, 0][free], want[free])
+    assert (steps[:, 0][free & (w[:, 0] >= 1)] == TIGHT_STEPS).all()
+    assert (steps[:, 0][free & (w[:, 0] <= 0.25)] == LOOSE_STEPS).all()
+    assert (steps == LOOSE_STEPS).float().mean() > 0.2 and (steps == TIGHT_STEPS).float().mean() > 0.05
+    assert torch.equal(token_bound_steps(x, torch.ones_like(w)), torch.full_like(w, TIGHT_STEPS))
+    with pytest.raises(ValueError, match="weight must be"):
+        token_bound_steps(x, w[..., :64])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bound_per_token_holds_loosens_where_light_and_lowers_the_weighted_error(dtype):
+    """``fit-attn-bound``: every value within its token's bound (checked above for all methods), some lightly attended
+    values really beyond half a step, every attended (``w >= 1``) or standout token within half a step, and a
+    weighted error below ``fit-attn``'s (whose half-step bound admits fewer candidates) on average."""
+    x, qbar, levels = _standout_page(dtype, seed=9)
+    w = attention_weights(x, qbar)
+    scale, zero = range_params(x, levels, dtype, "fit-attn-bound", query_mean=qbar)
+    mm_scale = minmax_params(x, levels, -1, dtype)[0].float()[..., None]
+    diff = _dequant_error(x.float(), scale, zero, levels).abs()
+    tol = 2**-20 * x.float().abs().amax(-1, keepdim=True)
+    tight = (w >= 1) | standout_tokens(x)[..., None, :]
+    assert (diff <= (0.5 * mm_scale * (1 + 2**-10) + tol)).expand_as(diff)[tight.expand_as(diff)].all()
+    assert (diff > 0.5 * mm_scale * (1 + 2**-10) + tol).any()
+    half = range_params(x, levels, dtype, "fit-attn", query_mean=qbar)
+    assert _weighted_error(x, scale, zero, levels, w).mean() < _weighted_error(x, *half, levels, w).mean()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_token_bound_keeps_min_max_on_standout_rows_and_reduces_to_fit_token_standout(dtype):
+    """``fit-attn-token-bound``: the token test's rows keep min-max's exact parameters, the others get
+    ``fit-attn-bound``'s; without a mean query it is ``fit-token-standout`` bit for bit; a page has kitty-fit's bytes
+    (so ``kitty``'s bits), the same under ``sync_free``; bad values and missing oracle statistics are refused."""
+    x, qbar, levels = _standout_page(dtype, seed=10)
+    out = token_standout_rows(x)
+    assert out.float().mean() > 0.9
+    scale, zero = range_params(x, levels, dtype, "fit-attn-token-bound", query_mean=qbar)
+    mm = minmax_params(x, levels, -1, dtype)
+    fit = range_params(x, levels, dtype, "fit-attn-bound", query_mean=qbar)
+    assert torch.equal(scale[out], mm[0][out]) and torch.equal(zero[out], mm[1][out])
+    assert torch.equal(scale[~out], fit[0][~out]) and torch.equal(zero[~out], fit[1][~out])
+    plain, _, _ = _page(dtype, seed=11)
+    got = range_params(plain, levels, dtype, "fit-attn-token-bound", query_mean=None)
+    want = range_params(plain, levels, dtype, "fit-token-standout")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    cfg = get_preset("kitty-fit+key_range=fit-attn-token-bound")
+    k = plain[:2].transpose(-1, -2).contiguous()  # [2, G, D]
+    qs = torch.cat([torch.rand(2, 64) + 0.5, qbar[:2]], -1)
+    page = quantize_key_page(k, cfg, query_scale=qs)
+    free = quantize_key_page(k, cfg, query_scale=qs, sync_free=True)
+    assert all(torch.equal(t, free.tensors()[n]) for n, t in page.tensors().items())
+    assert page.nbytes == quantize_key_page(k, PRESETS["kitty-fit"], query_scale=qs[..., :64]).nbytes
+    with pytest.raises(ValueError, match="range method"):
+        range_params(x, levels, dtype, "fit-attn-token-bounds", query_mean=qbar)
+    with pytest.raises(ValueError, match="oracle"):
+        PRESETS["kitty"].with_(key_range="fit-attn-token-bound")
+    with pytest.raises(ValueError, match="value_range"):
+        PRESETS["kitty-fit"].with_(value_range="fit-attn-bound")

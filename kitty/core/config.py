@@ -33,11 +33,15 @@ RANGE_FITS = (
     "fit-attn",
     "fit-attn-free",
     "fit-attn-token-standout",
+    "fit-attn-bound",
+    "fit-attn-token-bound",
 )
 KEY_ONLY_RANGES = (
     "fit-attn",
     "fit-attn-free",
     "fit-attn-token-standout",
+    "fit-attn-bound",
+    "fit-attn-token-bound",
 )  # weighted by the tokens' expected attention: key pages only
 VALUE_RANGES = tuple(r for r in RANGE_FITS if r not in KEY_ONLY_RANGES)
 # key_rotation: each key head's channels multiplied by a fixed orthogonal matrix before quantization (and back after):
@@ -133,7 +137,9 @@ class KVQuantConfig:
     # across the page's channels, fit-bounded / fit-peak elsewhere; "fit-loose-token-standout": the same test, and
     # elsewhere the bounded search with every token within one min-max step (ranges.LOOSE_BOUND_STEPS); "fit-attn" /
     # "fit-attn-free": fit-bounded / fit ranked by the error weighted by each token's attention under the mean query
-    # (core/attnfit.py); "fit-attn-token-standout": the token test, and fit-attn elsewhere
+    # (core/attnfit.py); "fit-attn-token-standout": the token test, and fit-attn elsewhere; "fit-attn-bound": fit-attn
+    # with each token's bound set by its weight (half a step where attended or standing out, up to one step elsewhere);
+    # "fit-attn-token-bound": the token test, and fit-attn-bound elsewhere
     value_range: str = "minmax"  # "fit": the same per token for values
     key_rotation: str = "none"  # see KEY_ROTATIONS: a fixed orthogonal rotation of key channels, torch path only
     key_outlier_fraction: float = 0.0  # share of a key page's entries (per head) kept exactly; torch path only

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .attnfit import ATTN_FITS, attention_weights
+from .attnfit import ATTN_FITS, ATTN_TOKEN_RULES, attention_weights, token_bound_steps
 from .standout import STANDOUT_FITS, TOKEN_RULES, standout_rows, token_standout_rows
 
 
@@ -67,7 +67,7 @@ def fitted_params(
     keep_peak: bool = False,
     sync_free: bool = False,
     bounded: bool = False,
-    bound_steps: float = 0.5,
+    bound_steps: float | torch.Tensor = 0.5,
     weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped asymmetric parameters over the last dim: a ``(scale, zero)`` with small squared error.
@@ -91,7 +91,8 @@ def fitted_params(
     no value is worse off than min-max guarantees, while the step may shrink (by up to a third at 2 bits, the
     extremes then sitting up to half a min-max step from the nearest level) or the grid shift, which lowers the error
     of the bulk. ``bound_steps``: that bound in min-max steps (0.5, min-max's own guarantee, unless looser, as
-    :data:`LOOSE_BOUND_STEPS` for ``"fit-loose"``).
+    :data:`LOOSE_BOUND_STEPS` for ``"fit-loose"``); a tensor broadcast against ``x`` gives each value its own bound
+    (``fit-attn-bound``: one per token, :func:`kitty.core.attnfit.token_bound_steps`).
 
     ``weight``: a weight per value, broadcast against ``x`` (``fit-attn``: a token's expected attention,
     :mod:`kitty.core.attnfit`): every candidate is ranked by the weighted squared error and refitted by weighted
@@ -104,7 +105,10 @@ def fitted_params(
     best_scale, best_zero = minmax_params(x, levels, -1, dtype, sync_free)
     best_err = (_dequant_error(xf, best_scale, best_zero, levels, sync_free).square() * w).sum(-1)
     if bounded:  # bound_steps min-max steps (0.5: the most min-max allows any value); fp32 tolerance as for the peak
-        limit = bound_steps * best_scale.float() * (1 + 2**-10) + 2**-20 * xf.abs().amax(-1)
+        per_value = isinstance(bound_steps, torch.Tensor)
+        unit = best_scale.float()[..., None] if per_value else best_scale.float()
+        tol = 2**-20 * xf.abs().amax(-1)
+        limit = bound_steps * unit * (1 + 2**-10) + (tol[..., None] if per_value else tol)
     lo0, hi0 = xf.amin(-1), xf.amax(-1)
     span = hi0 - lo0
     peak_on_top = hi0.abs() >= lo0.abs()  # [...]: which tail holds the largest |x|
@@ -117,7 +121,7 @@ def fitted_params(
         err = (diff.square() * w).sum(-1)
         better = err < best_err
         if bounded:
-            better &= diff.abs().amax(-1) <= limit
+            better &= (diff.abs() <= limit).all(-1) if per_value else diff.abs().amax(-1) <= limit
         if keep_peak:  # the peak's own error stays within half a step (the min-max guarantee), up to fp32 rounding
             s = scale.float()
             code = quantize_codes(peak, s, zero, levels)
@@ -189,16 +193,19 @@ def range_params(
     ``"fit-attn"`` / ``"fit-attn-free"``: ``"fit-bounded"`` / ``"fit"`` ranked by the squared error weighted by each
     token's attention under the mean query (:mod:`kitty.core.attnfit`; key rows ``x`` ``[..., D, G]``,
     ``query_mean`` ``[..., D]`` or ``None``; ``"fit-attn-token-standout"``: the token test, ``"fit-attn"`` elsewhere).
-    ``sync_free``: no host read (module docstring), the same result."""
+    ``"fit-attn-bound"``: ``"fit-attn"`` with a bound per token set by its weight
+    (:func:`kitty.core.attnfit.token_bound_steps`; ``"fit-attn-token-bound"``: the token test, ``"fit-attn-bound"``
+    elsewhere). ``sync_free``: no host read (module docstring), the same result."""
     if method in ATTN_FITS:
+        w = attention_weights(x, query_mean)
+        steps = token_bound_steps(x, w) if method == "fit-attn-bound" else 0.5
         bounded = ATTN_FITS[method] == "fit-bounded"
-        return fitted_params(
-            x, levels, dtype, sync_free=sync_free, bounded=bounded, weight=attention_weights(x, query_mean)
-        )
-    if method in STANDOUT_FITS:
-        fitted = range_params(x, levels, dtype, STANDOUT_FITS[method], sync_free, query_mean)
+        return fitted_params(x, levels, dtype, sync_free=sync_free, bounded=bounded, bound_steps=steps, weight=w)
+    rows_fit = STANDOUT_FITS.get(method, ATTN_TOKEN_RULES.get(method))
+    if rows_fit is not None:
+        fitted = range_params(x, levels, dtype, rows_fit, sync_free, query_mean)
         exact = minmax_params(x, levels, -1, dtype, sync_free)
-        out = token_standout_rows(x) if method in TOKEN_RULES else standout_rows(x)
+        out = token_standout_rows(x) if method in TOKEN_RULES or method in ATTN_TOKEN_RULES else standout_rows(x)
         return torch.where(out, exact[0], fitted[0]), torch.where(out, exact[1], fitted[1])
     if method == "minmax":
         return minmax_params(x, levels, -1, dtype, sync_free)
@@ -212,7 +219,7 @@ def range_params(
         return fitted_params(x, levels, dtype, sync_free=sync_free, bounded=True, bound_steps=LOOSE_BOUND_STEPS)
     raise ValueError(
         "range method must be 'minmax', 'fit', 'fit-peak', 'fit-bounded', 'fit-loose' or one of "
-        f"{tuple(STANDOUT_FITS) + tuple(ATTN_FITS)}, got {method!r}"
+        f"{tuple(STANDOUT_FITS) + tuple(ATTN_FITS) + tuple(ATTN_TOKEN_RULES)}, got {method!r}"
     )
 
 
