@@ -21,7 +21,7 @@ import kitty.core.ranges as ranges
 from kitty.core.config import get_preset
 from kitty.hf import generate as gen
 from kitty.hf.models import load_model
-from kitty.tools.prompts import _needle, passkey_prompt
+from kitty.tools.prompts import needle_positions
 
 CALLS: list[tuple[torch.Tensor, torch.Tensor]] = []  # (weights, bounds) [pages, H, 1, G] of each recorded call
 _bounds = ranges.token_bound_steps
@@ -48,12 +48,8 @@ def main() -> None:
     print("| prompt | tokens | median weight | median rank of 128 (1: most attended) | bounds at 0.5 / at 1 step |")
     print("|---|---|---|---|---|")
     for case in a.cases.split(","):
-        n, depth, key = int(case.split(":")[0]), float(case.split(":")[1]), int(case.split(":")[2])
-        text = passkey_prompt(tok, n, depth, key)
-        enc = tok([text], return_offsets_mapping=True, return_tensors="pt")
-        start = text.index(_needle(key))
-        end = start + len(_needle(key))
-        positions = [i for i, (s, e) in enumerate(enc["offset_mapping"][0].tolist()) if s < end and e > start]
+        _, enc, positions = needle_positions(tok, case)
+        n, depth, key = case.split(":")  # for the table's label
         CALLS.clear()
         with torch.no_grad():
             gen.prefill(model, enc["input_ids"], gen.make_cache(model, cfg))

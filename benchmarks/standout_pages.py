@@ -22,7 +22,7 @@ from transformers import DynamicCache
 from kitty.core.config import get_preset
 from kitty.core.standout import standout_score, standout_tokens, token_standout_rows
 from kitty.hf.models import load_model
-from kitty.tools.prompts import _needle, passkey_prompt
+from kitty.tools.prompts import needle_positions
 
 
 def main() -> None:
@@ -39,12 +39,8 @@ def main() -> None:
     text_cfg = model.config.get_text_config()
     types = getattr(text_cfg, "layer_types", None) or ["full_attention"] * text_cfg.num_hidden_layers
     for case in a.cases.split(","):
-        n, depth, key = int(case.split(":")[0]), float(case.split(":")[1]), int(case.split(":")[2])
-        text = passkey_prompt(tok, n, depth, key)
-        enc = tok([text], return_offsets_mapping=True, return_tensors="pt")
-        start = text.index(_needle(key))
-        end = start + len(_needle(key))
-        needle = [i for i, (s, e) in enumerate(enc["offset_mapping"][0].tolist()) if s < end and e > start]
+        _, enc, needle = needle_positions(tok, case)
+        n, depth, key = case.split(":")  # for the table's label
         pages = (enc["input_ids"].shape[1] - S) // G
         cache = DynamicCache(config=model.config)
         with torch.no_grad():

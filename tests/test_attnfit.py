@@ -171,6 +171,18 @@ def test_cache_keeps_the_mean_query_and_packs_with_it_at_kitty_fits_bytes(method
     assert reports[0] == reports[1]
 
 
+def _assert_standout_rows_min_max(x, qbar, levels, dtype, method: str, inner: str) -> None:
+    """``method``'s ranges: min-max's exact parameters on the token test's rows (most rows of ``x``), ``inner``'s
+    (with the same mean query) on the others."""
+    out = token_standout_rows(x)
+    assert out.float().mean() > 0.9
+    scale, zero = range_params(x, levels, dtype, method, query_mean=qbar)
+    mm = minmax_params(x, levels, -1, dtype)
+    fit = range_params(x, levels, dtype, inner, query_mean=qbar)
+    assert torch.equal(scale[out], mm[0][out]) and torch.equal(zero[out], mm[1][out])
+    assert torch.equal(scale[~out], fit[0][~out]) and torch.equal(zero[~out], fit[1][~out])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_token_standout_rows_keep_min_max_and_the_others_get_the_weighted_fit(dtype):
     """``fit-attn-token-standout``: rows whose min or max is a token standing out across the page keep min-max's
@@ -179,13 +191,7 @@ def test_token_standout_rows_keep_min_max_and_the_others_get_the_weighted_fit(dt
     x = x.float()
     x[..., 40] += 12 * x.std(-1)  # token 40 stands out in every channel (the max of every row)
     x = x.to(dtype)
-    out = token_standout_rows(x)
-    assert out.float().mean() > 0.9
-    scale, zero = range_params(x, levels, dtype, "fit-attn-token-standout", query_mean=qbar)
-    mm = minmax_params(x, levels, -1, dtype)
-    fit = range_params(x, levels, dtype, "fit-attn", query_mean=qbar)
-    assert torch.equal(scale[out], mm[0][out]) and torch.equal(zero[out], mm[1][out])
-    assert torch.equal(scale[~out], fit[0][~out]) and torch.equal(zero[~out], fit[1][~out])
+    _assert_standout_rows_min_max(x, qbar, levels, dtype, "fit-attn-token-standout", "fit-attn")
     cfg = get_preset("kitty-fit+key_range=fit-attn-token-standout")
     k = x[:2].transpose(-1, -2).contiguous()  # [2, G, D]
     qs = torch.cat([torch.rand(2, 64) + 0.5, qbar[:2]], -1)
@@ -262,13 +268,7 @@ def test_token_bound_keeps_min_max_on_standout_rows_and_reduces_to_fit_token_sta
     ``fit-attn-bound``'s; without a mean query it is ``fit-token-standout`` bit for bit; a page has kitty-fit's bytes
     (so ``kitty``'s bits), the same under ``sync_free``; bad values and missing oracle statistics are refused."""
     x, qbar, levels = _standout_page(dtype, seed=10)
-    out = token_standout_rows(x)
-    assert out.float().mean() > 0.9
-    scale, zero = range_params(x, levels, dtype, "fit-attn-token-bound", query_mean=qbar)
-    mm = minmax_params(x, levels, -1, dtype)
-    fit = range_params(x, levels, dtype, "fit-attn-bound", query_mean=qbar)
-    assert torch.equal(scale[out], mm[0][out]) and torch.equal(zero[out], mm[1][out])
-    assert torch.equal(scale[~out], fit[0][~out]) and torch.equal(zero[~out], fit[1][~out])
+    _assert_standout_rows_min_max(x, qbar, levels, dtype, "fit-attn-token-bound", "fit-attn-bound")
     plain, _, _ = _page(dtype, seed=11)
     got = range_params(plain, levels, dtype, "fit-attn-token-bound", query_mean=None)
     want = range_params(plain, levels, dtype, "fit-token-standout")

@@ -110,3 +110,8 @@ def test_passkey_prompts_share_one_haystack(default_model):
     assert p == kp.passkey_text(12345, round(n * 0.5), n - round(n * 0.5))
     example = kp.example_prompts()[2][0]
     assert example == kp.passkey_text(68351, 16, 24) and example.count(kp.FILLER) == 40
+    text, enc, pos = kp.needle_positions(tok, "600:0.5:12345")
+    assert text == p and pos == list(range(pos[0], pos[-1] + 1))  # one run of tokens
+    assert "12345" in tok.decode(enc["input_ids"][0, pos[0] : pos[-1] + 1])
+    with pytest.raises(ValueError, match="length:depth:key"):
+        kp.needle_positions(tok, "600:0.5")

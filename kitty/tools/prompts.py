@@ -71,6 +71,21 @@ def passkey_prompt(tokenizer, n_tokens: int, depth: float, key: int) -> str:
 # ------------------------------------------------------------------------------------------------ examples
 
 
+def needle_positions(tokenizer, case: str) -> tuple[str, dict, list[int]]:
+    """The passkey prompt of ``case`` (``"length:depth:key"``, :func:`passkey_prompt`'s arguments), its encoding
+    (with character offsets) and the positions of the tokens that overlap the needle sentence."""
+    try:
+        n, depth, key = int(case.split(":")[0]), float(case.split(":")[1]), int(case.split(":")[2])
+    except (IndexError, ValueError) as e:
+        raise ValueError(f"case must be 'length:depth:key', got {case!r}") from e
+    text = passkey_prompt(tokenizer, n, depth, key)
+    enc = tokenizer([text], return_offsets_mapping=True, return_tensors="pt")
+    start = text.index(_needle(key))
+    end = start + len(_needle(key))
+    spans = enc["offset_mapping"][0].tolist()
+    return text, enc, [i for i, (s, e) in enumerate(spans) if s < end and e > start]
+
+
 def essay_excerpt(max_chars: int = 4500) -> str:
     """The first paragraphs of the shipped ``essay.txt`` (whole paragraphs, at most ``max_chars``)."""
     paragraphs = shipped_text("essay.txt").split("\n\n")
