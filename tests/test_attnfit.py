@@ -171,6 +171,18 @@ def test_cache_keeps_the_mean_query_and_packs_with_it_at_kitty_fits_bytes(method
     assert reports[0] == reports[1]
 
 
+def _assert_page_like_kitty_fit(key_range: str, x, qbar) -> None:
+    """Pages of ``kitty-fit+key_range=<key_range>`` from two rows of ``x`` (as keys ``[2, G, D]``): the same bytes
+    under ``sync_free``, and as many bytes as ``kitty-fit``'s (so ``kitty``'s bits)."""
+    cfg = get_preset(f"kitty-fit+key_range={key_range}")
+    k = x[:2].transpose(-1, -2).contiguous()  # [2, G, D]
+    qs = torch.cat([torch.rand(2, 64) + 0.5, qbar[:2]], -1)
+    page = quantize_key_page(k, cfg, query_scale=qs)
+    free = quantize_key_page(k, cfg, query_scale=qs, sync_free=True)
+    assert all(torch.equal(t, free.tensors()[n]) for n, t in page.tensors().items())
+    assert page.nbytes == quantize_key_page(k, PRESETS["kitty-fit"], query_scale=qs[..., :64]).nbytes
+
+
 def _assert_standout_rows_min_max(x, qbar, levels, dtype, method: str, inner: str) -> None:
     """``method``'s ranges: min-max's exact parameters on the token test's rows (most rows of ``x``), ``inner``'s
     (with the same mean query) on the others."""
@@ -192,13 +204,7 @@ def test_token_standout_rows_keep_min_max_and_the_others_get_the_weighted_fit(dt
     x[..., 40] += 12 * x.std(-1)  # token 40 stands out in every channel (the max of every row)
     x = x.to(dtype)
     _assert_standout_rows_min_max(x, qbar, levels, dtype, "fit-attn-token-standout", "fit-attn")
-    cfg = get_preset("kitty-fit+key_range=fit-attn-token-standout")
-    k = x[:2].transpose(-1, -2).contiguous()  # [2, G, D]
-    qs = torch.cat([torch.rand(2, 64) + 0.5, qbar[:2]], -1)
-    page = quantize_key_page(k, cfg, query_scale=qs)
-    free = quantize_key_page(k, cfg, query_scale=qs, sync_free=True)
-    assert all(torch.equal(t, free.tensors()[n]) for n, t in page.tensors().items())
-    assert page.nbytes == quantize_key_page(k, PRESETS["kitty-fit"], query_scale=qs[..., :64]).nbytes
+    _assert_page_like_kitty_fit("fit-attn-token-standout", x, qbar)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
@@ -273,13 +279,7 @@ def test_token_bound_keeps_min_max_on_standout_rows_and_reduces_to_fit_token_sta
     got = range_params(plain, levels, dtype, "fit-attn-token-bound", query_mean=None)
     want = range_params(plain, levels, dtype, "fit-token-standout")
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    cfg = get_preset("kitty-fit+key_range=fit-attn-token-bound")
-    k = plain[:2].transpose(-1, -2).contiguous()  # [2, G, D]
-    qs = torch.cat([torch.rand(2, 64) + 0.5, qbar[:2]], -1)
-    page = quantize_key_page(k, cfg, query_scale=qs)
-    free = quantize_key_page(k, cfg, query_scale=qs, sync_free=True)
-    assert all(torch.equal(t, free.tensors()[n]) for n, t in page.tensors().items())
-    assert page.nbytes == quantize_key_page(k, PRESETS["kitty-fit"], query_scale=qs[..., :64]).nbytes
+    _assert_page_like_kitty_fit("fit-attn-token-bound", plain, qbar)
     with pytest.raises(ValueError, match="range method"):
         range_params(x, levels, dtype, "fit-attn-token-bounds", query_mean=qbar)
     with pytest.raises(ValueError, match="oracle"):
