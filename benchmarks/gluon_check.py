@@ -112,7 +112,7 @@ def main() -> None:
         "--launches",
         default=None,
         help="explicit Gluon launches per shape instead of the sweep over programs per SM, as '8x32768=16:0,15:1;"
-        "64x8192=3:0' (page splits:tail splits[:maxnreg][:l1][:cN]); the default launch is timed too",
+        "64x8192=3:0' (page splits:tail splits[:maxnreg][:cN]); the default launch is timed too",
     )
     ap.add_argument(
         "--methods", default=None, help="only these preset/dtype pairs, as 'kitty/float16,kitty-pro/bfloat16'"
@@ -196,7 +196,7 @@ def main() -> None:
                     continue
                 if isinstance(over, GluonLaunch):
                     gl_launch, tail = over, over.tail_splits
-                    over = {k: getattr(over, k) for k in ("maxnreg", "prefetch_l1", "chunk_cost")}
+                    over = {k: getattr(over, k) for k in ("maxnreg", "chunk_cost")}
                 else:
                     gl_launch = default_gluon_launch(B, HKV, units, torch.device("cuda"), cps, min_pages)
                     pages_splits = gl_launch.num_splits - gl_launch.tail_splits  # the default's own tail replaced
@@ -226,7 +226,7 @@ def main() -> None:
 
 def parse_launches(spec: str | None) -> dict[tuple[int, int], list[GluonLaunch]]:
     """``--launches``: ``'8x32768=16:0,15:1:200;64x8192=3:0'`` (page splits : tail splits [: register cap],
-    ``:l1`` anywhere for ``prefetch_l1``, ``:cN`` for ``chunk_cost=N``) ->
+    ``:cN`` anywhere for ``chunk_cost=N``) ->
     ``{(8, 32768): [GluonLaunch(16), GluonLaunch(16, tail_splits=1, maxnreg=200)], ...}``."""
     out: dict[tuple[int, int], list[GluonLaunch]] = {}
     for part in filter(None, (spec or "").split(";")):
@@ -236,14 +236,11 @@ def parse_launches(spec: str | None) -> dict[tuple[int, int], list[GluonLaunch]]
             launches = []
             for item in filter(None, items.split(",")):  # '1x4096=': the default launch only
                 fields = item.split(":")
-                l1 = "l1" in fields  # the page loop's next page into L1
                 cost = [int(x[1:]) for x in fields if x.startswith("c")]  # chunk_cost
-                f = [int(x) for x in fields if x != "l1" and not x.startswith("c")]
+                f = [int(x) for x in fields if not x.startswith("c")]
                 splits, tail, maxnreg = f[0], f[1] if len(f) > 1 else 0, f[2] if len(f) > 2 else 255
                 launches.append(
-                    GluonLaunch(
-                        splits + tail, tail_splits=tail, maxnreg=maxnreg, prefetch_l1=l1, chunk_cost=(cost or [0])[0]
-                    )
+                    GluonLaunch(splits + tail, tail_splits=tail, maxnreg=maxnreg, chunk_cost=(cost or [0])[0])
                 )
         except ValueError as e:
             raise ValueError(f"--launches: cannot read {part!r} as 'BxL=splits:tail[:maxnreg],...' ({e})") from e

@@ -74,16 +74,14 @@ def compile_gluon(
     D: int = 128,
     one_split: bool = False,
     prefetch: bool = True,
-    prefetch_l1: bool = False,
 ) -> dict:
     """Compile ``_decode_gluon_kernel`` as the wrapper launches it mid-step; returns cubin, registers, SASS.
     ``one_split``: as the JIT compiles a one-split launch, where every integer argument equal to 1 (the split count
     and merge group) becomes a constant unless the kernel lists it in ``do_not_specialize``. ``prefetch``: the
-    launch's ``prefetch`` (pages into L2 one ahead; on by default, as in the wrapper); ``prefetch_l1``: into L1."""
+    launch's ``prefetch`` (pages into L2 one ahead; on by default, as in the wrapper)."""
     cfg = PRESETS[preset]
     tdt = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-    launch = GluonLaunch(1, prefetch=prefetch, prefetch_l1=prefetch_l1)
-    consts = dg.gluon_constants(cfg, D, gqa, dtype, launch, full_qbuffer=True)
+    consts = dg.gluon_constants(cfg, D, gqa, dtype, GluonLaunch(1, prefetch=prefetch), full_qbuffer=True)
     high = {1: "u8", 2: "i16"}.get(consts["NB4"], "i32")
     fn = dg._decode_gluon_kernel
     if one_split:
@@ -114,7 +112,6 @@ def compile_gluon(
         "gqa": gqa,
         "D": D,
         "prefetch": prefetch,
-        "prefetch_l1": prefetch_l1,
         "regs": getattr(k.metadata, "num_regs", None) or _regs(k),
         "spills": None,
         "shared": k.metadata.shared,
@@ -142,7 +139,6 @@ def main() -> None:
     ap.add_argument(
         "--no-prefetch", action="store_true", help="without the launch's prefetch (pages into L2 one ahead)"
     )
-    ap.add_argument("--prefetch-l1", action="store_true", help="the page loop's next page into L1 instead of L2")
     ap.add_argument("--sass-out", default=None)
     args = ap.parse_args()
     r = compile_gluon(
@@ -152,7 +148,6 @@ def main() -> None:
         args.head_dim,
         args.one_split,
         not args.no_prefetch,
-        args.prefetch_l1,
     )
     if args.sass_out:
         open(args.sass_out, "w").write(r["_sass"])

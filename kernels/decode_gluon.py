@@ -83,47 +83,29 @@ def _prefetch_l2(ptrs):
 
 
 @gluon.jit
-def _prefetch_l1(ptrs):
-    """``prefetch.global.L1`` of the lines at ``ptrs`` (through L2; nothing is read into registers)."""
-    gl.inline_asm_elementwise(
-        "prefetch.global.L1 [$1]; mov.b32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32, is_pure=False, pack=1
-    )
-
-
-@gluon.jit
-def _prefetch(ptrs, L1: gl.constexpr):
-    """The lines at ``ptrs`` into L1 (``L1``) or L2."""
-    if L1:
-        _prefetch_l1(ptrs)
-    else:
-        _prefetch_l2(ptrs)
-
-
-@gluon.jit
 def _prefetch_page(
     k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_scale_ptr, v_zero_ptr, kpage, vpage,
-    G: gl.constexpr, D: gl.constexpr, NB: gl.constexpr, NB4: gl.constexpr, RW: gl.constexpr, L1: gl.constexpr,
+    G: gl.constexpr, D: gl.constexpr, NB: gl.constexpr, NB4: gl.constexpr, RW: gl.constexpr,
 ):  # fmt: skip
-    """A prefetch (into L1 with ``L1``, else L2) of every 128-byte line of one key page (``kpage``) and one value page
-    (``vpage``), one line per lane and array, so that the page loop's dependent loads of that page wait on the cache
-    rather than DRAM."""
+    """``prefetch.global.L2`` of every 128-byte line of one key page (``kpage``) and one value page (``vpage``), one
+    line per lane and array, so that the page loop's dependent loads of that page wait on L2 rather than DRAM."""
     LR: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     t = gl.arange(0, 32, LR)
     KL: gl.constexpr = G * D // 4 // 128  # key low plane lines
     VL: gl.constexpr = D * G // 4 // 128  # value code lines (2-bit codes)
-    _prefetch(k_low_ptr + kpage * (G * D // 4) + (t % KL) * 128, L1)
-    _prefetch(v_codes_ptr + vpage * (D * G // 4) + (t % VL) * 128, L1)
+    _prefetch_l2(k_low_ptr + kpage * (G * D // 4) + (t % KL) * 128)
+    _prefetch_l2(v_codes_ptr + vpage * (D * G // 4) + (t % VL) * 128)
     # scales and zeros (16-bit, 64 a line): D per key page, G per value page, 8 lanes each
     KS: gl.constexpr = D // 64
     VS: gl.constexpr = G // 64
     quarter = t // 8
     key_side = gl.where(quarter == 0, k_scale_ptr, k_zero_ptr) + kpage * D + (t % KS) * 64
     value_side = gl.where(quarter == 2, v_scale_ptr, v_zero_ptr) + vpage * G + (t % VS) * 64
-    _prefetch(gl.where(quarter < 2, key_side, value_side), L1)
+    _prefetch_l2(gl.where(quarter < 2, key_side, value_side))
     if NB > 0:
         HL: gl.constexpr = G * NB4 // 128  # high plane lines, of 128 RW // NB4 view elements each
-        _prefetch(k_high_ptr + kpage * (G * RW) + (t % HL) * (128 * RW // NB4), L1)
-        _prefetch(k_idx_ptr + kpage * D + t * 0, L1)
+        _prefetch_l2(k_high_ptr + kpage * (G * RW) + (t % HL) * (128 * RW // NB4))
+        _prefetch_l2(k_idx_ptr + kpage * D + t * 0)
 
 
 # NUM_SPLITS and MERGE_GROUP stay runtime values: Triton would turn a 1 into a constant, and triton 3.6's LLVM lowering
@@ -171,7 +153,7 @@ def _decode_gluon_kernel(
         vp = mv // G
     slots = gl.cdiv(m, G)
     nck = gl.cdiv(m, 32)  # 32-token chunks holding tokens
-    NSC0: gl.constexpr = (S + 31) // 32  # sink chunks
+    NSC: gl.constexpr = (S + 31) // 32  # sink chunks
     if TAIL > 0:  # the last TAIL splits share the full-precision chunks, the others the quantized pages
         nps = NUM_SPLITS - TAIL
         per = gl.cdiv(vp, nps)
@@ -189,7 +171,7 @@ def _decode_gluon_kernel(
     elif CHUNK_COST > 0:  # equal cost per split: the sink chunks, the pages (8 each), then the full-precision
         # chunks (CHUNK_COST each) laid end to end; an item runs on the split whose range holds its start
         nfp = gl.maximum(nck - vp * 4, 0)
-        base = gl.where(n > 0, NSC0 * CHUNK_COST, 0)
+        base = gl.where(n > 0, NSC * CHUNK_COST, 0)
         per = gl.cdiv(base + vp * 8 + nfp * CHUNK_COST, NUM_SPLITS)
         lo = split * per - base
         hi = lo + per
@@ -243,7 +225,7 @@ def _decode_gluon_kernel(
     if PREFETCH:
         if start < stop:
             _prefetch_page(k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_scale_ptr,
-                           v_zero_ptr, k0 * Hkv + h, v0 * Hkv + h, G, D, NB, NB4, RW, PREFETCH == 2)  # fmt: skip
+                           v_zero_ptr, k0 * Hkv + h, v0 * Hkv + h, G, D, NB, NB4, RW)  # fmt: skip
     # the loop-invariant operands wait in shared memory (read back per page: 8 ldmatrix), not in ~48 registers
     # through both loops
     QL: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [0, 1])
@@ -272,7 +254,6 @@ def _decode_gluon_kernel(
     # tail split), then this split's tokens whose values are in the qbuffer or the local window (keys quantized below
     # kp, else in the qbuffer). They accumulate into the page loop's accumulators, in natural units until the loop
     # starts.
-    NSC: gl.constexpr = (S + 31) // 32
     sink_split = gl.where(TAIL > 0, NUM_SPLITS - 1, 0)  # with tail splits, the last one (split 0 runs a page)
     ns = gl.where((split == sink_split) & (n > 0), NSC, 0)
     qnbuf = gl.allocate_shared_memory(
@@ -347,7 +328,7 @@ def _decode_gluon_kernel(
             vpage = v0 * Hkv + h
             if j + 1 < stop:
                 _prefetch_page(k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_scale_ptr,
-                               v_zero_ptr, kn * Hkv + h, vn * Hkv + h, G, D, NB, NB4, RW, PREFETCH == 2)  # fmt: skip
+                               v_zero_ptr, kn * Hkv + h, vn * Hkv + h, G, D, NB, NB4, RW)  # fmt: skip
             k0 = kn
             v0 = vn
             kn = gl.load(pt_k + j + 2, mask=j + 2 < stop, other=0).to(gl.int64)

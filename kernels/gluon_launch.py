@@ -36,18 +36,15 @@ class GluonLaunch:
     cap per thread (255: ~8 one-warp programs per SM fit; <= 200 gives 10, <= 176 gives 11, <= 168 gives 12;
     CPU-compiled, kitty and kitty-pro are spill-free at 200 and 176); ``prefetch``: each program prefetches its
     first page into L2 before it waits on anything, and the page loop keeps one page ahead (``prefetch.global.L2``
-    of every line of the next key and value page); ``prefetch_l1``: the page loop's next page into L1 instead
-    (``prefetch.global.L1``, which also fills L2), so that its loads wait on L1 rather than L2; ``chunk_cost``
-    (without tail splits): 0 splits a row's page slots evenly (the last split also runs the full-precision chunks of
-    its slots), > 0 splits its work at equal cost, a quantized page costing 8 and a full-precision 32-token chunk
-    ``chunk_cost`` (the sink's on split 0 first)."""
+    of every line of the next key and value page); ``chunk_cost`` (without tail splits): 0 splits a row's page slots
+    evenly (the last split also runs the full-precision chunks of its slots), > 0 splits its work at equal cost, a
+    quantized page costing 8 and a full-precision 32-token chunk ``chunk_cost`` (the sink's on split 0 first)."""
 
     num_splits: int
     merge_group: int = 0
     tail_splits: int = 0
     maxnreg: int = 255
     prefetch: bool = True
-    prefetch_l1: bool = False
     chunk_cost: int = 0
 
 
@@ -302,7 +299,7 @@ def gluon_constants(
         BH=heads_block(group),
         IS_BF16=dtype == torch.bfloat16,
         FULL_QBUF=bool(full_qbuffer),
-        PREFETCH=(2 if launch.prefetch_l1 else 1) if launch.prefetch else 0,
+        PREFETCH=bool(launch.prefetch),
     )
 
 

@@ -105,10 +105,8 @@ def fitted_params(
     best_scale, best_zero = minmax_params(x, levels, -1, dtype, sync_free)
     best_err = (_dequant_error(xf, best_scale, best_zero, levels, sync_free).square() * w).sum(-1)
     if bounded:  # bound_steps min-max steps (0.5: the most min-max allows any value); fp32 tolerance as for the peak
-        per_value = isinstance(bound_steps, torch.Tensor)
-        unit = best_scale.float()[..., None] if per_value else best_scale.float()
-        tol = 2**-20 * xf.abs().amax(-1)
-        limit = bound_steps * unit * (1 + 2**-10) + (tol[..., None] if per_value else tol)
+        # [..., 1] (one bound) or [..., n] (one per value), against every value's error
+        limit = bound_steps * best_scale.float()[..., None] * (1 + 2**-10) + 2**-20 * xf.abs().amax(-1, keepdim=True)
     lo0, hi0 = xf.amin(-1), xf.amax(-1)
     span = hi0 - lo0
     peak_on_top = hi0.abs() >= lo0.abs()  # [...]: which tail holds the largest |x|
@@ -121,7 +119,7 @@ def fitted_params(
         err = (diff.square() * w).sum(-1)
         better = err < best_err
         if bounded:
-            better &= (diff.abs() <= limit).all(-1) if per_value else diff.abs().amax(-1) <= limit
+            better &= (diff.abs() <= limit).all(-1)
         if keep_peak:  # the peak's own error stays within half a step (the min-max guarantee), up to fp32 rounding
             s = scale.float()
             code = quantize_codes(peak, s, zero, levels)

@@ -68,9 +68,6 @@ def passkey_prompt(tokenizer, n_tokens: int, depth: float, key: int) -> str:
     return passkey_text(key, before, n_fill - before)
 
 
-# ------------------------------------------------------------------------------------------------ examples
-
-
 def needle_positions(tokenizer, case: str) -> tuple[str, dict, list[int]]:
     """The passkey prompt of ``case`` (``"length:depth:key"``, :func:`passkey_prompt`'s arguments), its encoding
     (with character offsets) and the positions of the tokens that overlap the needle sentence."""
@@ -84,6 +81,9 @@ def needle_positions(tokenizer, case: str) -> tuple[str, dict, list[int]]:
     end = start + len(_needle(key))
     spans = enc["offset_mapping"][0].tolist()
     return text, enc, [i for i, (s, e) in enumerate(spans) if s < end and e > start]
+
+
+# ------------------------------------------------------------------------------------------------ examples
 
 
 def essay_excerpt(max_chars: int = 4500) -> str:
