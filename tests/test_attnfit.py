@@ -68,7 +68,7 @@ def test_weighted_error_is_never_worse_than_min_max_and_codes_stay_in_range(dtyp
     the codes stay in [0, levels]; the bounded variant keeps every value within half a min-max step."""
     x, qbar, levels = _page(dtype, seed)
     w = attention_weights(x, qbar)
-    scale, zero = range_params(x, levels, dtype, method, query_mean=qbar)
+    scale, zero = range_params(x, levels, dtype, method, query_stat=qbar)
     mm_scale, mm_zero = minmax_params(x, levels, -1, dtype)
     err = _weighted_error(x, scale, zero, levels, w)
     mm_err = _weighted_error(x, mm_scale, mm_zero, levels, w)
@@ -88,7 +88,7 @@ def test_weighted_error_is_never_worse_than_min_max_and_codes_stay_in_range(dtyp
 @pytest.mark.parametrize("method", METHODS)
 def test_without_a_mean_query_the_weights_are_uniform_and_the_plain_fit_comes_back(method):
     x, _, levels = _page(torch.bfloat16, seed=4)
-    got = range_params(x, levels, torch.bfloat16, method, query_mean=None)
+    got = range_params(x, levels, torch.bfloat16, method, query_stat=None)
     want = range_params(x, levels, torch.bfloat16, ATTN_FITS[method])
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
@@ -101,7 +101,7 @@ def test_the_attended_token_gets_a_smaller_error_than_under_the_unweighted_fit()
     x[:, 17] = x.mean(-1) + 3.0 * x.std(-1) * qbar.sign()  # token 17 lies along the mean query in every channel
     assert attention_weights(x, qbar)[0, 17] > 50
     levels = torch.full((64,), 3)
-    fitted = range_params(x, levels, torch.float32, "fit-attn-free", query_mean=qbar)
+    fitted = range_params(x, levels, torch.float32, "fit-attn-free", query_stat=qbar)
     plain = range_params(x, levels, torch.float32, "fit")
     err_w = _dequant_error(x, *fitted, levels)[:, 17].square().sum()
     err_p = _dequant_error(x, *plain, levels)[:, 17].square().sum()
@@ -188,9 +188,9 @@ def _assert_standout_rows_min_max(x, qbar, levels, dtype, method: str, inner: st
     (with the same mean query) on the others."""
     out = token_standout_rows(x)
     assert out.float().mean() > 0.9
-    scale, zero = range_params(x, levels, dtype, method, query_mean=qbar)
+    scale, zero = range_params(x, levels, dtype, method, query_stat=qbar)
     mm = minmax_params(x, levels, -1, dtype)
-    fit = range_params(x, levels, dtype, inner, query_mean=qbar)
+    fit = range_params(x, levels, dtype, inner, query_stat=qbar)
     assert torch.equal(scale[out], mm[0][out]) and torch.equal(zero[out], mm[1][out])
     assert torch.equal(scale[~out], fit[0][~out]) and torch.equal(zero[~out], fit[1][~out])
 
@@ -257,14 +257,14 @@ def test_bound_per_token_holds_loosens_where_light_and_lowers_the_weighted_error
     weighted error below ``fit-attn``'s (whose half-step bound admits fewer candidates) on average."""
     x, qbar, levels = _standout_page(dtype, seed=9)
     w = attention_weights(x, qbar)
-    scale, zero = range_params(x, levels, dtype, "fit-attn-bound", query_mean=qbar)
+    scale, zero = range_params(x, levels, dtype, "fit-attn-bound", query_stat=qbar)
     mm_scale = minmax_params(x, levels, -1, dtype)[0].float()[..., None]
     diff = _dequant_error(x.float(), scale, zero, levels).abs()
     tol = 2**-20 * x.float().abs().amax(-1, keepdim=True)
     tight = (w >= 1) | standout_tokens(x)[..., None, :]
     assert (diff <= (0.5 * mm_scale * (1 + 2**-10) + tol)).expand_as(diff)[tight.expand_as(diff)].all()
     assert (diff > 0.5 * mm_scale * (1 + 2**-10) + tol).any()
-    half = range_params(x, levels, dtype, "fit-attn", query_mean=qbar)
+    half = range_params(x, levels, dtype, "fit-attn", query_stat=qbar)
     assert _weighted_error(x, scale, zero, levels, w).mean() < _weighted_error(x, *half, levels, w).mean()
 
 
@@ -276,12 +276,12 @@ def test_token_bound_keeps_min_max_on_standout_rows_and_reduces_to_fit_token_sta
     x, qbar, levels = _standout_page(dtype, seed=10)
     _assert_standout_rows_min_max(x, qbar, levels, dtype, "fit-attn-token-bound", "fit-attn-bound")
     plain, _, _ = _page(dtype, seed=11)
-    got = range_params(plain, levels, dtype, "fit-attn-token-bound", query_mean=None)
+    got = range_params(plain, levels, dtype, "fit-attn-token-bound", query_stat=None)
     want = range_params(plain, levels, dtype, "fit-token-standout")
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     _assert_page_like_kitty_fit("fit-attn-token-bound", plain, qbar)
     with pytest.raises(ValueError, match="range method"):
-        range_params(x, levels, dtype, "fit-attn-token-bounds", query_mean=qbar)
+        range_params(x, levels, dtype, "fit-attn-token-bounds", query_stat=qbar)
     with pytest.raises(ValueError, match="oracle"):
         PRESETS["kitty"].with_(key_range="fit-attn-token-bound")
     with pytest.raises(ValueError, match="value_range"):
