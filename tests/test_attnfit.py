@@ -382,8 +382,9 @@ def test_a_token_one_query_attends_keeps_half_a_step_where_the_mean_query_ignore
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_max_bound_holds_per_token_and_reduces_to_the_unweighted_rules(dtype):
     """``fit-attn-max-bound`` with random observed weights: every value within its token's bound, some beyond half a
-    step; ``fit-attn-max-token-bound`` keeps min-max on the token test's rows; without weights both are
-    ``fit-bounded`` / ``fit-token-standout`` bit for bit; bad weights are refused."""
+    step; ``fit-attn-max-token-bound`` keeps min-max on the token test's rows; ``fit-attn-max-rel-bound`` is the same
+    with the weights over their page's mean; without weights all are ``fit-bounded`` / ``fit-token-standout`` bit for
+    bit; bad weights are refused."""
     x, _, levels = _standout_page(dtype, seed=23)
     seen = torch.rand(3, 128, generator=torch.Generator().manual_seed(24)).square() * 3
     w = observed_weights(x, seen)
@@ -394,7 +395,17 @@ def test_max_bound_holds_per_token_and_reduces_to_the_unweighted_rules(dtype):
     assert (diff <= token_bound_steps(x, w) * mm_scale * (1 + 2**-10) + tol).all()
     assert (diff > 0.5 * mm_scale * (1 + 2**-10) + tol).any()
     _assert_standout_rows_min_max(x, seen, levels, dtype, "fit-attn-max-token-bound", "fit-attn-max-bound")
-    for method, plain in (("fit-attn-max-bound", "fit-bounded"), ("fit-attn-max-token-bound", "fit-token-standout")):
+    rel = range_params(x, levels, dtype, "fit-attn-max-rel-bound", query_stat=seen)
+    want = range_params(x, levels, dtype, "fit-attn-max-bound", query_stat=seen / seen.mean(-1, keepdim=True))
+    assert torch.equal(rel[0], want[0]) and torch.equal(rel[1], want[1])  # the maxima over their page's mean
+    torch.testing.assert_close(observed_weights(x, seen, relative=True).mean(-1), torch.ones(3, 1))
+    assert torch.equal(observed_weights(x, torch.zeros(3, 128), relative=True), torch.ones(3, 1, 128))
+    for method, plain in (
+        ("fit-attn-max-bound", "fit-bounded"),
+        ("fit-attn-max-token-bound", "fit-token-standout"),
+        ("fit-attn-max-rel-bound", "fit-bounded"),
+        ("fit-attn-max-rel-token-bound", "fit-token-standout"),
+    ):
         got, want = range_params(x, levels, dtype, method), range_params(x, levels, dtype, plain)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     with pytest.raises(ValueError, match="weight must be"):

@@ -46,6 +46,9 @@ half a step at standout tokens. ``"fit-attn-max-token-bound"``: min-max on the t
 ``fit-attn-max-bound`` elsewhere. The cache keeps the running maximum per qbuffer slot
 (:meth:`kitty.cache.layer.PagedLayer.observe_key_attention`) and passes it after the oracle's scale (``query_scale``
 ``[..., D + G]``); without it every weight is 1: ``fit-bounded`` / ``fit-token-standout``, bit for bit.
+``"fit-attn-max-rel-bound"`` / ``"fit-attn-max-rel-token-bound"`` (a follow-up, chosen after the first failed its
+perplexity gate): the same maxima divided by their mean over the page, so that the bound's anchor ``w = 1`` is again
+the page's average token (:func:`observed_weights` ``relative=True``).
 
 Same page layout and bytes as min-max; nothing more is stored in a page. Torch only, sync-free (no host read). Needs
 ``channel_selection="oracle"`` (the cache keeps query statistics only for it).
@@ -60,10 +63,14 @@ from .standout import standout_tokens
 # key_range values whose fitted error is weighted by the tokens' expected attention, and the fit each one weights
 ATTN_FITS = {"fit-attn": "fit-bounded", "fit-attn-free": "fit", "fit-attn-bound": "fit-bounded"}
 # min-max on the rows of standout.token_standout_rows, the weighted fit named here elsewhere (as STANDOUT_FITS)
-ATTN_TOKEN_RULES = {"fit-attn-token-bound": "fit-attn-bound", "fit-attn-max-token-bound": "fit-attn-max-bound"}
+ATTN_TOKEN_RULES = {
+    "fit-attn-token-bound": "fit-attn-bound",
+    "fit-attn-max-token-bound": "fit-attn-max-bound",
+    "fit-attn-max-rel-token-bound": "fit-attn-max-rel-bound",
+}
 # key_range values weighted by each token's largest observed attention (the cache's per-slot running maximum)
-ATTN_MAX_FITS = ("fit-attn-max-bound",)
-ATTN_MAX_RANGES = ATTN_MAX_FITS + ("fit-attn-max-token-bound",)
+ATTN_MAX_FITS = ("fit-attn-max-bound", "fit-attn-max-rel-bound")
+ATTN_MAX_RANGES = ATTN_MAX_FITS + ("fit-attn-max-token-bound", "fit-attn-max-rel-token-bound")
 QUERY_CHUNK = 256  # prompt queries per block of observed_page_attention: memory O(QUERY_CHUNK x keys)
 TIGHT_STEPS = 0.5  # fit-attn-bound's bound of an attended (w >= 1) or standout token: min-max's own, in min-max steps
 LOOSE_STEPS = 1.0  # its bound of a lightly attended token (w <= 1/4): ranges.LOOSE_BOUND_STEPS, one min-max step
@@ -93,9 +100,11 @@ def token_bound_steps(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.where(standout_tokens(x)[..., None, :], TIGHT_STEPS, steps)
 
 
-def observed_weights(x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+def observed_weights(x: torch.Tensor, weight: torch.Tensor | None = None, relative: bool = False) -> torch.Tensor:
     """``fit-attn-max-bound``'s weights ``[..., 1, G]`` fp32 for key rows ``x`` ``[..., D, G]``: ``weight``
-    ``[..., G]`` (each token's largest observed attention, :func:`observed_page_attention`), ``None``: all ones."""
+    ``[..., G]`` (each token's largest observed attention, :func:`observed_page_attention`), ``None``: all ones.
+    ``relative`` (``fit-attn-max-rel-bound``): divided by their mean over the page's tokens (mean 1 after the
+    maximum; all ones where every weight is 0)."""
     if not isinstance(x, torch.Tensor) or x.dim() < 2 or 0 in x.shape[-2:]:
         raise ValueError(f"x must be a tensor [..., D, G] with D, G >= 1, got {getattr(x, 'shape', type(x).__name__)}")
     G = x.shape[-1]
@@ -103,7 +112,11 @@ def observed_weights(x: torch.Tensor, weight: torch.Tensor | None = None) -> tor
         return torch.ones((*x.shape[:-2], 1, G), dtype=torch.float32, device=x.device)
     if weight.shape[-1] != G or weight.dim() != x.dim() - 1:
         raise ValueError(f"weight must be [..., G] (G = {G}) for x {tuple(x.shape)}, got {tuple(weight.shape)}")
-    return weight.float().to(x.device)[..., None, :]
+    w = weight.float().to(x.device)[..., None, :]
+    if relative:
+        mean = w.mean(-1, keepdim=True)
+        w = torch.where(mean > 0, w / torch.where(mean > 0, mean, 1.0), 1.0)
+    return w
 
 
 def visible_page_weights(logits: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

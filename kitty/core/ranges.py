@@ -196,10 +196,11 @@ def range_params(
     (:func:`kitty.core.attnfit.token_bound_steps`; ``"fit-attn-token-bound"``: the token test, ``"fit-attn-bound"``
     elsewhere). ``"fit-attn-max-bound"``: ``"fit-attn-bound"``'s search and bounds with each token's largest observed
     attention as its weight (``query_stat`` ``[..., G]`` or ``None``, :func:`kitty.core.attnfit.observed_weights`;
-    ``"fit-attn-max-token-bound"``: the token test, ``"fit-attn-max-bound"`` elsewhere). ``sync_free``: no host read
-    (module docstring), the same result."""
+    ``"fit-attn-max-token-bound"``: the token test, ``"fit-attn-max-bound"`` elsewhere; ``"fit-attn-max-rel-bound"`` /
+    ``"fit-attn-max-rel-token-bound"``: the same weights divided by their mean over the page). ``sync_free``: no host
+    read (module docstring), the same result."""
     if method in ATTN_MAX_FITS:
-        w = observed_weights(x, query_stat)
+        w = observed_weights(x, query_stat, relative=method == "fit-attn-max-rel-bound")
         steps = token_bound_steps(x, w)
         return fitted_params(x, levels, dtype, sync_free=sync_free, bounded=True, bound_steps=steps, weight=w)
     if method in ATTN_FITS:
