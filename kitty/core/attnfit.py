@@ -150,7 +150,8 @@ def observed_page_attention(
     ``query`` ``[Hq, T, D]`` at positions ``query_pos`` ``[T]``; ``keys`` ``[H, L, D]`` (``Hq`` a multiple of
     ``H``) at positions ``key_pos`` ``[L]``, the first at a page boundary (key ``j`` is in page ``j // group_size``);
     a query sees the keys at or before its position; logits ``scale * q . k``. The queries go ``chunk`` at a time,
-    so memory is ``O(chunk x L)`` per query head."""
+    each block over the pages it sees, so memory is ``O(chunk x L)`` per query head (one host read per block: for a
+    prompt, not a decode step)."""
     if query.dim() != 3 or keys.dim() != 3 or query.shape[-1] != keys.shape[-1] or query.shape[0] % keys.shape[0]:
         raise ValueError(
             f"query must be [Hq, T, D] and keys [H, L, D], H dividing Hq; got {tuple(query.shape)}, {tuple(keys.shape)}"
@@ -165,21 +166,24 @@ def observed_page_attention(
         raise ValueError(f"group_size and chunk must be >= 1, got {group_size}, {chunk}")
     P = -(-L // group_size)
     pad = P * group_size - L
-    kf = keys.float()
+    kf = torch.nn.functional.pad(keys.float(), (0, 0, 0, pad))  # whole pages; the padding is never seen
     q = query.float().reshape(H, Hq // H, T, D)
     kpos = key_pos.to(keys.device, torch.int64)
-    kpos = torch.cat([kpos, kpos.new_full((pad,), torch.iinfo(torch.int64).max)])  # padding: never seen
+    kpos = torch.cat([kpos, kpos.new_full((pad,), torch.iinfo(torch.int64).max)])
+    qpos = query_pos.to(keys.device, torch.int64)
     best = torch.zeros(H, P * group_size, dtype=torch.float32, device=keys.device)
     for a in range(0, T, chunk):
-        qc = q[:, :, a : a + chunk]  # (H, g, c, D)
-        logits = torch.einsum("hgcd,hld->hgcl", qc, kf) * scale
-        logits = torch.nn.functional.pad(logits, (0, pad))
-        seen = kpos[None, :] <= query_pos[a : a + chunk].to(keys.device, torch.int64)[:, None]  # (c, P * G)
+        qc, pos = q[:, :, a : a + chunk], qpos[a : a + chunk]  # (H, g, c, D), (c,)
+        n = -(-int((kpos <= pos.max()).sum()) // group_size) * group_size  # the pages this chunk sees (a host read)
+        if n == 0:
+            continue
         c = qc.shape[2]
+        logits = torch.einsum("hgcd,hld->hgcl", qc, kf[:, :n]) * scale
+        seen = kpos[None, :n] <= pos[:, None]  # (c, n)
         w = visible_page_weights(
-            logits.reshape(H, -1, c, P, group_size), seen.reshape(c, P, group_size)[None, None]
-        )  # (H, g, c, P, G)
-        best = torch.maximum(best, w.amax((1, 2)).reshape(H, -1))
+            logits.reshape(H, -1, c, n // group_size, group_size), seen.reshape(c, -1, group_size)[None, None]
+        )  # (H, g, c, pages, G)
+        best[:, :n] = torch.maximum(best[:, :n], w.amax((1, 2)).reshape(H, n))
     return best[:, :L]
 
 
