@@ -118,7 +118,7 @@ class PagedLayer(LayerSteps, CacheLayerMixin):
         # (key_range "fit-attn"/"fit-attn-free": then the running sum of q itself, channels D..2D; core/attnfit.py)
         width = 2 * D if self._keeps_mean_query else D
         self.q_stat_sum = torch.zeros(B, H, width, dtype=torch.float32, device=device)
-        # key_range "fit-attn-max-bound"/"fit-attn-max-token-bound": each key qbuffer slot's largest page-local
+        # key_range "fit-attn-max-bound" and the other ATTN_MAX_RANGES: each key qbuffer slot's largest page-local
         # attention from the queries seen while it sat there (observe_key_attention; core/attnfit.py)
         self.k_attn_max = (
             torch.zeros(B, H, cfg.group_size, dtype=torch.float32, device=device)
@@ -473,7 +473,7 @@ class PagedLayer(LayerSteps, CacheLayerMixin):
         """Per-channel query magnitude ``[rows, Hkv, D]`` seen so far: mean ``|q|`` for ``channel_selection="query"``,
         root mean square of ``q`` for ``"oracle"``, ``None`` for other selections; with ``key_range="fit-attn"`` /
         ``"fit-attn-free"`` ``[rows, Hkv, 2D]``, the mean ``q`` after it (kitty/core/attnfit.py); with
-        ``"fit-attn-max-bound"`` / ``"fit-attn-max-token-bound"`` ``[rows, Hkv, D + G]``, after it the largest observed
+        the fit-attn-max ranges (``ATTN_MAX_RANGES``) ``[rows, Hkv, D + G]``, after it the largest observed
         attention of each token of the page: ``token_weight`` ``[rows, Hkv, G]`` where given (a prompt's pages), else
         the rows' key qbuffer slots (:attr:`k_attn_max`, a page packed from its full qbuffer)."""
         sel = self.cfg.channel_selection
