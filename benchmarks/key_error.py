@@ -49,6 +49,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kitty.core import standout
+from kitty.core.attnfit import ATTN_MAX_RANGES
 from kitty.core.config import KEY_ONLY_RANGES, QUERY_SELECTIONS, get_preset
 from kitty.core.quant import (
     channel_importance,
@@ -135,7 +136,10 @@ def main() -> None:
 
 def window_query_scale(q: torch.Tensor, H: int, end: int, cfg) -> torch.Tensor:
     """What the cache would pass as ``query_scale`` ``[H, D]`` (fit-attn: ``[H, 2D]``, then the mean query) after the
-    queries ``q`` ``[Hq, T, D]`` of positions before ``end`` (those it has seen when the last page completes)."""
+    queries ``q`` ``[Hq, T, D]`` of positions before ``end`` (those it has seen when the last page completes). The
+    fit-attn-max ranges (weighted per token by the queries the cache saw, not a statistic of the window) are refused."""
+    if cfg.key_range in ATTN_MAX_RANGES:
+        raise ValueError(f"key_range={cfg.key_range!r}: the screen passes no per-token attention maxima")
     q = q[:, :end].float().reshape(H, -1, q.shape[-1])
     out = query_scale_from(query_statistic(q, cfg.channel_selection).mean(1), cfg.channel_selection)
     return torch.cat([out, q.mean(1)], -1) if cfg.key_range in KEY_ONLY_RANGES else out

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from ..core.attnfit import ATTN_MAX_RANGES, observed_page_attention, visible_page_weights
 from ..core.config import KEY_ONLY_RANGES, QUERY_SELECTIONS, KVQuantConfig
 from ..core.memory import MemoryReport, token_layout
 from ..core.pages import FixedPages, GrowingPages, PagePool, filled_page, pages_completed, point
@@ -81,6 +82,8 @@ class PagedLayer(LayerSteps, CacheLayerMixin):
         self._n0: list[int] = []
         self._steps = 0
         self.workspace: dict[str, torch.Tensor] | None = None  # the fused kernel's buffers, where a sibling keeps them
+        self.k_attn_max: torch.Tensor | None = None  # fit-attn-max's running maxima (lazy_initialization)
+        self._prompt_queries: tuple[torch.Tensor, float] | None = None
 
     @property
     def host_lengths(self) -> list[int]:
@@ -113,8 +116,16 @@ class PagedLayer(LayerSteps, CacheLayerMixin):
         # channel_selection="query"/"oracle": running sum of |q| ("query") or q^2 ("oracle") per (row, KV head,
         # channel) over the GQA group, and its count
         # (key_range "fit-attn"/"fit-attn-free": then the running sum of q itself, channels D..2D; core/attnfit.py)
-        width = 2 * D if cfg.key_range in KEY_ONLY_RANGES else D
+        width = 2 * D if self._keeps_mean_query else D
         self.q_stat_sum = torch.zeros(B, H, width, dtype=torch.float32, device=device)
+        # key_range "fit-attn-max-bound" and the other ATTN_MAX_RANGES: each key qbuffer slot's largest page-local
+        # attention from the queries seen while it sat there (observe_key_attention; core/attnfit.py)
+        self.k_attn_max = (
+            torch.zeros(B, H, cfg.group_size, dtype=torch.float32, device=device)
+            if cfg.key_range in ATTN_MAX_RANGES and cfg.channel_selection in QUERY_SELECTIONS
+            else None
+        )
+        self._prompt_queries = None  # set by _attend_tokens around its append
         self.q_count = torch.zeros(B, 1, 1, dtype=torch.float32, device=device)
         self._rows = torch.arange(B, device=device)
         self._all_valid = torch.ones(B, 1, dtype=torch.bool, device=device)  # a decode step's new tokens
@@ -183,6 +194,8 @@ class PagedLayer(LayerSteps, CacheLayerMixin):
             self.v_page_table = self.value_pool.clear(self.v_page_table)
             self.q_stat_sum.zero_()
             self.q_count.zero_()
+            if self.k_attn_max is not None:
+                self.k_attn_max.zero_()
         self.seen_tokens = 0
         self._record = None
 
@@ -237,7 +250,11 @@ class PagedLayer(LayerSteps, CacheLayerMixin):
         :meth:`append` the valid tokens (``valid`` checked by :meth:`check_append` already)."""
         self.observe_queries(query, valid)  # channel_selection="query" ranks the channels of pages packed below
         out = self._read_back(query, key_states, value_states, valid, scale)
-        self.append(key_states, value_states, valid)
+        self._prompt_queries = (query, scale) if self.k_attn_max is not None else None  # fit-attn-max's weights
+        try:
+            self.append(key_states, value_states, valid)
+        finally:
+            self._prompt_queries = None
         return out
 
     def _attend_decode(self, query, key_states, value_states, scale: float) -> torch.Tensor:
@@ -251,6 +268,7 @@ class PagedLayer(LayerSteps, CacheLayerMixin):
         else:
             out = self._read_back(query, key_states, value_states, self._all_valid, scale)
             filled = self.insert_decode(key_states, value_states)
+        self.observe_key_attention(query[:, :, 0], scale)  # before the qbuffers this token filled are packed
         self.pack_filled(filled)
         return out
 
@@ -325,11 +343,14 @@ class PagedLayer(LayerSteps, CacheLayerMixin):
         lay0 = [token_layout(cfg, n) for n in n0]
         lay1 = [token_layout(cfg, n) for n in n1]
         self._grow_page_tables(max(l.key_pages for l in lay1), max(l.value_pages for l in lay1))
+        attn_max = self.k_attn_max is not None
         if self._record is not None and max(n1) > S:  # the qbuffers and the local window are rewritten below
-            saved = {name: getattr(self, name).clone() for name in ("k_qbuf", "v_qbuf", "v_local")}
+            names = ("k_qbuf", "v_qbuf", "v_local") + (("k_attn_max",) if attn_max else ())
+            saved = {name: getattr(self, name).clone() for name in names}
             self.on_undo(lambda: [getattr(self, name).copy_(t) for name, t in saved.items()])
 
         key_groups, value_groups = [], []  # full qbuffers to quantize, each (pages, H, G, D)
+        weight_groups = []  # fit-attn-max: the observed weights of key_groups' tokens, each (pages, H, G)
         key_rows = []  # the row of every key page, in order
         key_dest, value_dest = [], []  # (row, first page index, number of pages)
         for b in range(B):
@@ -350,6 +371,11 @@ class PagedLayer(LayerSteps, CacheLayerMixin):
             # keys past the last key page, in position order: old qbuffer then new tokens
             k_stream = torch.cat([self.k_qbuf[b, :, : l0.key_qbuffer], new_k], dim=1)  # (H, z - S - pk0*G, D)
             full = (l1.key_pages - l0.key_pages) * G
+            if attn_max:
+                w_stream = self._stream_weights(b, cols, k_stream, S + l0.key_pages * G, l0.key_qbuffer, a)  # (H, L)
+                if full:
+                    weight_groups.append(w_stream[:, :full].reshape(H, -1, G).transpose(0, 1))  # (pages, H, G)
+                self.k_attn_max[b, :, : l1.key_qbuffer] = w_stream[:, full:]
             if full:
                 key_groups.append(k_stream[:, :full].reshape(H, -1, G, D).transpose(0, 1))  # (pages, H, G, D)
                 key_dest.append((b, l0.key_pages, l1.key_pages - l0.key_pages))
@@ -368,8 +394,9 @@ class PagedLayer(LayerSteps, CacheLayerMixin):
                 self.v_local[b][:, new_local] = v_stream[:, full + l1.value_qbuffer :]
 
         if key_groups:
+            weight = torch.cat(weight_groups) if weight_groups else None
             page = quantize_key_page(
-                torch.cat(key_groups), cfg, salt=self.layer_idx, query_scale=self.query_scale(key_rows)
+                torch.cat(key_groups), cfg, salt=self.layer_idx, query_scale=self.query_scale(key_rows, weight)
             )
             self._store(self.key_pool, self.k_page_table, key_dest, page_fields(page))
         if value_groups:
@@ -426,7 +453,7 @@ class PagedLayer(LayerSteps, CacheLayerMixin):
         H = self.num_kv_heads
         w = valid.to(device=query.device, dtype=torch.float32)[:, None, None, :, None]  # (B, 1, 1, T, 1)
         stat = query_statistic(query.reshape(B, H, Hq // H, T, D), self.cfg.channel_selection)  # (B, Hkv, group, T, D)
-        if self.cfg.key_range in KEY_ONLY_RANGES:  # the mean query that weights fit-attn's tokens
+        if self._keeps_mean_query:  # the mean query that weights fit-attn's tokens
             stat = torch.cat([stat, query.reshape(B, H, Hq // H, T, D).float()], -1)
         if self._record is not None:
             old_sum, old_count = self.q_stat_sum.clone(), self.q_count.clone()
@@ -434,20 +461,78 @@ class PagedLayer(LayerSteps, CacheLayerMixin):
         self.q_stat_sum += (stat * w).sum((2, 3))
         self.q_count += (w.sum((1, 2, 3, 4)) * (Hq // H))[:, None, None]
 
-    def query_scale(self, rows: torch.Tensor | list[int] | None = None) -> torch.Tensor | None:
+    @property
+    def _keeps_mean_query(self) -> bool:
+        """Whether ``q_stat_sum`` also sums ``q`` itself (channels ``D..2D``): the fit-attn ranges weighted by the mean
+        query (not the fit-attn-max ones, weighted by :attr:`k_attn_max`)."""
+        return self.cfg.key_range in KEY_ONLY_RANGES and self.cfg.key_range not in ATTN_MAX_RANGES
+
+    def query_scale(
+        self, rows: torch.Tensor | list[int] | None = None, token_weight: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """Per-channel query magnitude ``[rows, Hkv, D]`` seen so far: mean ``|q|`` for ``channel_selection="query"``,
         root mean square of ``q`` for ``"oracle"``, ``None`` for other selections; with ``key_range="fit-attn"`` /
-        ``"fit-attn-free"`` ``[rows, Hkv, 2D]``, the mean ``q`` after it (kitty/core/attnfit.py)."""
+        ``"fit-attn-free"`` ``[rows, Hkv, 2D]``, the mean ``q`` after it (kitty/core/attnfit.py); with
+        the fit-attn-max ranges (``ATTN_MAX_RANGES``) ``[rows, Hkv, D + G]``, after it the largest observed
+        attention of each token of the page: ``token_weight`` ``[rows, Hkv, G]`` where given (a prompt's pages), else
+        the rows' key qbuffer slots (:attr:`k_attn_max`, a page packed from its full qbuffer)."""
         sel = self.cfg.channel_selection
         if sel not in QUERY_SELECTIONS:
             return None
         mean = self.q_stat_sum / self.q_count.clamp_min(1)
-        if self.cfg.key_range in KEY_ONLY_RANGES:  # fit-attn: the oracle's scale, then the mean query
+        if self._keeps_mean_query:  # fit-attn: the oracle's scale, then the mean query
             D = mean.shape[-1] // 2
             scale = torch.cat([query_scale_from(mean[..., :D], sel), mean[..., D:]], -1)
         else:
             scale = query_scale_from(mean, sel)
-        return scale if rows is None else scale[rows]
+        scale = scale if rows is None else scale[rows]
+        if self.k_attn_max is not None:  # fit-attn-max: the oracle's scale, then the tokens' observed weights
+            weight = token_weight if token_weight is not None else self.k_attn_max
+            scale = torch.cat([scale, weight if rows is None or token_weight is not None else weight[rows]], -1)
+        return scale
+
+    def _stream_weights(
+        self, b: int, cols: torch.Tensor, k_stream: torch.Tensor, start: int, kept: int, a: int
+    ) -> torch.Tensor:
+        """fit-attn-max: the observed weights ``[H, L]`` of row ``b``'s key stream ``k_stream`` ``[H, L, D]`` (the
+        ``kept`` tokens of the old qbuffer, then the new ones; positions ``start ..``): the running maximum of the old
+        slots and, where :meth:`_attend_tokens` passed the prompt's queries (row ``b``'s valid columns ``cols``, at
+        positions ``a, a + 1, ...``), the
+        largest page-local attention they give every token (:func:`kitty.core.attnfit.observed_page_attention`);
+        without queries the new tokens' weights are 0."""
+        H, L, _ = k_stream.shape
+        w = torch.cat([self.k_attn_max[b, :, :kept], k_stream.new_zeros(H, L - kept, dtype=torch.float32)], 1)
+        if self._prompt_queries is None or L == 0:
+            return w
+        query, scale = self._prompt_queries
+        key_pos = torch.arange(start, start + L, device=k_stream.device)
+        q_pos = torch.arange(a, a + cols.numel(), device=k_stream.device)
+        seen = observed_page_attention(query[b][:, cols], k_stream, q_pos, key_pos, self.cfg.group_size, scale)
+        return torch.maximum(w, seen)
+
+    def observe_key_attention(self, q: torch.Tensor, scale: float) -> None:
+        """fit-attn-max (else a no-op): a decode step's queries ``q`` ``[B, Hq, D]`` after the new token went into its
+        slot of the key qbuffer: each slot's page-local attention from them (the slots up to the new token's,
+        :func:`kitty.core.attnfit.visible_page_weights`, the maximum over the GQA group) raises the slot's running
+        maximum; the new token's slot starts from it. Device operations only (no host read); undone with the step."""
+        if self.k_attn_max is None:
+            return
+        S, G = self.cfg.sink_tokens, self.cfg.group_size
+        B, Hq, D = q.shape
+        H = self.num_kv_heads
+        p = self.lengths.long() - 1  # the new token's position (insert_decode counted it)
+        slot = torch.arange(G, device=q.device)
+        m = ((p - S) % G)[:, None]  # its slot
+        visible = (slot[None, :] <= m) & (p >= S)[:, None]  # (B, G)
+        logits = torch.einsum("bhgd,bhsd->bhgs", q.float().reshape(B, H, Hq // H, D), self.k_qbuf.float()) * scale
+        w = visible_page_weights(logits, visible[:, None, None]).amax(2)  # (B, H, G)
+        old = self.k_attn_max
+        new = torch.where((slot[None, :] == m)[:, None], w, torch.maximum(old, w))
+        new = torch.where(visible[:, None], new, old)
+        if self._record is not None:
+            saved = old.clone()
+            self.on_undo(lambda: self.k_attn_max.copy_(saved))
+        self.k_attn_max.copy_(new)
 
     def _store(self, pool, table: torch.Tensor, dest: list[tuple[int, int, int]], fields: dict) -> None:
         """Write pages ``dest`` = ``[(row, first page, count)]`` at the ids the page-id policy gives them."""

@@ -233,6 +233,7 @@ class StaticKittyLayer(PagedLayer):
         """Every tensor a decode step reads or writes (fixed for the layer's life, until a new batch)."""
         named = [getattr(self, name) for name in ROW_FIELDS] + [self.k_page_table, self.v_page_table]
         named += [self.q_stat_sum, self.q_count, self._rows, self._all_valid, self._column_offset]
+        named += [self.k_attn_max] if self.k_attn_max is not None else []
         return named + list(self.key_pool.tensors.values()) + list(self.value_pool.tensors.values())
 
     def reset(self) -> None:

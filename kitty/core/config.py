@@ -35,6 +35,10 @@ RANGE_FITS = (
     "fit-attn-token-standout",
     "fit-attn-bound",
     "fit-attn-token-bound",
+    "fit-attn-max-bound",
+    "fit-attn-max-token-bound",
+    "fit-attn-max-rel-bound",
+    "fit-attn-max-rel-token-bound",
 )
 KEY_ONLY_RANGES = (
     "fit-attn",
@@ -42,6 +46,10 @@ KEY_ONLY_RANGES = (
     "fit-attn-token-standout",
     "fit-attn-bound",
     "fit-attn-token-bound",
+    "fit-attn-max-bound",
+    "fit-attn-max-token-bound",
+    "fit-attn-max-rel-bound",
+    "fit-attn-max-rel-token-bound",
 )  # weighted by the tokens' expected attention: key pages only
 VALUE_RANGES = tuple(r for r in RANGE_FITS if r not in KEY_ONLY_RANGES)
 # key_rotation: each key head's channels multiplied by a fixed orthogonal matrix before quantization (and back after):
@@ -139,7 +147,10 @@ class KVQuantConfig:
     # "fit-attn-free": fit-bounded / fit ranked by the error weighted by each token's attention under the mean query
     # (core/attnfit.py); "fit-attn-token-standout": the token test, and fit-attn elsewhere; "fit-attn-bound": fit-attn
     # with each token's bound set by its weight (half a step where attended or standing out, up to one step elsewhere);
-    # "fit-attn-token-bound": the token test, and fit-attn-bound elsewhere
+    # "fit-attn-token-bound": the token test, and fit-attn-bound elsewhere; "fit-attn-max-bound" /
+    # "fit-attn-max-token-bound": the same with each token's largest attention from the queries seen while its page
+    # was in full precision (the cache's running maximum per qbuffer slot) in place of the mean query's;
+    # "fit-attn-max-rel-bound" / "fit-attn-max-rel-token-bound": those maxima divided by their mean over the page
     value_range: str = "minmax"  # "fit": the same per token for values
     key_rotation: str = "none"  # see KEY_ROTATIONS: a fixed orthogonal rotation of key channels, torch path only
     key_outlier_fraction: float = 0.0  # share of a key page's entries (per head) kept exactly; torch path only

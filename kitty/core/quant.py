@@ -271,12 +271,12 @@ def channel_importance(
     kf = k.float()
     if sel == "range":
         return kf.amax(-2) - kf.amin(-2)
-    query_scale, query_mean = split_query_stats(query_scale, k.shape[-1])
+    query_scale, query_stat = split_query_stats(query_scale, k.shape[-1])
     qs = _require_query_scale(cfg, query_scale, k.device)
     if sel == "query":
         return qs.expand(kf.shape[:-2] + kf.shape[-1:]) * (kf.amax(-2) - kf.amin(-2))
     if sel == "oracle":
-        return _oracle_scores(k.transpose(-1, -2), _both_precisions(k, cfg, sync_free, query_mean), qs, sync_free)
+        return _oracle_scores(k.transpose(-1, -2), _both_precisions(k, cfg, sync_free, query_stat), qs, sync_free)
     raise ValueError(f"channel_selection {sel!r} has no importance rule")
 
 
@@ -300,12 +300,12 @@ def _require_query_scale(cfg: KVQuantConfig, query_scale: torch.Tensor | None, d
 
 
 def _both_precisions(
-    k: torch.Tensor, cfg: KVQuantConfig, sync_free: bool = False, query_mean: torch.Tensor | None = None
+    k: torch.Tensor, cfg: KVQuantConfig, sync_free: bool = False, query_stat: torch.Tensor | None = None
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Per-channel ``(scale, zero)`` of keys ``[..., G, D]`` at the low and at the boosted precision, by levels."""
     x = k.transpose(-1, -2)  # (..., D, G): one row per channel
     levels = (2**cfg.key_bits - 1, 2**cfg.boost_bits - 1)
-    return {lv: range_params(x, lv, k.dtype, cfg.key_range, sync_free, query_mean) for lv in levels}
+    return {lv: range_params(x, lv, k.dtype, cfg.key_range, sync_free, query_stat) for lv in levels}
 
 
 def _oracle_scores(
@@ -370,20 +370,20 @@ def quantize_key_page(
         k, *outliers = split_key_outliers(k, n_out, cfg.key_outlier_rule)
         extra.update(zip(("out_val", "out_tok", "out_ch"), outliers))
     nb = cfg.num_boosted(D)
-    query_scale, query_mean = split_query_stats(query_scale, D)  # fit-attn: the mean query comes after the RMS
+    query_scale, query_stat = split_query_stats(query_scale, D)  # fit-attn: the mean query or weights after the RMS
     x = k.transpose(-1, -2)  # (..., D, G): one row per channel
     both = None  # oracle selection fits both precisions of every channel: reuse them rather than fit again
     if boost_mask is None and nb in (0, D):  # nothing to choose
         boost_mask = torch.full((*lead, D), nb == D, dtype=torch.bool, device=k.device)
     elif boost_mask is None and cfg.channel_selection == "oracle":
         qs = _require_query_scale(cfg, query_scale, k.device)
-        both = _both_precisions(k, cfg, sync_free, query_mean)
+        both = _both_precisions(k, cfg, sync_free, query_stat)
         boost_mask = select_boosted(_oracle_scores(x, both, qs, sync_free), nb)
     elif boost_mask is None:
         boost_mask = select_boosted(channel_importance(k, cfg, salt, query_scale, sync_free), nb)
     levels = torch.where(boost_mask, 2**cfg.boost_bits - 1, 2**cfg.key_bits - 1)  # [..., D]
     if both is None:
-        scale, zero = range_params(x, levels, k.dtype, cfg.key_range, sync_free, query_mean)  # in the input dtype
+        scale, zero = range_params(x, levels, k.dtype, cfg.key_range, sync_free, query_stat)  # in the input dtype
     else:  # the same per-channel fits as range_params(x, levels) would compute (fits are per channel row)
         (lo, p_lo), (hi, p_hi) = sorted(both.items())
         scale, zero = (torch.where(boost_mask, h, l) for h, l in zip(p_hi, p_lo))

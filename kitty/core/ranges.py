@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .attnfit import ATTN_FITS, ATTN_TOKEN_RULES, attention_weights, token_bound_steps
+from .attnfit import ATTN_FITS, ATTN_MAX_FITS, ATTN_TOKEN_RULES, attention_weights, observed_weights, token_bound_steps
 from .standout import STANDOUT_FITS, TOKEN_RULES, standout_rows, token_standout_rows
 
 
@@ -177,7 +177,7 @@ def range_params(
     dtype: torch.dtype,
     method: str,
     sync_free: bool = False,
-    query_mean: torch.Tensor | None = None,
+    query_stat: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scale, zero)`` over the last dim by ``method``: ``"minmax"``, ``"fit"`` (:func:`fitted_params`),
     ``"fit-peak"`` (the same search, never clipping the group's largest-``|x|`` value: ``keep_peak=True``) or
@@ -190,18 +190,27 @@ def range_params(
     key pages ``x`` is ``[..., D, G]``), ``"fit-bounded"`` / ``"fit-peak"`` / ``"fit-loose"`` elsewhere;
     ``"fit-attn"`` / ``"fit-attn-free"``: ``"fit-bounded"`` / ``"fit"`` ranked by the squared error weighted by each
     token's attention under the mean query (:mod:`kitty.core.attnfit`; key rows ``x`` ``[..., D, G]``,
-    ``query_mean`` ``[..., D]`` or ``None``; ``"fit-attn-token-standout"``: the token test, ``"fit-attn"`` elsewhere).
+    ``query_stat`` the mean query ``[..., D]`` or ``None``; ``"fit-attn-token-standout"``: the token test,
+    ``"fit-attn"`` elsewhere).
     ``"fit-attn-bound"``: ``"fit-attn"`` with a bound per token set by its weight
     (:func:`kitty.core.attnfit.token_bound_steps`; ``"fit-attn-token-bound"``: the token test, ``"fit-attn-bound"``
-    elsewhere). ``sync_free``: no host read (module docstring), the same result."""
+    elsewhere). ``"fit-attn-max-bound"``: ``"fit-attn-bound"``'s search and bounds with each token's largest observed
+    attention as its weight (``query_stat`` ``[..., G]`` or ``None``, :func:`kitty.core.attnfit.observed_weights`;
+    ``"fit-attn-max-token-bound"``: the token test, ``"fit-attn-max-bound"`` elsewhere; ``"fit-attn-max-rel-bound"`` /
+    ``"fit-attn-max-rel-token-bound"``: the same weights divided by their mean over the page). ``sync_free``: no host
+    read (module docstring), the same result."""
+    if method in ATTN_MAX_FITS:
+        w = observed_weights(x, query_stat, relative=method == "fit-attn-max-rel-bound")
+        steps = token_bound_steps(x, w)
+        return fitted_params(x, levels, dtype, sync_free=sync_free, bounded=True, bound_steps=steps, weight=w)
     if method in ATTN_FITS:
-        w = attention_weights(x, query_mean)
+        w = attention_weights(x, query_stat)
         steps = token_bound_steps(x, w) if method == "fit-attn-bound" else 0.5
         bounded = ATTN_FITS[method] == "fit-bounded"
         return fitted_params(x, levels, dtype, sync_free=sync_free, bounded=bounded, bound_steps=steps, weight=w)
     rows_fit = STANDOUT_FITS.get(method, ATTN_TOKEN_RULES.get(method))
     if rows_fit is not None:
-        fitted = range_params(x, levels, dtype, rows_fit, sync_free, query_mean)
+        fitted = range_params(x, levels, dtype, rows_fit, sync_free, query_stat)
         exact = minmax_params(x, levels, -1, dtype, sync_free)
         out = token_standout_rows(x) if method in TOKEN_RULES or method in ATTN_TOKEN_RULES else standout_rows(x)
         return torch.where(out, exact[0], fitted[0]), torch.where(out, exact[1], fitted[1])
@@ -217,7 +226,7 @@ def range_params(
         return fitted_params(x, levels, dtype, sync_free=sync_free, bounded=True, bound_steps=LOOSE_BOUND_STEPS)
     raise ValueError(
         "range method must be 'minmax', 'fit', 'fit-peak', 'fit-bounded', 'fit-loose' or one of "
-        f"{tuple(STANDOUT_FITS) + tuple(ATTN_FITS) + tuple(ATTN_TOKEN_RULES)}, got {method!r}"
+        f"{tuple(STANDOUT_FITS) + tuple(ATTN_FITS) + ATTN_MAX_FITS + tuple(ATTN_TOKEN_RULES)}, got {method!r}"
     )
 
 
