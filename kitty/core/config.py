@@ -17,6 +17,17 @@ BACKENDS = (
     "triton",
     "gluon",
 )  # KittyCache(backend=): kitty/cache/backend.py resolves it once per layer
+KEY_ONLY_RANGES = (
+    "fit-attn",
+    "fit-attn-free",
+    "fit-attn-token-standout",
+    "fit-attn-bound",
+    "fit-attn-token-bound",
+    "fit-attn-max-bound",
+    "fit-attn-max-token-bound",
+    "fit-attn-max-rel-bound",
+    "fit-attn-max-rel-token-bound",
+)  # weighted by the tokens' expected attention: key pages only
 # a group's [lo, hi]: min-max, a clipping search, one sparing the peak, one keeping every value within min-max's bound,
 # or min-max where a value (or a token of the page) stands out and fit-bounded / fit-peak / the bounded search within
 # one min-max step (fit-loose) elsewhere (core/standout.py), or a search weighted by attention (core/attnfit.py)
@@ -30,27 +41,7 @@ RANGE_FITS = (
     "fit-token-standout",
     "fit-peak-token-standout",
     "fit-loose-token-standout",
-    "fit-attn",
-    "fit-attn-free",
-    "fit-attn-token-standout",
-    "fit-attn-bound",
-    "fit-attn-token-bound",
-    "fit-attn-max-bound",
-    "fit-attn-max-token-bound",
-    "fit-attn-max-rel-bound",
-    "fit-attn-max-rel-token-bound",
-)
-KEY_ONLY_RANGES = (
-    "fit-attn",
-    "fit-attn-free",
-    "fit-attn-token-standout",
-    "fit-attn-bound",
-    "fit-attn-token-bound",
-    "fit-attn-max-bound",
-    "fit-attn-max-token-bound",
-    "fit-attn-max-rel-bound",
-    "fit-attn-max-rel-token-bound",
-)  # weighted by the tokens' expected attention: key pages only
+) + KEY_ONLY_RANGES
 VALUE_RANGES = tuple(r for r in RANGE_FITS if r not in KEY_ONLY_RANGES)
 # key_rotation: each key head's channels multiplied by a fixed orthogonal matrix before quantization (and back after):
 # "hadamard" the normalized Walsh-Hadamard matrix of size head_dim, "hadamard-signs" the same after a fixed random
