@@ -153,6 +153,26 @@ def _screen(a: argparse.Namespace, model, tok, cfg) -> None:
                     f"{(b == 0.5).float().mean():.0%} / {(b > 0.5).float().mean():.0%} |",
                     flush=True,
                 )
+        if a.show:
+            _show(tok, enc["input_ids"][0], S, G, positions, pages, f"{n}@{depth}#{key}")
+
+
+def _show(tok, ids: torch.Tensor, S: int, G: int, positions: list[int], pages: list[int], label: str) -> None:
+    """``--show``: each needle token's median rank in its page per statistic, and the 5 best-ranked tokens of each
+    of the needle's pages (median over the recorded fits and heads)."""
+
+    def median_rank(name: str, q: int) -> float:
+        j, t = (q - S) // G, (q - S) % G
+        r = [(-fit[name][0]).argsort(-1).argsort(-1)[j, :, 0, t].float() + 1 for fit in OBSERVED]
+        return float(torch.cat(r).median())
+
+    for name in STATS:
+        needle = " ".join(f"{tok.decode([int(ids[q])])!r}:{median_rank(name, q):.0f}" for q in positions if q >= S)
+        print(f"{label} {name} needle ranks: {needle}")
+        for j in pages:
+            ranked = sorted(range(S + j * G, S + (j + 1) * G), key=lambda q: median_rank(name, q))[:5]
+            best = " ".join(f"{tok.decode([int(ids[q])])!r}@{(q - S) % G}:{median_rank(name, q):.0f}" for q in ranked)
+            print(f"{label} {name} page {j} best (token@offset:rank): {best}")
 
 
 def main() -> None:
@@ -161,6 +181,7 @@ def main() -> None:
     p.add_argument("--method", default="kitty-fit+key_range=fit-attn-token-bound")
     p.add_argument("--cases", required=True, help="length:depth:key,... (passkey_prompt's arguments)")
     p.add_argument("--observed", action="store_true", help="screen the observed-attention statistics (docstring)")
+    p.add_argument("--show", action="store_true", help="with --observed: the needle's tokens and the pages' best")
     a = p.parse_args()
     torch.set_num_threads(1)
     model, tok = load_model(a.model)
