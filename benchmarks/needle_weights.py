@@ -158,17 +158,25 @@ def _screen(a: argparse.Namespace, model, tok, cfg) -> None:
 
 
 def _show(tok, ids: torch.Tensor, S: int, G: int, positions: list[int], pages: list[int], label: str) -> None:
-    """``--show``: each needle token's median rank in its page per statistic, and the 5 best-ranked tokens of each
-    of the needle's pages (median over the recorded fits and heads)."""
+    """``--show``: each needle token's median rank in its page and median bound (min-max steps) per statistic, and
+    the 5 best-ranked tokens of each of the needle's pages (medians over the recorded fits and heads)."""
 
     def median_rank(name: str, q: int) -> float:
         j, t = (q - S) // G, (q - S) % G
         r = [(-fit[name][0]).argsort(-1).argsort(-1)[j, :, 0, t].float() + 1 for fit in OBSERVED]
         return float(torch.cat(r).median())
 
+    def median_bound(name: str, q: int) -> float:
+        j, t = (q - S) // G, (q - S) % G
+        return float(torch.cat([fit[name][1][j, :, 0, t] for fit in OBSERVED]).median())
+
     for name in STATS:
-        needle = " ".join(f"{tok.decode([int(ids[q])])!r}:{median_rank(name, q):.0f}" for q in positions if q >= S)
-        print(f"{label} {name} needle ranks: {needle}")
+        needle = " ".join(
+            f"{tok.decode([int(ids[q])])!r}:{median_rank(name, q):.0f}/{median_bound(name, q):.2f}"
+            for q in positions
+            if q >= S
+        )
+        print(f"{label} {name} needle rank/bound: {needle}")
         for j in pages:
             ranked = sorted(range(S + j * G, S + (j + 1) * G), key=lambda q: median_rank(name, q))[:5]
             best = " ".join(f"{tok.decode([int(ids[q])])!r}@{(q - S) % G}:{median_rank(name, q):.0f}" for q in ranked)
