@@ -17,6 +17,7 @@ weights with), ``sum`` (the attention mass the token receives) and ``top64`` (th
 (query, query head) attentions, a high quantile's stand-in). Each goes through ``token_bound_steps`` on the page's
 key rows as the rule would; printed per prompt and statistic, for the needle's tokens and for the other tokens of its
 pages: the median weight, the median rank within the page, and the share of bounds at half a step and looser.
+``--show`` adds each needle token's median rank and bound, and the best-ranked tokens of the needle's pages.
 
     python benchmarks/needle_weights.py --model gemma-3-270m --observed \
         --method kitty-fit+key_range=fit-attn-max-rel-token-bound --cases 2048:0.3:76150
