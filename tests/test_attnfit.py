@@ -498,3 +498,34 @@ def test_a_rolled_back_step_restores_the_running_maxima():
             None, q[:, :, step], *cache.update(k[:, :, step], v[:, :, step], 0), None, scaling=D**-0.5
         )
     assert torch.equal(tried.k_attn_max, ref.k_attn_max)
+
+
+def test_needle_weights_screen_statistics_match_brute_force():
+    """``benchmarks/needle_weights.py``'s screen: the maximum equals ``observed_page_attention``; the sum and the
+    top-k mean equal a loop over every (query, query head) on random keys (a partial last page, queries inside the
+    pages, fewer than ``TOP_K`` pairs for the last keys)."""
+    import runpy
+    from pathlib import Path
+
+    screen = runpy.run_path(str(Path(__file__).resolve().parent.parent / "benchmarks" / "needle_weights.py"))
+    g = torch.Generator().manual_seed(7)
+    q, k = torch.randn(4, 70, 8, generator=g) * 2, torch.randn(2, 50, 8, generator=g) + 0.3
+    qpos, kpos, Gs, scale = torch.arange(20, 90), torch.arange(30, 80), 8, 0.35
+    got = screen["observed_statistics"](q, k, qpos, kpos, Gs, scale, chunk=16)
+    assert torch.equal(got["max"], observed_page_attention(q, k, qpos, kpos, Gs, scale))
+    top_k = screen["TOP_K"]
+    kp = torch.nn.functional.pad(k, (0, 0, 0, 6))  # 56 keys: 7 whole pages
+    vals = [[[] for _ in range(50)] for _ in range(2)]
+    for t in range(70):
+        for hq in range(4):
+            h = hq // 2
+            visible = torch.cat([kpos <= qpos[t], torch.zeros(6, dtype=torch.bool)])
+            w = visible_page_weights((kp[h] @ q[hq, t] * scale).reshape(7, Gs), visible.reshape(7, Gs)).reshape(-1)
+            for j in range(50):
+                if visible[j]:
+                    vals[h][j].append(float(w[j]))
+    total = torch.tensor([[sum(v) for v in row] for row in vals])
+    top = torch.tensor([[sum(sorted(v, reverse=True)[:top_k]) / top_k for v in row] for row in vals])
+    assert min(len(v) for row in vals for v in row) < top_k < max(len(v) for row in vals for v in row)
+    torch.testing.assert_close(got["sum"], total, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got[f"top{top_k}"], top, rtol=1e-5, atol=1e-5)
