@@ -44,11 +44,11 @@ RESULTS = {
     "layout_sweep": "benchmarks/results/h200-2026-12-02/layout_sweep.json",
     "small_4k": "benchmarks/results/h200-2026-12-04/gluon_check.json",  # the tl kernel's default launch at (1, 4K)
     "small_32k": "benchmarks/results/h200-2026-12-04/gluon_check-2.json",  # and at (1, 32K), beside the Gluon kernel
-    "gluon_check": "benchmarks/results/h200-2026-12-05/gluon_check.json",  # the Gluon kernel: checks and timings
+    "gluon_check": "benchmarks/results/h200-2026-12-06/gluon_check.json",  # the Gluon kernel: checks and timings
     "throughput": "benchmarks/results/h200-2026-11-29/throughput.json",
     "static_step": "benchmarks/results/h200-2026-12-05/static_throughput.json",  # the captured step, tl and Gluon
-    # the captured step with today's Gluon kernel and pack, every point timed before any was profiled (an H100)
-    "static_step_gluon": "benchmarks/results/h100-2026-12-06/static_throughput-8.json",
+    # the captured step with today's Gluon kernel and pack, every point timed before any was profiled
+    "static_step_gluon": "benchmarks/results/h200-2026-12-06/static_throughput.json",
     "boost_speed": "benchmarks/results/h200-2026-11-29/boost_profile_h200.json",
     "paper_kernels": "benchmarks/summarize.py",  # OFFICIAL_KITTY_MS: the paper's own kernels, timed once
     "kernel_history": "docs/BENCHMARKS.md",  # the "What changed, step by step" table
@@ -185,6 +185,11 @@ def captured_steps(key: str = "static_step") -> tuple[dict, dict]:
     return fp16, kitty
 
 
+def gpu_of(key: str) -> str:
+    """The GPU a results file was measured on, from its folder's name (``h200-2026-12-06`` -> ``H200``)."""
+    return Path(RESULTS[key]).parent.name.split("-")[0].upper()
+
+
 def fastest_fp16_batch(fp16: dict, context: int) -> int:
     """The batch of the fastest captured FP16 step at ``context``: the baseline of Kitty's largest batch."""
     return max((b for c, b in fp16 if c == context), key=lambda b: fp16[(context, b)])
@@ -211,7 +216,8 @@ def headline_speed() -> str:
     return wrap(
         "**How fast, on a GPU.** One decode step of a Qwen3-8B-shaped model with 20 GiB of KV cache, captured in a "
         "CUDA graph, against the captured FP16 step with unmasked cuDNN attention of the same run "
-        f"(`benchmarks/static_h200.py`, on an H100): the largest batch that fits gives {vs(8192, b8, f8)} FP16's "
+        f"(`benchmarks/static_h200.py`, on an {gpu_of('static_step_gluon')}): the largest batch that fits gives "
+        f"{vs(8192, b8, f8)} FP16's "
         f"tokens/s at 8K context ({b8} rows against FP16's {than(8192, f8)}) and {vs(32768, b32, f32)} at 32K "
         f'({b32} against {f32}) with the Gluon kernel, which `backend="auto"` picks on Hopper GPUs; at the same '
         f"batch of 16 rows {vs(8192, 16)}, and a single row {vs(8192, 1)} (8K) and {vs(32768, 1)} (32K), the host "
@@ -404,29 +410,38 @@ def gpu_layout_speed() -> str:
     return table(header, body, "lrrrrr") + "\n\n" + note
 
 
+def gluon_default_row(r: dict, kv_heads: int = 8) -> bool:
+    """Whether a ``benchmarks/gluon_check.py`` timing row is the Gluon kernel's default launch: 8 programs per SM at
+    the wrapper's register cap, and at small batch (at most ``SMALL_PAIRS`` row and KV-head pairs) the default's
+    ``SMALL_TAIL_SPLITS`` programs for the full-precision chunks (that script also times 4 and none there)."""
+    from kitty.kernels.gluon_launch import SMALL_PAIRS, SMALL_TAIL_SPLITS
+
+    if r.get("ctas_per_sm") != 8 or r.get("maxnreg") or r.get("bf16_magic") or not r.get("two_part", True):
+        return False
+    small = r["B"] * kv_heads <= SMALL_PAIRS
+    return r.get("tail_splits", 0) == (SMALL_TAIL_SPLITS if small else 0)
+
+
 def gpu_gluon() -> str:
-    """The Gluon kernel's run: per shape the fastest FP16 SDPA, the ``tl`` kernel's default launch and the fastest
-    Gluon launch of each variant (all timed in the same run), then its correctness counts."""
+    """The Gluon kernel's run: per shape the fastest FP16 SDPA, the ``tl`` kernel's default launch and the Gluon
+    kernel's default launch of each variant (all timed in the same run), then its correctness counts."""
     d = load_json("gluon_check")
-    best: dict[tuple[int, int, str], dict] = {}
+    rows_: dict[tuple[int, int, str], dict] = {}
     for r in d["timing"]:
         parts = r["method"].split()
-        # r.get("two_part"): older runs also timed a one-part key operand (an option since removed)
-        if len(parts) >= 3 and parts[2] in ("gluon", "tl") and r.get("two_part", True):
-            key = (r["B"], r["L"], " ".join(parts[:2]) + " " + parts[2])
-            if key not in best or r["us"] < best[key]["us"]:
-                best[key] = r
+        if len(parts) >= 3 and (parts[2] == "tl" or (parts[2] == "gluon" and gluon_default_row(r))):
+            rows_[(r["B"], r["L"], " ".join(parts[:3]))] = r
     variants = ["kitty float16", "kitty bfloat16", "kitty-pro float16", "kitty-pro bfloat16"]
     body = []
     for key, f in d["fastest_fp16"].items():
         B, L = map(int, key.split(","))
         cell = lambda v, k: (  # noqa: E731
-            f"{best[(B, L, v + ' ' + k)]['us']:.1f} ({best[(B, L, v + ' ' + k)]['vs_fp16']:.2f}x)"
-            if (B, L, v + " " + k) in best
+            f"{rows_[(B, L, v + ' ' + k)]['us']:.1f} ({rows_[(B, L, v + ' ' + k)]['vs_fp16']:.2f}x)"
+            if (B, L, v + " " + k) in rows_
             else "not timed"
         )
         tl = cell("kitty float16", "tl")
-        pct_copy = best.get((B, L, "kitty float16 gluon"), {}).get("pct_copy")
+        pct_copy = rows_.get((B, L, "kitty float16 gluon"), {}).get("pct_copy")
         gl16 = cell("kitty float16", "gluon") + (f", {pct_copy:.0f}% of copy" if pct_copy is not None else "")
         body.append([f"({B}, {L // 1024}K)", f"{f['us']:.1f} ({f['name']})", tl, gl16,
                      *(cell(v, "gluon") for v in variants[1:])])  # fmt: skip
@@ -440,10 +455,9 @@ def gpu_gluon() -> str:
         f"`{RESULTS['gluon_check']}` ({d['env']['gpu']}, triton {d['env']['triton']}, {d['env']['date']}): the "
         f"Gluon kernel passed the tolerance rule in {sum(bool(v['ok']) for v in ran)} of the {len(ran)} cases it "
         f"ran ({skipped} more were cut by the call's time budget; {unsupported} are configs it does not handle, "
-        "which run the `tl` kernel). Each Gluon cell is the fastest launch timed at that shape with the two-part "
-        "`q · scale` (that run also timed a one-part one, an option since removed); at batch 1 that is one page per "
-        "program plus 4 programs for the full-precision chunks, the small-batch default of that day (`docs/GLUON.md` "
-        "has the H100 table of today's default)."
+        "which run the `tl` kernel). Each Gluon cell is the default launch (`default_gluon_launch`: 8 one-warp "
+        "programs per SM, splits of equal cost; at batch 1 one page per program and 8 more programs for the "
+        "full-precision chunks and the sink); the same file times the other launches beside it."
     )
     return table(header, body, "lrrrrrr") + "\n\n" + note
 
