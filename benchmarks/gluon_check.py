@@ -115,6 +115,11 @@ def main() -> None:
         "64x8192=3:0' (page splits:tail splits[:maxnreg][:cN]); the default launch is timed too",
     )
     ap.add_argument(
+        "--bf16-forms",
+        action="store_true",
+        help="time only the default launch and, in bf16, the same launch with the other unpack form (bf16_magic)",
+    )
+    ap.add_argument(
         "--methods", default=None, help="only these preset/dtype pairs, as 'kitty/float16,kitty-pro/bfloat16'"
     )
     args = ap.parse_args()
@@ -189,6 +194,12 @@ def main() -> None:
                 old = {"prefetch": False}
                 mp = 1 if small else 2
                 launches = [(8, mp, 4 if small else 0, old), (8, mp, None, {})]
+            if args.bf16_forms:  # the default launch, in bf16 the same with the other unpack form, the default again
+                mp = 1 if B * HKV <= 16 else 2
+                launches = [(8, mp, None, {})]
+                if dtype == torch.bfloat16:
+                    other = {"bf16_magic": not GluonLaunch(1).bf16_magic}
+                    launches += [(8, mp, None, other), (8, mp, None, {})]
             if (B, L) in explicit:  # the default launch, then the given ones
                 launches = [(8, None, None, {})] + [(None, None, None, launch) for launch in explicit[(B, L)]]
             for cps, min_pages, tail, over in launches:
@@ -214,7 +225,8 @@ def main() -> None:
                     kb.log(f"  {tag} gluon cps={cps}: failed {type(e).__name__}: {str(e)[:200]}")
                     continue
                 splits = gl_launch.num_splits
-                row("gluon", t, ctas_per_sm=cps, splits=splits, tail_splits=tail, **over)
+                extra = {**dict(ctas_per_sm=cps, splits=splits, tail_splits=tail), **over}
+                row("gluon", t, **extra, bf16_magic=gl_launch.bf16_magic)
             states = qs = None
             torch.cuda.empty_cache()
         kb.write(results)

@@ -11,6 +11,7 @@ instructions per element (loop_int; loop_alu without IMAD, which issues to the F
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -74,14 +75,19 @@ def compile_gluon(
     D: int = 128,
     one_split: bool = False,
     prefetch: bool = True,
+    bf16_magic: bool | None = None,
 ) -> dict:
     """Compile ``_decode_gluon_kernel`` as the wrapper launches it mid-step; returns cubin, registers, SASS.
     ``one_split``: as the JIT compiles a one-split launch, where every integer argument equal to 1 (the split count
     and merge group) becomes a constant unless the kernel lists it in ``do_not_specialize``. ``prefetch``: the
-    launch's ``prefetch`` (pages into L2 one ahead; on by default, as in the wrapper)."""
+    launch's ``prefetch`` (pages into L2 one ahead; on by default, as in the wrapper); ``bf16_magic``: the launch's
+    ``bf16_magic`` (bf16 codes with magic numbers instead of as subnormals; ``None``: the launch's default)."""
     cfg = PRESETS[preset]
     tdt = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-    consts = dg.gluon_constants(cfg, D, gqa, dtype, GluonLaunch(1, prefetch=prefetch), full_qbuffer=True)
+    launch = GluonLaunch(1, prefetch=prefetch)
+    if bf16_magic is not None:
+        launch = dataclasses.replace(launch, bf16_magic=bf16_magic)
+    consts = dg.gluon_constants(cfg, D, gqa, dtype, launch, full_qbuffer=True)
     high = {1: "u8", 2: "i16"}.get(consts["NB4"], "i32")
     fn = dg._decode_gluon_kernel
     if one_split:
@@ -112,6 +118,7 @@ def compile_gluon(
         "gqa": gqa,
         "D": D,
         "prefetch": prefetch,
+        "bf16_magic": launch.bf16_magic,
         "regs": getattr(k.metadata, "num_regs", None) or _regs(k),
         "spills": None,
         "shared": k.metadata.shared,
@@ -139,6 +146,12 @@ def main() -> None:
     ap.add_argument(
         "--no-prefetch", action="store_true", help="without the launch's prefetch (pages into L2 one ahead)"
     )
+    ap.add_argument(
+        "--bf16-magic", dest="bf16_magic", action="store_const", const=True, help="bf16 codes with magic numbers"
+    )
+    ap.add_argument(
+        "--bf16-subnormal", dest="bf16_magic", action="store_const", const=False, help="bf16 codes as subnormals"
+    )
     ap.add_argument("--sass-out", default=None)
     args = ap.parse_args()
     r = compile_gluon(
@@ -148,6 +161,7 @@ def main() -> None:
         args.head_dim,
         args.one_split,
         not args.no_prefetch,
+        args.bf16_magic,
     )
     if args.sass_out:
         open(args.sass_out, "w").write(r["_sass"])

@@ -414,9 +414,12 @@ def gluon_default_row(r: dict, kv_heads: int = 8) -> bool:
     """Whether a ``benchmarks/gluon_check.py`` timing row is the Gluon kernel's default launch: 8 programs per SM at
     the wrapper's register cap, and at small batch (at most ``SMALL_PAIRS`` row and KV-head pairs) the default's
     ``SMALL_TAIL_SPLITS`` programs for the full-precision chunks (that script also times 4 and none there)."""
-    from kitty.kernels.gluon_launch import SMALL_PAIRS, SMALL_TAIL_SPLITS
+    from kitty.kernels.gluon_launch import SMALL_PAIRS, SMALL_TAIL_SPLITS, GluonLaunch
 
-    if r.get("ctas_per_sm") != 8 or r.get("maxnreg") or r.get("bf16_magic") or not r.get("two_part", True):
+    if r.get("ctas_per_sm") != 8 or r.get("maxnreg") or not r.get("two_part", True):
+        return False
+    # bf16's unpack form (rows of runs before the option: the magic numbers)
+    if "bfloat16" in r["method"] and r.get("bf16_magic", True) != GluonLaunch(1).bf16_magic:
         return False
     small = r["B"] * kv_heads <= SMALL_PAIRS
     return r.get("tail_splits", 0) == (SMALL_TAIL_SPLITS if small else 0)

@@ -101,12 +101,12 @@ def _offset_tile(K: gl.constexpr, D4: gl.constexpr, LOW: gl.constexpr, DOT: gl.c
 
 
 @gluon.jit
-def _offset_operands(offk, kk, KH: gl.constexpr, D4: gl.constexpr, IS_BF16: gl.constexpr, DOT: gl.constexpr,
+def _offset_operands(offk, kk, KH: gl.constexpr, D4: gl.constexpr, MAGIC: gl.constexpr, DOT: gl.constexpr,
                      DA: gl.constexpr):  # fmt: skip
     """The constant A operands of a key page's offsets' share, low plane then high plane: bf16, the low plane's tile
-    read back from shared memory (``offk``) and the high plane's built in registers where it is used; fp16 (no
-    offsets, ``offk`` None) the kernel's ``kk`` for both."""
-    if IS_BF16:
+    read back from shared memory (``offk``) and the high plane's built in registers where it is used; without
+    ``MAGIC`` (no offsets, ``offk`` None) the kernel's ``kk`` for both."""
+    if MAGIC:
         ak = offk.load(DA)
         ah = _offset_tile(KH, D4, False, DOT, DA)
     else:
@@ -130,20 +130,23 @@ def _high_operand(
     MMA: gl.constexpr,
     DA: gl.constexpr,
     DB: gl.constexpr,
+    MAGIC: gl.constexpr,
 ):
     """The high plane's small operand ``4 B[channel of slot]`` ``(KH, N)``, gathered by a one-hot product (exact:
     one nonzero power-of-two term per entry). The one-hot entries are ``0x3C00`` (fp16
-    1.0, bf16 2^-7): the unit goes into ``B`` (fp16 ``4^(s+1)``, undoing the low operand's ``4^-s``; bf16
-    ``4 * 2^7``), one packed product per pair."""
+    1.0, bf16 2^-7): the unit goes into ``B`` (``4^(s+1)``, undoing the low operand's ``4^-s``, bf16 times 2^7;
+    ``MAGIC``: ``4 * 2^7``), one packed product per pair."""
     kk = gl.arange(0, bop.shape[0], gl.SliceLayout(1, bop.type.layout))
-    if IS_BF16:
+    if MAGIC:
         unit = gl.full([bop.shape[0]], 512.0, DOT, gl.SliceLayout(1, bop.type.layout))
+    elif IS_BF16:
+        unit = gl.exp2(2.0 * (kk // D4).to(gl.float32) + 9.0).to(DOT)
     else:
         unit = gl.exp2(2.0 * (kk // D4).to(gl.float32) + 2.0).to(DOT)
     ub, _ = gl.broadcast(unit[:, None], bop)
     oh = one_hot(idx_ptr, meta, KH, D4, NB, NB4, IS_BF16, DA)
     g = mma_v2(oh, mul16(bop, ub, IS_BF16), gl.zeros([KH, NK], gl.float32, MMA))
-    if not IS_BF16:  # row r meets the fp16 high codes of field (r // 2) % 4, unpacked as 4^field code 2^-24
+    if not MAGIC:  # row r meets the high codes of field (r // 2) % 4, unpacked as 4^field code times the unit
         rr = gl.arange(0, KH, gl.SliceLayout(1, MMA))
         g = g * gl.exp2(-2.0 * ((rr // 2) % 4).to(gl.float32))[:, None]
     return gl.convert_layout(g.to(DOT), DB)
@@ -170,16 +173,17 @@ def _quant_scores(
     DA: gl.constexpr,
     LS: gl.constexpr,
     TOKPERM: gl.constexpr,
+    MAGIC: gl.constexpr,
 ):
     """Base-2 logits ``(32, BH)`` of tokens ``32 c ..`` of a quantized key page (row ``r``: token ``token_perm(r)``
     with ``TOKPERM``, else ``r``); ``c0`` ``(32, N)``: the page's per-column term, the product's initial
     accumulator."""
-    a = unpack_low(low_ptr, (kpage * G + 32 * c) * D4, 32, D4, IS_BF16, DA, TOKPERM)
-    acc = mma_v2(a, bop, c0)  # c0: the page's per-column term (fp16: in the codes' 2^-24 units)
+    a = unpack_low(low_ptr, (kpage * G + 32 * c) * D4, 32, D4, IS_BF16, DA, TOKPERM, MAGIC)
+    acc = mma_v2(a, bop, c0)  # c0: the page's per-column term (in the codes' unit)
     if NB > 0:
-        ah = unpack_high(high_ptr, (kpage * G + 32 * c) * RW, 32, NWH, RW, IS_BF16, DA, TOKPERM)
+        ah = unpack_high(high_ptr, (kpage * G + 32 * c) * RW, 32, NWH, RW, IS_BF16, DA, TOKPERM, MAGIC)
         acc = mma_v2(ah, bh, acc)
-    if IS_BF16:
+    if MAGIC:
         s = merge_parts(acc) * qk_scale
     else:
         s = merge_parts(acc) * (qk_scale * 16777216.0)
@@ -318,23 +322,24 @@ def _key_page_terms(
     q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, kpage, kk, ak, ah,
     D: gl.constexpr, D4: gl.constexpr, KH: gl.constexpr, NK: gl.constexpr, NB: gl.constexpr,
     NB4: gl.constexpr, IS_BF16: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr,
-    DA: gl.constexpr, DB: gl.constexpr,
+    DA: gl.constexpr, DB: gl.constexpr, MAGIC: gl.constexpr,
 ):  # fmt: skip
     """A quantized key page's operands: the low plane's ``bop``, the high plane's ``bh`` (one-hot gather) and the
-    ``(32, N)`` initial accumulator holding the per-column term (bf16: with the offsets' share, ``ak`` and ``ah``
-    the ``_offset_tile`` A operands of the low and high plane; unused for fp16)."""
+    ``(32, N)`` initial accumulator holding the per-column term, in the codes' unit (``MAGIC``: in natural units,
+    with the offsets' share, ``ak`` and ``ah`` the ``_offset_tile`` A operands of the low and high plane; unused
+    otherwise)."""
     bop = _key_operand(q4, qz, mneg, k_scale_ptr, k_zero_ptr, kpage * D, kk, D, D4, NK, IS_BF16, DOT, MMA, DA)
     init = gl.zeros([16, NK], gl.float32, MMA)
-    if IS_BF16:
+    if MAGIC:
         init = mma_v2(ak, bop, init)  # -sum_k off_k bop[k, :], every row
     bh = bop
     if NB > 0:
-        bh = _high_operand(bop, k_idx_ptr, kpage * D, D4, KH, NK, NB, NB4, IS_BF16, DOT, MMA, DA, DB)
-        if IS_BF16:
+        bh = _high_operand(bop, k_idx_ptr, kpage * D, D4, KH, NK, NB, NB4, IS_BF16, DOT, MMA, DA, DB, MAGIC)
+        if MAGIC:
             init = mma_v2(ah, bh, init)
     c0 = _zero_term(k_zero_ptr, kpage * D, qz, init, D4, NK, MMA, DA)
-    if not IS_BF16:
-        c0 = c0 * 5.9604644775390625e-08  # the codes' unit 2^-24
+    if not MAGIC:
+        c0 = c0 * 5.9604644775390625e-08  # the codes' unit 2^-24 (bf16: qz carries the rest of its 2^-43)
     return bop, bh, c0
 
 
@@ -344,21 +349,21 @@ def _key_page_scores(
     G: gl.constexpr, D: gl.constexpr, D4: gl.constexpr, KH: gl.constexpr, NK: gl.constexpr, NB: gl.constexpr,
     NB4: gl.constexpr, NWH: gl.constexpr, RW: gl.constexpr,
     IS_BF16: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr,
-    LS: gl.constexpr,
+    LS: gl.constexpr, MAGIC: gl.constexpr,
 ):  # fmt: skip
     """One quantized key page's scores, four 32-token chunks in the softmax's layout ``LS`` (row ``r`` of chunk
     ``c``: token ``32 c + token_perm(r)``): the key operands of the page (``_key_page_terms``), then the low (and
     high) plane codes against them."""
     bop, bh, c0 = _key_page_terms(q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, kpage, kk, ak, ah, D, D4, KH, NK,
-                                  NB, NB4, IS_BF16, DOT, MMA, DA, DB)  # fmt: skip
+                                  NB, NB4, IS_BF16, DOT, MMA, DA, DB, MAGIC)  # fmt: skip
     s0 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, 0, G, D4, NB, NWH, RW, NK,
-                        IS_BF16, MMA, DA, LS, True)  # fmt: skip
+                        IS_BF16, MMA, DA, LS, True, MAGIC)  # fmt: skip
     s1 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, 1, G, D4, NB, NWH, RW, NK,
-                        IS_BF16, MMA, DA, LS, True)  # fmt: skip
+                        IS_BF16, MMA, DA, LS, True, MAGIC)  # fmt: skip
     s2 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, 2, G, D4, NB, NWH, RW, NK,
-                        IS_BF16, MMA, DA, LS, True)  # fmt: skip
+                        IS_BF16, MMA, DA, LS, True, MAGIC)  # fmt: skip
     s3 = _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, 3, G, D4, NB, NWH, RW, NK,
-                        IS_BF16, MMA, DA, LS, True)  # fmt: skip
+                        IS_BF16, MMA, DA, LS, True, MAGIC)  # fmt: skip
     return s0, s1, s2, s3
 
 
@@ -368,11 +373,11 @@ def _key_chunk_scores(
     G: gl.constexpr, D: gl.constexpr, D4: gl.constexpr, KH: gl.constexpr, NK: gl.constexpr, NB: gl.constexpr,
     NB4: gl.constexpr, NWH: gl.constexpr, RW: gl.constexpr,
     IS_BF16: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr,
-    LS: gl.constexpr,
+    LS: gl.constexpr, MAGIC: gl.constexpr,
 ):  # fmt: skip
     """Scores of the 32 tokens ``32 c ..`` of a quantized key page (a page whose values are still in full
     precision): the page's key operands are built for this one chunk."""
     bop, bh, c0 = _key_page_terms(q4, qz, mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, kpage, kk, ak, ah, D, D4, KH, NK,
-                                  NB, NB4, IS_BF16, DOT, MMA, DA, DB)  # fmt: skip
+                                  NB, NB4, IS_BF16, DOT, MMA, DA, DB, MAGIC)  # fmt: skip
     return _quant_scores(k_low_ptr, k_high_ptr, kpage, bop, bh, c0, qk_scale, c, G, D4, NB, NWH, RW, NK,
-                         IS_BF16, MMA, DA, LS, False)  # fmt: skip
+                         IS_BF16, MMA, DA, LS, False, MAGIC)  # fmt: skip

@@ -1,19 +1,21 @@
 """Device functions of the Gluon decode kernel (``kernels/decode_gluon.py``): page bytes to ``mma_v2`` operands in
 registers, one warp.
 
-The unpack is eight ``and``/``lop3`` per 32-bit word of 16 codes and one shift (fp16) or two (bf16). fp16:
-``w & (0x00030003 << 2s)`` read as two fp16 lanes is the subnormal ``4^s code 2^-24`` of bytes 0 and 2 of ``w``
-(field ``s``), exact with no offset (the ``4^s`` is folded into the small operand, the ``2^-24`` undone on the fp32
-product); the same on ``w >> 8`` gives bytes 1 and 3. bf16 (whose subnormal products underflow): ``lop3(w, mask_s,
-MAGIC_s)`` with ``0x4300, 0x4200, 0x4100`` gives ``128, 32, 8 + code`` for a field at bit 0, 2, 4 of its byte:
-fields 0-2 of bytes 0 and 2 in place, field 3 from ``w >> 6``; bytes 1 and 3 from ``w >> 6`` (fields 0, 1 at bits 2,
-4) and ``w >> 10`` (fields 2, 3), offsets 32, 8, 32, 8 (``gluon_launch.BF16_LOW_SOURCE``). bf16's two shifts are
-``mul.hi.u32`` by a power of two: IMAD.HI, which
-Hopper issues to the FMA pipe, so its unpack puts eight instructions a word on the half-rate ALU pipe (fp16: nine).
-The offsets' share is a tensor-core product with a constant operand (``kernels/_gluon_page.py``). The bytes a lane
-loads and the register order of the unpacked halves are chosen so that a reshape and a permute make the codes the
-``DotOperandLayout(0, mma, 2)`` fragment: ``convert_layout(..., assert_trivial=True)`` proves no data moves
-(``kernels/gluon_launch.py`` says which byte feeds which column; ``tests/test_gluon.py`` checks it).
+The unpack is one shift and eight ``and`` per 32-bit word of 16 codes: ``w & (0x00030003 << 2s)`` read as two
+16-bit lanes is field ``s`` of bytes 0 and 2 as a subnormal, fp16 ``4^s code 2^-24`` and bf16 ``4^s code 2^-133``
+(bits 0-7 of a bf16 read as ``n 2^-133`` for every byte value ``n``: the subnormals and the first normal binade share
+one spacing), exact with no offset (the ``4^s`` is folded into the small operand, bf16's with ``2^90`` more so that
+the products stay normal in fp32, and the unit is undone on the fp32 product); the same on ``w >> 8`` gives bytes 1
+and 3 (bf16: the shift is ``mul.hi.u32`` by 2^24, an IMAD.HI, which Hopper issues to the FMA pipe). The earlier bf16
+form (``MAGIC``): ``lop3(w, mask_s, MAGIC_s)`` with ``0x4300, 0x4200, 0x4100`` gives ``128, 32, 8 + code`` for a field
+at bit 0, 2, 4 of its byte: fields 0-2 of bytes 0 and 2 in place, field 3 from ``w >> 6``; bytes 1 and 3 from ``w >>
+6`` (fields 0, 1 at bits 2, 4) and ``w >> 10`` (fields 2, 3), offsets 32, 8, 32, 8 (``gluon_launch.BF16_LOW_SOURCE``),
+two shifts a word as ``mul.hi.u32``; its offsets' share is a tensor-core product with a constant operand
+(``kernels/_gluon_page.py``).
+
+The bytes a lane loads and the register order of the unpacked halves are chosen so that a reshape and a permute
+make the codes the ``DotOperandLayout(0, mma, 2)`` fragment: ``convert_layout(..., assert_trivial=True)`` proves
+no data moves (``kernels/gluon_launch.py`` says which byte feeds which column; ``tests/test_gluon.py`` checks it).
 
 Also here: the orders of the small operands (``low_channel``, ``adjacent_channel``, ``zero_channel``, the page
 loop's ``token_perm``), the zero term's fragment, the one-hot of the high-plane gather and packed 16-bit products.
@@ -33,6 +35,14 @@ LOW_ASM_F16 = gl.constexpr(
     "and.b32 $4, $8, 0x00300030; and.b32 $5, h, 0x00300030; "
     "and.b32 $6, $8, 0x00C000C0; and.b32 $7, h, 0x00C000C0; }"
 )
+# bf16 codes as subnormals: the same masks, the shift as mul.hi.u32 by 2^24 (IMAD.HI, the FMA pipe, off the ALU pipe)
+LOW_ASM_SUB_BF16 = gl.constexpr(
+    "{ .reg .b32 h; mul.hi.u32 h, $8, 0x01000000; "
+    "and.b32 $0, $8, 0x00030003; and.b32 $1, h, 0x00030003; "
+    "and.b32 $2, $8, 0x000C000C; and.b32 $3, h, 0x000C000C; "
+    "and.b32 $4, $8, 0x00300030; and.b32 $5, h, 0x00300030; "
+    "and.b32 $6, $8, 0x00C000C0; and.b32 $7, h, 0x00C000C0; }"
+)
 LOW_ASM_BF16 = gl.constexpr(
     "{ .reg .b32 a, b; mul.hi.u32 a, $8, 0x04000000; mul.hi.u32 b, $8, 0x00400000; "
     "lop3.b32 $0, $8, 0x00030003, 0x43004300, 0xEA; lop3.b32 $1, a, 0x000C000C, 0x42004200, 0xEA; "
@@ -42,6 +52,9 @@ LOW_ASM_BF16 = gl.constexpr(
 )
 # the high plane, fp16: the lane's field masked in place ($6: 0x00030003 << 2q), read as the subnormal 4^q code 2^-24
 HIGH_ASM_F16 = gl.constexpr("{ .reg .b32 h; shr.b32 h, $2, 8; and.b32 $0, $2, $6; and.b32 $1, h, $6; }")
+HIGH_ASM_SUB_BF16 = gl.constexpr(
+    "{ .reg .b32 h; mul.hi.u32 h, $2, 0x01000000; and.b32 $0, $2, $6; and.b32 $1, h, $6; }"
+)
 # bf16: field 0 of a word the lane has already shifted to its field (bytes 1, 3: mul.hi as a shift, the FMA pipe)
 HIGH_ASM_BF16 = gl.constexpr(
     "{ .reg .b32 h; mul.hi.u32 h, $2, 0x01000000; lop3.b32 $0, $2, 0x00030003, 0x43004300, 0xEA; "
@@ -55,11 +68,21 @@ F16_UNIT = 2.0**-24  # fp16: a code c of field s reads as 4^s c 2^-24
 
 @gluon.jit
 def unpack_low(
-    ptr, row0, M: gl.constexpr, BPR: gl.constexpr, IS_BF16: gl.constexpr, DA: gl.constexpr, TOKPERM: gl.constexpr
+    ptr,
+    row0,
+    M: gl.constexpr,
+    BPR: gl.constexpr,
+    IS_BF16: gl.constexpr,
+    DA: gl.constexpr,
+    TOKPERM: gl.constexpr,
+    MAGIC: gl.constexpr,
 ):
     """Codes of ``M`` rows of ``BPR`` bytes at ``ptr + row0`` as the ``(M, 4 BPR)`` A fragment ``DA`` (column
-    ``k``: ``gluon_launch.low_plane_order``), fp16 ``4^s code 2^-24`` or bf16 ``OFF_s + code``. ``TOKPERM`` (32
-    rows): row ``r`` reads row ``token_perm(r)``, so the lane holding rows ``g + 8 i`` holds rows ``4 g + i``."""
+    ``k``: ``gluon_launch.low_plane_order``): the field masked in place and read as a subnormal, fp16 ``4^s code
+    2^-24``, bf16 ``4^s code 2^-133`` (a byte's bits 0-7 read as bf16 are ``n 2^-133`` for every ``n < 256``: the
+    subnormals and the first normal binade share one spacing); or, ``MAGIC`` (bf16 only), ``OFF_s + code``.
+    ``TOKPERM`` (32 rows): row ``r`` reads row ``token_perm(r)``, so the lane holding rows ``g + 8 i`` holds rows
+    ``4 g + i``."""
     W: gl.constexpr = BPR // 16  # 32-bit words a lane loads per row, one contiguous run
     LP: gl.constexpr = gl.BlockedLayout([1, 1, 4 * W], [8, 4, 1], [1, 1, 1], [2, 1, 0])
     t = gl.arange(0, M, gl.SliceLayout(1, gl.SliceLayout(2, LP)))
@@ -69,9 +92,13 @@ def unpack_low(
         t = token_perm(t)
     off = t[:, None, None] * BPR + q[None, :, None] * (4 * W) + j[None, None, :]
     x = gl.reshape(gl.load(ptr + row0 + off), [M, 4, W, 4])
-    if IS_BF16:
+    if MAGIC:
         a0, a1, a2, a3 = gl.inline_asm_elementwise(
             LOW_ASM_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r", [x], dtype=(gl.bfloat16,) * 4, is_pure=True, pack=4
+        )
+    elif IS_BF16:
+        a0, a1, a2, a3 = gl.inline_asm_elementwise(
+            LOW_ASM_SUB_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r", [x], dtype=(gl.bfloat16,) * 4, is_pure=True, pack=4
         )
     else:
         a0, a1, a2, a3 = gl.inline_asm_elementwise(
@@ -94,11 +121,12 @@ def unpack_high(
     IS_BF16: gl.constexpr,
     DA: gl.constexpr,
     TOKPERM: gl.constexpr,
+    MAGIC: gl.constexpr,
 ):
     """High-plane codes of ``M`` token rows as the ``(M, 16 NWH)`` A fragment ``DA`` (``gluon_launch.
     high_plane_order``): ``ptr`` reads a row as ``RW`` elements of 8, 16 or 32 bits (``NWH`` words), lane ``q``
-    unpacks field ``q``: bf16 ``128 + code``, fp16 ``4^q code 2^-24`` (masked in place, no shift). ``TOKPERM``:
-    rows as ``unpack_low``."""
+    unpacks field ``q``: masked in place, no shift, fp16 ``4^q code 2^-24`` or bf16 ``4^q code 2^-133``; ``MAGIC``
+    (bf16) ``128 + code``. ``TOKPERM``: rows as ``unpack_low``."""
     if TOKPERM and RW == NWH and M == 32:
         # a lane's rows g + 8 i are the 4 adjacent tokens 4 g + i: one contiguous run of 4 NWH words
         LH: gl.constexpr = gl.BlockedLayout([1, 1, 4 * NWH, 4], [8, 4, 1, 1], [1, 1, 1, 1], [3, 2, 1, 0])
@@ -118,16 +146,21 @@ def unpack_high(
         off = t[:, None, None] * RW + w[None, None, :] + q[None, :, None] * 0
     word = gl.load(ptr + row0 + off).to(gl.int32)
     b = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LH))))
-    if IS_BF16:
+    if MAGIC:
         word = word >> (2 * q)[None, :, None]  # lane q's field to bits 0-1 of each byte
         x = word[:, :, :, None] + (b * 0)[None, None, None, :]
         a = gl.inline_asm_elementwise(HIGH_ASM_BF16, "=r,=r,r,r,r,r", [x], dtype=gl.bfloat16, is_pure=True, pack=4)
-    else:  # field q masked in place: 4^q code 2^-24 (the caller's operand carries 4^-q)
+    else:  # field q masked in place: 4^q code times the unit (the caller's operand carries 4^-q)
         x = word[:, :, :, None] + (b * 0)[None, None, None, :]
         mask = (0x00030003 << (2 * q))[None, :, None, None] + (x * 0)
-        a = gl.inline_asm_elementwise(
-            HIGH_ASM_F16, "=r,=r,r,r,r,r,r,r,r,r", [x, mask], dtype=gl.float16, is_pure=True, pack=4
-        )
+        if IS_BF16:
+            a = gl.inline_asm_elementwise(
+                HIGH_ASM_SUB_BF16, "=r,=r,r,r,r,r,r,r,r,r", [x, mask], dtype=gl.bfloat16, is_pure=True, pack=4
+            )
+        else:
+            a = gl.inline_asm_elementwise(
+                HIGH_ASM_F16, "=r,=r,r,r,r,r,r,r,r,r", [x, mask], dtype=gl.float16, is_pure=True, pack=4
+            )
     if TOKPERM and RW == NWH and M == 32:
         a = gl.reshape(a, [8, 4, 4, NWH, 2, 2])  # (g, q, i, kt, h, e)
         a = gl.permute(a, [2, 0, 3, 4, 1, 5])  # (i, g, kt, h, q, e): row 8 i + g

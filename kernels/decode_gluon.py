@@ -117,7 +117,8 @@ def _decode_gluon_kernel(
     v_scale_ptr, v_zero_ptr, Hkv, QH, NUM_SPLITS, MERGE_GROUP, TAIL, CHUNK_COST, qk_scale, sq_b, sq_h, so_b, so_h,
     ssk_b, ssk_h, ssv_b, ssv_h, skq_b, skq_h, svq_b, svq_h, svl_b, svl_h, spk_b, spv_b, S: gl.constexpr,
     G: gl.constexpr, R: gl.constexpr, D: gl.constexpr, NB: gl.constexpr, NB4: gl.constexpr, NWH: gl.constexpr,
-    RW: gl.constexpr, BH: gl.constexpr, IS_BF16: gl.constexpr, FULL_QBUF: gl.constexpr, PREFETCH: gl.constexpr
+    RW: gl.constexpr, BH: gl.constexpr, IS_BF16: gl.constexpr, FULL_QBUF: gl.constexpr, PREFETCH: gl.constexpr,
+    MAGIC: gl.constexpr,
 ):
     gl.static_assert(G == 128, "pages of 128 tokens: four chunks of 32")
     D4: gl.constexpr = D // 4
@@ -131,6 +132,23 @@ def _decode_gluon_kernel(
         DOT: gl.constexpr = gl.bfloat16
     else:
         DOT: gl.constexpr = gl.float16
+    # the page loop's codes read as subnormals, 4^s code 2^-24 (fp16) or 4^s code 2^-133 (bf16); bf16 folds 2^90
+    # into its small operands (q4 and p * scale, exact), so that both products are in units of 2^-43, and 2^-19
+    # into the zero term's q (the page terms' 2^-24 does the rest). MAGIC (bf16 only): codes as OFF_s + code,
+    # natural units, the offsets' share on the tensor cores.
+    if IS_BF16:
+        QS: gl.constexpr = 1237940039285380274899124224.0  # 2^90
+        ZS: gl.constexpr = 1.9073486328125e-06  # 2^-19
+        UNIT: gl.constexpr = 1.1368683772161603e-13  # 2^-43
+        INV_UNIT: gl.constexpr = 8796093022208.0  # 2^43
+    else:
+        QS: gl.constexpr = 1.0
+        ZS: gl.constexpr = 1.0
+        UNIT: gl.constexpr = 5.9604644775390625e-08  # 2^-24
+        INV_UNIT: gl.constexpr = 16777216.0  # 2^24
+    qk_q = qk_scale  # the quantized pages' scores: their units' remaining 2^19 (bf16) undone with the scale
+    if IS_BF16 and not MAGIC:
+        qk_q = qk_scale * 524288.0  # 2^19
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     DA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     DB: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
@@ -208,10 +226,10 @@ def _decode_gluon_kernel(
     q_perm = gl.load(  # at adjacent_channel: the order the page's scales load in, before bop goes to low_channel
         q_ptr + q_off + head[None, :] * sq_h + adjacent_channel(kk, D4)[:, None], mask=(head < QH)[None, :], other=0.0
     )
-    if IS_BF16:
+    if MAGIC:
         q4 = q_perm
-    else:  # the unit 4^-s of field s folded into q (exact unless q4 is subnormal)
-        q4 = (q_perm.to(gl.float32) * gl.exp2(-2.0 * (kk // D4).to(gl.float32))[:, None]).to(DOT)
+    else:  # the unit 4^-s of field s folded into q (exact unless q4 is subnormal), and bf16's 2^90
+        q4 = (q_perm.to(gl.float32) * (gl.exp2(-2.0 * (kk // D4).to(gl.float32)) * QS)[:, None]).to(DOT)
     mneg, _ = gl.broadcast(gl.where(part == 1, -1.0, 0.0).to(DOT)[None, :], q4)  # -1 in remainder columns
     # the zero term's operand: q at zero_channel, column t * NK + n (half t of the channels), zero in part-1 columns
     kz = gl.arange(0, D // 2, gl.SliceLayout(1, DB))
@@ -222,6 +240,8 @@ def _decode_gluon_kernel(
         mask=((hz < QH) & ((nz % NK) % PK == 0))[None, :],
         other=0.0,
     )
+    if IS_BF16 and not MAGIC:
+        qz = (qz.to(gl.float32) * ZS).to(DOT)  # exact: a power of two within bf16's range
     if PREFETCH:
         if start < stop:
             _prefetch_page(k_low_ptr, k_high_ptr, k_idx_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_scale_ptr,
@@ -231,8 +251,8 @@ def _decode_gluon_kernel(
     QL: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [0, 1])
     q4buf = gl.allocate_shared_memory(DOT, [D, NK], QL, q4)
     qzbuf = gl.allocate_shared_memory(DOT, [D // 2, 2 * NK], QL, qz)
-    offk = None  # fp16: no offsets
-    if IS_BF16:  # the offsets' constant A operands of the key low plane and the value codes, read back per page (the
+    offk = None  # codes as subnormals: no offsets
+    if MAGIC:  # the offsets' constant A operands of the key low plane and the value codes, read back per page (the
         # high plane's one or two k-tiles are built in registers where they are used)
         OL: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
         LT: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
@@ -294,10 +314,10 @@ def _decode_gluon_kernel(
             vrow = gl.where(rel < mv, vq_ptr + (rel % G) * D, vl_ptr + (rel % Rm) * D)
         if (i >= c_lo) & (i // 4 < kp):
             kpage = gl.load(k_pt_ptr + b64 * spk_b + i // 4).to(gl.int64) * Hkv + h
-            ak, ah = _offset_operands(offk, kk, KH, D4, IS_BF16, DOT, DA)
+            ak, ah = _offset_operands(offk, kk, KH, D4, MAGIC, DOT, DA)
             s = _key_chunk_scores(
                 q4buf.load(DB), qzbuf.load(DB), mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage,
-                i % 4, kk, ak, ah, qk_scale, G, D, D4, KH, NK, NB, NB4, NWH, RW, IS_BF16, DOT, MMA, DA, DB, LS
+                i % 4, kk, ak, ah, qk_q, G, D, D4, KH, NK, NB, NB4, NWH, RW, IS_BF16, DOT, MMA, DA, DB, LS, MAGIC
             )
         else:
             s = _fp_scores(krow, ok, qnbuf.load(DB), qk_scale, D, NK, DOT, MMA, DA, LS)
@@ -311,11 +331,11 @@ def _decode_gluon_kernel(
             vrow, ok, p, acc0, acc1, acc2, acc3, gl.convert_layout(widen(alpha, PV), gl.SliceLayout(0, MMA)), D,
             NCH, PV, DOT, MMA, DA, DB
         )
-    if not IS_BF16:  # the page loop's units: its fp16 codes read as code 2^-24
-        acc0 = acc0 * 5.9604644775390625e-08
-        acc1 = acc1 * 5.9604644775390625e-08
-        acc2 = acc2 * 5.9604644775390625e-08
-        acc3 = acc3 * 5.9604644775390625e-08
+    if not MAGIC:  # the page loop's units: codes read as subnormals
+        acc0 = acc0 * UNIT
+        acc1 = acc1 * UNIT
+        acc2 = acc2 * UNIT
+        acc3 = acc3 * UNIT
     # ---- pages with quantized keys and values
     # p * scale's trip to the value operand (tokens on rows, heads on lanes -> the B fragment): through shared
     # memory, K-contiguous, 16 four-byte stores and 4 ldmatrix a page (convert_layout chose ~50 shuffles and selects)
@@ -336,10 +356,10 @@ def _decode_gluon_kernel(
         else:
             kpage = gl.load(k_pt_ptr + b64 * spk_b + j).to(gl.int64) * Hkv + h
             vpage = gl.load(v_pt_ptr + b64 * spv_b + j).to(gl.int64) * Hkv + h
-        ak, ah = _offset_operands(offk, kk, KH, D4, IS_BF16, DOT, DA)
+        ak, ah = _offset_operands(offk, kk, KH, D4, MAGIC, DOT, DA)
         s0, s1, s2, s3 = _key_page_scores(
             q4buf.load(DB), qzbuf.load(DB), mneg, k_scale_ptr, k_zero_ptr, k_idx_ptr, k_low_ptr, k_high_ptr, kpage, kk,
-            ak, ah, qk_scale, G, D, D4, KH, NK, NB, NB4, NWH, RW, IS_BF16, DOT, MMA, DA, DB, LS
+            ak, ah, qk_q, G, D, D4, KH, NK, NB, NB4, NWH, RW, IS_BF16, DOT, MMA, DA, DB, LS, MAGIC
         )
         m_new = gl.maximum(m_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), 0))
         alpha = gl.exp2(m_i - m_new)
@@ -349,7 +369,7 @@ def _decode_gluon_kernel(
         p3 = gl.exp2(s3 - m_new[None, :])
         m_i = m_new
         l_i = l_i * alpha + gl.sum((p0 + p1) + (p2 + p3), 0)
-        # value operand: p * scale per token (fp16: times 4^-u, the unit of token quarter u)
+        # value operand: p * scale per token (times 4^-u, the unit of token quarter u, and bf16's 2^90)
         # (rows in token_perm order, as the scores: each lane loads 4 adjacent tokens' scale and zero at once)
         vb = vpage * G
         TV: gl.constexpr = gl.SliceLayout(1, LS)
@@ -361,41 +381,41 @@ def _decode_gluon_kernel(
         vz1 = to_f32(token_vector(v_zero_ptr, vb + 32, TV), IS_BF16)
         vz2 = to_f32(token_vector(v_zero_ptr, vb + 64, TV), IS_BF16)
         vz3 = to_f32(token_vector(v_zero_ptr, vb + 96, TV), IS_BF16)
-        if IS_BF16:
+        if MAGIC:
             w0 = (p0 * vs0[:, None]).to(DOT)
             w1 = (p1 * vs1[:, None]).to(DOT)
             w2 = (p2 * vs2[:, None]).to(DOT)
             w3 = (p3 * vs3[:, None]).to(DOT)
             zt = (p0 * vz0[:, None] + p1 * vz1[:, None]) + (p2 * vz2[:, None] + p3 * vz3[:, None])
         else:
-            w0 = (p0 * vs0[:, None]).to(DOT)
-            w1 = (p1 * (vs1 * 0.25)[:, None]).to(DOT)
-            w2 = (p2 * (vs2 * 0.0625)[:, None]).to(DOT)
-            w3 = (p3 * (vs3 * 0.015625)[:, None]).to(DOT)
+            w0 = (p0 * (vs0 * QS)[:, None]).to(DOT)
+            w1 = (p1 * (vs1 * (0.25 * QS))[:, None]).to(DOT)
+            w2 = (p2 * (vs2 * (0.0625 * QS))[:, None]).to(DOT)
+            w3 = (p3 * (vs3 * (0.015625 * QS))[:, None]).to(DOT)
             zt = (p0 * vz0[:, None] + p1 * vz1[:, None]) + (p2 * vz2[:, None] + p3 * vz3[:, None])
         az = az * alpha + gl.sum(zt, 0)
         pbuf.store(cat4(token_order(w0, PV), token_order(w1, PV), token_order(w2, PV), token_order(w3, PV)))
         pb = pbuf.load(DB)
         vrow = vpage * (D * 32)
-        if IS_BF16:  # the value codes' offsets' share, -sum_t off(t) w_t per column, on the tensor cores
+        if MAGIC:  # the value codes' offsets' share, -sum_t off(t) w_t per column, on the tensor cores
             azo = mma_v2(offv.load(DA), pb, rescale(azo, alpha, PV))
         # the accumulators rescaled by alpha per head (rescale leaves GQA 4's zero pad columns alone), then += the
         # codes of channel chunk c (32 rows of 32 bytes) against pb
-        acc0 = mma_v2(unpack_low(v_codes_ptr, vrow, 32, 32, IS_BF16, DA, False), pb, rescale(acc0, alpha, PV))
+        acc0 = mma_v2(unpack_low(v_codes_ptr, vrow, 32, 32, IS_BF16, DA, False, MAGIC), pb, rescale(acc0, alpha, PV))
         a1 = rescale(acc1, alpha, PV)
-        acc1 = mma_v2(unpack_low(v_codes_ptr, vrow + 32 * 32, 32, 32, IS_BF16, DA, False), pb, a1)
+        acc1 = mma_v2(unpack_low(v_codes_ptr, vrow + 32 * 32, 32, 32, IS_BF16, DA, False, MAGIC), pb, a1)
         if NCH > 2:
             a2 = rescale(acc2, alpha, PV)
-            acc2 = mma_v2(unpack_low(v_codes_ptr, vrow + 64 * 32, 32, 32, IS_BF16, DA, False), pb, a2)
+            acc2 = mma_v2(unpack_low(v_codes_ptr, vrow + 64 * 32, 32, 32, IS_BF16, DA, False, MAGIC), pb, a2)
             a3 = rescale(acc3, alpha, PV)
-            acc3 = mma_v2(unpack_low(v_codes_ptr, vrow + 96 * 32, 32, 32, IS_BF16, DA, False), pb, a3)
+            acc3 = mma_v2(unpack_low(v_codes_ptr, vrow + 96 * 32, 32, 32, IS_BF16, DA, False, MAGIC), pb, a3)
     # ---- the split's product as one (D, NV) tile in output units
     if NCH > 2:
         acc_q = cat4(acc0, acc1, acc2, acc3)
     else:
         acc_q = gl.reshape(gl.permute(gl.join(acc0, acc1), [2, 0, 1]), [D, NV])
-    if not IS_BF16:
-        acc_q = acc_q * 16777216.0
+    if not MAGIC:
+        acc_q = acc_q * INV_UNIT
     LO: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, 1], [0, 1])
     # ---- the split's partial: (m, l, zero term) per head, (BH, D) product; merged in two levels: the last program
     # of each group of MERGE_GROUP splits merges the group into the group's first row, the last group merges the rows
@@ -407,7 +427,7 @@ def _decode_gluon_kernel(
     row = pid_bh * NUM_SPLITS + split
     gl.store(ws_m_ptr + row * BH + hv, m_i)
     gl.store(ws_l_ptr + row * BH + hv, l_i)
-    if IS_BF16:  # one row of the value offsets' share, its head columns, added to the zero term
+    if MAGIC:  # one row of the value offsets' share, its head columns, added to the zero term
         azh = gl.max(azo, 0)  # every row holds the same sums
         if PV == 2:
             azh, _ = gl.split(gl.reshape(azh, [BH, 2]))
