@@ -38,12 +38,13 @@ from kitty.kernels.testing import attention_tolerance, make_state, planted_kv  #
 EXTRA_CASES = [("kitty-pro", 8, 64, {}), ("kitty", 1, 128, {}), ("kitty-pro", 3, 128, {}), ("kitty", 2, 64, {})]
 
 
-def check(results: dict, t0: float, budget_s: float, variants: bool = False) -> bool:
+def check(results: dict, t0: float, budget_s: float, variants: bool = False, bf16_forms: bool = False) -> bool:
     """Every case in two passes, the most telling first (each pass compiles one kernel per case): full_qbuffer over
     1, 3, 7 and 40 splits (40: the two-level merge) and with the full-precision chunks on their own splits (8 splits
     of which 3 tail splits, 40 of which 4) and at equal cost (``chunk_cost``), then the other qbuffer layout.
     Launches are ``(splits, tail_splits[, chunk_cost])``.
-    Cases past ``budget_s`` are recorded as skipped. ``variants``: the first pass only."""
+    Cases past ``budget_s`` are recorded as skipped. ``variants``: the first pass only. ``bf16_forms``: bf16 cases
+    run both unpack forms (``GluonLaunch.bf16_magic``), the subnormal one first."""
     ok_all = True
     passes = [
         (True, ((3, 0), (1, 0), (7, 0), (40, 0), (8, 3), (40, 4), (7, 0, 13))),
@@ -72,10 +73,14 @@ def check(results: dict, t0: float, budget_s: float, variants: bool = False) -> 
         ref = decode_attention_ref(q, state, cfg, upcast=True, full_qbuffer=fq).float()
         pt = decode_attention_ref(q, state, cfg, upcast=False, full_qbuffer=fq).float()
         tol = attention_tolerance(ref, pt, dtype)
-        for splits, tail, *cost in launches:
+        forms = (False, True) if bf16_forms and dtype == torch.bfloat16 else (None,)
+        for (splits, tail, *cost), form in itertools.product(launches, forms):
             cost = cost[0] if cost else 0
             name = f"splits={splits}" + (f" tail={tail}" if tail else "") + (f" chunk_cost={cost}" if cost else "")
             launch = GluonLaunch(splits, tail_splits=tail, chunk_cost=cost)
+            if form is not None:
+                launch = dataclasses.replace(launch, bf16_magic=form)
+                name += " magic" if form else " subnormal"
             try:
                 ws = {}
                 out = decode_attention_gluon(q, state, cfg, full_qbuffer=fq, workspace=ws, launch=launch).float()
@@ -134,7 +139,7 @@ def main() -> None:
     results = {"env": env, "check": {}, "timing": [], "fastest_fp16": {}}
     kb.log("env", json.dumps(env))
     if not args.no_check:
-        results["correct"] = check(results, t0, args.check_budget_s, args.variants)
+        results["correct"] = check(results, t0, args.check_budget_s, args.variants, args.bf16_forms)
         kb.log(f"correctness: {'PASS' if results['correct'] else 'FAIL'} ({time.time() - t0:.0f} s)")
         kb.write(results)
     copy_bw, _ = kb.copy_bandwidth()
