@@ -37,7 +37,8 @@ on its page (both precisions with ``kitty``'s min-max ranges); the allocation ma
 pages (``page``: up to half the channels a page), of a layer's heads (``head``: one count per head for all its pages)
 or of every head (``head-all``), greedily, which is optimal here. Printed besides the usual columns: the error pooled
 over pages (what the allocation minimizes per head), the key page's bits per element (a count byte per page added to
-the variable rows) and the spread of the counts.
+the variable rows) and the spread of the counts. With ``--attention`` the same allocations also run on the gain
+weighted by the window's queries' mean square per channel (the ``oracle`` selection's logit-error score).
 
 ``--standout-thresholds T1,T2``: each config whose range is ``fit-standout`` / ``fit-peak-standout`` runs once per
 threshold of the standout test (``kitty.core.standout``), with the share of channel rows (of every page, layer and
@@ -240,7 +241,9 @@ def allocate_boost(gains: torch.Tensor, budget: int, cap: int, unit: int = 1) ->
     return counts.view(R, cap // unit).sum(-1) * unit
 
 
-def variable_boost(pages: torch.Tensor, cfg_name: str = "kitty", cap_share: float = 0.5) -> dict[str, torch.Tensor]:
+def variable_boost(
+    pages: torch.Tensor, cfg_name: str = "kitty", cap_share: float = 0.5, weight: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     """Reconstructions ``[layer, page, head, G, D]`` of ``pages`` with ``cfg_name``'s total of boosted channels
     spread unevenly, and each allocation's counts (the ``--variable-boost`` rows; module docstring).
 
@@ -263,6 +266,8 @@ def variable_boost(pages: torch.Tensor, cfg_name: str = "kitty", cap_share: floa
     hi = dequantize_key_page(quantize_key_page(pages, cfg.with_(boost_fraction=1.0))).float()
     ref = pages.float()
     gain = ((lo - ref).square() - (hi - ref).square()).sum(-2)  # [L, P, H, D]
+    if weight is not None:
+        gain = gain * weight[:, None]
     rank = gain.argsort(-1, descending=True).argsort(-1)  # 0: the page's largest gain
     out: dict[str, torch.Tensor] = {}
 
@@ -297,7 +302,7 @@ def variable_rows(pages: torch.Tensor, attention: bool, cache, full: list[int], 
     by :func:`variable_boost` (module docstring)."""
     L, P, H, G, D = pages.shape
     ref, size = pages.float(), pages.element_size()
-    rows = {}
+    rows: dict[str, torch.Tensor] = {}
     for name in ("kitty", "kitty-pro"):
         cfg = get_preset(name)
         rows[name] = dequantize_key_page(quantize_key_page(pages, cfg)).float()
@@ -309,6 +314,13 @@ def variable_rows(pages: torch.Tensor, attention: bool, cache, full: list[int], 
     same = torch.equal(torch.where(mag[..., None, :], hi, lo), rows["kitty"])
     print(f"check: kitty's pages equal its magnitude mask over the two precisions: {same}")
     rows.update({f"kitty budget, {k}": v for k, v in alloc.items()})
+    if attention:  # the same allocations by the query-weighted gain: the window's queries' mean square per channel
+        cfg = get_preset("kitty+channel_selection=oracle")
+        qs = torch.stack([window_query_scale(queries[i][0], H, sink + P * G, cfg) for i in full])  # [L, H, D]
+        alloc = variable_boost(pages, weight=qs.square())
+        for k, v in alloc.items():
+            base, counts = k.removesuffix(":counts"), k.endswith(":counts")
+            rows[f"kitty budget, {base}, query-weighted" + (":counts" if counts else "")] = v
     head = "| allocation | rel. error | max | pooled rel. error | key bits/element | count min / median / max |"
     print(head + (" KL | output |" if attention else ""))
     for name, hat in rows.items():
