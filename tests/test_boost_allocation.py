@@ -67,3 +67,19 @@ def test_variable_boost_keeps_the_budget_and_never_raises_the_error() -> None:
             assert int(counts.max()) <= 32
             err = (out[f"{name}, unit {unit}"] - ref).square().sum()
             assert float(err) <= float(fixed) * (1 + 1e-6)  # fixed is one of the allocations each one searched
+
+
+def test_key_page_bits_match_the_stored_page() -> None:
+    """The screen's bit count of a fixed count equals the bytes ``quantize_key_page`` stores, and a count byte adds
+    ``8 / (G x D)``."""
+    from kitty.core.config import get_preset
+    from kitty.core.quant import quantize_key_page
+
+    gen = torch.Generator().manual_seed(2)
+    pages = torch.randn(3, 2, 128, 64, generator=gen).bfloat16() + 0.5
+    for name in ("kitty", "kitty-pro"):
+        cfg = get_preset(name)
+        stored = quantize_key_page(pages, cfg).nbytes * 8 / pages.numel()
+        counts = torch.full((3, 2), cfg.num_boosted(64))
+        assert SCREEN["key_page_bits"](counts, 128, 64, 2, 0) == pytest.approx(stored)
+        assert SCREEN["key_page_bits"](counts, 128, 64, 2, 1) == pytest.approx(stored + 8 / (128 * 64))
