@@ -40,6 +40,9 @@ over pages (what the allocation minimizes per head), the key page's bits per ele
 the variable rows) and the spread of the counts. With ``--attention`` the same allocations also run on the gain
 weighted by the window's queries' mean square per channel (the ``oracle`` selection's logit-error score).
 
+``--needle-cases L:DEPTH:KEY,...``: instead of the window, the counts the ``page`` allocation gives the key pages
+that hold a passkey prompt's needle (a full-precision prefill of each prompt; :func:`needle_counts`).
+
 ``--standout-thresholds T1,T2``: each config whose range is ``fit-standout`` / ``fit-peak-standout`` runs once per
 threshold of the standout test (``kitty.core.standout``), with the share of channel rows (of every page, layer and
 head) that keep min-max ranges under it.
@@ -82,10 +85,13 @@ def main() -> None:
     p.add_argument("--attention", action="store_true", help="also the attention error (KL, output) of real queries")
     p.add_argument("--tail", action="store_true", help="with --attention: also the tail of the per-query errors")
     p.add_argument("--variable-boost", action="store_true", help="also kitty's boost budget spread per page / head")
+    p.add_argument("--needle-cases", default=None, help="length:depth:key,...: the needle's pages' boost counts only")
     p.add_argument("--standout-thresholds", default=None, help="comma-separated thresholds of the standout test")
     a = p.parse_args()
     torch.set_num_threads(1)
     model, tok = load_model(a.model)
+    if a.needle_cases:
+        return needle_counts(model, tok, a.needle_cases)
     window = text_windows(tok, TEXTS, 1024, 256, 1, with_names=True)[a.window][1]
     cache = DynamicCache(config=model.config)
     queries: dict[int, tuple[torch.Tensor, float]] = {}
@@ -338,6 +344,47 @@ def variable_rows(pages: torch.Tensor, attention: bool, cache, full: list[int], 
             kl, out, _ = attention_error(cache, full, queries, hat, sink)
             extra = f" {kl:.5f} | {out:.5f} |"
         print(f"| {name} | {rel.mean():.4f} | {err.abs().amax():.2f} | {pooled:.4f} | {bits:.4f} | {spread} |{extra}")
+
+
+def needle_counts(model, tok, cases: str) -> None:
+    """``--needle-cases``: for each passkey prompt (``length:depth:key``), the boost counts the ``page`` allocation
+    (plain gain, unit 4 and 1) gives the key pages holding the needle's tokens, against ``kitty``'s fixed count (and
+    the share of (layer, KV head, needle page) above, at and below it). The
+    prompt's keys come from a full-precision prefill (every page after the sink that a cache would quantize); each
+    (layer, KV head) spreads its pages' budget as in :func:`variable_boost`."""
+    from kitty.tools.prompts import _needle, passkey_prompt
+
+    cfg = get_preset("kitty")
+    S, G = cfg.sink_tokens, cfg.group_size
+    head = "| prompt | needle's pages of all | unit | needle pages' counts (min / median / max)"
+    print(head + " | above / at / below fixed | other pages above fixed |")
+    for case in cases.split(","):
+        n, depth, key = int(case.split(":")[0]), float(case.split(":")[1]), int(case.split(":")[2])
+        text = passkey_prompt(tok, n, depth, key)
+        enc = tok([text], return_offsets_mapping=True, return_tensors="pt")
+        start = text.index(_needle(key))
+        end = start + len(_needle(key))
+        positions = [i for i, (s, e) in enumerate(enc["offset_mapping"][0].tolist()) if s < end and e > start]
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(enc["input_ids"], past_key_values=cache, use_cache=True)
+        text_cfg = model.config.get_text_config()
+        types = getattr(text_cfg, "layer_types", None) or ["full_attention"] * text_cfg.num_hidden_layers
+        keys = [cache.layers[i].keys[0] for i, t in enumerate(types) if t == "full_attention"]
+        P = (keys[0].shape[1] - S) // G
+        pages = torch.stack([k[:, S : S + P * G].reshape(k.shape[0], P, G, -1).transpose(0, 1) for k in keys])
+        needle = sorted({(q - S) // G for q in positions if S <= q < S + P * G})
+        alloc = variable_boost(pages)
+        for unit in (4, 1):
+            counts = alloc[f"page, unit {unit}:counts"]  # [L, P, H]
+            c = counts[:, needle].flatten().float()
+            nb = cfg.num_boosted(pages.shape[-1])
+            share = [float(v.float().mean()) for v in (c > nb, c == nb, c < nb)]
+            others = float((counts[:, [j for j in range(P) if j not in needle]] > nb).float().mean())
+            print(
+                f"| {n}@{depth}#{key} | {needle} of {P} | {unit} | {c.min():.0f} / {c.median():.0f} / {c.max():.0f}"
+                f" (fixed {nb}) | {share[0]:.0%} / {share[1]:.0%} / {share[2]:.0%} | {others:.0%} |"
+            )
 
 
 if __name__ == "__main__":
