@@ -30,6 +30,19 @@ and the largest per-query KL divergence over every layer, query head and query, 
 largest logit error over the page tokens (nats): whether a rule's rare large errors, which a mean hides, are what
 decode perplexity follows.
 
+``--variable-boost``: also ``kitty``'s total of boosted channels (``nb`` per page and KV head) spread unevenly, a
+screen of a boost count per page or per head at the same average (:func:`variable_boost`; the allocation is done
+here only, the page layout has no room for it). Each channel's gain is what boosting it saves in squared key error
+on its page (both precisions with ``kitty``'s min-max ranges); the allocation maximizes the total gain of a KV head's
+pages (``page``: up to half the channels a page), of a layer's heads (``head``: one count per head for all its pages)
+or of every head (``head-all``), greedily, which is optimal here. Printed besides the usual columns: the error pooled
+over pages (what the allocation minimizes per head), the key page's bits per element (a count byte per page added to
+the variable rows) and the spread of the counts. With ``--attention`` the same allocations also run on the gain
+weighted by the window's queries' mean square per channel (the ``oracle`` selection's logit-error score).
+
+``--needle-cases L:DEPTH:KEY,...``: instead of the window, the counts the ``page`` allocation gives the key pages
+that hold a passkey prompt's needle (a full-precision prefill of each prompt; :func:`needle_counts`).
+
 ``--standout-thresholds T1,T2``: each config whose range is ``fit-standout`` / ``fit-peak-standout`` runs once per
 threshold of the standout test (``kitty.core.standout``), with the share of channel rows (of every page, layer and
 head) that keep min-max ranges under it.
@@ -71,10 +84,14 @@ def main() -> None:
     p.add_argument("--window", type=int, default=0, help="the first window of which text: 0 essay, 1 python_reference")
     p.add_argument("--attention", action="store_true", help="also the attention error (KL, output) of real queries")
     p.add_argument("--tail", action="store_true", help="with --attention: also the tail of the per-query errors")
+    p.add_argument("--variable-boost", action="store_true", help="also kitty's boost budget spread per page / head")
+    p.add_argument("--needle-cases", default=None, help="length:depth:key,...: the needle's pages' boost counts only")
     p.add_argument("--standout-thresholds", default=None, help="comma-separated thresholds of the standout test")
     a = p.parse_args()
     torch.set_num_threads(1)
     model, tok = load_model(a.model)
+    if a.needle_cases:
+        return needle_counts(model, tok, a.needle_cases)
     window = text_windows(tok, TEXTS, 1024, 256, 1, with_names=True)[a.window][1]
     cache = DynamicCache(config=model.config)
     queries: dict[int, tuple[torch.Tensor, float]] = {}
@@ -132,6 +149,8 @@ def main() -> None:
             print(f"| {label} | {rel.mean():.4f} | {err.abs().amax():.2f} |{extra}")
     if a.exact_extremes:
         exact_extremes(pages)
+    if a.variable_boost:
+        variable_rows(pages, a.attention, cache, full, queries, S)
 
 
 def window_query_scale(q: torch.Tensor, H: int, end: int, cfg) -> torch.Tensor:
@@ -207,6 +226,165 @@ def exact_extremes(pages: torch.Tensor) -> None:
             count = member.sum(-1)
             levels[..., j] = torch.where(count > 0, (x * member).sum(-1) / count.clamp_min(1), levels[..., j])
     print(f"| exact min/max, interior fitted per channel (bound) | {rel(levels):.4f} |")
+
+
+def allocate_boost(gains: torch.Tensor, budget: int, cap: int, unit: int = 1) -> torch.Tensor:
+    """Boosted channels per row of ``gains`` ``[R, D]`` (a row: one page, or one head) that maximize the summed gain.
+
+    ``gains[r, i] >= 0``: what boosting channel ``i`` of row ``r`` saves (its squared key error at 2 bits minus at 4
+    bits), each row's best channels boosted first. Counts are multiples of ``unit`` (4: whole bytes of the high
+    plane, which holds 4 channels per byte), at most ``cap`` per row, and sum to ``budget`` exactly. Greedy: each
+    row's gains sorted descending, summed per ``unit``, and the ``budget / unit`` largest of these steps over all rows
+    taken. A row's steps never increase, so the steps taken form a prefix of each row and the greedy total is the
+    optimum of this separable problem. Returns int64 ``[R]``.
+    """
+    R, D = gains.shape
+    if budget % unit or cap % unit or cap > D or budget > R * cap or budget < 0:
+        raise ValueError(f"budget {budget} and cap {cap} must be multiples of unit {unit}, cap <= {D}, budget <= R*cap")
+    steps = gains.float().sort(-1, descending=True).values[:, :cap].reshape(R, cap // unit, unit).sum(-1)
+    counts = torch.zeros(R * (cap // unit), dtype=torch.int64)
+    counts[steps.flatten().topk(budget // unit).indices] = 1
+    return counts.view(R, cap // unit).sum(-1) * unit
+
+
+def variable_boost(
+    pages: torch.Tensor, cfg_name: str = "kitty", cap_share: float = 0.5, weight: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """Reconstructions ``[layer, page, head, G, D]`` of ``pages`` with ``cfg_name``'s total of boosted channels
+    spread unevenly, and each allocation's counts (the ``--variable-boost`` rows; module docstring).
+
+    Every channel of every page is quantized at both precisions with the config's ranges (what its pages would hold
+    for it at 2 and at 4 bits); a channel's gain is its squared reconstruction error at 2 bits minus at 4 bits. The
+    budget is the config's ``nb`` per page and head; each row boosts its largest-gain channels. Allocations:
+
+    - ``page``: per (layer, KV head), its pages share ``pages x nb`` channels, at most ``cap_share x D`` a page;
+    - ``head``: per layer, its KV heads share ``heads x nb`` per page, each head the same count on all its pages;
+    - ``head-all``: the same over every KV head of every layer;
+
+    each at ``unit`` 1 (any count: a bound, the high plane's padding not paid) and 4 (whole high-plane bytes, so the
+    bytes equal ``cfg_name``'s plus the count). ``fixed, by gain``: ``nb`` on every page, chosen by gain (``oracle``
+    selection with ``query_scale = 1``): what choosing by gain alone does, without moving any budget.
+    """
+    cfg = get_preset(cfg_name)
+    L, P, H, G, D = pages.shape
+    nb, cap = cfg.num_boosted(D), int(cap_share * D)
+    lo = dequantize_key_page(quantize_key_page(pages, cfg.with_(boost_fraction=0.0))).float()
+    hi = dequantize_key_page(quantize_key_page(pages, cfg.with_(boost_fraction=1.0))).float()
+    ref = pages.float()
+    gain = ((lo - ref).square() - (hi - ref).square()).sum(-2)  # [L, P, H, D]
+    if weight is not None:
+        gain = gain * weight[:, None]
+    rank = gain.argsort(-1, descending=True).argsort(-1)  # 0: the page's largest gain
+    out: dict[str, torch.Tensor] = {}
+
+    def build(name: str, counts: torch.Tensor) -> None:  # counts [L, P, H]
+        out[name] = torch.where((rank < counts[..., None])[..., None, :], hi, lo)
+        out[name + ":counts"] = counts
+
+    build("fixed, by gain", torch.full((L, P, H), nb))
+    for unit in (1, 4):
+        per_head = gain.permute(0, 2, 1, 3).reshape(L * H, P, D)  # [(layer, head), page, D]
+        counts = torch.stack([allocate_boost(g, P * nb, cap, unit) for g in per_head])
+        build(f"page, unit {unit}", counts.view(L, H, P).transpose(1, 2))
+        summed = gain.sort(-1, descending=True).values.sum(1)  # [L, H, D]: a head's gain at each count, over pages
+        counts = torch.stack([allocate_boost(g, H * nb, cap, unit) for g in summed])  # [L, H]
+        build(f"head, unit {unit}", counts[:, None].expand(L, P, H))
+        counts = allocate_boost(summed.reshape(L * H, D), L * H * nb, cap, unit).view(L, 1, H)
+        build(f"head-all, unit {unit}", counts.expand(L, P, H))
+    return out
+
+
+def key_page_bits(counts: torch.Tensor, G: int, D: int, dtype_bytes: int, count_bytes: int) -> float:
+    """Bits per key element of pages with ``counts`` boosted channels each: the 2-bit plane, the high plane
+    (``ceil(count / 4)`` bytes a token), ``boost_idx`` (a byte a channel), scale and zero per channel, and
+    ``count_bytes`` a page for the count itself (0 for a fixed count)."""
+    high = (counts + 3).div(4, rounding_mode="floor").float().sum() * G
+    per_page = G * D // 4 + D + 2 * D * dtype_bytes + count_bytes
+    return float((high + counts.numel() * per_page) * 8 / (counts.numel() * G * D))
+
+
+def variable_rows(pages: torch.Tensor, attention: bool, cache, full: list[int], queries: dict, sink: int) -> None:
+    """The ``--variable-boost`` table: ``kitty`` and ``kitty-pro`` as stored, and ``kitty``'s boost budget spread
+    by :func:`variable_boost` (module docstring)."""
+    L, P, H, G, D = pages.shape
+    ref, size = pages.float(), pages.element_size()
+    rows: dict[str, torch.Tensor] = {}
+    for name in ("kitty", "kitty-pro"):
+        cfg = get_preset(name)
+        rows[name] = dequantize_key_page(quantize_key_page(pages, cfg)).float()
+        rows[name + ":counts"] = torch.full((L, P, H), cfg.num_boosted(D))
+    alloc = variable_boost(pages)
+    mag = select_boosted(channel_importance(pages, get_preset("kitty")), get_preset("kitty").num_boosted(D))
+    lo = dequantize_key_page(quantize_key_page(pages, get_preset("kitty").with_(boost_fraction=0.0))).float()
+    hi = dequantize_key_page(quantize_key_page(pages, get_preset("kitty").with_(boost_fraction=1.0))).float()
+    same = torch.equal(torch.where(mag[..., None, :], hi, lo), rows["kitty"])
+    print(f"check: kitty's pages equal its magnitude mask over the two precisions: {same}")
+    rows.update({f"kitty budget, {k}": v for k, v in alloc.items()})
+    if attention:  # the same allocations by the query-weighted gain: the window's queries' mean square per channel
+        cfg = get_preset("kitty+channel_selection=oracle")
+        qs = torch.stack([window_query_scale(queries[i][0], H, sink + P * G, cfg) for i in full])  # [L, H, D]
+        alloc = variable_boost(pages, weight=qs.square())
+        for k, v in alloc.items():
+            base, counts = k.removesuffix(":counts"), k.endswith(":counts")
+            rows[f"kitty budget, {base}, query-weighted" + (":counts" if counts else "")] = v
+    head = "| allocation | rel. error | max | pooled rel. error | key bits/element | count min / median / max |"
+    print(head + (" KL | output |" if attention else ""))
+    for name, hat in rows.items():
+        if name.endswith(":counts"):
+            continue
+        counts, err = rows[name + ":counts"], hat - ref
+        rel = err.square().sum((-1, -2)) / ref.square().sum((-1, -2))
+        pooled = err.square().sum() / ref.square().sum()
+        fixed = name in ("kitty", "kitty-pro") or "fixed" in name
+        bits = key_page_bits(counts, G, D, size, 0 if fixed else 1)
+        c = counts.flatten().float()
+        spread = f"{c.min():.0f} / {c.median():.0f} / {c.max():.0f}"
+        extra = ""
+        if attention:
+            kl, out, _ = attention_error(cache, full, queries, hat, sink)
+            extra = f" {kl:.5f} | {out:.5f} |"
+        print(f"| {name} | {rel.mean():.4f} | {err.abs().amax():.2f} | {pooled:.4f} | {bits:.4f} | {spread} |{extra}")
+
+
+def needle_counts(model, tok, cases: str) -> None:
+    """``--needle-cases``: for each passkey prompt (``length:depth:key``), the boost counts the ``page`` allocation
+    (plain gain, unit 4 and 1) gives the key pages holding the needle's tokens, against ``kitty``'s fixed count (and
+    the share of (layer, KV head, needle page) above, at and below it). The
+    prompt's keys come from a full-precision prefill (every page after the sink that a cache would quantize); each
+    (layer, KV head) spreads its pages' budget as in :func:`variable_boost`."""
+    from kitty.tools.prompts import _needle, passkey_prompt
+
+    cfg = get_preset("kitty")
+    S, G = cfg.sink_tokens, cfg.group_size
+    head = "| prompt | needle's pages of all | unit | needle pages' counts (min / median / max)"
+    print(head + " | above / at / below fixed | other pages above fixed |")
+    for case in cases.split(","):
+        n, depth, key = int(case.split(":")[0]), float(case.split(":")[1]), int(case.split(":")[2])
+        text = passkey_prompt(tok, n, depth, key)
+        enc = tok([text], return_offsets_mapping=True, return_tensors="pt")
+        start = text.index(_needle(key))
+        end = start + len(_needle(key))
+        positions = [i for i, (s, e) in enumerate(enc["offset_mapping"][0].tolist()) if s < end and e > start]
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(enc["input_ids"], past_key_values=cache, use_cache=True)
+        text_cfg = model.config.get_text_config()
+        types = getattr(text_cfg, "layer_types", None) or ["full_attention"] * text_cfg.num_hidden_layers
+        keys = [cache.layers[i].keys[0] for i, t in enumerate(types) if t == "full_attention"]
+        P = (keys[0].shape[1] - S) // G
+        pages = torch.stack([k[:, S : S + P * G].reshape(k.shape[0], P, G, -1).transpose(0, 1) for k in keys])
+        needle = sorted({(q - S) // G for q in positions if S <= q < S + P * G})
+        alloc = variable_boost(pages)
+        for unit in (4, 1):
+            counts = alloc[f"page, unit {unit}:counts"]  # [L, P, H]
+            c = counts[:, needle].flatten().float()
+            nb = cfg.num_boosted(pages.shape[-1])
+            share = [float(v.float().mean()) for v in (c > nb, c == nb, c < nb)]
+            others = float((counts[:, [j for j in range(P) if j not in needle]] > nb).float().mean())
+            print(
+                f"| {n}@{depth}#{key} | {needle} of {P} | {unit} | {c.min():.0f} / {c.median():.0f} / {c.max():.0f}"
+                f" (fixed {nb}) | {share[0]:.0%} / {share[1]:.0%} / {share[2]:.0%} | {others:.0%} |"
+            )
 
 
 if __name__ == "__main__":
