@@ -6,7 +6,8 @@ The unpack is one shift and eight ``and`` per 32-bit word of 16 codes: ``w & (0x
 (bits 0-7 of a bf16 read as ``n 2^-133`` for every byte value ``n``: the subnormals and the first normal binade share
 one spacing), exact with no offset (the ``4^s`` is folded into the small operand, bf16's with ``2^90`` more so that
 the products stay normal in fp32, and the unit is undone on the fp32 product); the same on ``w >> 8`` gives bytes 1
-and 3 (bf16: the shift is ``mul.hi.u32`` by 2^24, an IMAD.HI, which Hopper issues to the FMA pipe). The earlier bf16
+and 3 (the shift is ``mul.hi.u32`` by 2^24, an IMAD.HI, which Hopper issues to the FMA pipe: the ALU pipe is half
+rate and the ``and``s load it). The earlier bf16
 form (``MAGIC``): ``lop3(w, mask_s, MAGIC_s)`` with ``0x4300, 0x4200, 0x4100`` gives ``128, 32, 8 + code`` for a field
 at bit 0, 2, 4 of its byte: fields 0-2 of bytes 0 and 2 in place, field 3 from ``w >> 6``; bytes 1 and 3 from ``w >>
 6`` (fields 0, 1 at bits 2, 4) and ``w >> 10`` (fields 2, 3), offsets 32, 8, 32, 8 (``gluon_launch.BF16_LOW_SOURCE``),
@@ -26,37 +27,29 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-# per output register: fields 0..3 of bytes (0, 2) of w, then of bytes (1, 3) (w >> 8; bf16: mul.hi.u32 by 2^(32 - n)
-# is w >> n, one IMAD.HI)
-LOW_ASM_F16 = gl.constexpr(
-    "{ .reg .b32 h; shr.b32 h, $8, 8; "
-    "and.b32 $0, $8, 0x00030003; and.b32 $1, h, 0x00030003; "
-    "and.b32 $2, $8, 0x000C000C; and.b32 $3, h, 0x000C000C; "
-    "and.b32 $4, $8, 0x00300030; and.b32 $5, h, 0x00300030; "
-    "and.b32 $6, $8, 0x00C000C0; and.b32 $7, h, 0x00C000C0; }"
-)
-# bf16 codes as subnormals: the same masks, the shift as mul.hi.u32 by 2^24 (IMAD.HI, the FMA pipe, off the ALU pipe)
-LOW_ASM_SUB_BF16 = gl.constexpr(
+# per output register: fields 0..3 of bytes (0, 2) of w, then of bytes (1, 3) (h = w >> 8), fp16 and bf16 alike; the
+# shift is mul.hi.u32 by 2^24 (IMAD.HI, which Hopper issues to the FMA pipe: a shr would be one more instruction a
+# word on the half-rate ALU pipe, which the eight ands already load)
+LOW_ASM = gl.constexpr(
     "{ .reg .b32 h; mul.hi.u32 h, $8, 0x01000000; "
     "and.b32 $0, $8, 0x00030003; and.b32 $1, h, 0x00030003; "
     "and.b32 $2, $8, 0x000C000C; and.b32 $3, h, 0x000C000C; "
     "and.b32 $4, $8, 0x00300030; and.b32 $5, h, 0x00300030; "
     "and.b32 $6, $8, 0x00C000C0; and.b32 $7, h, 0x00C000C0; }"
 )
-LOW_ASM_BF16 = gl.constexpr(
+# bf16 with magic numbers (MAGIC): the fields ORed into 0x4300 / 0x4200 / 0x4100, two shifts a word as mul.hi.u32
+LOW_ASM_BF16_MAGIC = gl.constexpr(
     "{ .reg .b32 a, b; mul.hi.u32 a, $8, 0x04000000; mul.hi.u32 b, $8, 0x00400000; "
     "lop3.b32 $0, $8, 0x00030003, 0x43004300, 0xEA; lop3.b32 $1, a, 0x000C000C, 0x42004200, 0xEA; "
     "lop3.b32 $2, $8, 0x000C000C, 0x42004200, 0xEA; lop3.b32 $3, a, 0x00300030, 0x41004100, 0xEA; "
     "lop3.b32 $4, $8, 0x00300030, 0x41004100, 0xEA; lop3.b32 $5, b, 0x000C000C, 0x42004200, 0xEA; "
     "lop3.b32 $6, a, 0x00030003, 0x43004300, 0xEA; lop3.b32 $7, b, 0x00300030, 0x41004100, 0xEA; }"
 )
-# the high plane, fp16: the lane's field masked in place ($6: 0x00030003 << 2q), read as the subnormal 4^q code 2^-24
-HIGH_ASM_F16 = gl.constexpr("{ .reg .b32 h; shr.b32 h, $2, 8; and.b32 $0, $2, $6; and.b32 $1, h, $6; }")
-HIGH_ASM_SUB_BF16 = gl.constexpr(
-    "{ .reg .b32 h; mul.hi.u32 h, $2, 0x01000000; and.b32 $0, $2, $6; and.b32 $1, h, $6; }"
-)
-# bf16: field 0 of a word the lane has already shifted to its field (bytes 1, 3: mul.hi as a shift, the FMA pipe)
-HIGH_ASM_BF16 = gl.constexpr(
+# the high plane: the lane's field masked in place ($6: 0x00030003 << 2q), read as the subnormal 4^q code times the
+# unit, fp16 and bf16 alike (bytes 1, 3: the mul.hi shift of LOW_ASM)
+HIGH_ASM = gl.constexpr("{ .reg .b32 h; mul.hi.u32 h, $2, 0x01000000; and.b32 $0, $2, $6; and.b32 $1, h, $6; }")
+# bf16 with magic numbers: field 0 of a word the lane has already shifted to its field (bytes 1, 3: the mul.hi shift)
+HIGH_ASM_BF16_MAGIC = gl.constexpr(
     "{ .reg .b32 h; mul.hi.u32 h, $2, 0x01000000; lop3.b32 $0, $2, 0x00030003, 0x43004300, 0xEA; "
     "lop3.b32 $1, h, 0x00030003, 0x43004300, 0xEA; }"
 )
@@ -94,15 +87,15 @@ def unpack_low(
     x = gl.reshape(gl.load(ptr + row0 + off), [M, 4, W, 4])
     if MAGIC:
         a0, a1, a2, a3 = gl.inline_asm_elementwise(
-            LOW_ASM_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r", [x], dtype=(gl.bfloat16,) * 4, is_pure=True, pack=4
+            LOW_ASM_BF16_MAGIC, "=r,=r,=r,=r,=r,=r,=r,=r,r", [x], dtype=(gl.bfloat16,) * 4, is_pure=True, pack=4
         )
     elif IS_BF16:
         a0, a1, a2, a3 = gl.inline_asm_elementwise(
-            LOW_ASM_SUB_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r", [x], dtype=(gl.bfloat16,) * 4, is_pure=True, pack=4
+            LOW_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [x], dtype=(gl.bfloat16,) * 4, is_pure=True, pack=4
         )
     else:
         a0, a1, a2, a3 = gl.inline_asm_elementwise(
-            LOW_ASM_F16, "=r,=r,=r,=r,=r,=r,=r,=r,r", [x], dtype=(gl.float16,) * 4, is_pure=True, pack=4
+            LOW_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [x], dtype=(gl.float16,) * 4, is_pure=True, pack=4
         )
     a = gl.join(gl.join(a0, a1), gl.join(a2, a3))  # (M, q, kt, b, s0, s1)
     a = gl.reshape(a, [M, 4, W, 2, 2, 2, 2])  # b = 2 h + e
@@ -149,17 +142,19 @@ def unpack_high(
     if MAGIC:
         word = word >> (2 * q)[None, :, None]  # lane q's field to bits 0-1 of each byte
         x = word[:, :, :, None] + (b * 0)[None, None, None, :]
-        a = gl.inline_asm_elementwise(HIGH_ASM_BF16, "=r,=r,r,r,r,r", [x], dtype=gl.bfloat16, is_pure=True, pack=4)
+        a = gl.inline_asm_elementwise(
+            HIGH_ASM_BF16_MAGIC, "=r,=r,r,r,r,r", [x], dtype=gl.bfloat16, is_pure=True, pack=4
+        )
     else:  # field q masked in place: 4^q code times the unit (the caller's operand carries 4^-q)
         x = word[:, :, :, None] + (b * 0)[None, None, None, :]
         mask = (0x00030003 << (2 * q))[None, :, None, None] + (x * 0)
         if IS_BF16:
             a = gl.inline_asm_elementwise(
-                HIGH_ASM_SUB_BF16, "=r,=r,r,r,r,r,r,r,r,r", [x, mask], dtype=gl.bfloat16, is_pure=True, pack=4
+                HIGH_ASM, "=r,=r,r,r,r,r,r,r,r,r", [x, mask], dtype=gl.bfloat16, is_pure=True, pack=4
             )
         else:
             a = gl.inline_asm_elementwise(
-                HIGH_ASM_F16, "=r,=r,r,r,r,r,r,r,r,r", [x, mask], dtype=gl.float16, is_pure=True, pack=4
+                HIGH_ASM, "=r,=r,r,r,r,r,r,r,r,r", [x, mask], dtype=gl.float16, is_pure=True, pack=4
             )
     if TOKPERM and RW == NWH and M == 32:
         a = gl.reshape(a, [8, 4, 4, NWH, 2, 2])  # (g, q, i, kt, h, e)

@@ -240,8 +240,8 @@ def low_plane_order(bytes_per_row: int) -> list[tuple[int, int]]:
 
 
 def unpack_low_bits(word, field: int, magic: bool) -> list:
-    """The four 16-bit patterns ``unpack_low`` (``kernels/_gluon_parts.py``: ``LOW_ASM_F16`` and
-    ``LOW_ASM_SUB_BF16``, or ``LOW_ASM_BF16`` with ``magic``) makes of field ``field`` of a little-endian 32-bit
+    """The four 16-bit patterns ``unpack_low`` (``kernels/_gluon_parts.py``: ``LOW_ASM``, or
+    ``LOW_ASM_BF16_MAGIC`` with ``magic``) makes of field ``field`` of a little-endian 32-bit
     ``word``, in register order: bytes 0 and 2 (one register, low and high half), then bytes 1 and 3 (the word
     shifted right by 8). The field masked in place, read as the subnormal ``4^field code 2^-24`` (fp16) or ``4^field
     code 2^-133`` (bf16), exact, no offset; ``magic`` (bf16's earlier unpack): ``lop3`` with the magic numbers
