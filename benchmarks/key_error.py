@@ -493,10 +493,10 @@ def three_bit_rows(pages: torch.Tensor, attention: bool, cache, full: list[int],
         n3, n4 = (bits == 3).sum(-1).flatten().float(), (bits == 4).sum(-1).flatten().float()
         spread = f"{n3.median():.0f} / {n4.median():.0f} ({n4.min():.0f}-{n4.max():.0f})"
         share = (rel_k - rel) / (rel_k - rel_p)
-        line = f"| {name} | {rel:.4f} | {share:.0%} | {pooled:.4f} | {kbits:.4f} | {spread} |"
+        line = f"| {name} | {rel:.4f} | {share:.1%} | {pooled:.4f} | {kbits:.4f} | {spread} |"
         if attention:
             kl_k, kl_p = stats["kitty"][2], stats["kitty-pro"][2]
-            line += f" {kl:.5f} | {(kl_k - kl) / (kl_k - kl_p):.0%} | {out:.5f} |"
+            line += f" {kl:.5f} | {(kl_k - kl) / (kl_k - kl_p):.1%} | {out:.5f} |"
         print(line)
 
 
