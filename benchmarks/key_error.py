@@ -40,6 +40,12 @@ over pages (what the allocation minimizes per head), the key page's bits per ele
 the variable rows) and the spread of the counts. With ``--attention`` the same allocations also run on the gain
 weighted by the window's queries' mean square per channel (the ``oracle`` selection's logit-error score).
 
+``--three-bit``: also ``kitty``'s extra key bits (``2 nb`` a token) spent on 3-bit channels (:func:`three_bit_rows`):
+``2 nb`` channels at 3 bits chosen by ``kitty``'s magnitude ranking or by the squared error they save, and a mix of 2,
+3 and 4 bits per channel with the same extra bits, chosen exactly (:func:`allocate_mixed`). Every channel keeps
+``kitty``'s min-max ranges (3 bits: 8 levels). With ``--attention`` the gain-chosen rows also run on the gain weighted
+by the window's queries' mean square per channel.
+
 ``--needle-cases L:DEPTH:KEY,...``: instead of the window, the counts the ``page`` allocation gives the key pages
 that hold a passkey prompt's needle (a full-precision prefill of each prompt; :func:`needle_counts`).
 
@@ -72,6 +78,7 @@ from kitty.core.quant import (
     query_statistic,
     select_boosted,
 )
+from kitty.core.ranges import dequantize_codes, quantize_codes, range_params
 from kitty.hf.models import load_model
 from kitty.tools.eval import TEXTS, text_windows
 
@@ -85,6 +92,7 @@ def main() -> None:
     p.add_argument("--attention", action="store_true", help="also the attention error (KL, output) of real queries")
     p.add_argument("--tail", action="store_true", help="with --attention: also the tail of the per-query errors")
     p.add_argument("--variable-boost", action="store_true", help="also kitty's boost budget spread per page / head")
+    p.add_argument("--three-bit", action="store_true", help="also kitty's extra bits spent on 3-bit channels")
     p.add_argument("--needle-cases", default=None, help="length:depth:key,...: the needle's pages' boost counts only")
     p.add_argument("--standout-thresholds", default=None, help="comma-separated thresholds of the standout test")
     a = p.parse_args()
@@ -151,6 +159,8 @@ def main() -> None:
         exact_extremes(pages)
     if a.variable_boost:
         variable_rows(pages, a.attention, cache, full, queries, S)
+    if a.three_bit:
+        three_bit_rows(pages, a.attention, cache, full, queries, S)
 
 
 def window_query_scale(q: torch.Tensor, H: int, end: int, cfg) -> torch.Tensor:
@@ -344,6 +354,150 @@ def variable_rows(pages: torch.Tensor, attention: bool, cache, full: list[int], 
             kl, out, _ = attention_error(cache, full, queries, hat, sink)
             extra = f" {kl:.5f} | {out:.5f} |"
         print(f"| {name} | {rel.mean():.4f} | {err.abs().amax():.2f} | {pooled:.4f} | {bits:.4f} | {spread} |{extra}")
+
+
+def precision_reconstructions(pages: torch.Tensor, bits=(2, 3, 4), cfg_name: str = "kitty") -> dict[int, torch.Tensor]:
+    """Every channel of every page of ``pages`` ``[..., G, D]`` quantized at each of ``bits`` with ``cfg_name``'s ranges
+    (``kitty``: min-max; ``b`` bits: ``2**b`` levels), by ``kitty.core.ranges``' own range and code functions, and
+    reconstructed in the pages' dtype: ``{b: [..., G, D] fp32}``. At 2 and 4 bits these are what ``kitty``'s pages
+    hold for an unboosted and a boosted channel."""
+    cfg = get_preset(cfg_name)
+    x = pages.transpose(-1, -2)  # one row per channel
+    out = {}
+    for b in bits:
+        levels = 2**b - 1
+        scale, zero = range_params(x, levels, pages.dtype, cfg.key_range)
+        codes = quantize_codes(x, scale[..., None], zero[..., None], levels)
+        out[b] = dequantize_codes(codes, scale[..., None], zero[..., None], pages.dtype).transpose(-1, -2).float()
+    return out
+
+
+def allocate_mixed(gain3: torch.Tensor, gain4: torch.Tensor, extra: int) -> torch.Tensor:
+    """Bits (2, 3 or 4) of each channel of each row of ``gain3`` / ``gain4`` ``[..., D]`` (what 3 and 4 bits save
+    against 2, any sign), their extra bits ``sum(bits - 2)`` exactly ``extra`` per row, maximizing the summed gain.
+
+    The gains per extra bit need not be concave (a channel's 3->4 step can save more than its 2->3 step), so a greedy
+    over bits is not safe; this is an exact dynamic programme over channels and extra bits used (``D x (extra + 1)``
+    states per row, a choice of +0, +1 or +2 each), then a walk back. Returns int64 ``[..., D]``."""
+    *lead, D = gain3.shape
+    if not 0 <= extra <= 2 * D:
+        raise ValueError(f"extra bits {extra} must be in [0, 2 D = {2 * D}]")
+    g3, g4 = gain3.reshape(-1, D).double(), gain4.reshape(-1, D).double()
+    R = g3.shape[0]
+    best = torch.full((R, extra + 1), float("-inf"), dtype=torch.float64)
+    best[:, 0] = 0.0
+    pad = torch.full((R, 2), float("-inf"), dtype=torch.float64)
+    choices = []
+    for i in range(D):
+        up3 = torch.cat([pad[:, :1], best], 1)[:, : extra + 1] + g3[:, i : i + 1]
+        up4 = torch.cat([pad, best], 1)[:, : extra + 1] + g4[:, i : i + 1]
+        best, choice = torch.stack([best, up3, up4], -1).max(-1)
+        choices.append(choice)
+    used = torch.full((R,), extra, dtype=torch.int64)
+    bits = torch.zeros(R, D, dtype=torch.int64)
+    for i in reversed(range(D)):
+        step = choices[i].gather(1, used[:, None])[:, 0]
+        bits[:, i] = 2 + step
+        used = used - step
+    if bool((used != 0).any()):
+        raise AssertionError("allocate_mixed: the walk back did not end at zero extra bits")
+    return bits.view(*lead, D)
+
+
+def three_bit_page_bits(G: int, D: int, extra: int, dtype_bytes: int) -> float:
+    """Bits per key element of a page whose channels spend ``extra`` bits a token above 2 on 3- and 4-bit channels,
+    in the layout assumed here: the 2-bit low plane of every channel (as ``kitty``'s), a 1-bit plane of ``extra``
+    slots a token (``ceil(extra / 8)`` bytes; a 3-bit channel's bit 2 in one slot, a 4-bit channel's bits 2 and 3 in
+    two), a ``boost_idx`` byte per channel (its first slot, below ``extra <= 64`` so in 6 bits, a flag bit for 4 bits,
+    255 for 2 bits: the same byte per channel as ``kitty``'s), and scale and zero per channel. At ``extra = 2 nb``
+    that is ``kitty``'s bytes exactly (its high plane holds ``nb`` 2-bit slots, ``ceil(nb / 4)`` bytes a token)."""
+    return (G * D // 4 + G * -(-extra // 8) + D + 2 * D * dtype_bytes) * 8 / (G * D)
+
+
+def three_bit_boost(pages: torch.Tensor, weight: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Reconstructions ``[..., G, D]`` of ``pages`` with ``kitty``'s extra bits (``2 nb`` a token) spent on 3-bit
+    channels, and each row's bits per channel (``name + ":bits"``): ``3-bit x 2nb by magnitude`` (``kitty``'s
+    ranking, its top ``2 nb``), ``3-bit x 2nb by gain``, ``mixed 2/3/4 by gain`` (:func:`allocate_mixed`) and, for
+    reference, ``4-bit x nb by gain`` (``kitty``'s budget chosen by gain). A channel's gain at ``b`` bits is its
+    squared error at 2 bits minus at ``b`` bits on its page (times ``weight`` ``[..., D]``, broadcast over pages, if
+    given: the by-magnitude row is then left out)."""
+    cfg = get_preset("kitty")
+    D = pages.shape[-1]
+    nb = cfg.num_boosted(D)
+    ref = pages.float()
+    rec = precision_reconstructions(pages)
+    err = {b: (r - ref).square().sum(-2) for b, r in rec.items()}  # [..., D]
+    gain = {b: err[2] - err[b] for b in (3, 4)}
+    if weight is not None:
+        gain = {b: g * weight for b, g in gain.items()}
+
+    def from_bits(bits: torch.Tensor) -> torch.Tensor:
+        b = bits[..., None, :]
+        return torch.where(b == 4, rec[4], torch.where(b == 3, rec[3], rec[2]))
+
+    def top(score: torch.Tensor, n: int, b: int) -> torch.Tensor:
+        return torch.where(select_boosted(score, n), b, 2).long()
+
+    rows = {}
+    if weight is None:
+        rows["3-bit x 2nb by magnitude"] = top(channel_importance(pages, cfg), 2 * nb, 3)
+    rows["4-bit x nb by gain"] = top(gain[4], nb, 4)
+    rows["3-bit x 2nb by gain"] = top(gain[3], 2 * nb, 3)
+    rows["mixed 2/3/4 by gain"] = allocate_mixed(gain[3], gain[4], 2 * nb)
+    out: dict[str, torch.Tensor] = {}
+    for name, bits in rows.items():
+        out[name], out[name + ":bits"] = from_bits(bits), bits
+    return out
+
+
+def three_bit_rows(pages: torch.Tensor, attention: bool, cache, full: list[int], queries: dict, sink: int) -> None:
+    """The ``--three-bit`` table: ``kitty`` and ``kitty-pro`` as stored, then :func:`three_bit_boost`'s rows, with the
+    share of the way from ``kitty``'s relative key error to ``kitty-pro``'s (and of the KL, with ``attention``)."""
+    L, P, H, G, D = pages.shape
+    ref, size = pages.float(), pages.element_size()
+    rows: dict[str, torch.Tensor] = {}
+    for name in ("kitty", "kitty-pro"):
+        cfg = get_preset(name)
+        rows[name] = dequantize_key_page(quantize_key_page(pages, cfg)).float()
+        rows[name + ":bits"] = torch.where(select_boosted(channel_importance(pages, cfg), cfg.num_boosted(D)), 4, 2)
+    rec = precision_reconstructions(pages)
+    same = torch.equal(torch.where(rows["kitty:bits"][..., None, :] == 4, rec[4], rec[2]), rows["kitty"])
+    pro = torch.equal(torch.where(rows["kitty-pro:bits"][..., None, :] == 4, rec[4], rec[2]), rows["kitty-pro"])
+    print(f"check: kitty's and kitty-pro's pages equal their masks over the 2- and 4-bit rebuilds: {same}, {pro}")
+    rows.update(three_bit_boost(pages))
+    if attention:  # the gain weighted by the window's queries' mean square per channel
+        cfg = get_preset("kitty+channel_selection=oracle")
+        qs = torch.stack([window_query_scale(queries[i][0], H, sink + P * G, cfg) for i in full])  # [L, H, D]
+        for k, v in three_bit_boost(pages, weight=qs.square()[:, None]).items():
+            base, suffix = k.split(":") if ":" in k else (k, None)
+            rows[f"{base}, query-weighted" + (f":{suffix}" if suffix else "")] = v
+    stats = {}
+    for name, hat in rows.items():
+        if name.endswith(":bits"):
+            continue
+        err = hat - ref
+        rel = float((err.square().sum((-1, -2)) / ref.square().sum((-1, -2))).mean())
+        kl = out = None
+        if attention:
+            kl, out, _ = attention_error(cache, full, queries, hat, sink)
+        stats[name] = (rel, float(err.square().sum() / ref.square().sum()), kl, out)
+    head = "| allocation | rel. error | share | pooled | key bits | 3-bit / 4-bit a page (median; min-max of 4-bit) |"
+    print(head + (" KL | KL share | output |" if attention else ""))
+    rel_k, rel_p = stats["kitty"][0], stats["kitty-pro"][0]
+    for name, (rel, pooled, kl, out) in stats.items():
+        bits = rows[name + ":bits"]
+        extra = (bits - 2).sum(-1)
+        if not bool((extra == extra.flatten()[0]).all()):
+            raise AssertionError(f"{name}: the extra bits differ between pages")
+        kbits = three_bit_page_bits(G, D, int(extra.flatten()[0]), size)
+        n3, n4 = (bits == 3).sum(-1).flatten().float(), (bits == 4).sum(-1).flatten().float()
+        spread = f"{n3.median():.0f} / {n4.median():.0f} ({n4.min():.0f}-{n4.max():.0f})"
+        share = (rel_k - rel) / (rel_k - rel_p)
+        line = f"| {name} | {rel:.4f} | {share:.1%} | {pooled:.4f} | {kbits:.4f} | {spread} |"
+        if attention:
+            kl_k, kl_p = stats["kitty"][2], stats["kitty-pro"][2]
+            line += f" {kl:.5f} | {(kl_k - kl) / (kl_k - kl_p):.1%} | {out:.5f} |"
+        print(line)
 
 
 def needle_counts(model, tok, cases: str) -> None:
