@@ -6,8 +6,7 @@ The unpack is one shift and eight ``and`` per 32-bit word of 16 codes: ``w & (0x
 (bits 0-7 of a bf16 read as ``n 2^-133`` for every byte value ``n``: the subnormals and the first normal binade share
 one spacing), exact with no offset (the ``4^s`` is folded into the small operand, bf16's with ``2^90`` more so that
 the products stay normal in fp32, and the unit is undone on the fp32 product); the same on ``w >> 8`` gives bytes 1
-and 3 (the shift is ``mul.hi.u32`` by 2^24, an IMAD.HI, which Hopper issues to the FMA pipe: the ALU pipe is half
-rate and the ``and``s load it). The earlier bf16
+and 3. The earlier bf16
 form (``MAGIC``): ``lop3(w, mask_s, MAGIC_s)`` with ``0x4300, 0x4200, 0x4100`` gives ``128, 32, 8 + code`` for a field
 at bit 0, 2, 4 of its byte: fields 0-2 of bytes 0 and 2 in place, field 3 from ``w >> 6``; bytes 1 and 3 from ``w >>
 6`` (fields 0, 1 at bits 2, 4) and ``w >> 10`` (fields 2, 3), offsets 32, 8, 32, 8 (``gluon_launch.BF16_LOW_SOURCE``),
@@ -28,10 +27,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 # per output register: fields 0..3 of bytes (0, 2) of w, then of bytes (1, 3) (h = w >> 8), fp16 and bf16 alike; the
-# shift is mul.hi.u32 by 2^24 (IMAD.HI, which Hopper issues to the FMA pipe: a shr would be one more instruction a
-# word on the half-rate ALU pipe, which the eight ands already load)
+# shift is a shr (SHF, the ALU pipe): as mul.hi.u32 by 2^24 (IMAD.HI, the FMA pipe) it lowered the ALU share but was
+# 1-3% slower on an H100 (docs/GLUON.md)
 LOW_ASM = gl.constexpr(
-    "{ .reg .b32 h; mul.hi.u32 h, $8, 0x01000000; "
+    "{ .reg .b32 h; shr.b32 h, $8, 8; "
     "and.b32 $0, $8, 0x00030003; and.b32 $1, h, 0x00030003; "
     "and.b32 $2, $8, 0x000C000C; and.b32 $3, h, 0x000C000C; "
     "and.b32 $4, $8, 0x00300030; and.b32 $5, h, 0x00300030; "
@@ -46,8 +45,8 @@ LOW_ASM_BF16_MAGIC = gl.constexpr(
     "lop3.b32 $6, a, 0x00030003, 0x43004300, 0xEA; lop3.b32 $7, b, 0x00300030, 0x41004100, 0xEA; }"
 )
 # the high plane: the lane's field masked in place ($6: 0x00030003 << 2q), read as the subnormal 4^q code times the
-# unit, fp16 and bf16 alike (bytes 1, 3: the mul.hi shift of LOW_ASM)
-HIGH_ASM = gl.constexpr("{ .reg .b32 h; mul.hi.u32 h, $2, 0x01000000; and.b32 $0, $2, $6; and.b32 $1, h, $6; }")
+# unit, fp16 and bf16 alike (bytes 1, 3: the shift of LOW_ASM)
+HIGH_ASM = gl.constexpr("{ .reg .b32 h; shr.b32 h, $2, 8; and.b32 $0, $2, $6; and.b32 $1, h, $6; }")
 # bf16 with magic numbers: field 0 of a word the lane has already shifted to its field (bytes 1, 3: the mul.hi shift)
 HIGH_ASM_BF16_MAGIC = gl.constexpr(
     "{ .reg .b32 h; mul.hi.u32 h, $2, 0x01000000; lop3.b32 $0, $2, 0x00030003, 0x43004300, 0xEA; "

@@ -34,14 +34,16 @@ class GluonLaunch:
     chunks of 32 tokens) in equal parts and the others its quantized pages, so that at small batch no program runs
     the whole tail after its pages (0: each split runs the tail of its own page range); ``maxnreg``: the register
     cap per thread (255: ~8 one-warp programs per SM fit; <= 200 gives 10, <= 176 gives 11, <= 168 gives 12;
-    CPU-compiled, kitty and kitty-pro are spill-free at 200 and 176); ``prefetch``: each program prefetches its
-    first page into L2 before it waits on anything, and the page loop keeps one page ahead (``prefetch.global.L2``
-    of every line of the next key and value page); ``chunk_cost`` (without tail splits): 0 splits a row's page slots
-    evenly (the last split also runs the full-precision chunks of its slots), > 0 splits its work at equal cost, a
-    quantized page costing 8 and a full-precision 32-token chunk ``chunk_cost`` (the sink's on split 0 first);
-    ``bf16_magic``: bf16 codes unpacked with magic numbers (``OFF_s + code``, the offsets' share on the tensor
-    cores), the form every GPU run so far has checked; ``False``: as exact subnormals like fp16's (9% fewer
-    instructions in kitty-pro's page loop, compiled for sm_90 but not yet run on a GPU)."""
+    CPU-compiled, kitty and kitty-pro are spill-free at 200, and at 176 all but kitty-pro bf16 with GQA 8 and D 64,
+    which spills 6 words); ``prefetch``: each program prefetches its first page into L2 before it waits on anything,
+    and the page loop keeps one page ahead (``prefetch.global.L2`` of every line of the next key and value page);
+    ``chunk_cost`` (without tail splits): 0 splits a row's page slots evenly (the last split also runs the
+    full-precision chunks of its slots), > 0 splits its work at equal cost, a quantized page costing 8 and a
+    full-precision 32-token chunk ``chunk_cost`` (the sink's on split 0 first);
+    ``bf16_magic``: ``False`` (the default) reads bf16 codes as exact subnormals like fp16's (9% fewer instructions
+    in kitty-pro's page loop than the magic form; correct in every check case and CUDA test on an H100, and 1-4%
+    faster there at the large shapes); ``True``: the earlier unpack with magic numbers (``OFF_s + code``, the
+    offsets' share on the tensor cores), kept for comparison."""
 
     num_splits: int
     merge_group: int = 0
@@ -49,7 +51,7 @@ class GluonLaunch:
     maxnreg: int = 255
     prefetch: bool = True
     chunk_cost: int = 0
-    bf16_magic: bool = True
+    bf16_magic: bool = False
 
 
 MERGE_STEP = 4  # partials a merge reads per step for 4 heads per KV head (16 // heads)

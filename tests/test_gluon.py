@@ -49,7 +49,8 @@ def unpack_model(word: int, field: int) -> list[int]:
 
 def test_unpack_model_is_the_kernels_ptx():
     """``gluon_launch.unpack_low_bits`` (the model both this file and notebook 05 use) gives the bits the kernel's
-    own ``LOW_ASM`` (fp16 and bf16's subnormal form) and ``LOW_ASM_BF16_MAGIC`` (``magic``) strings compute, run by ``kernels/testing.run_ptx`` on random words."""
+    own ``LOW_ASM`` (fp16 and bf16's subnormal form) and ``LOW_ASM_BF16_MAGIC`` (``magic``) strings compute, run
+    by ``kernels/testing.run_ptx`` on random words."""
     parts = pytest.importorskip("kitty.kernels._gluon_parts")
 
     def run(asm: str, word: int) -> list[int]:
@@ -329,32 +330,36 @@ def test_one_split_launch_compiles():
 def test_page_loop_budget():
     """kitty fp16 (GQA 4, D 128): the page loop within 1.5 SASS instructions per cached element and 0.7 on the
     half-rate ALU pipe (IMAD, which Hopper issues to the FMA pipe, not counted), with and without the default launch's
-    prefetch of the next page (its line addresses: 0.02 ALU and 0.05 SASS per element): 1.351 and 0.637 with it, the
-    unpack's byte shift a ``mul.hi`` (IMAD.HI) rather than a ``shr`` (0.715 on the ALU pipe); so does kitty bf16."""
+    prefetch of the next page (its line addresses: 0.02 ALU and 0.05 SASS per element) keeps it within 1.5 SASS and
+    0.72 ALU (1.349 and 0.715); kitty bf16 within 1.5 SASS in both unpack forms. (The unpack's byte shift as a
+    ``mul.hi``, an IMAD.HI on the FMA pipe, brought fp16's ALU share to 0.637 but was not faster on an H100, so it
+    stays a ``shr``: docs/GLUON.md.)"""
     r = _compile("kitty", "float16", 4, 128, "--no-prefetch")
     assert r["sass_per_element"] <= 1.5, r["sass_per_element"]
     assert r["loop_alu"] <= 0.7, r["loop_alu"]
     r = _compile("kitty", "float16")
     assert r["prefetch"] and r["sass_per_element"] <= 1.5, r["sass_per_element"]
-    assert r["loop_alu"] <= 0.7, r["loop_alu"]
-    # kitty bf16, both forms (magic numbers 1.444 and 0.668, subnormals 1.354 and 0.652)
+    assert r["loop_alu"] <= 0.72, r["loop_alu"]
+    # kitty bf16, both forms (magic numbers 1.444 and ALU 0.668, subnormals 1.351 and 0.730)
     for form in ("--bf16-magic", "--bf16-subnormal"):
         r = _compile("kitty", "bfloat16", 4, 128, form)
         assert r["prefetch"] and r["sass_per_element"] <= 1.5, (form, r["sass_per_element"])
-        assert r["loop_alu"] <= 0.7, (form, r["loop_alu"])
+        assert r["loop_alu"] <= 0.74, (form, r["loop_alu"])
 
 
 @side_env
 def test_page_loop_budget_kitty_pro():
     """kitty-pro (GQA 4, D 128, default launch): the page loop within the 1.5 SASS budget in fp16 (1.482: the high
     plane's one-hot product adds 64 ``set.eq`` and 16 HMMA a page to kitty's loop) and in bf16 with its codes as
-    subnormals (1.485). Their ALU-pipe shares are 0.689 and 0.705 (the one-hot's integer work; both unpacks' byte
-    shifts are ``mul.hi``, on the FMA pipe: fp16's as a ``shr`` was 0.783), at the 0.7 kitty meets. bf16's earlier magic-number unpack (``bf16_magic``) is **over** the SASS budget (1.630:
-    a second shift a word and the offsets' constant tiles); its ceiling only keeps it from growing."""
+    subnormals (1.481, the default). Their ALU-pipe shares are 0.783 and 0.799, over kitty's (the one-hot's integer
+    work); the ceiling here keeps them from growing (moving the byte shift to the FMA pipe as a ``mul.hi`` brought
+    them to 0.689 and 0.705 and was not faster on an H100). bf16's earlier magic-number unpack (``bf16_magic``) is
+    **over** the SASS budget (1.630: a second shift a word and the offsets' constant tiles); its ceiling only keeps it
+    from growing."""
     for dtype, form in (("float16", ()), ("bfloat16", ("--bf16-subnormal",))):
         r = _compile("kitty-pro", dtype, 4, 128, *form)
         assert r["prefetch"] and r["sass_per_element"] <= 1.5, (dtype, r["sass_per_element"])
-        assert r["loop_alu"] <= 0.71 and r["local_all"] == 0, (dtype, r["loop_alu"], r["local_all"])
+        assert r["loop_alu"] <= 0.8 and r["local_all"] == 0, (dtype, r["loop_alu"], r["local_all"])
     r = _compile("kitty-pro", "bfloat16", 4, 128, "--bf16-magic")
     assert r["bf16_magic"] and r["sass_per_element"] <= 1.64, r["sass_per_element"]
 
@@ -362,13 +367,18 @@ def test_page_loop_budget_kitty_pro():
 @side_env
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_fits_180_registers(variant):
-    """At a register cap of 176 (11 one-warp programs per SM, a launch option; the default cap is 255) the page loop of
-    every variant has no LDL/STL, kitty fp16 and bf16 none anywhere, and kitty fp16's page loop stays within the SASS
-    budget. kitty-pro bf16 (GQA 8, D 64) spills a few words outside the loop at this cap (6 with the prefetch, 6
-    without it since the sink moved to the last tail split)."""
+    """At a register cap of 176 (11 one-warp programs per SM, a launch option; the default cap is 255) kitty fp16 and
+    bf16 have no LDL/STL anywhere, and kitty fp16's page loop stays within the SASS budget. kitty-pro bf16 (GQA 8,
+    D 64; its codes as subnormals, the default) spills 6 words at this cap, 3 of them in the page loop (the magic
+    form: none), and none at a cap of 200 (10 programs per SM)."""
     r = _compile(*variant, maxnreg=176)
-    assert r["regs"] <= 180 and r["loop_local"] == 0, (r["regs"], r["loop_local"])
-    assert r["local_all"] <= (0 if variant[0] == "kitty" else 8), r["local_all"]
+    assert r["regs"] <= 180, r["regs"]
+    if variant[0] == "kitty":
+        assert r["loop_local"] == 0 and r["local_all"] == 0, (r["loop_local"], r["local_all"])
+    else:
+        assert r["loop_local"] <= 3 and r["local_all"] <= 8, (r["loop_local"], r["local_all"])
+        r200 = _compile(*variant, maxnreg=200)
+        assert r200["loop_local"] == 0 and r200["local_all"] == 0, (r200["loop_local"], r200["local_all"])
     if variant[:2] == ("kitty", "float16"):
         assert r["sass_per_element"] <= 1.5, r["sass_per_element"]
 
