@@ -313,16 +313,23 @@ def key_page_bits(counts: torch.Tensor, G: int, D: int, dtype_bytes: int, count_
     return float((high + counts.numel() * per_page) * 8 / (counts.numel() * G * D))
 
 
+def stored_rows(pages: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``kitty``'s and ``kitty-pro``'s key pages as the quantizer stores them, dequantized (fp32): the reference rows
+    of the ``--variable-boost`` and ``--three-bit`` tables."""
+    rows = {}
+    for name in ("kitty", "kitty-pro"):
+        rows[name] = dequantize_key_page(quantize_key_page(pages, get_preset(name))).float()
+    return rows
+
+
 def variable_rows(pages: torch.Tensor, attention: bool, cache, full: list[int], queries: dict, sink: int) -> None:
     """The ``--variable-boost`` table: ``kitty`` and ``kitty-pro`` as stored, and ``kitty``'s boost budget spread
     by :func:`variable_boost` (module docstring)."""
     L, P, H, G, D = pages.shape
     ref, size = pages.float(), pages.element_size()
-    rows: dict[str, torch.Tensor] = {}
+    rows = stored_rows(pages)
     for name in ("kitty", "kitty-pro"):
-        cfg = get_preset(name)
-        rows[name] = dequantize_key_page(quantize_key_page(pages, cfg)).float()
-        rows[name + ":counts"] = torch.full((L, P, H), cfg.num_boosted(D))
+        rows[name + ":counts"] = torch.full((L, P, H), get_preset(name).num_boosted(D))
     alloc = variable_boost(pages)
     mag = select_boosted(channel_importance(pages, get_preset("kitty")), get_preset("kitty").num_boosted(D))
     lo = dequantize_key_page(quantize_key_page(pages, get_preset("kitty").with_(boost_fraction=0.0))).float()
@@ -455,10 +462,9 @@ def three_bit_rows(pages: torch.Tensor, attention: bool, cache, full: list[int],
     share of the way from ``kitty``'s relative key error to ``kitty-pro``'s (and of the KL, with ``attention``)."""
     L, P, H, G, D = pages.shape
     ref, size = pages.float(), pages.element_size()
-    rows: dict[str, torch.Tensor] = {}
+    rows = stored_rows(pages)
     for name in ("kitty", "kitty-pro"):
         cfg = get_preset(name)
-        rows[name] = dequantize_key_page(quantize_key_page(pages, cfg)).float()
         rows[name + ":bits"] = torch.where(select_boosted(channel_importance(pages, cfg), cfg.num_boosted(D)), 4, 2)
     rec = precision_reconstructions(pages)
     same = torch.equal(torch.where(rows["kitty:bits"][..., None, :] == 4, rec[4], rec[2]), rows["kitty"])
