@@ -6,12 +6,11 @@ The unpack is one shift and eight ``and`` per 32-bit word of 16 codes: ``w & (0x
 (bits 0-7 of a bf16 read as ``n 2^-133`` for every byte value ``n``: the subnormals and the first normal binade share
 one spacing), exact with no offset (the ``4^s`` is folded into the small operand, bf16's with ``2^90`` more so that
 the products stay normal in fp32, and the unit is undone on the fp32 product); the same on ``w >> 8`` gives bytes 1
-and 3. The earlier bf16
-form (``MAGIC``): ``lop3(w, mask_s, MAGIC_s)`` with ``0x4300, 0x4200, 0x4100`` gives ``128, 32, 8 + code`` for a field
-at bit 0, 2, 4 of its byte: fields 0-2 of bytes 0 and 2 in place, field 3 from ``w >> 6``; bytes 1 and 3 from ``w >>
-6`` (fields 0, 1 at bits 2, 4) and ``w >> 10`` (fields 2, 3), offsets 32, 8, 32, 8 (``gluon_launch.BF16_LOW_SOURCE``),
-two shifts a word as ``mul.hi.u32``; its offsets' share is a tensor-core product with a constant operand
-(``kernels/_gluon_page.py``).
+and 3. The earlier bf16 form (``MAGIC``): ``lop3(w, mask_s, MAGIC_s)`` with ``0x4300, 0x4200, 0x4100`` gives ``128,
+32, 8 + code`` for a field at bit 0, 2, 4 of its byte: fields 0-2 of bytes 0 and 2 in place, field 3 from ``w >> 6``;
+bytes 1 and 3 from ``w >> 6`` (fields 0, 1 at bits 2, 4) and ``w >> 10`` (fields 2, 3), offsets 32, 8, 32, 8
+(``gluon_launch.BF16_LOW_SOURCE``), two shifts a word as ``mul.hi.u32``; its offsets' share is a tensor-core product
+with a constant operand (``kernels/_gluon_page.py``).
 
 The bytes a lane loads and the register order of the unpacked halves are chosen so that a reshape and a permute
 make the codes the ``DotOperandLayout(0, mma, 2)`` fragment: ``convert_layout(..., assert_trivial=True)`` proves
@@ -28,7 +27,7 @@ from triton.experimental.gluon import language as gl
 
 # per output register: fields 0..3 of bytes (0, 2) of w, then of bytes (1, 3) (h = w >> 8), fp16 and bf16 alike; the
 # shift is a shr (SHF, the ALU pipe): as mul.hi.u32 by 2^24 (IMAD.HI, the FMA pipe) it lowered the ALU share but was
-# 1-3% slower on an H100 (docs/GLUON.md)
+# equal or 1-3% slower on an H100 (docs/GLUON.md)
 LOW_ASM = gl.constexpr(
     "{ .reg .b32 h; shr.b32 h, $8, 8; "
     "and.b32 $0, $8, 0x00030003; and.b32 $1, h, 0x00030003; "

@@ -41,7 +41,7 @@ class GluonLaunch:
     full-precision chunks of its slots), > 0 splits its work at equal cost, a quantized page costing 8 and a
     full-precision 32-token chunk ``chunk_cost`` (the sink's on split 0 first);
     ``bf16_magic``: ``False`` (the default) reads bf16 codes as exact subnormals like fp16's (9% fewer instructions
-    in kitty-pro's page loop than the magic form; correct in every check case and CUDA test on an H100, and 1-4%
+    in kitty-pro's page loop than the magic form; correct in every check case and CUDA test on an H100, and 1-6%
     faster there at the large shapes); ``True``: the earlier unpack with magic numbers (``OFF_s + code``, the
     offsets' share on the tensor cores), kept for comparison."""
 
