@@ -230,9 +230,18 @@ def main() -> None:
                     kb.log(f"  {tag} gluon cps={cps}: failed {type(e).__name__}: {str(e)[:200]}")
                     continue
                 splits = gl_launch.num_splits
-                # the launch's own bf16_magic (an override in over names it too)
-                extra = {**dict(ctas_per_sm=cps, splits=splits, tail_splits=tail), **over}
-                row("gluon", t, **{**extra, "bf16_magic": gl_launch.bf16_magic})
+                # the launch's own bf16_magic last (an override in over names it too)
+                row(
+                    "gluon",
+                    t,
+                    **{
+                        "ctas_per_sm": cps,
+                        "splits": splits,
+                        "tail_splits": tail,
+                        **over,
+                        "bf16_magic": gl_launch.bf16_magic,
+                    },
+                )
             states = qs = None
             torch.cuda.empty_cache()
         kb.write(results)

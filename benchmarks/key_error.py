@@ -258,7 +258,11 @@ def allocate_boost(gains: torch.Tensor, budget: int, cap: int, unit: int = 1) ->
 
 
 def variable_boost(
-    pages: torch.Tensor, cfg_name: str = "kitty", cap_share: float = 0.5, weight: torch.Tensor | None = None
+    pages: torch.Tensor,
+    cfg_name: str = "kitty",
+    cap_share: float = 0.5,
+    weight: torch.Tensor | None = None,
+    rec: dict[int, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Reconstructions ``[layer, page, head, G, D]`` of ``pages`` with ``cfg_name``'s total of boosted channels
     spread unevenly, and each allocation's counts (the ``--variable-boost`` rows; module docstring).
@@ -273,13 +277,14 @@ def variable_boost(
 
     each at ``unit`` 1 (any count: a bound, the high plane's padding not paid) and 4 (whole high-plane bytes, so the
     bytes equal ``cfg_name``'s plus the count). ``fixed, by gain``: ``nb`` on every page, chosen by gain (``oracle``
-    selection with ``query_scale = 1``): what choosing by gain alone does, without moving any budget.
+    selection with ``query_scale = 1``): what choosing by gain alone does, without moving any budget. ``rec``: the
+    pages' 2- and 4-bit rebuilds (:func:`precision_reconstructions`) if the caller has them.
     """
     cfg = get_preset(cfg_name)
     L, P, H, G, D = pages.shape
     nb, cap = cfg.num_boosted(D), int(cap_share * D)
-    lo = dequantize_key_page(quantize_key_page(pages, cfg.with_(boost_fraction=0.0))).float()
-    hi = dequantize_key_page(quantize_key_page(pages, cfg.with_(boost_fraction=1.0))).float()
+    rec = rec or precision_reconstructions(pages, (2, 4), cfg_name)
+    lo, hi = rec[2], rec[4]
     ref = pages.float()
     gain = ((lo - ref).square() - (hi - ref).square()).sum(-2)  # [L, P, H, D]
     if weight is not None:
@@ -313,6 +318,13 @@ def key_page_bits(counts: torch.Tensor, G: int, D: int, dtype_bytes: int, count_
     return float((high + counts.numel() * per_page) * 8 / (counts.numel() * G * D))
 
 
+def query_weight(queries: dict, full: list[int], heads: int, end: int) -> torch.Tensor:
+    """``[layer, KV head, D]``: the window's queries' mean square per channel (the ``oracle`` selection's logit-error
+    score), which the query-weighted rows multiply the gains by."""
+    cfg = get_preset("kitty+channel_selection=oracle")
+    return torch.stack([window_query_scale(queries[i][0], heads, end, cfg) for i in full]).square()
+
+
 def stored_rows(pages: torch.Tensor) -> dict[str, torch.Tensor]:
     """``kitty``'s and ``kitty-pro``'s key pages as the quantizer stores them, dequantized (fp32): the reference rows
     of the ``--variable-boost`` and ``--three-bit`` tables."""
@@ -330,17 +342,14 @@ def variable_rows(pages: torch.Tensor, attention: bool, cache, full: list[int], 
     rows = stored_rows(pages)
     for name in ("kitty", "kitty-pro"):
         rows[name + ":counts"] = torch.full((L, P, H), get_preset(name).num_boosted(D))
-    alloc = variable_boost(pages)
+    rec = precision_reconstructions(pages, (2, 4))
+    alloc = variable_boost(pages, rec=rec)
     mag = select_boosted(channel_importance(pages, get_preset("kitty")), get_preset("kitty").num_boosted(D))
-    lo = dequantize_key_page(quantize_key_page(pages, get_preset("kitty").with_(boost_fraction=0.0))).float()
-    hi = dequantize_key_page(quantize_key_page(pages, get_preset("kitty").with_(boost_fraction=1.0))).float()
-    same = torch.equal(torch.where(mag[..., None, :], hi, lo), rows["kitty"])
+    same = torch.equal(torch.where(mag[..., None, :], rec[4], rec[2]), rows["kitty"])
     print(f"check: kitty's pages equal its magnitude mask over the two precisions: {same}")
     rows.update({f"kitty budget, {k}": v for k, v in alloc.items()})
-    if attention:  # the same allocations by the query-weighted gain: the window's queries' mean square per channel
-        cfg = get_preset("kitty+channel_selection=oracle")
-        qs = torch.stack([window_query_scale(queries[i][0], H, sink + P * G, cfg) for i in full])  # [L, H, D]
-        alloc = variable_boost(pages, weight=qs.square())
+    if attention:  # the same allocations by the query-weighted gain
+        alloc = variable_boost(pages, weight=query_weight(queries, full, H, sink + P * G), rec=rec)
         for k, v in alloc.items():
             base, counts = k.removesuffix(":counts"), k.endswith(":counts")
             rows[f"kitty budget, {base}, query-weighted" + (":counts" if counts else "")] = v
@@ -421,18 +430,21 @@ def three_bit_page_bits(G: int, D: int, extra: int, dtype_bytes: int) -> float:
     return (G * D // 4 + G * -(-extra // 8) + D + 2 * D * dtype_bytes) * 8 / (G * D)
 
 
-def three_bit_boost(pages: torch.Tensor, weight: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def three_bit_boost(
+    pages: torch.Tensor, weight: torch.Tensor | None = None, rec: dict[int, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     """Reconstructions ``[..., G, D]`` of ``pages`` with ``kitty``'s extra bits (``2 nb`` a token) spent on 3-bit
     channels, and each row's bits per channel (``name + ":bits"``): ``3-bit x 2nb by magnitude`` (``kitty``'s
     ranking, its top ``2 nb``), ``3-bit x 2nb by gain``, ``mixed 2/3/4 by gain`` (:func:`allocate_mixed`) and, for
     reference, ``4-bit x nb by gain`` (``kitty``'s budget chosen by gain). A channel's gain at ``b`` bits is its
     squared error at 2 bits minus at ``b`` bits on its page (times ``weight`` ``[..., D]``, broadcast over pages, if
-    given: the by-magnitude row is then left out)."""
+    given: the by-magnitude row is then left out). ``rec``: the pages' 2-, 3- and 4-bit rebuilds
+    (:func:`precision_reconstructions`) if the caller has them."""
     cfg = get_preset("kitty")
     D = pages.shape[-1]
     nb = cfg.num_boosted(D)
     ref = pages.float()
-    rec = precision_reconstructions(pages)
+    rec = rec or precision_reconstructions(pages)
     err = {b: (r - ref).square().sum(-2) for b, r in rec.items()}  # [..., D]
     gain = {b: err[2] - err[b] for b in (3, 4)}
     if weight is not None:
@@ -470,11 +482,11 @@ def three_bit_rows(pages: torch.Tensor, attention: bool, cache, full: list[int],
     same = torch.equal(torch.where(rows["kitty:bits"][..., None, :] == 4, rec[4], rec[2]), rows["kitty"])
     pro = torch.equal(torch.where(rows["kitty-pro:bits"][..., None, :] == 4, rec[4], rec[2]), rows["kitty-pro"])
     print(f"check: kitty's and kitty-pro's pages equal their masks over the 2- and 4-bit rebuilds: {same}, {pro}")
-    rows.update(three_bit_boost(pages))
+    rows.update(three_bit_boost(pages, rec=rec))
     if attention:  # the gain weighted by the window's queries' mean square per channel
-        cfg = get_preset("kitty+channel_selection=oracle")
-        qs = torch.stack([window_query_scale(queries[i][0], H, sink + P * G, cfg) for i in full])  # [L, H, D]
-        for k, v in three_bit_boost(pages, weight=qs.square()[:, None]).items():
+        for k, v in three_bit_boost(
+            pages, weight=query_weight(queries, full, H, sink + P * G)[:, None], rec=rec
+        ).items():
             base, suffix = k.split(":") if ":" in k else (k, None)
             rows[f"{base}, query-weighted" + (f":{suffix}" if suffix else "")] = v
     stats = {}

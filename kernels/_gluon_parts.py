@@ -87,7 +87,7 @@ def unpack_low(
         a0, a1, a2, a3 = gl.inline_asm_elementwise(
             LOW_ASM_BF16_MAGIC, "=r,=r,=r,=r,=r,=r,=r,=r,r", [x], dtype=(gl.bfloat16,) * 4, is_pure=True, pack=4
         )
-    elif IS_BF16:
+    elif IS_BF16:  # the same PTX, one branch per dtype: triton 3.6's inline_asm_elementwise takes no constexpr dtype
         a0, a1, a2, a3 = gl.inline_asm_elementwise(
             LOW_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [x], dtype=(gl.bfloat16,) * 4, is_pure=True, pack=4
         )
@@ -146,7 +146,7 @@ def unpack_high(
     else:  # field q masked in place: 4^q code times the unit (the caller's operand carries 4^-q)
         x = word[:, :, :, None] + (b * 0)[None, None, None, :]
         mask = (0x00030003 << (2 * q))[None, :, None, None] + (x * 0)
-        if IS_BF16:
+        if IS_BF16:  # one branch per dtype, as in unpack_low
             a = gl.inline_asm_elementwise(
                 HIGH_ASM, "=r,=r,r,r,r,r,r,r,r,r", [x, mask], dtype=gl.bfloat16, is_pure=True, pack=4
             )

@@ -328,12 +328,12 @@ def test_one_split_launch_compiles():
 
 @side_env
 def test_page_loop_budget():
-    """kitty fp16 (GQA 4, D 128): the page loop within 1.5 SASS instructions per cached element and 0.7 on the
-    half-rate ALU pipe (IMAD, which Hopper issues to the FMA pipe, not counted), with and without the default launch's
-    prefetch of the next page (its line addresses: 0.02 ALU and 0.05 SASS per element) keeps it within 1.5 SASS and
-    0.72 ALU (1.349 and 0.715); kitty bf16 within 1.5 SASS in both unpack forms. (The unpack's byte shift as a
-    ``mul.hi``, an IMAD.HI on the FMA pipe, brought fp16's ALU share to 0.637 but was not faster on an H100, so it
-    stays a ``shr``: docs/GLUON.md.)"""
+    """kitty fp16 (GQA 4, D 128): without prefetch, the page loop within 1.5 SASS instructions per cached element and
+    0.7 on the half-rate ALU pipe (IMAD, which Hopper issues to the FMA pipe, not counted); with the default launch's
+    prefetch of the next page (its line addresses: 0.02 ALU and 0.05 SASS per element) within 1.5 SASS and 0.72 ALU
+    (1.349 and 0.715); kitty bf16 within 1.5 SASS in both unpack forms. (The unpack's byte shift as a ``mul.hi``, an
+    IMAD.HI on the FMA pipe, brought fp16's ALU share to 0.637 but was not faster on an H100, so it stays a ``shr``:
+    docs/GLUON.md.)"""
     r = _compile("kitty", "float16", 4, 128, "--no-prefetch")
     assert r["sass_per_element"] <= 1.5, r["sass_per_element"]
     assert r["loop_alu"] <= 0.7, r["loop_alu"]
