@@ -209,6 +209,8 @@ def main() -> None:
                 launches = [(8, None, None, {})] + [(None, None, None, launch) for launch in explicit[(B, L)]]
             for cps, min_pages, tail, over in launches:
                 if time.time() - t0 > args.deadline_s or (time.time() - t0 > args.budget_s and cps != 8):
+                    results.setdefault("cut", []).append(f"({B}, {L}) {tag} gluon cps={cps} {over}")
+                    kb.log(f"  {tag} gluon cps={cps} {over}: cut by the time budget")
                     continue
                 if isinstance(over, GluonLaunch):
                     gl_launch, tail = over, over.tail_splits

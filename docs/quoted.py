@@ -44,11 +44,11 @@ RESULTS = {
     "layout_sweep": "benchmarks/results/h200-2026-12-02/layout_sweep.json",
     "small_4k": "benchmarks/results/h200-2026-12-04/gluon_check.json",  # the tl kernel's default launch at (1, 4K)
     "small_32k": "benchmarks/results/h200-2026-12-04/gluon_check-2.json",  # and at (1, 32K), beside the Gluon kernel
-    "gluon_check": "benchmarks/results/h200-2026-12-06/gluon_check.json",  # the Gluon kernel: checks and timings
+    "gluon_check": "benchmarks/results/h100-2026-12-07/gluon_check.json",  # the Gluon kernel: checks and timings
     "throughput": "benchmarks/results/h200-2026-11-29/throughput.json",
     "static_step": "benchmarks/results/h200-2026-12-05/static_throughput.json",  # the captured step, tl and Gluon
     # the captured step with today's Gluon kernel and pack, every point timed before any was profiled
-    "static_step_gluon": "benchmarks/results/h200-2026-12-06/static_throughput.json",
+    "static_step_gluon": "benchmarks/results/h100-2026-12-07/static_throughput.json",
     "boost_speed": "benchmarks/results/h200-2026-11-29/boost_profile_h200.json",
     "paper_kernels": "benchmarks/summarize.py",  # OFFICIAL_KITTY_MS: the paper's own kernels, timed once
     "kernel_history": "docs/BENCHMARKS.md",  # the "What changed, step by step" table
@@ -221,7 +221,8 @@ def headline_speed() -> str:
         f"tokens/s at 8K context ({b8} rows against FP16's {than(8192, f8)}) and {vs(32768, b32, f32)} at 32K "
         f'({b32} against {f32}) with the Gluon kernel, which `backend="auto"` picks on Hopper GPUs; at the same '
         f"batch of 16 rows {vs(8192, 16)}, and a single row {vs(8192, 1)} (8K) and {vs(32768, 1)} (32K), the host "
-        "waiting for every step. Elsewhere the portable `tl` kernel runs (on an H200, an earlier run: "
+        "waiting for every step. Elsewhere the portable `tl` kernel runs (on an "
+        f"{gpu_of('static_step')}, an earlier run: "
         f"{vs(8192, t8, g8, tl=True)} at 8K and {vs(32768, t32, g32, tl=True)} at 32K at the largest batches). "
         "`python -m kitty`, the demo and `kitty.eval` take this captured step on CUDA (docs/GPU.md)."
     )
@@ -480,6 +481,11 @@ def gpu_gluon() -> str:
         "which run the `tl` kernel). Each Gluon cell is the default launch (`default_gluon_launch`: 8 one-warp "
         "programs per SM, splits of equal cost; at batch 1 one page per program and 8 more programs for the "
         "full-precision chunks and the sink); the same file times the other launches beside it."
+        + (
+            " Cells marked not timed were cut by the call's time limit."
+            if any("not timed" in c for r in body for c in r)
+            else ""
+        )
         + (
             ""
             if form == GluonLaunch(1).bf16_magic
