@@ -498,6 +498,8 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
     ``launch``: a :class:`kernels.launch.Launch` (split count, warps, stages, register cap, query rows per program,
     two-part operands); ``None``: :func:`kernels.launch.default_launch` for the batch at hand.
     """
+    if cfg.boost_bits != 4:  # the kernel reads 2-bit slots from k_high
+        raise ValueError(f"the fused kernel reads 4-bit boosted channels, got boost_bits={cfg.boost_bits} (use the torch backend)")
     z = check_state(q, state, cfg)
     B, Hq, Hkv, D, S, G, R, nb = (z[k] for k in ("B", "Hq", "Hkv", "D", "S", "G", "R", "nb"))
     check_power_of_two({"group_size": G, "head_dim": D}, 16, "fused kernel")
@@ -560,11 +562,12 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
 
 def triton_supports(cfg: KVQuantConfig, head_dim: int, compiled: bool | None = None) -> bool:
     """Whether the fused kernel handles pages of ``cfg`` with ``head_dim`` channels: power-of-two group size and
-    head_dim >= 16, 2/4/16-bit keys and values. ``compiled`` (default: not under ``TRITON_INTERPRET=1``): on the
+    head_dim >= 16, 2/4/16-bit keys and values, 4-bit boosted channels. ``compiled`` (default: not under ``TRITON_INTERPRET=1``): on the
     GPU the kernel also needs token and channel quarters of >= 16 (``group_size >= 64``; ``head_dim >= 64`` for
     quantized keys): smaller tiles fall back to broadcast sums, which were measured wrong there (H200, triton 3.6),
     so they take the torch path."""
     ok = is_power_of_two(cfg.group_size, 16) and is_power_of_two(head_dim, 16) and cfg.key_bits in (2, 4, 16) and cfg.value_bits in (2, 4, 16)
+    ok = ok and cfg.boost_bits == 4  # 2-bit slots in k_high
     if compiled if compiled is not None else not INTERPRETING:
         ok = ok and cfg.group_size >= 64 and (not cfg.quantizes_keys or head_dim >= 64)
     return ok

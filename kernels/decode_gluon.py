@@ -485,8 +485,8 @@ def decode_attention_gluon(
     QH = Hq // Hkv
     if not pages_supported(cfg, D, q.dtype, QH):
         raise ValueError(
-            f"the Gluon kernel does not handle these pages (key_bits={cfg.key_bits}, value_bits="
-            f"{cfg.value_bits}, group_size={cfg.group_size}, head_dim={D}, dtype={q.dtype}, GQA {QH})"
+            f"the Gluon kernel does not handle these pages (key_bits={cfg.key_bits}, boost_bits={cfg.boost_bits}, "
+            f"value_bits={cfg.value_bits}, group_size={cfg.group_size}, head_dim={D}, dtype={q.dtype}, GQA {QH})"
         )
     scaling = 1.0 / math.sqrt(D) if scaling is None else float(scaling)
     max_pages = state.k_page_table.shape[1] + 1

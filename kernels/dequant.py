@@ -79,6 +79,8 @@ def dequantize_key_page_triton(page: KeyPage, unpack_reshape: bool = True) -> to
     code it holds."""
     if page.raw.numel():
         return page.raw
+    if page.boost_bits != 4:  # the kernel reads 2-bit slots from high
+        raise ValueError(f"the Triton dequantizer reads 4-bit boosted channels, got boost_bits={page.boost_bits}")
     low, high, idx = page.low, page.high, page.boost_idx
     if low.dtype != torch.uint8 or high.dtype != torch.uint8 or idx.dtype != torch.uint8:
         raise ValueError("low, high and boost_idx must be uint8")

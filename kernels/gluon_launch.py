@@ -213,6 +213,7 @@ def pages_supported(cfg: KVQuantConfig, head_dim: int, dtype: torch.dtype, gqa: 
     nb4 = high_plane_bytes(cfg.num_boosted(head_dim))
     return (
         cfg.key_bits == 2
+        and cfg.boost_bits == 4
         and cfg.value_bits == 2
         and cfg.group_size == 128
         and head_dim in (64, 128)

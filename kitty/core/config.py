@@ -52,6 +52,10 @@ KEY_ROTATIONS = ("none", "hadamard", "hadamard-signs")
 KEY_OUTLIER_RULES = ("zscore", "absolute")
 MAX_OUTLIER_GROUP = 256  # key outliers store their token index in a uint8: pages of at most this many tokens
 MAX_HEAD_DIM = 256  # boost_idx is uint8: one slot per channel
+# boost_bits: 4 (the paper's INT4: a boosted channel's bits 2-3 in a high plane of 2-bit slots, 4 a byte) or 3 (its
+# bit 2 in a high plane of 1-bit slots, 8 a byte: twice the channels at the same bytes); 3 is read by the torch
+# quantizer only (KVQuantConfig.torch_only)
+BOOST_BITS = (4, 3)
 # sink, qbuffers and local window are allocated per row and layer up front: sizes beyond this are typing mistakes
 # (the paper uses S = 32, G = R = 128), refused before they allocate gigabytes
 MAX_BUFFER_TOKENS = 4096
@@ -103,9 +107,13 @@ class KVQuantConfig:
     Values are quantized per token. The first ``sink_tokens`` tokens and the newest ``local_window`` values stay
     in full precision.
 
-    Two key-side options beyond the paper, read by the torch quantizer (``kitty.core.quant``) only; the Triton pack
-    and the fused kernel do not read them, so a config that sets either runs on the torch backend
+    Key-side options beyond the paper, read by the torch quantizer (``kitty.core.quant``) only; the Triton pack
+    and the fused kernels do not read them, so a config that sets any runs on the torch backend
     (:attr:`torch_only`):
+
+    - ``boost_bits=3`` (``BOOST_BITS``): boosted channels get 3-bit codes, the low 2 bits in the dense low plane and
+      bit 2 in a high plane of 1-bit slots (``ceil(nb / 8)`` bytes a token): ``boost_fraction=0.25, boost_bits=3``
+      takes the bytes of ``boost_fraction=0.125`` at 4 bits (``kitty``'s).
 
     - ``key_rotation`` (``KEY_ROTATIONS``): each page's keys ``[G, D]`` are multiplied by a fixed orthogonal ``D x D``
       matrix before quantization and by its transpose after dequantization (exact in full precision, so only the
@@ -121,7 +129,7 @@ class KVQuantConfig:
 
     key_bits: int = 2  # 2 or 4, or 16 for unquantized keys
     value_bits: int = 2  # 2 or 4, or 16 for unquantized values
-    boost_bits: int = 4  # precision of boosted key channels (paper: INT4)
+    boost_bits: int = 4  # precision of boosted key channels (paper: INT4); 3: see BOOST_BITS, torch path only
     boost_fraction: float = 0.125  # share of key channels boosted per page (kitty 12.5%, kitty-pro 25%)
     sink_tokens: int = 32  # S: first tokens kept in full precision for K and V (attention sinks)
     group_size: int = 128  # G: tokens per quantization group = page size; multiple of 4 (4 codes per byte)
@@ -154,8 +162,13 @@ class KVQuantConfig:
         for f in ("key_bits", "value_bits"):
             if not is_int(getattr(self, f)) or getattr(self, f) not in VALID_BITS:
                 raise ValueError(f"{f} must be one of the integers {VALID_BITS}, got {getattr(self, f)!r}")
-        if not is_int(self.boost_bits) or self.boost_bits != 4:
-            raise ValueError(f"boost_bits must be 4 (a 2-bit low plane + a 2-bit high plane), got {self.boost_bits!r}")
+        if not is_int(self.boost_bits) or self.boost_bits not in BOOST_BITS:
+            raise ValueError(
+                f"boost_bits must be one of {BOOST_BITS} (a 2-bit low plane + a 2-bit high plane, or + a 1-bit high "
+                f"plane: torch path only), got {self.boost_bits!r}"
+            )
+        if self.boost_bits != 4 and self.key_bits != 2:  # 4-bit keys store every channel in the 2-bit high plane
+            raise ValueError(f"boost_bits={self.boost_bits} needs key_bits=2, got key_bits={self.key_bits}")
         if not is_number(self.boost_fraction) or not 0.0 <= self.boost_fraction <= 1.0:
             raise ValueError(f"boost_fraction must be a number in [0, 1], got {self.boost_fraction!r}")
         if self.boost_fraction > 0 and self.key_bits != 2:
@@ -232,9 +245,9 @@ class KVQuantConfig:
     @property
     def torch_only(self) -> bool:
         """Whether only the torch quantizer reads this config's key options (``key_rotation``,
-        ``key_outlier_fraction``): the Triton pack and the fused kernel would ignore them, so such a config runs on the
-        torch backend (``kitty.cache.backend``)."""
-        return self.key_rotation != "none" or self.key_outlier_fraction > 0
+        ``key_outlier_fraction``, ``boost_bits=3``): the Triton pack and the fused kernels would ignore them or misread
+        the high plane, so such a config runs on the torch backend (``kitty.cache.backend``)."""
+        return self.key_rotation != "none" or self.key_outlier_fraction > 0 or self.boost_bits != 4
 
     def num_key_outliers(self, head_dim: int) -> int:
         """Key entries kept exactly per page and head: ``round(key_outlier_fraction * group_size * head_dim)``."""
@@ -243,7 +256,7 @@ class KVQuantConfig:
         return int(round(self.key_outlier_fraction * self.group_size * head_dim))
 
     def num_boosted(self, head_dim: int) -> int:
-        """Channels per key page stored with 4 bits: all of them for 4-bit keys, else ``round(fraction * D)``."""
+        """Channels per key page stored with ``boost_bits``: all of them for 4-bit keys, else ``round(fraction * D)``."""
         if self.key_bits == 4:
             return head_dim
         if self.key_bits == 16:

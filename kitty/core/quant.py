@@ -11,7 +11,8 @@ a byte feeds one product's reduction (``docs/LAYOUT.md``): key codes along chann
 value codes along tokens (``p . V`` sums over tokens). A key page stores, token-major:
 
     low        uint8 [..., G, D/4]          low 2 bits of every channel's code, 4 channels per byte
-    high       uint8 [..., G, ceil(nb/4)]   high 2 bits of the nb boosted channels only (compact, by slot)
+    high       uint8 [..., G, ceil(nb/4)]   high 2 bits of the nb boosted channels only (compact, by slot);
+                                            boost_bits=3: bit 2 only, uint8 [..., G, ceil(nb/8)], 8 slots a byte
     boost_idx  uint8 [..., D]               slot of the channel in ``high``, or BOOST_SENTINEL if not boosted
     scale/zero       [..., D]               per channel; x ~= code * scale + zero
 
@@ -61,8 +62,8 @@ def pack_bits(codes: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
     * k`` of the whole row. A kernel then reads one contiguous part of the row per shift: ``(byte >> 2k) & 3`` over
     the row's bytes is codes ``k n/4 .. (k+1) n/4 - 1``, in order.
     """
-    if bits not in (2, 4):
-        raise ValueError(f"bits must be 2 or 4, got {bits}")
+    if bits not in (1, 2, 4):
+        raise ValueError(f"bits must be 1, 2 or 4, got {bits}")
     per_byte = 8 // bits
     dim = dim % codes.dim()
     if codes.shape[dim] % per_byte:
@@ -78,8 +79,8 @@ def pack_bits(codes: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
 
 def unpack_bits(packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: uint8 ``[..., n/per_byte, ...]`` -> uint8 codes ``[..., n, ...]``."""
-    if bits not in (2, 4):
-        raise ValueError(f"bits must be 2 or 4, got {bits}")
+    if bits not in (1, 2, 4):
+        raise ValueError(f"bits must be 1, 2 or 4, got {bits}")
     if packed.dtype != torch.uint8:
         raise ValueError(f"packed must be uint8, got {packed.dtype}")
     dim = dim % packed.dim()
@@ -89,9 +90,13 @@ def unpack_bits(packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
     return codes.reshape(*p.shape[:-1], -1).movedim(-1, dim)
 
 
-def high_plane_bytes(num_boosted: int) -> int:
-    """Bytes of a token's row of the compact high plane: ``ceil(nb / 4)`` (4 slots per byte, the last byte padded)."""
-    return -(-num_boosted // 4)
+def high_plane_bytes(num_boosted: int, boost_bits: int = 4) -> int:
+    """Bytes of a token's row of the compact high plane: ``ceil(nb / 4)`` (4 slots of 2 bits per byte, the last byte
+    padded) for 4-bit boosted channels, ``ceil(nb / 8)`` (8 slots of 1 bit) for 3-bit ones (``cfg.boost_bits``)."""
+    if boost_bits not in (3, 4):
+        raise ValueError(f"boost_bits must be 3 or 4, got {boost_bits!r}")
+    per = 8 // (boost_bits - 2)
+    return -(-num_boosted // per)
 
 
 def pack_2bit(codes: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -144,7 +149,7 @@ class KeyPage(_Page):
     """
 
     low: torch.Tensor  # uint8 [..., G, D/4]
-    high: torch.Tensor  # uint8 [..., G, ceil(nb/4)]; slots past nb hold code 0
+    high: torch.Tensor  # uint8 [..., G, ceil(nb/4)] (boost_bits=3: ceil(nb/8)); slots past nb hold code 0
     boost_idx: torch.Tensor  # uint8 [..., D]
     scale: torch.Tensor  # [..., D]
     zero: torch.Tensor  # [..., D]
@@ -157,6 +162,7 @@ class KeyPage(_Page):
     out_ch: torch.Tensor | None = None  # uint8 [..., n] channel of each outlier
     rotation: str = "none"  # cfg.key_rotation the codes were made in (a fixed matrix: nothing stored)
     rotation_seed: int = 0  # cfg.seed, for the sign flips of "hadamard-signs"
+    boost_bits: int = 4  # cfg.boost_bits: 4 = 2-bit slots in ``high``, 3 = 1-bit slots
 
     @property
     def payload_nbytes(self) -> int:
@@ -346,7 +352,7 @@ def quantize_key_page(
     """Quantize keys ``[..., G, D]`` per channel into a :class:`KeyPage`.
 
     Boosted channels (top ``cfg.num_boosted(D)`` by :func:`channel_importance`, or ``boost_mask`` if given, with
-    that many channels per row) get 4-bit codes, the rest 2-bit (``query_scale``: for
+    that many channels per row) get ``cfg.boost_bits``-bit codes (4, or 3), the rest 2-bit (``query_scale``: for
     ``channel_selection="query"``/``"oracle"``); each channel's ``[lo, hi]`` comes from ``cfg.key_range``; each code
     is split into the dense low plane and, for boosted channels, the compact high plane.
 
@@ -360,7 +366,7 @@ def quantize_key_page(
     if not cfg.quantizes_keys:
         u8 = torch.empty(0, dtype=torch.uint8, device=k.device)
         return KeyPage(u8, u8, u8, empty, empty, k.clone(), k.dtype, 0)
-    extra = {"rotation": cfg.key_rotation, "rotation_seed": cfg.seed}
+    extra = {"rotation": cfg.key_rotation, "rotation_seed": cfg.seed, "boost_bits": cfg.boost_bits}
     if cfg.key_rotation != "none":  # quantize the rotated channels; dequantize_key_page rotates back
         k = rotate_keys(k, cfg.key_rotation, cfg.seed)
         if not sync_free and not torch.isfinite(k).all():
@@ -394,19 +400,22 @@ def quantize_key_page(
     else:
         boosted_channels = boost_mask.nonzero()[:, -1].reshape(*lead, nb)  # (..., nb) ascending channel index
     high_codes = torch.gather(codes >> 2, -2, boosted_channels[..., None].expand(*lead, nb, G))  # (..., nb, G)
-    high_codes = torch.nn.functional.pad(high_codes, (0, 0, 0, 4 * high_plane_bytes(nb) - nb))  # padding slots: 0
-    high = pack_2bit(high_codes.transpose(-1, -2)).contiguous()  # (..., G, ceil(nb/4))
+    hb = cfg.boost_bits - 2  # bits a slot of the high plane holds (2, or 1 for 3-bit codes)
+    slots = (8 // hb) * high_plane_bytes(nb, cfg.boost_bits)
+    high_codes = torch.nn.functional.pad(high_codes, (0, 0, 0, slots - nb))  # padding slots: 0
+    high = pack_bits(high_codes.transpose(-1, -2), hb).contiguous()  # (..., G, ceil(nb/4)) or (..., G, ceil(nb/8))
     return KeyPage(low, high, boost_slots(boost_mask), scale, zero, empty, k.dtype, nb, **extra)
 
 
 def key_page_codes(page: KeyPage) -> torch.Tensor:
-    """Algorithm 1, lines 5–14: integer codes ``[..., D, G]`` from ``low | high << 2`` through ``boost_idx``."""
+    """Algorithm 1, lines 5–14: integer codes ``[..., D, G]`` from ``low | high << 2`` through ``boost_idx`` (``high``
+    a 2-bit slot, or a 1-bit one for ``boost_bits=3``)."""
     low = unpack_2bit(page.low).transpose(-1, -2)  # (..., D, G)
     if page.num_boosted == 0:
         return low
     boost_mask = page.boost_idx.long() < page.num_boosted  # (..., D); slot 255 is real when nb = 256
     slot = torch.where(boost_mask, page.boost_idx.long(), 0)
-    high_slots = unpack_2bit(page.high)  # (..., G, slots)
+    high_slots = unpack_bits(page.high, page.boost_bits - 2)  # (..., G, slots): 2-bit slots, or 1-bit at 3 bits
     high = torch.gather(high_slots, -1, slot[..., None, :].expand(*high_slots.shape[:-1], slot.shape[-1]))
     return low | ((high.transpose(-1, -2) * boost_mask[..., None]) << 2)
 

@@ -45,7 +45,7 @@ def pool_fields(
     if cfg.quantizes_keys or quantized:
         key = {
             "k_low": ((H, G, D // 4), torch.uint8),
-            "k_high": ((H, G, high_plane_bytes(cfg.num_boosted(D))), torch.uint8),
+            "k_high": ((H, G, high_plane_bytes(cfg.num_boosted(D), cfg.boost_bits)), torch.uint8),
             "k_boost_idx": ((H, D), torch.uint8),
             "k_scale": ((H, D), dtype),
             "k_zero": ((H, D), dtype),
@@ -118,7 +118,7 @@ class KittyLayerState(Mapping):
     k_page_table: torch.Tensor  # int32 [B, max_pages]
     v_page_table: torch.Tensor  # int32 [B, max_pages]
     k_low: torch.Tensor | None = None  # uint8 [P, Hkv, G, D/4]
-    k_high: torch.Tensor | None = None  # uint8 [P, Hkv, G, ceil(nb/4)]
+    k_high: torch.Tensor | None = None  # uint8 [P, Hkv, G, ceil(nb/4)] (boost_bits=3: ceil(nb/8))
     k_boost_idx: torch.Tensor | None = None  # uint8 [P, Hkv, D]
     k_scale: torch.Tensor | None = None  # [P, Hkv, D] dtype
     k_zero: torch.Tensor | None = None  # [P, Hkv, D] dtype
@@ -240,7 +240,7 @@ def key_page_from_storage(
         return KeyPage(u8, u8, u8, u8.to(dtype), u8.to(dtype), get("k_raw"), dtype, 0)
     idx = get("k_boost_idx")
     nb = cfg.num_boosted(idx.shape[-1])
-    extra = {"rotation": cfg.key_rotation, "rotation_seed": cfg.seed}
+    extra = {"rotation": cfg.key_rotation, "rotation_seed": cfg.seed, "boost_bits": cfg.boost_bits}
     if cfg.num_key_outliers(idx.shape[-1]):
         extra.update(out_val=get("k_out_val"), out_tok=get("k_out_tok"), out_ch=get("k_out_ch"))
     return KeyPage(get("k_low"), get("k_high"), idx, get("k_scale"), get("k_zero"), u8.to(dtype), dtype, nb, **extra)
