@@ -47,6 +47,16 @@ def check_power_of_two(sizes: dict[str, int], minimum: int, kernel: str) -> None
             raise ValueError(f"the {kernel} needs a power-of-two {what} >= {minimum}, got {n}")
 
 
+def check_two_bit_slots(boost_bits: int, kernel: str) -> None:
+    """``ValueError`` naming ``boost_bits`` unless it is 4: the kernels read and write ``k_high`` as 2-bit slots (bits
+    2-3 of a 4-bit code); ``boost_bits=3`` pages (1-bit slots) are packed and read by ``kitty.core.quant`` only."""
+    if boost_bits != 4:
+        raise ValueError(
+            f"the {kernel} handles 4-bit boosted channels (2-bit slots in k_high), got boost_bits={boost_bits}: "
+            "use the torch backend (kitty.core.quant)"
+        )
+
+
 @triton.jit
 def cast_to(x, DTYPE: tl.constexpr):
     """``x.to(DTYPE)`` with round-to-nearest-even, also for bf16 under the interpreter (finite fp32 ``x``)."""

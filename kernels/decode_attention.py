@@ -67,7 +67,7 @@ from kitty.core.config import KVQuantConfig
 from kitty.core.quant import high_plane_bytes
 from kitty.core.storage import KittyLayerState, check_state
 
-from ._tiles import INTERPRETING, TLTYPE, check_power_of_two, is_power_of_two, program_row
+from ._tiles import INTERPRETING, TLTYPE, check_power_of_two, check_two_bit_slots, is_power_of_two, program_row
 from .launch import Launch, default_launch, dot_dtype
 from .merge import _decode_reduce_kernel, _merge_splits
 from .operands import _codes, _merge, _mm, _operand, _widen, magic_code
@@ -498,8 +498,7 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
     ``launch``: a :class:`kernels.launch.Launch` (split count, warps, stages, register cap, query rows per program,
     two-part operands); ``None``: :func:`kernels.launch.default_launch` for the batch at hand.
     """
-    if cfg.boost_bits != 4:  # the kernel reads 2-bit slots from k_high
-        raise ValueError(f"the fused kernel reads 4-bit boosted channels, got boost_bits={cfg.boost_bits} (use the torch backend)")
+    check_two_bit_slots(cfg.boost_bits, "fused kernel")
     z = check_state(q, state, cfg)
     B, Hq, Hkv, D, S, G, R, nb = (z[k] for k in ("B", "Hq", "Hkv", "D", "S", "G", "R", "nb"))
     check_power_of_two({"group_size": G, "head_dim": D}, 16, "fused kernel")

@@ -29,7 +29,7 @@ from kitty.core.quant import KeyPage, ValuePage, high_plane_bytes
 from kitty.core.quant import dequantize_key_page as dequantize_key_page_ref
 from kitty.core.quant import dequantize_value_page as dequantize_value_page_ref
 
-from ._tiles import TLTYPE, _key_page_T, _value_page, check_power_of_two
+from ._tiles import TLTYPE, _key_page_T, _value_page, check_power_of_two, check_two_bit_slots
 
 __all__ = ["dequantize_key_page_triton", "dequantize_value_page_triton", "dequantize_key_page_ref", "dequantize_value_page_ref"]
 
@@ -79,8 +79,7 @@ def dequantize_key_page_triton(page: KeyPage, unpack_reshape: bool = True) -> to
     code it holds."""
     if page.raw.numel():
         return page.raw
-    if page.boost_bits != 4:  # the kernel reads 2-bit slots from high
-        raise ValueError(f"the Triton dequantizer reads 4-bit boosted channels, got boost_bits={page.boost_bits}")
+    check_two_bit_slots(page.boost_bits, "Triton dequantizer")
     low, high, idx = page.low, page.high, page.boost_idx
     if low.dtype != torch.uint8 or high.dtype != torch.uint8 or idx.dtype != torch.uint8:
         raise ValueError("low, high and boost_idx must be uint8")

@@ -85,7 +85,7 @@ from kitty.core.storage import allocate_pool, pool_fields
 
 from ._pack_fit import _fit
 from ._pack_math import RCP3, RCP15, _exact_range, _params, _quantize
-from ._tiles import TLTYPE, check_power_of_two, is_power_of_two
+from ._tiles import TLTYPE, check_power_of_two, check_two_bit_slots, is_power_of_two
 from .launch import (
     MAX_FIT_GROUP,
     PACK_KEY_RANGES,
@@ -481,8 +481,8 @@ def pack_pages(
         ``kitty.core.quant.quantize_key_page`` / ``quantize_value_page`` of ``qbuf[rows]``.
     """
     # ---- checks
-    if k_qbuf is not None and cfg.boost_bits != 4:  # the kernel writes 2-bit slots into k_high
-        raise ValueError(f"pack_pages packs 4-bit boosted channels; boost_bits={cfg.boost_bits} packs with kitty.core.quant")
+    if k_qbuf is not None:
+        check_two_bit_slots(cfg.boost_bits, "Triton pack")
     if k_qbuf is None and v_qbuf is None:
         raise ValueError("pack_pages needs k_qbuf, v_qbuf or both")
     ref = k_qbuf if k_qbuf is not None else v_qbuf
@@ -612,8 +612,8 @@ def pack_completed(
     ``tile`` elements per register tile, ``maxnreg`` registers per thread. Torch reference:
     ``kernels/reference.py`` ``pack_completed_ref``.
     """
-    if keys and cfg.boost_bits != 4:  # the kernel writes 2-bit slots into k_high
-        raise ValueError(f"pack_completed packs 4-bit boosted channels; boost_bits={cfg.boost_bits} packs with kitty.core.quant")
+    if keys:
+        check_two_bit_slots(cfg.boost_bits, "Triton pack")
     B, Hkv, G, D = k_qbuf.shape
     if tuple(v_qbuf.shape) != (B, Hkv, G, D) or v_qbuf.dtype != k_qbuf.dtype:
         raise ValueError(f"v_qbuf must be {tuple(k_qbuf.shape)} {k_qbuf.dtype}, got {tuple(v_qbuf.shape)} {v_qbuf.dtype}")

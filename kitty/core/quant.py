@@ -38,7 +38,7 @@ from functools import lru_cache
 import torch
 
 from .attnfit import split_query_stats
-from .config import KVQuantConfig
+from .config import BOOST_BITS, KVQuantConfig
 from .ranges import (
     _sq_error,
     dequantize_codes,
@@ -93,8 +93,8 @@ def unpack_bits(packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
 def high_plane_bytes(num_boosted: int, boost_bits: int = 4) -> int:
     """Bytes of a token's row of the compact high plane: ``ceil(nb / 4)`` (4 slots of 2 bits per byte, the last byte
     padded) for 4-bit boosted channels, ``ceil(nb / 8)`` (8 slots of 1 bit) for 3-bit ones (``cfg.boost_bits``)."""
-    if boost_bits not in (3, 4):
-        raise ValueError(f"boost_bits must be 3 or 4, got {boost_bits!r}")
+    if boost_bits not in BOOST_BITS:
+        raise ValueError(f"boost_bits must be one of {BOOST_BITS}, got {boost_bits!r}")
     per = 8 // (boost_bits - 2)
     return -(-num_boosted // per)
 
