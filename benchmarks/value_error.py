@@ -11,11 +11,11 @@ tokens, as ``benchmarks/key_error.py`` does for keys. Each row quantizes every t
 min-max ranges over its group of channels, and prints the relative squared error ``sum |v - v_hat|^2 / sum |v|^2``
 (over all pages, heads and layers), the largest absolute error, and the value page's bits per element.
 
-The 8-bit form (:func:`log8_scale_zero`): per page and KV head one reference, the largest scale of the page (kept in
-the dtype, 16 bits a page and head); each scale rounded *up* to the grid ``ref * 2**(-c/16)``, ``c`` in 0..255 (steps
-of 4.4%, 16 octaves below the reference); each zero rounded to the nearest quarter of its own rounded scale, ``zero =
-z * scale / 4`` with ``z`` an int8 (within 32 steps of 0; clamped beyond). The codes are then chosen for the rounded
-scale and zero, as the pack would.
+The 8-bit form is the cache's (``value_scale_bits=8``, :func:`kitty.core.quant.encode_value_meta8`): per page and
+KV head one reference in the dtype; each group's step the smallest of the grid ``ref * 2**(-c/16)`` (``c`` a uint8)
+at least its scale, widened where needed so that its zero, rounded to a quarter step (an int8), lies within 31.75
+steps of 0 ("zeros widened": the share of groups where that happened). The codes are then chosen for the stored step
+and zero, as the pack does.
 
     python -m benchmarks.value_error                       # the default model
     python -m benchmarks.value_error --model gemma-3-270m
@@ -28,6 +28,7 @@ import argparse
 import torch
 from transformers import DynamicCache
 
+from kitty.core.quant import decode_value_meta8, encode_value_meta8
 from kitty.core.ranges import dequantize_codes, minmax_params, quantize_codes
 from kitty.hf.models import load_model
 from kitty.tools.eval import TEXTS, text_windows
@@ -36,35 +37,10 @@ LEVELS = 3  # 2-bit codes
 SINK, GROUP, PAGES = 32, 128, 9  # the pages a Kitty cache quantizes in the first 1280 tokens
 
 
-def log8_scale_zero(scale: torch.Tensor, zero: torch.Tensor, ref_dims: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(scale, zero)`` as the 8-bit form of the module docstring represents them, in fp32.
-
-    ``scale``, ``zero``: ``[..., n]`` per token (and group); the reference is the largest scale over the last
-    ``ref_dims`` dimensions (a page and head's tokens and groups).
-    """
-    s, z = scale.float(), zero.float()
-    dims = tuple(range(-ref_dims, 0))
-    ref = s.amax(dims, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    c = torch.floor(-16 * torch.log2(s.clamp_min(ref * 2.0**-16) / ref)).clamp(0, 255)  # rounding down c: scale up
-    s8 = torch.where(s > 0, ref * torch.exp2(-c / 16), 0.0)
-    z8 = torch.where(s8 > 0, (z / torch.where(s8 > 0, s8, 1.0) * 4).round().clamp(-128, 127) * s8 / 4, z)
-    return s8, z8
-
-
-def clamped_zeros(scale: torch.Tensor, zero: torch.Tensor) -> float:
-    """Share of groups whose zero lies beyond the int8's reach (more than 32 of its rounded steps from 0)."""
-    return (
-        ((zero.float() / scale.float().clamp_min(torch.finfo(torch.float32).tiny) * 4).round().abs() > 127)
-        .float()
-        .mean()
-        .item()
-    )
-
-
 def value_rows(
     values: torch.Tensor, dtype: torch.dtype, groups: list[int]
 ) -> list[tuple[str, float, float, float, float]]:
-    """``(label, relative squared error, largest error, bits per element, share of zeros clamped)`` of each form.
+    """``(label, relative squared error, largest error, bits per element, share of zeros widened)`` of each form.
 
     ``values``: ``[layers, pages, heads, G, D]`` in the model's ``dtype``.
     """
@@ -74,15 +50,17 @@ def value_rows(
     for g in groups:
         x = values.reshape(*values.shape[:-1], D // g, g)  # [..., G, D/g, g]: one group per token and g channels
         scale, zero = minmax_params(x, LEVELS, -1, dtype)
-        s8, z8 = log8_scale_zero(scale, zero, 2)  # reference over the page's tokens and groups
-        forms = [("dtype", scale.float(), zero.float(), 16, 0.0), ("8-bit", s8, z8, 8, clamped_zeros(s8, zero))]
-        for name, s, z, bits, clamped in forms:
+        c, zq, top = encode_value_meta8(scale, zero)  # the reference over each page's tokens and groups
+        s8, z8 = decode_value_meta8(c, zq, top)
+        widened = (s8 > scale.float() * 2 ** (1 / 16) * (1 + 1e-6)).float().mean().item()
+        forms = [("dtype", scale.float(), zero.float(), 16, 0.0), ("8-bit", s8, z8, 8, widened)]
+        for name, s, z, bits, widened_share in forms:
             codes = quantize_codes(x, s[..., None], z[..., None], LEVELS)
             err = dequantize_codes(codes, s[..., None], z[..., None], torch.float32).reshape(ref.shape) - ref
             page_bits = 2 + 2 * bits / g + (16 / (GROUP * D) if bits == 8 else 0)
             label = f"{D // g} group{'s' if D // g > 1 else ''} of {g}, scale and zero in {name}"
             rel = (err.square().sum() / ref.square().sum()).item()
-            rows.append((label, rel, err.abs().max().item(), page_bits, clamped))
+            rows.append((label, rel, err.abs().max().item(), page_bits, widened_share))
     return rows
 
 
@@ -108,10 +86,10 @@ def main() -> None:
     print(
         f"{len(vals)} full-attention layers, value pages {tuple(pages.shape)} (layer, page, head, G, D), {pages.dtype}"
     )
-    print("| value groups | relative squared error | largest error | value page bits/element | zeros clamped |")
+    print("| value groups | relative squared error | largest error | value page bits/element | zeros widened |")
     print("|---|---|---|---|---|")
-    for label, rel, top, bits, clamped in value_rows(pages, pages.dtype, groups):
-        print(f"| {label} | {rel:.4f} | {top:.3f} | {bits:.4f} | {clamped:.2%} |")
+    for label, rel, top, bits, widened in value_rows(pages, pages.dtype, groups):
+        print(f"| {label} | {rel:.4f} | {top:.3f} | {bits:.4f} | {widened:.2%} |")
 
 
 if __name__ == "__main__":

@@ -411,20 +411,24 @@ def gpu_layout_speed() -> str:
     return table(header, body, "lrrrrr") + "\n\n" + note
 
 
-def gluon_default_row(r: dict, kv_heads: int = 8, bf16_magic: bool | None = None) -> bool:
+def gluon_default_row(r: dict, kv_heads: int = 8, bf16_magic: bool | None = None, sms: int = 132) -> bool:
     """Whether a ``benchmarks/gluon_check.py`` timing row is the Gluon kernel's default launch: 8 programs per SM at
-    the wrapper's register cap, and at small batch (at most ``SMALL_PAIRS`` row and KV-head pairs) the default's
-    ``SMALL_TAIL_SPLITS`` programs for the full-precision chunks (that script also times 4 and none there); bf16
-    rows with the unpack form ``bf16_magic`` (``None``: today's default, :func:`bf16_form_timed`)."""
-    from kitty.kernels.gluon_launch import SMALL_PAIRS, SMALL_TAIL_SPLITS, GluonLaunch
+    the wrapper's register cap, and at small batch (at most ``SMALL_PAIRS`` row and KV-head pairs) as many programs
+    for the full-precision chunks as the default gives on ``sms`` SMs (``small_tail_splits``: 8, or 4 where 8 would
+    start more than 8 programs per SM; that script times 4 and 8 there); bf16 rows with the unpack form
+    ``bf16_magic`` (``None``: today's default, :func:`bf16_form_timed`)."""
+    from kitty.kernels.gluon_launch import SMALL_PAIRS, GluonLaunch, small_tail_splits
 
     if r.get("ctas_per_sm") != 8 or r.get("maxnreg") or not r.get("two_part", True):
         return False
     form = GluonLaunch(1).bf16_magic if bf16_magic is None else bf16_magic
     if "bfloat16" in r["method"] and row_bf16_magic(r) != form:
         return False
-    small = r["B"] * kv_heads <= SMALL_PAIRS
-    return r.get("tail_splits", 0) == (SMALL_TAIL_SPLITS if small else 0)
+    pairs = r["B"] * kv_heads
+    if pairs > SMALL_PAIRS:
+        return r.get("tail_splits", 0) == 0
+    tail = r.get("tail_splits", 0)
+    return tail > 0 and tail == small_tail_splits(r["splits"] - tail, 8, sms, pairs)
 
 
 def row_bf16_magic(r: dict) -> bool:
@@ -449,10 +453,12 @@ def gpu_gluon() -> str:
 
     d = load_json("gluon_check")
     form = bf16_form_timed(d["timing"])
+    sms = d["env"].get("sms", 132)  # H100 and H200 both have 132
     rows_: dict[tuple[int, int, str], dict] = {}
     for r in d["timing"]:
         parts = r["method"].split()
-        if len(parts) >= 3 and (parts[2] == "tl" or (parts[2] == "gluon" and gluon_default_row(r, bf16_magic=form))):
+        default = parts[2:3] == ["gluon"] and gluon_default_row(r, bf16_magic=form, sms=sms)
+        if len(parts) >= 3 and (parts[2] == "tl" or default):
             rows_[(r["B"], r["L"], " ".join(parts[:3]))] = r
     variants = ["kitty float16", "kitty bfloat16", "kitty-pro float16", "kitty-pro bfloat16"]
     body = []
@@ -480,7 +486,8 @@ def gpu_gluon() -> str:
         f"ran ({skipped} more were cut by the call's time budget; {unsupported} are configs it does not handle, "
         "which run the `tl` kernel). Each Gluon cell is the default launch (`default_gluon_launch`: 8 one-warp "
         "programs per SM, splits of equal cost; at batch 1 one page per program and 8 more programs for the "
-        "full-precision chunks and the sink); the same file times the other launches beside it."
+        "full-precision chunks and the sink, 4 where 8 would start more than 8 a SM); the same file times the other "
+        "launches beside it."
         + (
             " Cells marked not timed were cut by the call's time limit."
             if any("not timed" in c for r in body for c in r)

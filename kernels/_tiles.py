@@ -57,6 +57,16 @@ def check_two_bit_slots(boost_bits: int, kernel: str) -> None:
         )
 
 
+def check_token_values(grouped: bool, kernel: str) -> None:
+    """``ValueError`` naming ``value_groups`` / ``value_scale_bits`` when value pages keep grouped or 8-bit scales
+    and zeros (``KVQuantConfig.grouped_values``): the kernels read one dtype scale and zero per token."""
+    if grouped:
+        raise ValueError(
+            f"the {kernel} reads one scale and zero per value token in the model dtype, got value_groups or "
+            "value_scale_bits changed: use the torch backend (kitty.core.quant)"
+        )
+
+
 @triton.jit
 def cast_to(x, DTYPE: tl.constexpr):
     """``x.to(DTYPE)`` with round-to-nearest-even, also for bf16 under the interpreter (finite fp32 ``x``)."""

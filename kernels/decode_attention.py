@@ -67,7 +67,15 @@ from kitty.core.config import KVQuantConfig
 from kitty.core.quant import high_plane_bytes
 from kitty.core.storage import KittyLayerState, check_state
 
-from ._tiles import INTERPRETING, TLTYPE, check_power_of_two, check_two_bit_slots, is_power_of_two, program_row
+from ._tiles import (
+    INTERPRETING,
+    TLTYPE,
+    check_power_of_two,
+    check_token_values,
+    check_two_bit_slots,
+    is_power_of_two,
+    program_row,
+)
 from .launch import Launch, default_launch, dot_dtype
 from .merge import _decode_reduce_kernel, _merge_splits
 from .operands import _codes, _merge, _mm, _operand, _widen, magic_code
@@ -499,6 +507,7 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
     two-part operands); ``None``: :func:`kernels.launch.default_launch` for the batch at hand.
     """
     check_two_bit_slots(cfg.boost_bits, "fused kernel")
+    check_token_values(cfg.grouped_values, "fused kernel")
     z = check_state(q, state, cfg)
     B, Hq, Hkv, D, S, G, R, nb = (z[k] for k in ("B", "Hq", "Hkv", "D", "S", "G", "R", "nb"))
     check_power_of_two({"group_size": G, "head_dim": D}, 16, "fused kernel")
@@ -566,7 +575,7 @@ def triton_supports(cfg: KVQuantConfig, head_dim: int, compiled: bool | None = N
     quantized keys): smaller tiles fall back to broadcast sums, which were measured wrong there (H200, triton 3.6),
     so they take the torch path."""
     ok = is_power_of_two(cfg.group_size, 16) and is_power_of_two(head_dim, 16) and cfg.key_bits in (2, 4, 16) and cfg.value_bits in (2, 4, 16)
-    ok = ok and cfg.boost_bits == 4  # 2-bit slots in k_high
+    ok = ok and cfg.boost_bits == 4 and not cfg.grouped_values  # 2-bit slots in k_high, a scale per value token
     if compiled if compiled is not None else not INTERPRETING:
         ok = ok and cfg.group_size >= 64 and (not cfg.quantizes_keys or head_dim >= 64)
     return ok

@@ -29,7 +29,7 @@ from kitty.core.quant import KeyPage, ValuePage, high_plane_bytes
 from kitty.core.quant import dequantize_key_page as dequantize_key_page_ref
 from kitty.core.quant import dequantize_value_page as dequantize_value_page_ref
 
-from ._tiles import TLTYPE, _key_page_T, _value_page, check_power_of_two, check_two_bit_slots
+from ._tiles import TLTYPE, _key_page_T, _value_page, check_power_of_two, check_token_values, check_two_bit_slots
 
 __all__ = ["dequantize_key_page_triton", "dequantize_value_page_triton", "dequantize_key_page_ref", "dequantize_value_page_ref"]
 
@@ -109,6 +109,7 @@ def dequantize_value_page_triton(page: ValuePage, unpack_reshape: bool = True) -
     (``unpack_reshape`` as in :func:`dequantize_key_page_triton`)."""
     if page.raw.numel():
         return page.raw
+    check_token_values(page.grouped, "Triton dequantizer")
     codes = page.codes
     if codes.dtype != torch.uint8:
         raise ValueError("codes must be uint8")

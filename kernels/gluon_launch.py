@@ -76,6 +76,14 @@ SMALL_TAIL_SPLITS = 8  # programs sharing the full-precision chunks (and the sin
 # and the sink on split 0, 12.3 with the sink on a tail program, 10.9 with 8 of them; (1, 32K) 21.0 with 4, 22.0 with 8)
 
 
+def small_tail_splits(page_splits: int, ctas_per_sm: int, sms: int, pairs: int) -> int:
+    """Programs for the full-precision chunks and the sink at small batch: :data:`SMALL_TAIL_SPLITS`, or 4 where
+    ``page_splits`` plus 8 would start more than ``ctas_per_sm`` programs per SM over ``pairs`` (row, KV head)
+    pairs."""
+    want = -(-ctas_per_sm * sms // max(pairs, 1))
+    return SMALL_TAIL_SPLITS if page_splits + SMALL_TAIL_SPLITS <= want else 4
+
+
 CHUNK_COST = 13  # a full-precision 32-token chunk against a quantized page (8): their bytes' ratio, ~1.6 for kitty
 # and kitty-pro at D 64 and 128 (H100, (8, 32K) kitty fp16, 16 splits: 95.5 us by page slots, 84.8 at cost 8, 80.0 at
 # cost 13, as fast as a program of its own for the chunks)
@@ -124,7 +132,7 @@ def default_gluon_launch(
     splits = max(1, min(want, cap))
     per = -(-max_blocks // splits)
     splits = max(1, -(-max_blocks // per))
-    tail = SMALL_TAIL_SPLITS if splits + SMALL_TAIL_SPLITS <= want else 4
+    tail = small_tail_splits(splits, ctas_per_sm, sms, pairs)
     return GluonLaunch(num_splits=splits + tail, tail_splits=tail)
 
 
@@ -215,6 +223,7 @@ def pages_supported(cfg: KVQuantConfig, head_dim: int, dtype: torch.dtype, gqa: 
         cfg.key_bits == 2
         and cfg.boost_bits == 4
         and cfg.value_bits == 2
+        and not cfg.grouped_values
         and cfg.group_size == 128
         and head_dim in (64, 128)
         and dtype in (torch.float16, torch.bfloat16)

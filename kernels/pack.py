@@ -85,7 +85,7 @@ from kitty.core.storage import allocate_pool, pool_fields
 
 from ._pack_fit import _fit
 from ._pack_math import RCP3, RCP15, _exact_range, _params, _quantize
-from ._tiles import TLTYPE, check_power_of_two, check_two_bit_slots, is_power_of_two
+from ._tiles import TLTYPE, check_power_of_two, check_token_values, check_two_bit_slots, is_power_of_two
 from .launch import (
     MAX_FIT_GROUP,
     PACK_KEY_RANGES,
@@ -483,6 +483,8 @@ def pack_pages(
     # ---- checks
     if k_qbuf is not None:
         check_two_bit_slots(cfg.boost_bits, "Triton pack")
+    if v_qbuf is not None:
+        check_token_values(cfg.grouped_values, "Triton pack")
     if k_qbuf is None and v_qbuf is None:
         raise ValueError("pack_pages needs k_qbuf, v_qbuf or both")
     ref = k_qbuf if k_qbuf is not None else v_qbuf
@@ -614,6 +616,7 @@ def pack_completed(
     """
     if keys:
         check_two_bit_slots(cfg.boost_bits, "Triton pack")
+    check_token_values(cfg.grouped_values, "Triton pack")  # every completed value qbuffer is packed
     B, Hkv, G, D = k_qbuf.shape
     if tuple(v_qbuf.shape) != (B, Hkv, G, D) or v_qbuf.dtype != k_qbuf.dtype:
         raise ValueError(f"v_qbuf must be {tuple(k_qbuf.shape)} {k_qbuf.dtype}, got {tuple(v_qbuf.shape)} {v_qbuf.dtype}")

@@ -116,3 +116,19 @@ def test_every_results_file_exists():
     """Each results file the pages quote is where docs/quoted.py's RESULTS says (a move is one edit there)."""
     for key, rel in quoted.RESULTS.items():
         assert (ROOT / rel).is_file(), f"RESULTS[{key!r}] = {rel!r} is missing"
+
+
+def test_quoted_gluon_cells_are_the_default_launch(monkeypatch):
+    """The rows that docs/GPU.md quotes as the Gluon kernel's default launch are the launch `default_gluon_launch`
+    gives for that shape: at batch 1, 4 tail programs at (1, 32K) and 8 at (1, 4K)."""
+    from kitty.kernels import gluon_launch as gl
+
+    d = json.loads((ROOT / "benchmarks/results/h200-2026-12-06/gluon_check.json").read_text())
+    sms = d["env"]["sms"]
+    monkeypatch.setattr(gl, "num_sms", lambda device: sms)
+    picked = [r for r in d["timing"] if " gluon" in r["method"] and quoted.gluon_default_row(r, sms=sms)]
+    for L in (32768, 4096):
+        rows = [r for r in picked if (r["B"], r["L"]) == (1, L)]
+        pages = (L - 32) // 128 + 1  # the key page table's columns + 1, as the wrapper
+        launch = gl.default_gluon_launch(1, 8, pages, "cuda")
+        assert rows and all((r["splits"], r["tail_splits"]) == (launch.num_splits, launch.tail_splits) for r in rows)

@@ -73,7 +73,10 @@ def check_triton(
     if device is not None and device.type != "cuda" and not interpreting():
         refuse(f"runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1), got tensors on {device}")
     if cfg is not None and cfg.torch_only:
-        refuse("cannot run key_rotation, key_outlier_fraction or boost_bits=3 (read by the torch quantizer only)")
+        refuse(
+            "cannot run key_rotation, key_outlier_fraction, boost_bits=3, value_groups or value_scale_bits "
+            "(read by the torch quantizer only)"
+        )
     if cfg is not None and not kernels.triton_supports(cfg, head_dim):
         refuse(
             f"cannot run group_size={cfg.group_size}, head_dim={head_dim}, value_bits={cfg.value_bits} "

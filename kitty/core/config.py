@@ -56,6 +56,10 @@ MAX_HEAD_DIM = 256  # boost_idx is uint8: one slot per channel
 # bit 2 in a high plane of 1-bit slots, 8 a byte: twice the channels at the same bytes); 3 is read by the torch
 # quantizer only (KVQuantConfig.torch_only)
 BOOST_BITS = (4, 3)
+# value_groups / value_scale_bits (torch path only when changed): channel groups per value token, bits of their
+# scale and zero
+VALUE_GROUPS = (1, 2, 4)
+VALUE_SCALE_BITS = (16, 8)
 # sink, qbuffers and local window are allocated per row and layer up front: sizes beyond this are typing mistakes
 # (the paper uses S = 32, G = R = 128), refused before they allocate gigabytes
 MAX_BUFFER_TOKENS = 4096
@@ -125,6 +129,16 @@ class KVQuantConfig:
       plus a uint8 token and a uint8 channel index, 4 bytes at 16 bits) and the rest is quantized with ranges over
       the remaining entries. The outliers are counted by ``memory_report()``: at equal bits they must be paid for,
       e.g. by a smaller ``boost_fraction`` (4 bytes an outlier against 2 bits x G tokens a boosted channel).
+
+    Value-side options, also read by the torch quantizer only:
+
+    - ``value_groups`` (``VALUE_GROUPS``): each token's channels in this many equal groups, a scale and a zero per
+      group (``head_dim`` must divide by it).
+    - ``value_scale_bits`` (``VALUE_SCALE_BITS``): 8 stores each group's scale and zero in a byte each, against one
+      reference per page and head in the model dtype: the scale rounded up on the grid ``ref * 2**(-c/16)`` (``c``
+      a uint8), the zero rounded to a quarter of that step (an int8); a zero more than 31.75 steps from 0 widens the
+      step until it fits (``kitty.core.quant.encode_value_meta8``). ``value_groups=2, value_scale_bits=8`` takes the
+      bytes of one group in 16 bits, plus the reference.
     """
 
     key_bits: int = 2  # 2 or 4, or 16 for unquantized keys
@@ -151,6 +165,8 @@ class KVQuantConfig:
     # was in full precision (the cache's running maximum per qbuffer slot) in place of the mean query's;
     # "fit-attn-max-rel-bound" / "fit-attn-max-rel-token-bound": those maxima divided by their mean over the page
     value_range: str = "minmax"  # "fit": the same per token for values
+    value_groups: int = 1  # channel groups per value token, a scale and a zero each; torch path only when not 1
+    value_scale_bits: int = 16  # 8: each value group's scale and zero in a byte each; torch path only
     key_rotation: str = "none"  # see KEY_ROTATIONS: a fixed orthogonal rotation of key channels, torch path only
     key_outlier_fraction: float = 0.0  # share of a key page's entries (per head) kept exactly; torch path only
     key_outlier_rule: str = "zscore"  # see KEY_OUTLIER_RULES: which entries are the outliers
@@ -208,6 +224,10 @@ class KVQuantConfig:
                 f"key_rotation={self.key_rotation!r} needs a channel_selection that reads only the keys "
                 f"(magnitude, random, range), got {self.channel_selection!r}"
             )
+        if not is_int(self.value_groups) or self.value_groups not in VALUE_GROUPS:
+            raise ValueError(f"value_groups must be one of {VALUE_GROUPS}, got {self.value_groups!r}")
+        if not is_int(self.value_scale_bits) or self.value_scale_bits not in VALUE_SCALE_BITS:
+            raise ValueError(f"value_scale_bits must be one of {VALUE_SCALE_BITS}, got {self.value_scale_bits!r}")
         f = self.key_outlier_fraction
         if not is_number(f) or not 0.0 <= f < 1.0:
             raise ValueError(f"key_outlier_fraction must be a number in [0, 1), got {f!r}")
@@ -245,9 +265,17 @@ class KVQuantConfig:
     @property
     def torch_only(self) -> bool:
         """Whether only the torch quantizer reads this config's key options (``key_rotation``,
-        ``key_outlier_fraction``, ``boost_bits=3``): the Triton pack and the fused kernels would ignore them or misread
-        the high plane, so such a config runs on the torch backend (``kitty.cache.backend``)."""
-        return self.key_rotation != "none" or self.key_outlier_fraction > 0 or self.boost_bits != 4
+        ``key_outlier_fraction``, ``boost_bits=3``) or value options (``value_groups``, ``value_scale_bits``): the
+        Triton pack and the fused kernels would ignore them or misread the planes, so such a config runs on the torch
+        backend (``kitty.cache.backend``)."""
+        keys = self.key_rotation != "none" or self.key_outlier_fraction > 0 or self.boost_bits != 4
+        return keys or self.grouped_values
+
+    @property
+    def grouped_values(self) -> bool:
+        """Whether value pages keep ``[..., G, value_groups]`` scales and zeros (``value_groups`` or
+        ``value_scale_bits`` changed) instead of one per token in the dtype."""
+        return self.quantizes_values and (self.value_groups != 1 or self.value_scale_bits != 16)
 
     def num_key_outliers(self, head_dim: int) -> int:
         """Key entries kept exactly per page and head: ``round(key_outlier_fraction * group_size * head_dim)``."""

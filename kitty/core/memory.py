@@ -116,7 +116,8 @@ def field_bytes(cfg: KVQuantConfig, head_dim: int, dtype_bytes: int = 2) -> dict
     """Bytes of each pool tensor (``docs/LAYOUT.md`` names) in one page of one KV head, from ``kitty.core.storage``'s
     shapes: e.g. the compact high plane ``k_high`` holds ``G * ceil(nb / 4)`` bytes.
 
-    ``dtype_bytes`` is the element size of the model dtype, which scale/zero and raw pages use.
+    ``dtype_bytes`` is the element size of the model dtype, which scale/zero and raw pages use (integer fields: their
+    own size).
     """
     import torch  # the page tensors' own shapes (kitty.core.storage); imported here: `import kitty` stays light
 
@@ -125,7 +126,7 @@ def field_bytes(cfg: KVQuantConfig, head_dim: int, dtype_bytes: int = 2) -> dict
     cfg.check_head_dim(head_dim)
     key, value = pool_fields(cfg, 1, head_dim, torch.float16)
     return {
-        name: math.prod(shape) * (1 if dt == torch.uint8 else dtype_bytes)
+        name: math.prod(shape) * (dtype_bytes if dt.is_floating_point else dt.itemsize)
         for name, (shape, dt) in {**key, **value}.items()
     }
 
@@ -200,7 +201,7 @@ def asymptotic_bits(cfg: KVQuantConfig, head_dim: int, dtype_bytes: int = 2) -> 
         "key_raw": bits("k_raw"),
         "key_outliers": bits("k_out_val", "k_out_tok", "k_out_ch"),  # cfg.key_outlier_fraction: value + 2 indices
         "value_codes": bits("v_codes", "v_raw"),
-        "value_scale_zero": bits("v_scale", "v_zero"),
+        "value_scale_zero": bits("v_scale", "v_zero", "v_ref"),  # v_ref: value_scale_bits=8's reference
     }
     out["key_total"] = sum(v for k, v in out.items() if k.startswith("key_"))
     out["value_total"] = out["value_codes"] + out["value_scale_zero"]

@@ -443,6 +443,10 @@ class ValuePage(_Page):
     ``codes``: uint8 ``[..., D, G * bits / 8]`` (channel-major, packed along tokens); ``scale``/``zero``:
     ``[..., G]``. For ``value_bits=16`` only
     ``raw`` ``[..., G, D]`` holds data.
+
+    ``grouped`` (``KVQuantConfig.grouped_values``): ``scale``/``zero`` are ``[..., G, groups]``, one per token and
+    group of ``D / groups`` channels, in the dtype, or with ``ref`` (``[...]``, the dtype) as 8-bit codes: ``scale``
+    uint8 and ``zero`` int8 (:func:`decode_value_meta8`).
     """
 
     codes: torch.Tensor
@@ -451,6 +455,8 @@ class ValuePage(_Page):
     raw: torch.Tensor
     bits: int
     dtype: torch.dtype
+    grouped: bool = False
+    ref: torch.Tensor | None = None
 
     @property
     def payload_nbytes(self) -> int:
@@ -458,7 +464,46 @@ class ValuePage(_Page):
 
     @property
     def metadata_nbytes(self) -> int:
-        return self.scale.nbytes + self.zero.nbytes
+        return self.scale.nbytes + self.zero.nbytes + (0 if self.ref is None else self.ref.nbytes)
+
+
+META8_STEPS = 16  # 8-bit value scales: grid steps per octave below the page's reference (255 steps: ~16 octaves)
+META8_ZERO_STEPS = 127 / 4  # 8-bit value zeros: int8 quarters of the group's step, so at most this many steps from 0
+
+
+def encode_value_meta8(scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The 8-bit form of value groups' ``(scale, zero)`` ``[..., G, groups]`` (the dtype): ``(c, z, ref)``.
+
+    ``ref`` ``[...]`` (the dtype) is the largest step the page's groups need, rounded up to the dtype; a group's step
+    is ``ref * 2**(-c / META8_STEPS)`` with ``c`` uint8, the smallest grid step at least its scale and at least
+    ``|zero| / META8_ZERO_STEPS`` (so that the zero fits); the zero is ``z * step / 4`` with ``z`` the nearest int8.
+    Rounding the step up keeps a min-max group's range covered up to the zero's rounding (an eighth of a step). No
+    host read."""
+    s, z = scale.float(), zero.float()
+    need = torch.maximum(s, z.abs() / META8_ZERO_STEPS)
+    top = need.amax((-1, -2))
+    ref = top.to(scale.dtype)
+    ref = torch.where(ref.float() < top, torch.nextafter(ref, torch.full_like(ref, float("inf"))), ref)
+    r = ref.float()[..., None, None]
+    ratio = torch.where(r > 0, need / torch.where(r > 0, r, 1.0), 1.0)
+    c = torch.floor(-META8_STEPS * torch.log2(ratio.clamp_min(2.0 ** (-256 / META8_STEPS)))).clamp(0, 255)
+    c = torch.where(r * torch.exp2(-c / META8_STEPS) < need, c - 1, c).clamp(0, 255)  # exp2/log2 rounding: cover
+    step = r * torch.exp2(-c / META8_STEPS)
+    zq = torch.where(step > 0, z / torch.where(step > 0, step, 1.0) * 4, 0.0).round().clamp(-128, 127)
+    return c.to(torch.uint8), zq.to(torch.int8), ref
+
+
+def decode_value_meta8(c: torch.Tensor, z: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, zero)`` in fp32 of :func:`encode_value_meta8`'s codes."""
+    step = ref.float()[..., None, None] * torch.exp2(-c.float() / META8_STEPS)
+    return step, z.float() * step / 4
+
+
+def value_group_params(page: ValuePage) -> tuple[torch.Tensor, torch.Tensor]:
+    """A grouped page's ``(scale, zero)`` ``[..., G, groups]`` as its codes are reconstructed with."""
+    if page.ref is not None:
+        return decode_value_meta8(page.scale, page.zero, page.ref)
+    return page.scale, page.zero
 
 
 def quantize_value_page(v: torch.Tensor, cfg: KVQuantConfig, sync_free: bool = False) -> ValuePage:
@@ -475,10 +520,30 @@ def quantize_value_page(v: torch.Tensor, cfg: KVQuantConfig, sync_free: bool = F
             f"got {v.shape[-2]}"
         )
     levels = 2**cfg.value_bits - 1
+    if cfg.grouped_values:
+        return _quantize_grouped_values(v, cfg, levels, sync_free)
     scale, zero = range_params(v, levels, v.dtype, cfg.value_range, sync_free)
     codes = quantize_codes(v, scale[..., None], zero[..., None], levels)
     packed = pack_bits(codes.transpose(-1, -2), cfg.value_bits).contiguous()  # (..., D, G*bits/8): along tokens
     return ValuePage(packed, scale, zero, empty, cfg.value_bits, v.dtype)
+
+
+def _quantize_grouped_values(v: torch.Tensor, cfg: KVQuantConfig, levels: int, sync_free: bool) -> ValuePage:
+    """``cfg.value_groups`` groups of channels per token, each with its range; scales and zeros in 8 bits where
+    ``cfg.value_scale_bits`` is 8."""
+    g, D = cfg.value_groups, v.shape[-1]
+    if D % g:
+        raise ValueError(f"value_groups={g} must divide the head dim, got {D} channels")
+    x = v.reshape(*v.shape[:-1], g, D // g)  # [..., G, groups, D / groups]
+    scale, zero = range_params(x, levels, v.dtype, cfg.value_range, sync_free)  # [..., G, groups]
+    ref = None
+    s, z = scale, zero
+    if cfg.value_scale_bits == 8:
+        scale, zero, ref = encode_value_meta8(scale, zero)
+        s, z = decode_value_meta8(scale, zero, ref)
+    codes = quantize_codes(x, s[..., None], z[..., None], levels).reshape(v.shape)
+    packed = pack_bits(codes.transpose(-1, -2), cfg.value_bits).contiguous()
+    return ValuePage(packed, scale, zero, v.new_empty(0), cfg.value_bits, v.dtype, True, ref)
 
 
 def dequantize_value_page(page: ValuePage) -> torch.Tensor:
@@ -486,6 +551,10 @@ def dequantize_value_page(page: ValuePage) -> torch.Tensor:
     if page.raw.numel():
         return page.raw
     codes = unpack_bits(page.codes, page.bits).transpose(-1, -2)  # (..., D, G) -> (..., G, D)
+    if page.grouped:
+        s, z = value_group_params(page)
+        x = codes.reshape(*codes.shape[:-1], s.shape[-1], -1)  # [..., G, groups, D / groups]
+        return dequantize_codes(x, s[..., None], z[..., None], page.dtype).reshape(codes.shape)
     return dequantize_codes(codes, page.scale[..., None], page.zero[..., None], page.dtype)
 
 

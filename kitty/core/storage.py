@@ -57,7 +57,17 @@ def pool_fields(
             )
     else:
         key = {"k_raw": ((H, G, D), dtype)}
-    if cfg.quantizes_values or quantized:
+    if cfg.quantizes_values and cfg.grouped_values:  # torch path only (KVQuantConfig.torch_only)
+        eight = cfg.value_scale_bits == 8
+        groups = (H, G, cfg.value_groups)
+        value = {
+            "v_codes": ((H, D, G * cfg.value_bits // 8), torch.uint8),
+            "v_scale": (groups, torch.uint8 if eight else dtype),
+            "v_zero": (groups, torch.int8 if eight else dtype),
+        }
+        if eight:
+            value["v_ref"] = ((H,), dtype)
+    elif cfg.quantizes_values or quantized:
         value = {
             "v_codes": ((H, D, G * cfg.value_bits // 8), torch.uint8),
             "v_scale": ((H, G), dtype),
@@ -130,6 +140,7 @@ class KittyLayerState(Mapping):
     k_out_val: torch.Tensor | None = None  # [P, Hkv, n] only for key_outlier_fraction > 0 (torch path)
     k_out_tok: torch.Tensor | None = None  # uint8 [P, Hkv, n]
     k_out_ch: torch.Tensor | None = None  # uint8 [P, Hkv, n]
+    v_ref: torch.Tensor | None = None  # [P, Hkv] dtype only for value_scale_bits=8 (torch path)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The fields that are not ``None``, as a dict."""
@@ -222,7 +233,8 @@ def _key_fields(page: KeyPage) -> dict[str, torch.Tensor]:
 def _value_fields(page: ValuePage) -> dict[str, torch.Tensor]:
     if page.raw.numel():
         return {"v_raw": page.raw}
-    return {"v_codes": page.codes, "v_scale": page.scale, "v_zero": page.zero}
+    out = {"v_codes": page.codes, "v_scale": page.scale, "v_zero": page.zero}
+    return out if page.ref is None else {**out, "v_ref": page.ref}
 
 
 def _page_getter(storage: dict[str, torch.Tensor], ids: torch.Tensor | None):
@@ -254,7 +266,9 @@ def value_page_from_storage(
     u8 = torch.empty(0, dtype=torch.uint8)
     if not cfg.quantizes_values:
         return ValuePage(u8, u8.to(dtype), u8.to(dtype), get("v_raw"), 16, dtype)
-    return ValuePage(get("v_codes"), get("v_scale"), get("v_zero"), u8.to(dtype), cfg.value_bits, dtype)
+    ref = get("v_ref") if cfg.grouped_values and cfg.value_scale_bits == 8 else None
+    fields = (get("v_codes"), get("v_scale"), get("v_zero"), u8.to(dtype), cfg.value_bits, dtype)
+    return ValuePage(*fields, cfg.grouped_values, ref)
 
 
 def page_fields(page: KeyPage | ValuePage) -> dict[str, torch.Tensor]:
