@@ -120,13 +120,10 @@ def main() -> None:
         model.set_attn_implementation("key_error_record")
     with torch.no_grad():
         model(window[None, :1280], past_key_values=cache, use_cache=True)
-    text = model.config.get_text_config()
-    types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
-    full = [i for i, t in enumerate(types) if t == "full_attention"]
-    keys = [cache.layers[i].keys[0] for i in full]  # [H, T, D] each
-    S, G, n = 32, 128, 9
-    pages = torch.stack([k[:, S : S + n * G].reshape(k.shape[0], n, G, -1).transpose(0, 1) for k in keys])
-    print(f"{len(keys)} full-attention layers, pages {tuple(pages.shape)} (layer, page, head, G, D), {pages.dtype}")
+    S = 32
+    full, pages = full_attention_pages(model, cache, "keys", S)
+    end = S + pages.shape[1] * pages.shape[3]  # the queries a cache has seen when the last page completes
+    print(f"{len(full)} full-attention layers, pages {tuple(pages.shape)} (layer, page, head, G, D), {pages.dtype}")
     ref = pages.float()
     thresholds = [float(t) for t in a.standout_thresholds.split(",")] if a.standout_thresholds else []
     rows = pages.transpose(-1, -2)  # [layer, page, head, D, G]: one row per channel
@@ -134,7 +131,7 @@ def main() -> None:
         cfg = get_preset(m)
         qs = torch.ones(pages.shape[:-2] + pages.shape[-1:]) if cfg.channel_selection in QUERY_SELECTIONS else None
         if qs is not None and a.attention:  # the window's real query statistics, per layer and KV head
-            qs = torch.stack([window_query_scale(queries[i][0], pages.shape[2], S + n * G, cfg) for i in full])
+            qs = torch.stack([window_query_scale(queries[i][0], pages.shape[2], end, cfg) for i in full])
             qs = qs[:, None].expand(pages.shape[:-2] + qs.shape[-1:])
         runs = thresholds if cfg.key_range in standout.STANDOUT_FITS and thresholds else [None]
         for t in runs:
@@ -161,6 +158,20 @@ def main() -> None:
         variable_rows(pages, a.attention, cache, full, queries, S)
     if a.three_bit:
         three_bit_rows(pages, a.attention, cache, full, queries, S)
+
+
+def full_attention_pages(
+    model, cache: DynamicCache, side: str, sink: int = 32, group: int = 128, n: int = 9
+) -> tuple[list[int], torch.Tensor]:
+    """``(full, pages)``: the full-attention layers' indices, and their ``side`` (``"keys"`` or ``"values"``) of
+    row 0 cut into the ``n`` pages of ``group`` tokens after ``sink`` that a Kitty cache would quantize,
+    ``[layers, n, heads, group, D]`` (sliding layers hold no Kitty pages)."""
+    text = model.config.get_text_config()
+    types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    rows = [getattr(cache.layers[i], side)[0] for i in full]  # [H, T, D] each
+    cut = [x[:, sink : sink + n * group].reshape(x.shape[0], n, group, -1).transpose(0, 1) for x in rows]
+    return full, torch.stack(cut)
 
 
 def window_query_scale(q: torch.Tensor, H: int, end: int, cfg) -> torch.Tensor:

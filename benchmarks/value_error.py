@@ -28,6 +28,7 @@ import argparse
 import torch
 from transformers import DynamicCache
 
+from benchmarks.key_error import full_attention_pages
 from kitty.core.quant import decode_value_meta8, encode_value_meta8
 from kitty.core.ranges import dequantize_codes, minmax_params, quantize_codes
 from kitty.hf.models import load_model
@@ -75,16 +76,11 @@ def main() -> None:
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(window[None, :1280], past_key_values=cache, use_cache=True)
-    text = model.config.get_text_config()
-    types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
-    full = [i for i, t in enumerate(types) if t == "full_attention"]
-    vals = [cache.layers[i].values[0] for i in full]  # [H, T, D] each
-    end = SINK + PAGES * GROUP
-    pages = torch.stack([v[:, SINK:end].reshape(v.shape[0], PAGES, GROUP, -1).transpose(0, 1) for v in vals])
+    full, pages = full_attention_pages(model, cache, "values", SINK, GROUP, PAGES)
     D = pages.shape[-1]
     groups = [int(g) for g in a.groups.split(",")] if a.groups else [D, D // 2, D // 4]
     print(
-        f"{len(vals)} full-attention layers, value pages {tuple(pages.shape)} (layer, page, head, G, D), {pages.dtype}"
+        f"{len(full)} full-attention layers, value pages {tuple(pages.shape)} (layer, page, head, G, D), {pages.dtype}"
     )
     print("| value groups | relative squared error | largest error | value page bits/element | zeros widened |")
     print("|---|---|---|---|---|")

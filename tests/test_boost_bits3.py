@@ -12,13 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_cache import HKV, HQ, G, R, S, check_state, feed, tiny_llama_config
 
-from kitty import KittyCache, get_preset
-from kitty.cache.attention import kitty_attention_forward
-from kitty.cache.backend import check_triton, resolve_backend
+from kitty import get_preset
 from kitty.core.config import KVQuantConfig
-from kitty.core.memory import analytic_report, asymptotic_bits
+from kitty.core.memory import asymptotic_bits
 from kitty.core.quant import (
     channel_importance,
     dequantize_key_page,
@@ -28,7 +25,6 @@ from kitty.core.quant import (
     select_boosted,
 )
 from kitty.core.storage import key_page_from_storage, page_fields, pool_fields
-from kitty.hf.generate import generate_fast
 
 SCREEN = runpy.run_path(str(Path(__file__).resolve().parent.parent / "benchmarks" / "key_error.py"))
 precision_reconstructions = SCREEN["precision_reconstructions"]
@@ -98,58 +94,38 @@ def test_bytes_equal_kittys(D: int) -> None:
         == pool_fields(kitty, 1, D, torch.bfloat16)[0]["k_high"][0]
     )
     assert asymptotic_bits(three, D) == asymptotic_bits(kitty, D)
-    cache_bits = []
-    for cfg in (three, kitty):
-        cache = KittyCache(tiny_llama_config(num_hidden_layers=1, head_dim=D), cfg)
-        T = cfg.sink_tokens + 3 * cfg.group_size + 5
-        k = torch.randn(1, HKV, T, D, dtype=torch.bfloat16) + 0.1
-        q = torch.randn(1, HQ, T, D, dtype=torch.bfloat16)  # test_cache.feed's step, at this head_dim
-        kitty_attention_forward(None, q, *cache.update(k, k.clone(), 0), None, scaling=D**-0.5)
-        assert cache.memory_report() == analytic_report(cfg, [T], D, HKV, 1, 2)
-        cache_bits.append(cache.memory_report().bits_per_element)
-    assert abs(cache_bits[0] - cache_bits[1]) <= 0.01
+    from fixtures import checked_cache_bits
+
+    T = kitty.sink_tokens + 3 * kitty.group_size + 5
+    assert abs(checked_cache_bits(three, D, T) - checked_cache_bits(kitty, D, T)) <= 0.01
 
 
 def test_cache_stores_and_reads_three_bit_pages() -> None:
-    torch.manual_seed(0)
-    cfg = get_preset(THREE).with_(sink_tokens=S, group_size=G, local_window=R)
-    cache = KittyCache(tiny_llama_config(num_hidden_layers=1), cfg)
-    D = 16
-    T = S + 3 * G + R + 2
-    k, v = torch.randn(2, HKV, T, D) + 0.1, torch.randn(2, HKV, T, D) + 0.1
-    feed(cache, k, v, torch.ones(2, T, dtype=torch.bool))
-    check_state(cache, cfg, list(k), list(v))
+    from fixtures import checked_fed_cache
+
+    cache = checked_fed_cache(THREE)[0]
     page = cache.layers[0].key_page(0, 0)
     assert page.boost_bits == 3 and page.high.shape[-1] == 1  # nb = 4 channels of 16: one byte a token
 
 
 @pytest.mark.parametrize("name", [THREE, FIT_THREE])
 def test_generates_through_a_cache(name: str) -> None:
-    from fixtures import tiny_model
+    from fixtures import check_generates_on_torch
 
-    model = tiny_model("llama", num_hidden_layers=2, head_dim=64, hidden_size=128, num_attention_heads=2)
-    cfg = get_preset(name).with_(sink_tokens=4, group_size=16, local_window=16)
-    ids = torch.randint(0, model.config.vocab_size, (1, 60), generator=torch.Generator().manual_seed(0))
-    out = generate_fast(model, ids, cfg, 24, backend="torch")
-    assert len(out) == 24
-    assert generate_fast(model, ids, cfg, 24, backend="auto") == out  # auto: torch on this config
+    check_generates_on_torch(get_preset(name))
 
 
 def test_kernels_refuse_three_bit_boost() -> None:
     pytest.importorskip("triton")
-    from kitty import kernels
-    from kitty.kernels import decode_attention_triton, dequantize_key_page_triton, pack_pages, triton_supports
+    from fixtures import check_kernels_refuse
 
-    cfg = get_preset(THREE)
-    cuda = torch.device("cuda")
-    assert resolve_backend("auto", cuda, cfg, 64) == "torch"
-    for backend in ("triton", "gluon"):
-        with pytest.raises(ValueError, match="boost_bits"):
-            check_triton(cfg, 64, cuda, backend)
-    assert not triton_supports(cfg, 64, compiled=False)
+    from kitty import kernels
+    from kitty.kernels import decode_attention_triton, dequantize_key_page_triton, pack_pages
     from kitty.kernels.gluon_launch import pages_supported
 
-    assert not pages_supported(cfg, 64, torch.float16, 4) and pages_supported(get_preset("kitty"), 64, torch.float16, 4)
+    cfg = get_preset(THREE)
+    check_kernels_refuse(cfg, "boost_bits")
+    assert pages_supported(get_preset("kitty"), 64, torch.float16, 4)
     q = torch.randn(1, 2, 128, 64)
     with pytest.raises(ValueError, match="boost_bits"):
         pack_pages(cfg, q, q)

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_cache import HKV, HQ, G, R, S, check_state, feed, tiny_llama_config
+from test_boost_bits3 import random_pages as random_values  # [2, 3, 128, D], channels of varied scale and offset
+from test_cache import HKV, G, S
 
-from kitty import KittyCache, get_preset
-from kitty.cache.attention import kitty_attention_forward
-from kitty.cache.backend import check_triton, resolve_backend
+from kitty import get_preset
 from kitty.core.config import KVQuantConfig
-from kitty.core.memory import analytic_report, asymptotic_bits
+from kitty.core.memory import asymptotic_bits
 from kitty.core.quant import (
     META8_STEPS,
     decode_value_meta8,
@@ -21,15 +20,8 @@ from kitty.core.quant import (
     quantize_value_page,
 )
 from kitty.core.storage import page_fields, pool_fields, value_page_from_storage
-from kitty.hf.generate import generate_fast
 
 TWO8 = "kitty+value_groups=2+value_scale_bits=8"
-
-
-def random_values(seed: int, dtype: torch.dtype, D: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(2, 3, 128, D, generator=gen) * (torch.rand(D, generator=gen) * 3 + 0.1)
-    return (x + torch.randn(D, generator=gen)).to(dtype)
 
 
 def test_validation_and_torch_only() -> None:
@@ -107,27 +99,16 @@ def test_bytes_equal_kittys(D: int) -> None:
     assert fields["v_scale"] == ((1, two8.group_size, 2), torch.uint8) and fields["v_ref"] == ((1,), torch.bfloat16)
     ref_bits = 16 / (two8.group_size * D)  # one dtype reference per page and head
     assert asymptotic_bits(two8, D)["value_total"] == pytest.approx(asymptotic_bits(kitty, D)["value_total"] + ref_bits)
-    cache_bits = []
-    for cfg in (two8, kitty):
-        cache = KittyCache(tiny_llama_config(num_hidden_layers=1, head_dim=D), cfg)
-        T = cfg.sink_tokens + 3 * cfg.group_size + cfg.local_window + 5
-        k = torch.randn(1, HKV, T, D, dtype=torch.bfloat16) + 0.1
-        q = torch.randn(1, HQ, T, D, dtype=torch.bfloat16)
-        kitty_attention_forward(None, q, *cache.update(k, k.clone(), 0), None, scaling=D**-0.5)
-        assert cache.memory_report() == analytic_report(cfg, [T], D, HKV, 1, 2)
-        cache_bits.append(cache.memory_report().bits_per_element)
-    assert abs(cache_bits[0] - cache_bits[1]) <= 0.01
+    from fixtures import checked_cache_bits
+
+    T = kitty.sink_tokens + 3 * kitty.group_size + kitty.local_window + 5  # value pages too
+    assert abs(checked_cache_bits(two8, D, T) - checked_cache_bits(kitty, D, T)) <= 0.01
 
 
 def test_cache_stores_and_reads_grouped_pages() -> None:
-    torch.manual_seed(0)
-    cfg = get_preset(TWO8).with_(sink_tokens=S, group_size=G, local_window=R)
-    cache = KittyCache(tiny_llama_config(num_hidden_layers=1), cfg)
-    D = 16
-    T = S + 3 * G + R + 2
-    k, v = torch.randn(2, HKV, T, D) + 0.1, torch.randn(2, HKV, T, D) + 0.1
-    feed(cache, k, v, torch.ones(2, T, dtype=torch.bool))
-    check_state(cache, cfg, list(k), list(v))
+    from fixtures import checked_fed_cache
+
+    cache, cfg, _, v = checked_fed_cache(TWO8)
     layer = cache.layers[0]
     page = layer.value_page(0, 0)
     want = quantize_value_page(v[0][:, S : S + G], cfg)
@@ -137,29 +118,19 @@ def test_cache_stores_and_reads_grouped_pages() -> None:
 
 
 def test_generates_through_a_cache() -> None:
-    from fixtures import tiny_model
+    from fixtures import check_generates_on_torch
 
-    model = tiny_model("llama", num_hidden_layers=2, head_dim=64, hidden_size=128, num_attention_heads=2)
-    cfg = get_preset(TWO8).with_(sink_tokens=4, group_size=16, local_window=16)
-    ids = torch.randint(0, model.config.vocab_size, (1, 60), generator=torch.Generator().manual_seed(0))
-    out = generate_fast(model, ids, cfg, 24, backend="torch")
-    assert len(out) == 24
-    assert generate_fast(model, ids, cfg, 24, backend="auto") == out  # auto: torch on this config
+    check_generates_on_torch(get_preset(TWO8))
 
 
 def test_kernels_refuse_grouped_values() -> None:
     pytest.importorskip("triton")
-    from kitty.kernels import decode_attention_triton, dequantize_value_page_triton, pack_pages, triton_supports
-    from kitty.kernels.gluon_launch import pages_supported
+    from fixtures import check_kernels_refuse
+
+    from kitty.kernels import decode_attention_triton, dequantize_value_page_triton, pack_pages
 
     cfg = get_preset(TWO8)
-    cuda = torch.device("cuda")
-    assert resolve_backend("auto", cuda, cfg, 64) == "torch"
-    for backend in ("triton", "gluon"):
-        with pytest.raises(ValueError, match="value_groups"):
-            check_triton(cfg, 64, cuda, backend)
-    assert not triton_supports(cfg, 64, compiled=False)
-    assert not pages_supported(cfg, 64, torch.float16, 4)
+    check_kernels_refuse(cfg, "value_groups")
     with pytest.raises(ValueError, match="value_groups"):
         dequantize_value_page_triton(quantize_value_page(random_values(0, torch.float32, 64), cfg))
     q = torch.randn(1, 2, 128, 64)
