@@ -36,6 +36,8 @@ def test_validation_and_torch_only() -> None:
     assert not get_preset("kitty+value_bits=16+value_groups=2").grouped_values  # nothing to group: raw values
     with pytest.raises(ValueError, match="value_groups=4"):
         quantize_value_page(torch.randn(1, 128, 6), get_preset("kitty+value_groups=4"))
+    with pytest.raises(ValueError, match="value_groups=4"):  # refused when the cache is built, not at the first page
+        get_preset("kitty+key_bits=16+boost_fraction=0+value_groups=4").check_head_dim(6)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -312,6 +312,8 @@ class KVQuantConfig:
                 f"head_dim must be a power of two for key_rotation={self.key_rotation!r} (a Hadamard matrix of "
                 f"size head_dim), got {head_dim}"
             )
+        if self.grouped_values and head_dim % self.value_groups:
+            raise ValueError(f"value_groups={self.value_groups} must divide head_dim, got head_dim={head_dim}")
 
     def for_layer(self, layer_idx: int, num_layers: int | None = None) -> "KVQuantConfig":
         """The config layer ``layer_idx`` uses: its ``boost_profile`` entry as ``boost_fraction`` (else ``self``).
