@@ -7,9 +7,10 @@ smaller groups (each token's channels in groups of ``g``, a scale and a zero per
 
 One text window (the eval's first, 1280 tokens of ``kitty/texts/essay.txt``) goes through the model with a
 full-precision ``DynamicCache``; the values of every full-attention layer are cut into the 9 pages after the 32 sink
-tokens, as ``benchmarks/key_error.py`` does for keys. Each row quantizes every token of those pages to 2 bits with
-min-max ranges over its group of channels, and prints the relative squared error ``sum |v - v_hat|^2 / sum |v|^2``
-(over all pages, heads and layers), the largest absolute error, and the value page's bits per element.
+tokens, as ``benchmarks/key_error.py`` does for keys. Each row quantizes those pages with the cache's own value
+quantizer (``kitty.core.quant.quantize_value_page``: 2 bits, min-max ranges over each token's group of channels) and
+prints the relative squared error ``sum |v - v_hat|^2 / sum |v|^2`` (over all pages, heads and layers), the largest
+absolute error, and the value page's bits per element (``kitty.core.memory.asymptotic_bits``).
 
 The 8-bit form is the cache's (``value_scale_bits=8``, :func:`kitty.core.quant.encode_value_meta8`): per page and
 KV head one reference in the dtype; each group's step the smallest of the grid ``ref * 2**(-c/16)`` (``c`` a uint8)
@@ -29,39 +30,39 @@ import torch
 from transformers import DynamicCache
 
 from benchmarks.key_error import full_attention_pages
-from kitty.core.quant import decode_value_meta8, encode_value_meta8
-from kitty.core.ranges import dequantize_codes, minmax_params, quantize_codes
+from kitty.core.config import get_preset
+from kitty.core.memory import asymptotic_bits
+from kitty.core.quant import dequantize_value_page, quantize_value_page, value_group_params
 from kitty.hf.models import load_model
 from kitty.tools.eval import TEXTS, text_windows
 
-LEVELS = 3  # 2-bit codes
 SINK, GROUP, PAGES = 32, 128, 9  # the pages a Kitty cache quantizes in the first 1280 tokens
 
 
-def value_rows(
-    values: torch.Tensor, dtype: torch.dtype, groups: list[int]
-) -> list[tuple[str, float, float, float, float]]:
-    """``(label, relative squared error, largest error, bits per element, share of zeros widened)`` of each form.
+def value_rows(values: torch.Tensor, channels: list[int]) -> list[tuple[str, float, float, float, float]]:
+    """``(label, relative squared error, largest error, bits per element, share of steps widened)`` of each form:
+    for each group width in ``channels``, the cache's value page (``value_groups = D / width``) with scales and zeros
+    in the dtype, then in 8 bits (``value_scale_bits=8``). Widened: 8-bit steps more than one grid step above the
+    dtype scale (a zero that needed room).
 
-    ``values``: ``[layers, pages, heads, G, D]`` in the model's ``dtype``.
+    ``values``: ``[layers, pages, heads, G, D]`` in the model's dtype.
     """
     ref = values.float()
     D = values.shape[-1]
     rows = []
-    for g in groups:
-        x = values.reshape(*values.shape[:-1], D // g, g)  # [..., G, D/g, g]: one group per token and g channels
-        scale, zero = minmax_params(x, LEVELS, -1, dtype)
-        c, zq, top = encode_value_meta8(scale, zero)  # the reference over each page's tokens and groups
-        s8, z8 = decode_value_meta8(c, zq, top)
-        widened = (s8 > scale.float() * 2 ** (1 / 16) * (1 + 1e-6)).float().mean().item()
-        forms = [("dtype", scale.float(), zero.float(), 16, 0.0), ("8-bit", s8, z8, 8, widened)]
-        for name, s, z, bits, widened_share in forms:
-            codes = quantize_codes(x, s[..., None], z[..., None], LEVELS)
-            err = dequantize_codes(codes, s[..., None], z[..., None], torch.float32).reshape(ref.shape) - ref
-            page_bits = 2 + 2 * bits / g + (16 / (GROUP * D) if bits == 8 else 0)
+    for g in channels:
+        pages = {}
+        for name, bits in (("dtype", 16), ("8-bit", 8)):
+            cfg = get_preset(f"kitty+value_groups={D // g}+value_scale_bits={bits}")
+            pages[bits] = page = quantize_value_page(values, cfg)
+            err = dequantize_value_page(page).float() - ref
+            widened = 0.0
+            if bits == 8:
+                step, scale = value_group_params(page)[0], pages[16].scale.float().reshape(page.scale.shape)
+                widened = (step > scale * 2 ** (1 / 16) * (1 + 1e-6)).float().mean().item()
             label = f"{D // g} group{'s' if D // g > 1 else ''} of {g}, scale and zero in {name}"
             rel = (err.square().sum() / ref.square().sum()).item()
-            rows.append((label, rel, err.abs().max().item(), page_bits, widened_share))
+            rows.append((label, rel, err.abs().max().item(), asymptotic_bits(cfg, D)["value_total"], widened))
     return rows
 
 
@@ -84,7 +85,7 @@ def main() -> None:
     )
     print("| value groups | relative squared error | largest error | value page bits/element | zeros widened |")
     print("|---|---|---|---|---|")
-    for label, rel, top, bits, widened in value_rows(pages, pages.dtype, groups):
+    for label, rel, top, bits, widened in value_rows(pages, groups):
         print(f"| {label} | {rel:.4f} | {top:.3f} | {bits:.4f} | {widened:.2%} |")
 
 

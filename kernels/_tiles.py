@@ -47,20 +47,17 @@ def check_power_of_two(sizes: dict[str, int], minimum: int, kernel: str) -> None
             raise ValueError(f"the {kernel} needs a power-of-two {what} >= {minimum}, got {n}")
 
 
-def check_two_bit_slots(boost_bits: int, kernel: str) -> None:
-    """``ValueError`` naming ``boost_bits`` unless it is 4: the kernels read and write ``k_high`` as 2-bit slots (bits
-    2-3 of a 4-bit code); ``boost_bits=3`` pages (1-bit slots) are packed and read by ``kitty.core.quant`` only."""
+def check_page_layout(kernel: str, boost_bits: int = 4, grouped_values: bool = False) -> None:
+    """``ValueError`` for pages only ``kitty.core.quant`` packs and reads: naming ``boost_bits`` unless it is 4 (the
+    kernels read and write ``k_high`` as 2-bit slots, bits 2-3 of a 4-bit code; ``boost_bits=3`` has 1-bit slots),
+    and ``value_groups`` / ``value_scale_bits`` for ``grouped_values`` (``KVQuantConfig.grouped_values``: the
+    kernels read one dtype scale and zero per value token)."""
     if boost_bits != 4:
         raise ValueError(
             f"the {kernel} handles 4-bit boosted channels (2-bit slots in k_high), got boost_bits={boost_bits}: "
             "use the torch backend (kitty.core.quant)"
         )
-
-
-def check_token_values(grouped: bool, kernel: str) -> None:
-    """``ValueError`` naming ``value_groups`` / ``value_scale_bits`` when value pages keep grouped or 8-bit scales
-    and zeros (``KVQuantConfig.grouped_values``): the kernels read one dtype scale and zero per token."""
-    if grouped:
+    if grouped_values:
         raise ValueError(
             f"the {kernel} reads one scale and zero per value token in the model dtype, got value_groups or "
             "value_scale_bits changed: use the torch backend (kitty.core.quant)"

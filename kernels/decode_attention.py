@@ -70,9 +70,8 @@ from kitty.core.storage import KittyLayerState, check_state
 from ._tiles import (
     INTERPRETING,
     TLTYPE,
+    check_page_layout,
     check_power_of_two,
-    check_token_values,
-    check_two_bit_slots,
     is_power_of_two,
     program_row,
 )
@@ -506,8 +505,7 @@ def decode_attention_triton(q: torch.Tensor, state: KittyLayerState, cfg: KVQuan
     ``launch``: a :class:`kernels.launch.Launch` (split count, warps, stages, register cap, query rows per program,
     two-part operands); ``None``: :func:`kernels.launch.default_launch` for the batch at hand.
     """
-    check_two_bit_slots(cfg.boost_bits, "fused kernel")
-    check_token_values(cfg.grouped_values, "fused kernel")
+    check_page_layout("fused kernel", cfg.boost_bits, cfg.grouped_values)
     z = check_state(q, state, cfg)
     B, Hq, Hkv, D, S, G, R, nb = (z[k] for k in ("B", "Hq", "Hkv", "D", "S", "G", "R", "nb"))
     check_power_of_two({"group_size": G, "head_dim": D}, 16, "fused kernel")

@@ -29,7 +29,7 @@ from kitty.core.quant import KeyPage, ValuePage, high_plane_bytes
 from kitty.core.quant import dequantize_key_page as dequantize_key_page_ref
 from kitty.core.quant import dequantize_value_page as dequantize_value_page_ref
 
-from ._tiles import TLTYPE, _key_page_T, _value_page, check_power_of_two, check_token_values, check_two_bit_slots
+from ._tiles import TLTYPE, _key_page_T, _value_page, check_page_layout, check_power_of_two
 
 __all__ = ["dequantize_key_page_triton", "dequantize_value_page_triton", "dequantize_key_page_ref", "dequantize_value_page_ref"]
 
@@ -79,7 +79,7 @@ def dequantize_key_page_triton(page: KeyPage, unpack_reshape: bool = True) -> to
     code it holds."""
     if page.raw.numel():
         return page.raw
-    check_two_bit_slots(page.boost_bits, "Triton dequantizer")
+    check_page_layout("Triton dequantizer", boost_bits=page.boost_bits)
     low, high, idx = page.low, page.high, page.boost_idx
     if low.dtype != torch.uint8 or high.dtype != torch.uint8 or idx.dtype != torch.uint8:
         raise ValueError("low, high and boost_idx must be uint8")
@@ -109,7 +109,7 @@ def dequantize_value_page_triton(page: ValuePage, unpack_reshape: bool = True) -
     (``unpack_reshape`` as in :func:`dequantize_key_page_triton`)."""
     if page.raw.numel():
         return page.raw
-    check_token_values(page.grouped, "Triton dequantizer")
+    check_page_layout("Triton dequantizer", grouped_values=page.grouped)
     codes = page.codes
     if codes.dtype != torch.uint8:
         raise ValueError("codes must be uint8")

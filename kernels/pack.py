@@ -85,7 +85,7 @@ from kitty.core.storage import allocate_pool, pool_fields
 
 from ._pack_fit import _fit
 from ._pack_math import RCP3, RCP15, _exact_range, _params, _quantize
-from ._tiles import TLTYPE, check_power_of_two, check_token_values, check_two_bit_slots, is_power_of_two
+from ._tiles import TLTYPE, check_page_layout, check_power_of_two, is_power_of_two
 from .launch import (
     MAX_FIT_GROUP,
     PACK_KEY_RANGES,
@@ -481,10 +481,8 @@ def pack_pages(
         ``kitty.core.quant.quantize_key_page`` / ``quantize_value_page`` of ``qbuf[rows]``.
     """
     # ---- checks
-    if k_qbuf is not None:
-        check_two_bit_slots(cfg.boost_bits, "Triton pack")
-    if v_qbuf is not None:
-        check_token_values(cfg.grouped_values, "Triton pack")
+    check_page_layout("Triton pack", boost_bits=cfg.boost_bits if k_qbuf is not None else 4,
+                      grouped_values=v_qbuf is not None and cfg.grouped_values)  # fmt: skip
     if k_qbuf is None and v_qbuf is None:
         raise ValueError("pack_pages needs k_qbuf, v_qbuf or both")
     ref = k_qbuf if k_qbuf is not None else v_qbuf
@@ -614,9 +612,7 @@ def pack_completed(
     ``tile`` elements per register tile, ``maxnreg`` registers per thread. Torch reference:
     ``kernels/reference.py`` ``pack_completed_ref``.
     """
-    if keys:
-        check_two_bit_slots(cfg.boost_bits, "Triton pack")
-    check_token_values(cfg.grouped_values, "Triton pack")  # every completed value qbuffer is packed
+    check_page_layout("Triton pack", cfg.boost_bits if keys else 4, cfg.grouped_values)  # every value qbuffer packs
     B, Hkv, G, D = k_qbuf.shape
     if tuple(v_qbuf.shape) != (B, Hkv, G, D) or v_qbuf.dtype != k_qbuf.dtype:
         raise ValueError(f"v_qbuf must be {tuple(k_qbuf.shape)} {k_qbuf.dtype}, got {tuple(v_qbuf.shape)} {v_qbuf.dtype}")

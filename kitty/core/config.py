@@ -312,6 +312,10 @@ class KVQuantConfig:
                 f"head_dim must be a power of two for key_rotation={self.key_rotation!r} (a Hadamard matrix of "
                 f"size head_dim), got {head_dim}"
             )
+        self.check_value_groups(head_dim)
+
+    def check_value_groups(self, head_dim: int) -> None:
+        """``ValueError`` naming ``value_groups`` unless it divides ``head_dim`` (grouped value pages only)."""
         if self.grouped_values and head_dim % self.value_groups:
             raise ValueError(f"value_groups={self.value_groups} must divide head_dim, got head_dim={head_dim}")
 

@@ -444,9 +444,9 @@ class ValuePage(_Page):
     ``[..., G]``. For ``value_bits=16`` only
     ``raw`` ``[..., G, D]`` holds data.
 
-    ``grouped`` (``KVQuantConfig.grouped_values``): ``scale``/``zero`` are ``[..., G, groups]``, one per token and
-    group of ``D / groups`` channels, in the dtype, or with ``ref`` (``[...]``, the dtype) as 8-bit codes: ``scale``
-    uint8 and ``zero`` int8 (:func:`decode_value_meta8`).
+    :attr:`grouped` (``KVQuantConfig.grouped_values``): ``scale``/``zero`` are ``[..., G, groups]``, one per token
+    and group of ``D / groups`` channels, in the dtype, or with ``ref`` (``[...]``, the dtype) as 8-bit codes:
+    ``scale`` uint8 and ``zero`` int8 (:func:`decode_value_meta8`).
     """
 
     codes: torch.Tensor
@@ -455,8 +455,12 @@ class ValuePage(_Page):
     raw: torch.Tensor
     bits: int
     dtype: torch.dtype
-    grouped: bool = False
     ref: torch.Tensor | None = None
+
+    @property
+    def grouped(self) -> bool:
+        """Whether ``scale``/``zero`` hold a group axis (``[..., G, groups]``: as many dims as ``codes``)."""
+        return not self.raw.numel() and self.scale.dim() == self.codes.dim()
 
     @property
     def payload_nbytes(self) -> int:
@@ -500,7 +504,8 @@ def decode_value_meta8(c: torch.Tensor, z: torch.Tensor, ref: torch.Tensor) -> t
 
 
 def value_group_params(page: ValuePage) -> tuple[torch.Tensor, torch.Tensor]:
-    """A grouped page's ``(scale, zero)`` ``[..., G, groups]`` as its codes are reconstructed with."""
+    """A page's ``(scale, zero)`` as its codes are reconstructed with: ``[..., G]``, or ``[..., G, groups]`` for a
+    grouped page (decoded from 8 bits where it has a ``ref``)."""
     if page.ref is not None:
         return decode_value_meta8(page.scale, page.zero, page.ref)
     return page.scale, page.zero
@@ -520,30 +525,18 @@ def quantize_value_page(v: torch.Tensor, cfg: KVQuantConfig, sync_free: bool = F
             f"got {v.shape[-2]}"
         )
     levels = 2**cfg.value_bits - 1
-    if cfg.grouped_values:
-        return _quantize_grouped_values(v, cfg, levels, sync_free)
-    scale, zero = range_params(v, levels, v.dtype, cfg.value_range, sync_free)
-    codes = quantize_codes(v, scale[..., None], zero[..., None], levels)
-    packed = pack_bits(codes.transpose(-1, -2), cfg.value_bits).contiguous()  # (..., D, G*bits/8): along tokens
-    return ValuePage(packed, scale, zero, empty, cfg.value_bits, v.dtype)
-
-
-def _quantize_grouped_values(v: torch.Tensor, cfg: KVQuantConfig, levels: int, sync_free: bool) -> ValuePage:
-    """``cfg.value_groups`` groups of channels per token, each with its range; scales and zeros in 8 bits where
-    ``cfg.value_scale_bits`` is 8."""
-    g, D = cfg.value_groups, v.shape[-1]
-    if D % g:
-        raise ValueError(f"value_groups={g} must divide the head dim, got {D} channels")
-    x = v.reshape(*v.shape[:-1], g, D // g)  # [..., G, groups, D / groups]
-    scale, zero = range_params(x, levels, v.dtype, cfg.value_range, sync_free)  # [..., G, groups]
-    ref = None
-    s, z = scale, zero
-    if cfg.value_scale_bits == 8:
+    x = v
+    if cfg.grouped_values:  # [..., G, groups, D / groups]: a range per token and group of channels
+        cfg.check_value_groups(v.shape[-1])
+        x = v.unflatten(-1, (cfg.value_groups, -1))
+    scale, zero = range_params(x, levels, v.dtype, cfg.value_range, sync_free)  # [..., G] or [..., G, groups]
+    ref, s, z = None, scale, zero
+    if cfg.grouped_values and cfg.value_scale_bits == 8:  # stored as 8-bit codes, the codes chosen for what they hold
         scale, zero, ref = encode_value_meta8(scale, zero)
         s, z = decode_value_meta8(scale, zero, ref)
     codes = quantize_codes(x, s[..., None], z[..., None], levels).reshape(v.shape)
-    packed = pack_bits(codes.transpose(-1, -2), cfg.value_bits).contiguous()
-    return ValuePage(packed, scale, zero, v.new_empty(0), cfg.value_bits, v.dtype, True, ref)
+    packed = pack_bits(codes.transpose(-1, -2), cfg.value_bits).contiguous()  # (..., D, G*bits/8): along tokens
+    return ValuePage(packed, scale, zero, empty, cfg.value_bits, v.dtype, ref)
 
 
 def dequantize_value_page(page: ValuePage) -> torch.Tensor:
@@ -551,11 +544,9 @@ def dequantize_value_page(page: ValuePage) -> torch.Tensor:
     if page.raw.numel():
         return page.raw
     codes = unpack_bits(page.codes, page.bits).transpose(-1, -2)  # (..., D, G) -> (..., G, D)
-    if page.grouped:
-        s, z = value_group_params(page)
-        x = codes.reshape(*codes.shape[:-1], s.shape[-1], -1)  # [..., G, groups, D / groups]
-        return dequantize_codes(x, s[..., None], z[..., None], page.dtype).reshape(codes.shape)
-    return dequantize_codes(codes, page.scale[..., None], page.zero[..., None], page.dtype)
+    s, z = value_group_params(page)
+    x = codes.unflatten(-1, (s.shape[-1], -1)) if page.grouped else codes  # [..., G, groups, D / groups]
+    return dequantize_codes(x, s[..., None], z[..., None], page.dtype).reshape(codes.shape)
 
 
 # ------------------------------------------------------------------------------------ query statistics

@@ -57,22 +57,20 @@ def pool_fields(
             )
     else:
         key = {"k_raw": ((H, G, D), dtype)}
-    if cfg.quantizes_values and cfg.grouped_values:  # torch path only (KVQuantConfig.torch_only)
-        eight = cfg.value_scale_bits == 8
-        groups = (H, G, cfg.value_groups)
-        value = {
-            "v_codes": ((H, D, G * cfg.value_bits // 8), torch.uint8),
-            "v_scale": (groups, torch.uint8 if eight else dtype),
-            "v_zero": (groups, torch.int8 if eight else dtype),
-        }
-        if eight:
-            value["v_ref"] = ((H,), dtype)
-    elif cfg.quantizes_values or quantized:
+    if cfg.quantizes_values or quantized:
         value = {
             "v_codes": ((H, D, G * cfg.value_bits // 8), torch.uint8),
             "v_scale": ((H, G), dtype),
             "v_zero": ((H, G), dtype),
         }
+        if cfg.grouped_values:  # a scale and zero per token and group, torch path only (KVQuantConfig.torch_only)
+            eight = cfg.value_scale_bits == 8
+            groups = (H, G, cfg.value_groups)
+            value.update(
+                v_scale=(groups, torch.uint8 if eight else dtype), v_zero=(groups, torch.int8 if eight else dtype)
+            )
+            if eight:
+                value["v_ref"] = ((H,), dtype)
     else:
         value = {"v_raw": ((H, G, D), dtype)}
     return key, value
@@ -267,8 +265,7 @@ def value_page_from_storage(
     if not cfg.quantizes_values:
         return ValuePage(u8, u8.to(dtype), u8.to(dtype), get("v_raw"), 16, dtype)
     ref = get("v_ref") if cfg.grouped_values and cfg.value_scale_bits == 8 else None
-    fields = (get("v_codes"), get("v_scale"), get("v_zero"), u8.to(dtype), cfg.value_bits, dtype)
-    return ValuePage(*fields, cfg.grouped_values, ref)
+    return ValuePage(get("v_codes"), get("v_scale"), get("v_zero"), u8.to(dtype), cfg.value_bits, dtype, ref)
 
 
 def page_fields(page: KeyPage | ValuePage) -> dict[str, torch.Tensor]:
