@@ -47,11 +47,14 @@ def check_power_of_two(sizes: dict[str, int], minimum: int, kernel: str) -> None
             raise ValueError(f"the {kernel} needs a power-of-two {what} >= {minimum}, got {n}")
 
 
-def check_page_layout(kernel: str, boost_bits: int = 4, grouped_values: bool = False) -> None:
+def check_page_layout(
+    kernel: str, boost_bits: int = 4, grouped_values: bool = False, key_rounding: str = "nearest"
+) -> None:
     """``ValueError`` for pages only ``kitty.core.quant`` packs and reads: naming ``boost_bits`` unless it is 4 (the
     kernels read and write ``k_high`` as 2-bit slots, bits 2-3 of a 4-bit code; ``boost_bits=3`` has 1-bit slots),
-    and ``value_groups`` / ``value_scale_bits`` for ``grouped_values`` (``KVQuantConfig.grouped_values``: the
-    kernels read one dtype scale and zero per value token)."""
+    ``value_groups`` / ``value_scale_bits`` for ``grouped_values`` (``KVQuantConfig.grouped_values``: the
+    kernels read one dtype scale and zero per value token), and ``key_rounding`` unless it is ``"nearest"`` (a pack
+    rounds each key entry to its nearest level; the layout is the same, so readers need not pass it)."""
     if boost_bits != 4:
         raise ValueError(
             f"the {kernel} handles 4-bit boosted channels (2-bit slots in k_high), got boost_bits={boost_bits}: "
@@ -61,6 +64,11 @@ def check_page_layout(kernel: str, boost_bits: int = 4, grouped_values: bool = F
         raise ValueError(
             f"the {kernel} reads one scale and zero per value token in the model dtype, got value_groups or "
             "value_scale_bits changed: use the torch backend (kitty.core.quant)"
+        )
+    if key_rounding != "nearest":
+        raise ValueError(
+            f"the {kernel} rounds each key entry to its nearest level, got key_rounding={key_rounding!r}: use the "
+            "torch backend (kitty.core.quant)"
         )
 
 

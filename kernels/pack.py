@@ -481,8 +481,10 @@ def pack_pages(
         ``kitty.core.quant.quantize_key_page`` / ``quantize_value_page`` of ``qbuf[rows]``.
     """
     # ---- checks
-    check_page_layout("Triton pack", boost_bits=cfg.boost_bits if k_qbuf is not None else 4,
-                      grouped_values=v_qbuf is not None and cfg.grouped_values)  # fmt: skip
+    keys = k_qbuf is not None
+    check_page_layout("Triton pack", boost_bits=cfg.boost_bits if keys else 4,
+                      grouped_values=v_qbuf is not None and cfg.grouped_values,
+                      key_rounding=cfg.key_rounding if keys else "nearest")  # fmt: skip
     if k_qbuf is None and v_qbuf is None:
         raise ValueError("pack_pages needs k_qbuf, v_qbuf or both")
     ref = k_qbuf if k_qbuf is not None else v_qbuf
@@ -612,7 +614,9 @@ def pack_completed(
     ``tile`` elements per register tile, ``maxnreg`` registers per thread. Torch reference:
     ``kernels/reference.py`` ``pack_completed_ref``.
     """
-    check_page_layout("Triton pack", cfg.boost_bits if keys else 4, cfg.grouped_values)  # every value qbuffer packs
+    check_page_layout(  # every value qbuffer packs
+        "Triton pack", cfg.boost_bits if keys else 4, cfg.grouped_values, cfg.key_rounding if keys else "nearest"
+    )
     B, Hkv, G, D = k_qbuf.shape
     if tuple(v_qbuf.shape) != (B, Hkv, G, D) or v_qbuf.dtype != k_qbuf.dtype:
         raise ValueError(f"v_qbuf must be {tuple(k_qbuf.shape)} {k_qbuf.dtype}, got {tuple(v_qbuf.shape)} {v_qbuf.dtype}")

@@ -74,8 +74,8 @@ def check_triton(
         refuse(f"runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1), got tensors on {device}")
     if cfg is not None and cfg.torch_only:
         refuse(
-            "cannot run key_rotation, key_outlier_fraction, boost_bits=3, value_groups or value_scale_bits "
-            "(read by the torch quantizer only)"
+            "cannot run key_rotation, key_rounding, key_outlier_fraction, boost_bits=3, value_groups or "
+            "value_scale_bits (read by the torch quantizer only)"
         )
     if cfg is not None and not kernels.triton_supports(cfg, head_dim):
         refuse(
@@ -136,9 +136,12 @@ class TorchOps:
         ids: torch.Tensor,
         salt: int,
         query_scale: torch.Tensor | None,
+        query_cov: torch.Tensor | None = None,
     ) -> None:
-        """Quantize the full key qbuffers ``qbuf[rows]`` ``[n, H, G, D]`` into pool pages ``ids``."""
-        pool.write(ids, page_fields(quantize_key_page(qbuf[rows], self.cfg, salt=salt, query_scale=query_scale)))
+        """Quantize the full key qbuffers ``qbuf[rows]`` ``[n, H, G, D]`` into pool pages ``ids`` (``query_cov``:
+        ``key_rounding="query"``'s second moment of the queries, ``[n, H, D, D]``)."""
+        page = quantize_key_page(qbuf[rows], self.cfg, salt=salt, query_scale=query_scale, query_cov=query_cov)
+        pool.write(ids, page_fields(page))
 
     def pack_values(self, qbuf: torch.Tensor, rows: torch.Tensor, pool: PagePool, ids: torch.Tensor, salt: int) -> None:
         """Quantize the full value qbuffers ``qbuf[rows]`` ``[n, H, G, D]`` into pool pages ``ids``."""
@@ -219,9 +222,9 @@ class TritonOps(TorchOps):
         # host-to-device copy, so a static layer's decode step stays capturable in a CUDA graph with fitted ranges
         self.completes_keys, self.completes_values = kernel_keys, kernel_values
 
-    def pack_keys(self, qbuf, rows, pool, ids, salt, query_scale) -> None:
+    def pack_keys(self, qbuf, rows, pool, ids, salt, query_scale, query_cov=None) -> None:
         if not self.packs_keys:
-            return super().pack_keys(qbuf, rows, pool, ids, salt, query_scale)
+            return super().pack_keys(qbuf, rows, pool, ids, salt, query_scale, query_cov)
         kernels.pack_pages(
             self.cfg, qbuf, None, k_rows=rows, pool=pool.tensors, k_pages=ids, salt=salt, query_scale=query_scale
         )

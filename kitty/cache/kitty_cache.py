@@ -250,7 +250,9 @@ class KittyCache(StaticCacheSizes, Cache):
         if not isinstance(cfg, KVQuantConfig):
             raise ValueError(f"cfg must be a KVQuantConfig or a preset name, got {type(cfg).__name__}")
         backend = requested_backend(backend)
-        check_static_args(max_batch_size, max_cache_len, max_pages)
+        if check_static_args(max_batch_size, max_cache_len, max_pages) and cfg.key_rounding != "nearest":
+            # a static step packs pages inside the step without the queries' second moment
+            raise ValueError(f"cfg.key_rounding={cfg.key_rounding!r} needs a dynamic cache (no max_cache_len)")
         if max_pages is not None and (not is_int(max_pages) or max_pages < 1):
             raise ValueError(f"max_pages must be a positive integer or None, got {max_pages!r}")
         text = config.get_text_config(decoder=True)

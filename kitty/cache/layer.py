@@ -118,6 +118,10 @@ class PagedLayer(LayerSteps, CacheLayerMixin):
         # (key_range "fit-attn"/"fit-attn-free": then the running sum of q itself, channels D..2D; core/attnfit.py)
         width = 2 * D if self._keeps_mean_query else D
         self.q_stat_sum = torch.zeros(B, H, width, dtype=torch.float32, device=device)
+        # key_rounding="query": the running sum of q q^T per (row, KV head) over the GQA group (kitty.core.rounding)
+        self.q_cov_sum = (
+            torch.zeros(B, H, D, D, dtype=torch.float32, device=device) if cfg.key_rounding == "query" else None
+        )
         # key_range "fit-attn-max-bound" and the other ATTN_MAX_RANGES: each key qbuffer slot's largest page-local
         # attention from the queries seen while it sat there (observe_key_attention; core/attnfit.py)
         self.k_attn_max = (
@@ -194,6 +198,8 @@ class PagedLayer(LayerSteps, CacheLayerMixin):
             self.v_page_table = self.value_pool.clear(self.v_page_table)
             self.q_stat_sum.zero_()
             self.q_count.zero_()
+            if self.q_cov_sum is not None:
+                self.q_cov_sum.zero_()
             if self.k_attn_max is not None:
                 self.k_attn_max.zero_()
         self.seen_tokens = 0
@@ -396,7 +402,11 @@ class PagedLayer(LayerSteps, CacheLayerMixin):
         if key_groups:
             weight = torch.cat(weight_groups) if weight_groups else None
             page = quantize_key_page(
-                torch.cat(key_groups), cfg, salt=self.layer_idx, query_scale=self.query_scale(key_rows, weight)
+                torch.cat(key_groups),
+                cfg,
+                salt=self.layer_idx,
+                query_scale=self.query_scale(key_rows, weight),
+                query_cov=self.query_cov(key_rows),
             )
             self._store(self.key_pool, self.k_page_table, key_dest, page_fields(page))
         if value_groups:
@@ -447,18 +457,25 @@ class PagedLayer(LayerSteps, CacheLayerMixin):
     def observe_queries(self, query: torch.Tensor, valid: torch.Tensor) -> None:
         """Add the new queries ``[B, Hq, T, D]`` (real tokens per ``valid`` ``[B, T]``) to the running statistics of
         ``q`` per KV head that ``channel_selection="query"``/``"oracle"`` rank key channels with (else a no-op)."""
-        if self.cfg.channel_selection not in QUERY_SELECTIONS:
+        selects = self.cfg.channel_selection in QUERY_SELECTIONS
+        if not selects and self.q_cov_sum is None:
             return
         B, Hq, T, D = query.shape
         H = self.num_kv_heads
         w = valid.to(device=query.device, dtype=torch.float32)[:, None, None, :, None]  # (B, 1, 1, T, 1)
-        stat = query_statistic(query.reshape(B, H, Hq // H, T, D), self.cfg.channel_selection)  # (B, Hkv, group, T, D)
-        if self._keeps_mean_query:  # the mean query that weights fit-attn's tokens
-            stat = torch.cat([stat, query.reshape(B, H, Hq // H, T, D).float()], -1)
         if self._record is not None:
-            old_sum, old_count = self.q_stat_sum.clone(), self.q_count.clone()
-            self.on_undo(lambda: (self.q_stat_sum.copy_(old_sum), self.q_count.copy_(old_count)))
-        self.q_stat_sum += (stat * w).sum((2, 3))
+            kept = [t for t in (self.q_stat_sum, self.q_count, self.q_cov_sum) if t is not None]
+            old = [t.clone() for t in kept]
+            self.on_undo(lambda: [t.copy_(o) for t, o in zip(kept, old)])
+        grouped = query.reshape(B, H, Hq // H, T, D)
+        if selects:
+            stat = query_statistic(grouped, self.cfg.channel_selection)  # (B, Hkv, group, T, D)
+            if self._keeps_mean_query:  # the mean query that weights fit-attn's tokens
+                stat = torch.cat([stat, grouped.float()], -1)
+            self.q_stat_sum += (stat * w).sum((2, 3))
+        if self.q_cov_sum is not None:
+            q = grouped.float() * w
+            self.q_cov_sum += torch.einsum("bhgtd,bhgte->bhde", q, q)
         self.q_count += (w.sum((1, 2, 3, 4)) * (Hq // H))[:, None, None]
 
     @property
@@ -490,6 +507,14 @@ class PagedLayer(LayerSteps, CacheLayerMixin):
             weight = token_weight if token_weight is not None else self.k_attn_max
             scale = torch.cat([scale, weight if rows is None or token_weight is not None else weight[rows]], -1)
         return scale
+
+    def query_cov(self, rows: torch.Tensor | list[int] | None = None) -> torch.Tensor | None:
+        """The second moment ``E[q q^T]`` ``[rows, Hkv, D, D]`` of the queries seen so far, per KV head over its GQA
+        group (``key_rounding="query"``; else ``None``)."""
+        if self.q_cov_sum is None:
+            return None
+        cov = self.q_cov_sum / self.q_count[..., None].clamp_min(1)
+        return cov if rows is None else cov[rows]
 
     def _stream_weights(
         self, b: int, cols: torch.Tensor, k_stream: torch.Tensor, start: int, kept: int, a: int
@@ -665,7 +690,7 @@ class KittyLayer(PagedLayer):
         idx = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
         ids = pool.place(dest)
         if keys:
-            self.ops.pack_keys(self.k_qbuf, idx, pool, ids, self.layer_idx, self.query_scale(idx))
+            self.ops.pack_keys(self.k_qbuf, idx, pool, ids, self.layer_idx, self.query_scale(idx), self.query_cov(idx))
         else:
             self.ops.pack_values(self.v_qbuf, idx, pool, ids, self.layer_idx)
         self._point(table, dest, ids)

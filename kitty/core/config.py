@@ -47,6 +47,10 @@ VALUE_RANGES = tuple(r for r in RANGE_FITS if r not in KEY_ONLY_RANGES)
 # "hadamard" the normalized Walsh-Hadamard matrix of size head_dim, "hadamard-signs" the same after a fixed random
 # sign flip per channel (QuaRot's randomized Hadamard), drawn from ``seed``
 KEY_ROTATIONS = ("none", "hadamard", "hadamard-signs")
+# key_rounding: how a key entry takes its level within its channel's range: "nearest", or "query" (each token's codes
+# chosen channel after channel with the rounding error fed forward through the queries' second moment, so that the
+# logits rather than the keys come out closest: kitty.core.rounding), torch path only
+KEY_ROUNDINGS = ("nearest", "query")
 # key_outlier_rule: how a page's outliers are ranked, by deviation from their channel's mean over the page's tokens:
 # "zscore" in units of that channel's std, "absolute" as is (favours the widest channels)
 KEY_OUTLIER_RULES = ("zscore", "absolute")
@@ -123,6 +127,10 @@ class KVQuantConfig:
       matrix before quantization and by its transpose after dequantization (exact in full precision, so only the
       quantization error changes); needs a power-of-two ``head_dim``. Channel selection, ranges and boost then act
       on the rotated channels.
+    - ``key_rounding="query"`` (``KEY_ROUNDINGS``): the same ranges, boosted channels and bytes as nearest
+      rounding, but each token's codes are chosen channel after channel with the rounding error fed forward
+      through the second moment of the queries the cache has seen (``kitty.core.rounding``): the expected squared
+      logit error, not the key error, is what the rounding lowers.
     - ``key_outlier_fraction``: per page and head, the ``round(fraction * G * D)`` key entries of largest deviation
       from their channel (``key_outlier_rule``: ``|k - mean| / std`` over the page's tokens, or ``|k - mean|``) are
       stored exactly (a value in the model dtype
@@ -168,6 +176,7 @@ class KVQuantConfig:
     value_groups: int = 1  # channel groups per value token, a scale and a zero each; torch path only when not 1
     value_scale_bits: int = 16  # 8: each value group's scale and zero in a byte each; torch path only
     key_rotation: str = "none"  # see KEY_ROTATIONS: a fixed orthogonal rotation of key channels, torch path only
+    key_rounding: str = "nearest"  # see KEY_ROUNDINGS: "query" rounds keys against the queries, torch path only
     key_outlier_fraction: float = 0.0  # share of a key page's entries (per head) kept exactly; torch path only
     key_outlier_rule: str = "zscore"  # see KEY_OUTLIER_RULES: which entries are the outliers
     boost_profile: tuple[float, ...] | None = None  # per-layer boost fractions (mean = boost_fraction), or uniform
@@ -224,6 +233,16 @@ class KVQuantConfig:
                 f"key_rotation={self.key_rotation!r} needs a channel_selection that reads only the keys "
                 f"(magnitude, random, range), got {self.channel_selection!r}"
             )
+        if self.key_rounding not in KEY_ROUNDINGS:
+            raise ValueError(f"key_rounding must be one of {KEY_ROUNDINGS}, got {self.key_rounding!r}")
+        if self.key_rounding != "nearest" and not self.quantizes_keys:
+            raise ValueError(f"key_rounding={self.key_rounding!r} needs quantized keys (key_bits 2 or 4), got 16")
+        if self.key_rounding != "nearest" and (self.key_rotation != "none" or self.key_outlier_fraction):
+            # the queries' second moment is kept per unrotated channel, over every entry of the page
+            raise ValueError(
+                f"key_rounding={self.key_rounding!r} needs key_rotation='none' and key_outlier_fraction=0, got "
+                f"{self.key_rotation!r} and {self.key_outlier_fraction!r}"
+            )
         if not is_int(self.value_groups) or self.value_groups not in VALUE_GROUPS:
             raise ValueError(f"value_groups must be one of {VALUE_GROUPS}, got {self.value_groups!r}")
         if not is_int(self.value_scale_bits) or self.value_scale_bits not in VALUE_SCALE_BITS:
@@ -264,11 +283,12 @@ class KVQuantConfig:
 
     @property
     def torch_only(self) -> bool:
-        """Whether only the torch quantizer reads this config's key options (``key_rotation``,
+        """Whether only the torch quantizer reads this config's key options (``key_rotation``, ``key_rounding``,
         ``key_outlier_fraction``, ``boost_bits=3``) or value options (``value_groups``, ``value_scale_bits``): the
         Triton pack and the fused kernels would ignore them or misread the planes, so such a config runs on the torch
         backend (``kitty.cache.backend``)."""
-        keys = self.key_rotation != "none" or self.key_outlier_fraction > 0 or self.boost_bits != 4
+        keys = self.key_rotation != "none" or self.key_rounding != "nearest"
+        keys = keys or self.key_outlier_fraction > 0 or self.boost_bits != 4
         return keys or self.grouped_values
 
     @property

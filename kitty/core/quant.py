@@ -45,6 +45,7 @@ from .ranges import (
     quantize_codes,
     range_params,
 )
+from .rounding import feedback_codes
 
 # boost_idx of an unboosted channel. A channel is boosted iff boost_idx < nb (the kernels' test too): at nb = D = 256
 # every channel is boosted and slot 255 is a real slot, so the sentinel is never compared for equality.
@@ -348,6 +349,7 @@ def quantize_key_page(
     boost_mask: torch.Tensor | None = None,
     query_scale: torch.Tensor | None = None,
     sync_free: bool = False,
+    query_cov: torch.Tensor | None = None,
 ) -> KeyPage:
     """Quantize keys ``[..., G, D]`` per channel into a :class:`KeyPage`.
 
@@ -355,6 +357,9 @@ def quantize_key_page(
     that many channels per row) get ``cfg.boost_bits``-bit codes (4, or 3), the rest 2-bit (``query_scale``: for
     ``channel_selection="query"``/``"oracle"``); each channel's ``[lo, hi]`` comes from ``cfg.key_range``; each code
     is split into the dense low plane and, for boosted channels, the compact high plane.
+
+    ``query_cov`` ``[..., D, D]`` (``key_rounding="query"``, required there): the second moment of the queries each
+    row's head has seen, which the codes are rounded against (:mod:`kitty.core.rounding`).
 
     ``sync_free``: no host read and no data-dependent shape (module docstring), the same page; ``k`` is then not
     checked for NaN or Inf.
@@ -393,7 +398,16 @@ def quantize_key_page(
     else:  # the same per-channel fits as range_params(x, levels) would compute (fits are per channel row)
         (lo, p_lo), (hi, p_hi) = sorted(both.items())
         scale, zero = (torch.where(boost_mask, h, l) for h, l in zip(p_hi, p_lo))
-    codes = quantize_codes(x, scale[..., None], zero[..., None], levels[..., None])  # (..., D, G) uint8
+    if cfg.key_rounding == "query":
+        if query_cov is None or query_cov.shape[-2:] != (D, D):
+            got = None if query_cov is None else tuple(query_cov.shape)
+            raise ValueError(
+                f"key_rounding='query' needs query_cov [..., {D}, {D}] (the queries' second moment), got {got}"
+            )
+        cov = query_cov.to(k.device).expand(*lead, D, D)
+        codes = feedback_codes(x, scale, zero, levels, cov)  # (..., D, G) uint8
+    else:
+        codes = quantize_codes(x, scale[..., None], zero[..., None], levels[..., None])  # (..., D, G) uint8
     low = pack_2bit(codes.transpose(-1, -2) & 0x3).contiguous()  # (..., G, D/4): 4 channels per byte
     if sync_free:  # a stable sort puts each row's nb boosted channels first, in index order: a fixed shape
         boosted_channels = torch.argsort((~boost_mask).to(torch.uint8), dim=-1, stable=True)[..., :nb]
