@@ -25,6 +25,9 @@ relative squared error of the attention output. Query-aware selections then get 
 (root mean square of each channel over the GQA group's queries of positions 0-1183, those a cache has seen when the
 last page completes; ``"query"``: mean ``|q|``; ``fit-attn``: then the mean query of the same positions).
 
+A config with ``key_rounding="query"`` needs ``--attention``: its codes are rounded against the second moment of the
+same queries of positions 0-1183 (:func:`window_query_cov`), what the cache holds when the last page completes.
+
 ``--tail`` (with ``--attention``): also the tail of the same queries' errors, three more columns: the 99th percentile
 and the largest per-query KL divergence over every layer, query head and query, and the mean over them of the query's
 largest logit error over the page tokens (nats): whether a rule's rare large errors, which a mean hides, are what
@@ -137,8 +140,15 @@ def main() -> None:
         for t in runs:
             default = standout.STANDOUT_THRESHOLD
             standout.STANDOUT_THRESHOLD = default if t is None else t
+            cov = None
+            if cfg.key_rounding == "query":  # the second moment of the queries a cache has seen, per layer and head
+                if not a.attention:
+                    raise ValueError(f"{m}: key_rounding='query' needs --attention (the window's queries)")
+                cov = torch.stack([window_query_cov(queries[i][0], pages.shape[2], end) for i in full])
+                cov = cov[:, None].expand(pages.shape[:-2] + cov.shape[-2:])
             try:
-                err = dequantize_key_page(quantize_key_page(pages, cfg, query_scale=qs)).float() - ref
+                page = quantize_key_page(pages, cfg, query_scale=qs, query_cov=cov)
+                err = dequantize_key_page(page).float() - ref
                 rule = standout.token_standout_rows if cfg.key_range in standout.TOKEN_RULES else standout.standout_rows
                 share = rule(rows).float().mean()
             finally:
@@ -183,6 +193,13 @@ def window_query_scale(q: torch.Tensor, H: int, end: int, cfg) -> torch.Tensor:
     q = q[:, :end].float().reshape(H, -1, q.shape[-1])
     out = query_scale_from(query_statistic(q, cfg.channel_selection).mean(1), cfg.channel_selection)
     return torch.cat([out, q.mean(1)], -1) if cfg.key_range in KEY_ONLY_RANGES else out
+
+
+def window_query_cov(q: torch.Tensor, H: int, end: int) -> torch.Tensor:
+    """What a ``key_rounding="query"`` cache would pass as ``query_cov`` ``[H, D, D]``: the second moment of the
+    queries ``q`` ``[Hq, T, D]`` of positions before ``end``, per KV head over its GQA group."""
+    q = q[:, :end].float().reshape(H, -1, q.shape[-1])
+    return q.transpose(-1, -2) @ q / q.shape[1]
 
 
 def attention_error(
