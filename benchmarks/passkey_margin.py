@@ -3,9 +3,9 @@
 
 Each prompt of the eval's passkey set (``kitty.tools.eval.passkey_table``'s cases, seed 0) is answered greedily with
 a full-precision cache; the answer's tokens up to the one that completes the key are then scored in one forward pass
-of prompt + answer. A prompt's **margin** is the smallest, over those tokens, of the chosen token's logit minus the
-best other token's (nats): how far the closest step of fp16's own retrieval was from going another way. A cache whose
-error moves some logit by about that much can lose the prompt.
+of prompt + answer. A prompt's **margin** is the smallest, over those of its tokens that write digits, of the chosen
+token's logit minus the best other token's (nats): how far the closest step of fp16's own retrieval was from going
+another way. A cache whose error moves some logit by about that much can lose the prompt.
 
 ``--stores`` (``benchmarks/presets_research.py`` passkey stores, ``passkey.json``): each prompt is marked with every
 method of those stores that lost it while fp16 solved it.
@@ -30,8 +30,9 @@ from kitty.tools.prompts import encode_prompt, passkey_prompt
 
 
 def answer_margin(model, tokenizer, ids: torch.Tensor, answer: list[int], key: int) -> float | None:
-    """The smallest logit margin (chosen minus the best other) over ``answer``'s tokens after ``ids`` ``[1, T]``, up
-    to the token that completes ``key`` in the decoded text; ``None`` if the answer never holds the key."""
+    """The smallest logit margin (chosen minus the best other) over ``answer``'s tokens after ``ids`` ``[1, T]`` that
+    write digits, up to the one that completes ``key`` in the decoded text (the words before the key, " the" or not,
+    do not decide the retrieval); ``None`` if the answer never holds the key."""
     end = next((i + 1 for i in range(len(answer)) if str(key) in tokenizer.decode(answer[: i + 1])), None)
     if end is None:
         return None
@@ -41,7 +42,8 @@ def answer_margin(model, tokenizer, ids: torch.Tensor, answer: list[int], key: i
     chosen = torch.tensor(answer[:end])
     top = logits.gather(1, chosen[:, None])[:, 0]
     other = logits.scatter(1, chosen[:, None], float("-inf")).amax(1)
-    return float((top - other).min())
+    digits = torch.tensor([any(ch.isdigit() for ch in tokenizer.decode(answer[i : i + 1])) for i in range(end)])
+    return float((top - other)[digits].min())
 
 
 def main() -> None:
