@@ -57,7 +57,7 @@ def main() -> None:
     rng = random.Random(0)  # the cases of kitty.tools.eval.passkey_table(seed=0)
     lengths = [int(n) for n in a.lengths.split(",")]
     cases = [(n, d, rng.randint(10000, 99999)) for n in lengths for d in (0.1, 0.3, 0.5, 0.7, 0.9) for _ in range(2)]
-    lost: dict[tuple, list[str]] = {}
+    lost: dict[tuple, dict[str, None]] = {}
     for path in filter(None, a.stores.split(",")):
         store = json.loads(open(path).read())
         for m, solved in store.items():
@@ -65,7 +65,7 @@ def main() -> None:
                 continue
             for c, ok, ok16 in zip(store["_cases"], solved, store["fp16"]):
                 if ok16 and not ok:
-                    lost.setdefault(tuple(c), []).append(m)
+                    lost.setdefault(tuple(c), {})[m] = None  # a dict: each method once, in order
     rows = []
     for c in tqdm(cases, desc="passkey margins"):
         ids = encode_prompt(tok, passkey_prompt(tok, *c))
