@@ -456,7 +456,8 @@ class PagedLayer(LayerSteps, CacheLayerMixin):
 
     def observe_queries(self, query: torch.Tensor, valid: torch.Tensor) -> None:
         """Add the new queries ``[B, Hq, T, D]`` (real tokens per ``valid`` ``[B, T]``) to the running statistics of
-        ``q`` per KV head that ``channel_selection="query"``/``"oracle"`` rank key channels with (else a no-op)."""
+        ``q`` per KV head that ``channel_selection="query"``/``"oracle"`` rank key channels with, and to the second
+        moment that ``key_rounding="query"`` rounds key codes against (:meth:`query_cov`); else a no-op."""
         selects = self.cfg.channel_selection in QUERY_SELECTIONS
         if not selects and self.q_cov_sum is None:
             return
