@@ -82,6 +82,7 @@ from kitty.core.quant import (
     select_boosted,
 )
 from kitty.core.ranges import dequantize_codes, quantize_codes, range_params
+from kitty.core.rounding import query_moment_sum
 from kitty.hf.models import load_model
 from kitty.tools.eval import TEXTS, text_windows
 
@@ -198,8 +199,8 @@ def window_query_scale(q: torch.Tensor, H: int, end: int, cfg) -> torch.Tensor:
 def window_query_cov(q: torch.Tensor, H: int, end: int) -> torch.Tensor:
     """What a ``key_rounding="query"`` cache would pass as ``query_cov`` ``[H, D, D]``: the second moment of the
     queries ``q`` ``[Hq, T, D]`` of positions before ``end``, per KV head over its GQA group."""
-    q = q[:, :end].float().reshape(H, -1, q.shape[-1])
-    return q.transpose(-1, -2) @ q / q.shape[1]
+    grouped = q[:, :end].reshape(H, -1, end, q.shape[-1])  # [H, group, T, D]
+    return query_moment_sum(grouped) / (grouped.shape[1] * end)
 
 
 def attention_error(

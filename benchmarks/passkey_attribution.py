@@ -18,14 +18,13 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import random
 import time
 from pathlib import Path
 
 import torch
 
 from kitty.core.config import get_preset
-from kitty.tools.eval import DEPTHS, passkey_answer
+from kitty.tools.eval import passkey_answer, passkey_cases
 from kitty.tools.prompts import passkey_prompt
 
 # label -> the change to the base preset (get_preset's "+field=value" overrides); "" is the base itself
@@ -40,12 +39,6 @@ VARIANTS = {
     "sink-64": "+sink_tokens=64",
 }
 REFERENCE = "fp16"  # a prompt counts as lost only if fp16 solves it
-
-
-def passkey_cases(lengths=(1024, 2048, 4096), depths=DEPTHS, trials: int = 2, seed: int = 0) -> list[tuple]:
-    """The (length, depth, key) prompts of ``kitty.tools.eval.passkey_table`` with the same arguments."""
-    rng = random.Random(seed)
-    return [(n, d, rng.randint(10000, 99999)) for n in lengths for d in depths for _ in range(trials)]
 
 
 def case_id(c: tuple) -> str:

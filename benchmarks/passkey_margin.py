@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from kitty.core.config import PRESETS
 from kitty.hf.generate import generate_fast
 from kitty.hf.models import load_model
-from kitty.tools.eval_metrics import eos_ids
+from kitty.tools.eval_metrics import eos_ids, passkey_cases
 from kitty.tools.prompts import encode_prompt, passkey_prompt
 
 
@@ -54,12 +54,10 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(1)
     model, tok = load_model(a.model)
-    rng = random.Random(0)  # the cases of kitty.tools.eval.passkey_table(seed=0)
-    lengths = [int(n) for n in a.lengths.split(",")]
-    cases = [(n, d, rng.randint(10000, 99999)) for n in lengths for d in (0.1, 0.3, 0.5, 0.7, 0.9) for _ in range(2)]
+    cases = passkey_cases([int(n) for n in a.lengths.split(",")])  # kitty.tools.eval.passkey_table's
     lost: dict[tuple, dict[str, None]] = {}
     for path in filter(None, a.stores.split(",")):
-        store = json.loads(open(path).read())
+        store = json.loads(Path(path).read_text())
         for m, solved in store.items():
             if m.startswith("_") or m == "fp16":
                 continue

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from kitty.core import standout
 from kitty.core.config import get_preset
 from kitty.hf import generate as gen
 from kitty.hf.models import load_model
-from kitty.tools.eval import TEXTS, decode_nll, passkey_answer, text_windows
+from kitty.tools.eval import DEPTHS, TEXTS, decode_nll, passkey_answer, passkey_cases, text_windows
 from kitty.tools.prompts import passkey_prompt
 
 BLOCK = 32  # tokens per bootstrap block: neighbouring tokens' NLLs are correlated, blocks are resampled whole
@@ -76,8 +75,7 @@ def run_ppl(a, model, tokenizer, out: Path) -> None:
 def run_passkey(a, model, tokenizer, out: Path) -> None:
     path = out / "passkey.json"
     store = json.loads(path.read_text()) if path.exists() else {}
-    rng = random.Random(0)  # the cases of kitty.tools.eval.passkey_table(seed=0)
-    cases = [(n, d, rng.randint(10000, 99999)) for n in a.lengths for d in a.depths for _ in range(a.trials)]
+    cases = passkey_cases(a.lengths, a.depths, a.trials)  # kitty.tools.eval.passkey_table's (seed 0)
     store["_cases"] = cases
     order = a.order if "fp16" in a.order else a.order + ["fp16"]  # fp16 defines which prompts count, run it anywhere
     for m in tqdm(order, desc="passkey methods"):
@@ -168,7 +166,7 @@ def main() -> None:
     a.methods = [m for m in a.order if m != "fp16"]
     a.lengths = [int(x) for x in a.passkey_lengths.split(",")]
     a.pairs = [x for x in a.pairs.split(",") if x]
-    a.depths, a.trials = (0.1, 0.3, 0.5, 0.7, 0.9), a.passkey_trials
+    a.depths, a.trials = DEPTHS, a.passkey_trials
     for m in a.methods:
         get_preset(m)  # ValueError naming the choices before any work
     if a.standout_threshold is not None:

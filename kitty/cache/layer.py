@@ -19,6 +19,7 @@ from ..core.config import KEY_ONLY_RANGES, QUERY_SELECTIONS, KVQuantConfig
 from ..core.memory import MemoryReport, token_layout
 from ..core.pages import FixedPages, GrowingPages, PagePool, filled_page, pages_completed, point
 from ..core.quant import KeyPage, ValuePage, quantize_key_page, quantize_value_page, query_scale_from, query_statistic
+from ..core.rounding import query_moment_sum
 from ..core.storage import (
     ROW_FIELDS,
     KittyLayerState,
@@ -475,8 +476,7 @@ class PagedLayer(LayerSteps, CacheLayerMixin):
                 stat = torch.cat([stat, grouped.float()], -1)
             self.q_stat_sum += (stat * w).sum((2, 3))
         if self.q_cov_sum is not None:
-            q = grouped.float() * w
-            self.q_cov_sum += torch.einsum("bhgtd,bhgte->bhde", q, q)
+            self.q_cov_sum += query_moment_sum(grouped.float() * w)
         self.q_count += (w.sum((1, 2, 3, 4)) * (Hq // H))[:, None, None]
 
     @property

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from .ranges import quantize_codes
+
 KEY_ROUNDING_DAMP = 0.1  # Q + damp * mean(diag Q) * I
 
 
@@ -40,6 +42,13 @@ def feedback_factor(query_cov: torch.Tensor, damp: float = KEY_ROUNDING_DAMP) ->
     return order, upper
 
 
+def query_moment_sum(q: torch.Tensor) -> torch.Tensor:
+    """``sum q q^T`` ``[..., D, D]`` of queries ``q`` ``[..., group, T, D]`` over a KV head's GQA group and tokens
+    (fp32): what ``key_rounding="query"`` divides by the count for ``Q``."""
+    q = q.float()
+    return torch.einsum("...gtd,...gte->...de", q, q)
+
+
 def feedback_codes(
     x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: torch.Tensor, query_cov: torch.Tensor
 ) -> torch.Tensor:
@@ -48,18 +57,12 @@ def feedback_codes(
     ``[..., D, D]`` (module docstring). With ``query_cov`` a multiple of the identity they are
     :func:`kitty.core.ranges.quantize_codes`'s (nearest rounding)."""
     order, U = feedback_factor(query_cov)
-    by = lambda t: torch.gather(t, -1, order)  # noqa: E731  per-channel [..., D] in rounding order
-    s, z, lv = by(scale.float()), by(zero.float()), by(levels.float())
+    by = lambda t: torch.gather(t, -1, order)[..., None]  # noqa: E731  per-channel [..., D, 1] in rounding order
+    s, z, lv = by(scale.float()), by(zero.float()), by(levels)
     w = torch.gather(x.float(), -2, order[..., None].expand_as(x)).clone()  # [..., D, G] in rounding order
-    codes = torch.empty_like(w)
-    ok = s > 0
-    safe = torch.where(ok, s, 1.0)
-    for j in range(w.shape[-2]):
-        c = torch.where(ok[..., j, None], (w[..., j, :] - z[..., j, None]) / safe[..., j, None], 0.0)
-        c = torch.minimum(torch.floor(c + 0.5).clamp_min(0), lv[..., j, None])
-        codes[..., j, :] = c
-        err = (w[..., j, :] - (c * s[..., j, None] + z[..., j, None])) / U[..., j, j, None]
+    codes = torch.empty(w.shape, dtype=torch.uint8, device=w.device)
+    for j in range(w.shape[-2]):  # channel j nearest given the error fed into it, then its own error fed onward
+        codes[..., j, :] = c = quantize_codes(w[..., j, :], s[..., j, :], z[..., j, :], lv[..., j, :])
+        err = (w[..., j, :] - (c * s[..., j, :] + z[..., j, :])) / U[..., j, j, None]
         w[..., j + 1 :, :] -= U[..., j, j + 1 :, None] * err[..., None, :]
-    out = torch.empty_like(codes)
-    out.scatter_(-2, order[..., None].expand_as(codes), codes)
-    return out.to(torch.uint8)
+    return torch.empty_like(codes).scatter_(-2, order[..., None].expand_as(codes), codes)

@@ -26,6 +26,7 @@ from ..hf.generate import make_cache
 from . import cliargs
 from .demo import DEFAULT_METHODS
 from .eval_metrics import (
+    DEPTHS,
     AgreementResult,
     PackCost,
     PasskeyResult,
@@ -36,6 +37,7 @@ from .eval_metrics import (
     greedy,
     pack_cost_table,
     passkey_answer,
+    passkey_cases,
     passkey_table,
     perplexity_table,
     text_windows,
@@ -61,6 +63,7 @@ __all__ = [  # the command line, and the metrics and report names that callers i
     "measure_step",
     "pack_cost_table",
     "passkey_answer",
+    "passkey_cases",
     "passkey_table",
     "perplexity_table",
     "plot_passkey",
@@ -75,7 +78,6 @@ DEFAULT_OUT = "kitty-eval"  # relative to the working folder: a run never overwr
 PARTS = ("ppl", "agreement", "passkey", "pack")
 QUICK_METHODS = DEFAULT_METHODS  # --quick without --methods: the demo's three columns
 QUICK = dict(prefill=160, scored=32, windows_per_text=1, agreement=(2, 200, 16), lengths=(256,), depths=(0.5,))
-DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 AGREEMENT_LENGTH = 512  # tokens per agreement prompt (long enough that decode steps read quantized pages)
 PASSKEY_ANSWER_TOKENS = 8  # passkey_answer's max_new_tokens
 TAG_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")

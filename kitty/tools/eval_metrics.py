@@ -24,6 +24,8 @@ from ..hf.generate import eos_ids, generate_fast, make_cache
 from ..hf.models import tp_rank_and_size
 from .prompts import TEXTS, encode_prompt, passkey_prompt, shipped_text
 
+DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # a passkey's relative depths in its prompt (0: first, 1: last)
+
 
 def tqdm(*args, **kwargs):
     """A progress bar shown by rank 0 only: under tensor parallelism every rank runs the same loops."""
@@ -301,12 +303,20 @@ class PasskeyResult:
     total: int  # prompts fp16 solves
 
 
+def passkey_cases(
+    lengths=(1024, 2048, 4096), depths=DEPTHS, trials: int = 2, seed: int = 0
+) -> list[tuple[int, float, int]]:
+    """The ``(length, depth, key)`` prompts :func:`passkey_table` asks with the same arguments: ``trials`` random
+    5-digit keys per (length, depth), drawn in that order from ``random.Random(seed)``."""
+    rng = random.Random(seed)
+    return [(n, d, rng.randint(10000, 99999)) for n in lengths for d in depths for _ in range(trials)]
+
+
 def passkey_table(
-    model, tokenizer, methods, lengths=(1024, 2048, 4096), depths=(0.1, 0.3, 0.5, 0.7, 0.9), trials=2, seed=0
+    model, tokenizer, methods, lengths=(1024, 2048, 4096), depths=DEPTHS, trials=2, seed=0
 ) -> list[PasskeyResult]:
     """Passkey accuracy per (length, depth) on the prompts that ``fp16`` solves."""
-    rng = random.Random(seed)
-    cases = [(n, d, rng.randint(10000, 99999)) for n in lengths for d in depths for _ in range(trials)]
+    cases = passkey_cases(lengths, depths, trials, seed)
     prompts = {c: passkey_prompt(tokenizer, c[0], c[1], c[2]) for c in cases}
     fp16_ok = [
         c
